@@ -1,0 +1,31 @@
+# The README's two commands: `make quickstart` and `make test`. Both create .venv if missing.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch comes first, pinned, so pip never pulls a fresh multi-GB build to satisfy another package.
+TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+
+.PHONY: quickstart test lint install clean
+
+$(BIN)/activate:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip >/dev/null
+
+$(VENV)/.installed: $(BIN)/activate pyproject.toml
+	$(BIN)/pip install $(TORCH_PINS)
+	$(BIN)/pip install -e '.[test,wandb,plot]'
+	touch $@
+
+install: $(VENV)/.installed
+
+quickstart: install
+	$(BIN)/foundry quickstart
+
+test: install
+	$(BIN)/python -m pytest tests
+
+lint: install
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) runs

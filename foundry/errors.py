@@ -1,0 +1,38 @@
+"""One exception family, so users can catch foundry's own failures and read a fix in each message."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class FoundryError(Exception):
+    """Base class for every error foundry raises on purpose."""
+
+
+class ConfigError(FoundryError, ValueError):
+    """A config key, value or type is wrong; the message names the key path and the fix."""
+
+
+class DataError(FoundryError):
+    """Input data is missing, unreadable or malformed; the message names the file."""
+
+
+class CheckpointError(FoundryError):
+    """A checkpoint cannot be written or read; the message names the path."""
+
+
+class TrainingError(FoundryError):
+    """The run cannot go on (NaN loss, out of memory, ...); the message names the batch."""
+
+
+def closest_match(name: str, choices: Iterable[str]) -> str | None:
+    """The valid name a typo most likely meant, or None when nothing is close."""
+    matches = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """A ' Did you mean ...?' suffix for an error message, or '' when nothing is close."""
+    match = closest_match(name, choices)
+    return f" Did you mean '{match}'?" if match else ""

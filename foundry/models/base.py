@@ -1,0 +1,115 @@
+"""The small interface the Trainer needs from a model: forward, loss, how much the loss weighs, and FLOPs.
+
+A plain ``nn.Module`` that returns a loss also works: the Trainer wraps it in ``ModuleModel``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+class FoundryModel(nn.Module):
+    """Base class for models the Trainer drives.
+
+    Gradient accumulation is exact because the Trainer scales each microbatch's mean loss by
+    ``loss_weight(microbatch) / loss_weight(whole batch)``: uneven microbatches (or padding) weigh
+    what they contain, not 1/number-of-microbatches.
+    """
+
+    def forward(self, batch: Mapping[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def loss(self, outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+        """Mean loss over this batch's loss units (tokens for a language model)."""
+        raise NotImplementedError
+
+    def loss_weight(self, batch: Mapping[str, Any]) -> torch.Tensor | int:
+        """How many units ``loss`` averaged over; a tensor on device is fine (no host sync)."""
+        return batch_num_samples(batch)
+
+    def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
+        """Model FLOPs of forward + backward for ``batch`` (0 if unknown: MFU is then not reported)."""
+        del batch
+        return 0
+
+    def eval_metrics_from_loss(self, loss: float) -> dict[str, float]:
+        """Eval metrics derived from the token-weighted eval loss."""
+        return {"loss": loss}
+
+
+class CausalLM(FoundryModel):
+    """A next-token predictor: ``forward`` returns logits (batch, seq, vocab); labels shift inside."""
+
+    def loss(self, outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+        logits = outputs.logits if hasattr(outputs, "logits") else outputs
+        targets = shifted_targets(batch)
+        return nn.functional.cross_entropy(
+            logits.flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="mean"
+        )
+
+    def loss_weight(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        return (shifted_targets(batch) != IGNORE_INDEX).sum()
+
+    def eval_metrics_from_loss(self, loss: float) -> dict[str, float]:
+        return {"loss": loss, "perplexity": math.exp(min(loss, 80.0))}
+
+
+def shifted_targets(batch: Mapping[str, Any]) -> torch.Tensor:
+    """Position t's target is token t+1; the last position (and any -100 label) is ignored."""
+    labels = batch.get("labels")
+    if labels is None:
+        labels = batch["input_ids"]
+        attention_mask = batch.get("attention_mask")
+        if attention_mask is not None:
+            labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
+    targets = torch.roll(labels, shifts=-1, dims=1)
+    targets[:, -1] = IGNORE_INDEX
+    return targets
+
+
+def batch_num_samples(batch: Any) -> int:
+    """Samples in a batch: the leading dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, Mapping):
+        return batch_num_samples(next(iter(batch.values())))
+    if isinstance(batch, list | tuple):
+        return batch_num_samples(batch[0])
+    raise TypeError(f"Cannot count samples in a batch of type {type(batch).__name__}.")
+
+
+def batch_num_tokens(batch: Any) -> int:
+    """Tokens in a batch (padding included; no host sync): ``input_ids.numel()``, else samples."""
+    if isinstance(batch, Mapping) and "input_ids" in batch:
+        return batch["input_ids"].numel()
+    return batch_num_samples(batch)
+
+
+class ModuleModel(FoundryModel):
+    """Adapts any ``nn.Module`` whose forward returns a loss (or an object with ``.loss``, like HF outputs)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: Mapping[str, Any]) -> Any:
+        if isinstance(batch, Mapping):
+            return self.module(**batch)
+        return self.module(*batch) if isinstance(batch, list | tuple) else self.module(batch)
+
+    def loss(self, outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+        del batch
+        loss = outputs.loss if hasattr(outputs, "loss") else outputs
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError(
+                "A plain nn.Module passed to Trainer must return a scalar loss (or an object with .loss); "
+                "subclass foundry.models.FoundryModel to return outputs and compute the loss separately."
+            )
+        return loss
