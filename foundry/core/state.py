@@ -48,6 +48,8 @@ class State:
     eval_metrics: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     # Set by a callback to end fit() after the current batch; the reason is logged.
     stop_reason: str | None = None
+    # Path of the newest checkpoint this run wrote or loaded.
+    last_checkpoint_path: str | None = None
     # Extra flops a batch costs beyond the model's forward+backward (e.g. recompute), for HFU.
     extra_flops_per_batch: int = 0
 

@@ -63,7 +63,7 @@ class Time:
             )
         value, unit = match.groups()
         number = float(value)
-        return cls(number if unit == "dur" else int(number), TimeUnit(unit))
+        return cls(number, TimeUnit(unit))
 
     def __str__(self) -> str:
         return f"{self.value}{self.unit.value}"

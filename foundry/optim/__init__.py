@@ -1,1 +1,21 @@
-"""optim."""
+"""Optimizers and LR schedules, registered by their YAML names."""
+
+from foundry.optim.optimizers import DecoupledAdamW
+from foundry.optim.schedulers import (
+    ConstantScheduler,
+    ConstantWithWarmupScheduler,
+    CosineWithWarmupScheduler,
+    LinearWithWarmupScheduler,
+    TimeScheduler,
+    duration_fraction,
+)
+
+__all__ = [
+    "ConstantScheduler",
+    "ConstantWithWarmupScheduler",
+    "CosineWithWarmupScheduler",
+    "DecoupledAdamW",
+    "LinearWithWarmupScheduler",
+    "TimeScheduler",
+    "duration_fraction",
+]

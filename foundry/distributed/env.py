@@ -1,0 +1,43 @@
+"""Rank and world size from torch.distributed (or torchrun's environment) and the few collectives the loop needs."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if is_distributed() else int(os.environ.get("RANK", 0))
+
+
+def get_local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if is_distributed() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum ``tensor`` over ranks in place (a no-op in one process); stays on device, no host sync."""
+    if is_distributed() and get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def default_device() -> torch.device:
+    """This rank's accelerator if there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", get_local_rank())
+    return torch.device("cpu")

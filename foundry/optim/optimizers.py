@@ -1,0 +1,69 @@
+"""Optimizers by YAML name. ``decoupled_adamw`` is LLM Foundry's default for pretraining."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from foundry import registry
+
+
+@registry.optimizers.register("decoupled_adamw")
+class DecoupledAdamW(torch.optim.AdamW):
+    """AdamW whose weight decay follows the LR schedule but not the LR's magnitude.
+
+    torch's AdamW shrinks weights by ``lr * weight_decay`` per step, so retuning ``lr`` silently
+    retunes decay. Here the shrink is ``weight_decay * lr / initial_lr``: ``weight_decay`` means the
+    same thing at any peak LR (Loshchilov & Hutter's decoupling, as Composer's DecoupledAdamW does).
+    The Adam update itself is torch's (foreach or fused kernels), so speed is unchanged.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        fused: bool | None = None,
+    ) -> None:
+        super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0, fused=fused)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = weight_decay
+            group["initial_lr"] = group["lr"]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            decay = group["decoupled_weight_decay"]
+            if decay == 0.0 or group["initial_lr"] == 0.0:
+                continue
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                torch._foreach_mul_(params, 1.0 - decay * group["lr"] / group["initial_lr"])
+        return super().step(closure)
+
+
+@registry.optimizers.register("adamw")
+def adamw(
+    params: Iterable[torch.Tensor] | Iterable[dict],
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.01,
+    fused: bool | None = None,
+) -> torch.optim.AdamW:
+    """torch's AdamW (decay scaled by the LR)."""
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, fused=fused)
+
+
+@registry.optimizers.register("sgd")
+def sgd(
+    params: Iterable[torch.Tensor] | Iterable[dict],
+    lr: float = 1e-2,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+) -> torch.optim.SGD:
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)

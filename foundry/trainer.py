@@ -1,0 +1,455 @@
+"""The training loop. Features live in callbacks, algorithms and components; this file stays short.
+
+Read ``foundry.core.event`` for where each event fires. Example::
+
+    trainer = Trainer(model=model, train_dataloader=loader, max_duration="100ba",
+                      optimizers=DecoupledAdamW(model.parameters(), lr=6e-4),
+                      schedulers=CosineWithWarmupScheduler(t_warmup="10ba", alpha_f=0.1))
+    trainer.fit()
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from foundry import distributed
+from foundry.core import Algorithm, Callback, Engine, Event, Logger, LoggerDestination, State, Time
+from foundry.core.precision import autocast, check_precision
+from foundry.errors import ConfigError, TrainingError
+from foundry.models.base import FoundryModel, ModuleModel, batch_num_samples, batch_num_tokens
+from foundry.optim.optimizers import DecoupledAdamW
+from foundry.optim.schedulers import TimeScheduler
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class Trainer:
+    """Coordinates a model, data, optimizers, algorithms, callbacks and loggers through ``fit()``.
+
+    Args:
+        model: a ``FoundryModel``, or any ``nn.Module`` whose forward returns a loss.
+        train_dataloader: yields this device's whole batches (global batch / world size).
+        max_duration: how long ``fit()`` trains: ``"100ba"``, ``"2ep"``, ``"1000000tok"``...
+        optimizers: an optimizer, or a function ``params -> optimizer`` (built after the model is on its
+            device, so sharding and surgery happen first). Default: ``DecoupledAdamW(lr=3e-4)``.
+        schedulers: ``TimeScheduler``s (or torch LR schedulers) stepped once per batch.
+        eval_dataloader: one loader or ``{label: loader}``, evaluated every ``eval_interval`` and at the end.
+        device_train_microbatch_size: samples per forward/backward; batches are split and gradients
+            accumulated exactly (each microbatch weighs its share of loss tokens, not 1/n).
+        precision: ``"fp32"``, ``"amp_bf16"`` or ``"amp_fp16"``.
+        save_folder / save_interval / load_path / autoresume: checkpointing (see ``foundry.checkpoint``).
+        run_folder: where ``metrics.jsonl`` goes (default ``runs/<run_name>``).
+        config: the resolved YAML, stored in checkpoints and sent to loggers.
+    """
+
+    def __init__(
+        self,
+        model: FoundryModel | nn.Module,
+        train_dataloader: Iterable | None = None,
+        max_duration: str | Time | int | None = None,
+        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | OptimizerFactory | None = None,
+        schedulers: TimeScheduler | Sequence[Any] | None = None,
+        eval_dataloader: Iterable | Mapping[str, Iterable] | None = None,
+        eval_interval: str | Time | int = "1ep",
+        eval_first: bool = False,
+        eval_subset_num_batches: int = -1,
+        callbacks: Sequence[Callback] = (),
+        algorithms: Sequence[Algorithm] = (),
+        loggers: Sequence[LoggerDestination] = (),
+        precision: str = "fp32",
+        device: str | torch.device | None = None,
+        device_train_microbatch_size: int | str | None = None,
+        save_folder: str | None = None,
+        save_interval: str | Time | int = "1ep",
+        save_num_checkpoints_to_keep: int = -1,
+        save_overwrite: bool = False,
+        load_path: str | None = None,
+        load_weights_only: bool = False,
+        autoresume: bool = False,
+        seed: int = 17,
+        run_name: str | None = None,
+        run_folder: str | None = None,
+        log_to_console: bool = True,
+        progress_bar: bool | None = None,
+        console_log_interval: str | Time | int = "1ba",
+        config: dict[str, Any] | None = None,
+    ) -> None:
+        seed_everything(seed)
+        device = torch.device(device) if device is not None else distributed.default_device()
+        if device_train_microbatch_size == "auto":
+            raise ConfigError(
+                "device_train_microbatch_size: auto is not available yet; set an integer number of samples "
+                "(e.g. device_train_microbatch_size: 8)."
+            )
+        model = model if isinstance(model, FoundryModel) else ModuleModel(model)
+        run_name = run_name or os.environ.get("RUN_NAME") or f"foundry-{time.strftime('%Y%m%d-%H%M%S')}"
+        self.run_folder = Path(run_folder or Path("runs") / run_name)
+        self.state = State(
+            model=model,
+            max_duration=Time.parse(max_duration if max_duration is not None else "1ep"),
+            run_name=run_name,
+            train_dataloader=train_dataloader,
+            eval_dataloaders=_as_eval_dict(eval_dataloader),
+            precision=check_precision(precision, device),
+            device=device,
+            rank=distributed.get_rank(),
+            local_rank=distributed.get_local_rank(),
+            world_size=distributed.get_world_size(),
+            seed=seed,
+            device_train_microbatch_size=device_train_microbatch_size,  # type: ignore[arg-type]
+            train_dataloader_len=_safe_len(train_dataloader),
+        )
+        self.logger = Logger(
+            self.state, [*loggers, *self._default_loggers(loggers, log_to_console, progress_bar, console_log_interval)]
+        )
+        self.engine = Engine(self.state, self.logger, algorithms, callbacks)
+        self.eval_interval = Time.parse(eval_interval)
+        self.eval_first = eval_first
+        self.eval_subset_num_batches = eval_subset_num_batches
+        self.log_interval = Time.parse(console_log_interval)
+        self.save_folder = save_folder.format(run_name=run_name) if save_folder else None
+        self.save_interval = Time.parse(save_interval)
+        self.save_num_checkpoints_to_keep = save_num_checkpoints_to_keep
+        self.save_overwrite = save_overwrite
+        self.config = config
+        self._grad_scaler = torch.amp.GradScaler("cuda") if precision == "amp_fp16" else None
+        self._last_eval_batch: int | None = None
+        self._last_save_batch: int | None = None
+
+        self._place_model(model, device)
+        self.engine.run_event(Event.INIT)
+        self.state.optimizers = _build_optimizers(optimizers, self.state.model)
+        self.state.schedulers = [_as_torch_scheduler(s, self.state) for s in _as_list(schedulers)]
+        if config is not None:
+            self.logger.log_hyperparameters(config)
+        self._load(load_path, load_weights_only, autoresume)
+        self.engine.run_event(Event.AFTER_LOAD)
+
+    # ----------------------------------------------------------------------------------- setup
+    def _default_loggers(
+        self,
+        given: Sequence[LoggerDestination],
+        log_to_console: bool,
+        progress_bar: bool | None,
+        console_log_interval: str | Time | int,
+    ) -> list[LoggerDestination]:
+        from foundry.loggers import ConsoleLogger, JSONLLogger
+
+        defaults: list[LoggerDestination] = []
+        if log_to_console and not any(isinstance(d, ConsoleLogger) for d in given):
+            defaults.append(ConsoleLogger(progress_bar=progress_bar, log_interval=console_log_interval))
+        if not any(isinstance(d, JSONLLogger) for d in given):
+            defaults.append(JSONLLogger(path=str(self.run_folder / "metrics.jsonl")))
+        return defaults
+
+    def _place_model(self, model: FoundryModel, device: torch.device) -> None:
+        if any(p.is_meta for p in model.parameters()):
+            if not hasattr(model, "init_weights"):
+                raise ConfigError(f"{type(model).__name__} was built on the meta device but has no init_weights().")
+            model.to_empty(device=device)
+            model.init_weights()
+        else:
+            model.to(device)
+
+    def _load(self, load_path: str | None, weights_only: bool, autoresume: bool) -> None:
+        from foundry.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint_path
+
+        path = None
+        if autoresume:
+            if not self.save_folder:
+                raise ConfigError("autoresume: true needs save_folder, where the run's checkpoints are found.")
+            path = latest_checkpoint(self.save_folder)
+            weights_only = weights_only and path is None
+        if path is None and load_path:
+            path = resolve_checkpoint_path(load_path)
+        if path is None:
+            return
+        load_checkpoint(
+            path,
+            self.state,
+            callbacks=self.engine.callbacks,
+            algorithms=self.engine.algorithms,
+            weights_only=weights_only,
+        )
+        self.state.last_checkpoint_path = str(path)
+        self.logger.log_text(f"Loaded checkpoint {path} at batch {self.state.timestamp.batch}.")
+
+    # ------------------------------------------------------------------------------------- fit
+    def fit(self) -> None:
+        """Train until ``max_duration`` (or a callback sets ``state.stop_reason``)."""
+        state = self.state
+        if state.train_dataloader is None:
+            raise ConfigError("Trainer.fit() needs a train_dataloader.")
+        try:
+            self.engine.run_event(Event.FIT_START)
+            if self.eval_first and state.timestamp.batch == 0:
+                self.eval()
+            while not self._finished():
+                self._train_epoch()
+            self._at_fit_end()
+            self.engine.run_event(Event.FIT_END)
+        finally:
+            self.engine.close()
+
+    def _finished(self) -> bool:
+        return self.state.reached(self.state.max_duration) or self.state.stop_reason is not None
+
+    def _train_epoch(self) -> None:
+        state = self.state
+        self.engine.run_event(Event.EPOCH_START)
+        batches = self._epoch_batches()
+        epoch_done = False
+        while True:
+            batch_start_s = time.perf_counter()
+            self.engine.run_event(Event.BEFORE_DATALOADER)
+            batch = next(batches, None)
+            if batch is None:
+                epoch_done = True
+                break
+            state.batch = _to_device(batch, state.device)
+            self.engine.run_event(Event.AFTER_DATALOADER)
+            self._train_batch(batch_start_s)
+            if self._finished():
+                epoch_done = state.timestamp.batch_in_epoch == state.train_dataloader_len
+                break
+        if state.timestamp.batch_in_epoch == 0 and epoch_done:
+            raise TrainingError("The train dataloader yielded no batches; check the dataset split and batch size.")
+        if epoch_done:
+            previous = state.timestamp
+            state.timestamp = previous.after_epoch()
+            self.engine.run_event(Event.EPOCH_END)
+            if self._due(self.save_interval, previous, epoch_end=True):
+                self._save(Event.EPOCH_CHECKPOINT)
+            if self._due(self.eval_interval, previous, epoch_end=True) and not self._finished():
+                self.eval()
+
+    def _epoch_batches(self) -> Iterator[Any]:
+        """This epoch's batches; a resumed run skips the ones already trained unless the loader restores itself."""
+        loader = self.state.train_dataloader
+        iterator = iter(loader)
+        restores_itself = hasattr(loader, "load_state_dict")
+        if not restores_itself:
+            for _ in range(self.state.timestamp.batch_in_epoch):
+                next(iterator, None)
+        return iterator
+
+    def _train_batch(self, batch_start_s: float) -> None:
+        state, engine = self.state, self.engine
+        engine.run_event(Event.BATCH_START)
+        microbatches = _split_batch(state.batch, state.device_train_microbatch_size)
+        weights = [state.model.loss_weight(mb) for mb in microbatches]
+        # Sum of loss units over all microbatches on all ranks: each microbatch's mean loss is scaled
+        # by its share, so gradients equal those of one big batch however it is split.
+        local_weight = torch.as_tensor(sum(weights), dtype=torch.float32, device=state.device)
+        total_weight = distributed.all_reduce_sum(local_weight.clone())
+        share_of_global_loss = torch.zeros((), device=state.device)
+        for microbatch, weight in zip(microbatches, weights):
+            share_of_global_loss += self._train_microbatch(microbatch, weight * state.world_size / total_weight)
+        share_of_global_loss /= state.world_size
+        state.loss = share_of_global_loss * total_weight / local_weight  # this rank's mean loss
+        engine.run_event(Event.BEFORE_OPTIMIZER_STEP)
+        self._optimizer_step()
+        engine.run_event(Event.AFTER_OPTIMIZER_STEP)
+
+        previous = state.timestamp
+        state.batch_num_samples = batch_num_samples(state.batch) * state.world_size
+        state.batch_num_tokens = batch_num_tokens(state.batch) * state.world_size
+        state.timestamp = previous.after_batch(
+            state.batch_num_samples, state.batch_num_tokens, time.perf_counter() - batch_start_s
+        )
+        engine.run_event(Event.BATCH_END)
+        if self._due(self.log_interval, previous) or self._finished():
+            self.logger.log_metrics({"loss/train/total": distributed.all_reduce_sum(share_of_global_loss)})
+        if self._due(self.save_interval, previous):
+            self._save(Event.BATCH_CHECKPOINT)
+        if self._due(self.eval_interval, previous) and not self._finished():
+            self.eval()
+
+    def _train_microbatch(self, microbatch: Any, scale: torch.Tensor) -> torch.Tensor:
+        """Forward, loss and backward of one microbatch; returns its loss's share of the batch loss."""
+        state, engine = self.state, self.engine
+        state.microbatch = microbatch
+        engine.run_event(Event.BEFORE_FORWARD)
+        with autocast(state.precision, state.device):
+            state.outputs = state.model(microbatch)
+        engine.run_event(Event.AFTER_FORWARD)
+        engine.run_event(Event.BEFORE_LOSS)
+        with autocast(state.precision, state.device):
+            state.loss = state.model.loss(state.outputs, microbatch)
+        engine.run_event(Event.AFTER_LOSS)
+        loss = state.loss * scale
+        engine.run_event(Event.BEFORE_BACKWARD)
+        (self._grad_scaler.scale(loss) if self._grad_scaler else loss).backward()
+        engine.run_event(Event.AFTER_BACKWARD)
+        state.outputs = None  # free activations' outputs (logits) before the next microbatch
+        return loss.detach()
+
+    def _optimizer_step(self) -> None:
+        for optimizer in self.state.optimizers:
+            if self._grad_scaler:
+                self._grad_scaler.step(optimizer)
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if self._grad_scaler:
+            self._grad_scaler.update()
+        for scheduler in self.state.schedulers:
+            scheduler.step()
+
+    def _due(self, interval: Time, previous: Any, epoch_end: bool = False) -> bool:
+        """Whether ``interval`` elapsed with the last batch (or, for epoch intervals, the last epoch)."""
+        interval = self.state.to_absolute(interval)
+        is_epoch_interval = interval.unit.value == "ep"
+        if is_epoch_interval != epoch_end:
+            return False
+        return self.state.crossed_multiple(interval, previous)
+
+    # ------------------------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def eval(self) -> dict[str, dict[str, float]]:
+        """Evaluate every eval loader; returns and logs ``{label: {metric: value}}``."""
+        state, engine = self.state, self.engine
+        state.model.eval()
+        for label, loader in state.eval_dataloaders.items():
+            engine.run_event(Event.EVAL_START)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=state.device)
+            weight_sum = torch.zeros((), dtype=torch.float64, device=state.device)
+            for index, batch in enumerate(loader):
+                if 0 <= self.eval_subset_num_batches <= index:
+                    break
+                state.batch = _to_device(batch, state.device)
+                engine.run_event(Event.EVAL_BATCH_START)
+                engine.run_event(Event.EVAL_BEFORE_FORWARD)
+                with autocast(state.precision, state.device):
+                    state.outputs = state.model(state.batch)
+                    loss = state.model.loss(state.outputs, state.batch)
+                engine.run_event(Event.EVAL_AFTER_FORWARD)
+                weight = state.model.loss_weight(state.batch)
+                loss_sum += loss.double() * weight
+                weight_sum += weight
+                engine.run_event(Event.EVAL_BATCH_END)
+            distributed.all_reduce_sum(loss_sum)
+            distributed.all_reduce_sum(weight_sum)
+            if weight_sum.item() == 0:
+                raise TrainingError(f"Eval loader '{label}' yielded no batches; check its split and batch size.")
+            state.eval_metrics[label] = state.model.eval_metrics_from_loss((loss_sum / weight_sum).item())
+            self.logger.log_metrics({f"metrics/{label}/{k}": v for k, v in state.eval_metrics[label].items()})
+            engine.run_event(Event.EVAL_END)
+        state.outputs = None
+        state.model.train()
+        self._last_eval_batch = state.timestamp.batch
+        return dict(state.eval_metrics)
+
+    # ------------------------------------------------------------------------------ checkpoint
+    def _save(self, event: Event) -> None:
+        if not self.save_folder:
+            return
+        from foundry.checkpoint import save_checkpoint
+
+        path = save_checkpoint(
+            self.save_folder,
+            self.state,
+            callbacks=self.engine.callbacks,
+            algorithms=self.engine.algorithms,
+            config=self.config,
+            overwrite=self.save_overwrite,
+            num_to_keep=self.save_num_checkpoints_to_keep,
+        )
+        self.state.last_checkpoint_path = str(path)
+        self._last_save_batch = self.state.timestamp.batch
+        self.engine.run_event(event)
+
+    def _at_fit_end(self) -> None:
+        """Evaluate and checkpoint the final model unless the last batch already did."""
+        state = self.state
+        if state.eval_dataloaders and self._last_eval_batch != state.timestamp.batch:
+            self.eval()
+        if self.save_folder and self._last_save_batch != state.timestamp.batch:
+            self._save(Event.BATCH_CHECKPOINT)
+
+
+# ------------------------------------------------------------------------------------ helpers
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: identical initial weights everywhere (data order comes from the loader)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _split_batch(batch: Any, microbatch_size: int | None) -> list[Any]:
+    """Split a batch along dim 0 into microbatches of ``microbatch_size`` samples (the last may be smaller)."""
+    size = batch_num_samples(batch)
+    if not microbatch_size or microbatch_size >= size:
+        return [batch]
+    starts = range(0, size, microbatch_size)
+    return [_slice(batch, start, start + microbatch_size) for start in starts]
+
+
+def _slice(batch: Any, start: int, end: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[start:end]
+    if isinstance(batch, Mapping):
+        return {key: _slice(value, start, end) for key, value in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(_slice(value, start, end) for value in batch) if _has_tensor(batch) else batch[start:end]
+    return batch
+
+
+def _has_tensor(values: Sequence[Any]) -> bool:
+    return any(isinstance(value, torch.Tensor | Mapping) for value in values)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {key: _to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, list | tuple):
+        return type(batch)(_to_device(value, device) for value in batch)
+    return batch
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def _as_eval_dict(eval_dataloader: Iterable | Mapping[str, Iterable] | None) -> dict[str, Iterable]:
+    if eval_dataloader is None:
+        return {}
+    if isinstance(eval_dataloader, Mapping):
+        return dict(eval_dataloader)
+    return {"eval": eval_dataloader}
+
+
+def _safe_len(loader: Iterable | None) -> int | None:
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _build_optimizers(optimizers: Any, model: nn.Module) -> list[torch.optim.Optimizer]:
+    if optimizers is None:
+        return [DecoupledAdamW(model.parameters(), lr=3e-4)]
+    if callable(optimizers) and not isinstance(optimizers, torch.optim.Optimizer):
+        return [optimizers(model.parameters())]
+    return _as_list(optimizers)
+
+
+def _as_torch_scheduler(scheduler: Any, state: State) -> Any:
+    if isinstance(scheduler, TimeScheduler):
+        if len(state.optimizers) != 1:
+            raise ConfigError("A TimeScheduler needs exactly one optimizer; wrap each optimizer's scheduler yourself.")
+        return scheduler.to_torch(state.optimizers[0], state)
+    return scheduler

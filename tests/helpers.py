@@ -1,0 +1,31 @@
+"""Tiny models and data shared by tests (importable as `helpers`: tests/ is on pytest's pythonpath)."""
+
+from __future__ import annotations
+
+import torch
+
+from foundry.models.base import CausalLM
+
+
+class TinyLM(CausalLM):
+    """Embedding → linear head: the smallest causal LM the Trainer can drive (tests only)."""
+
+    def __init__(self, vocab_size: int = 32, d_model: int = 8) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, d_model)
+        self.head = torch.nn.Linear(d_model, vocab_size)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(batch["input_ids"])))  # (batch, seq, vocab)
+
+    def flops_per_batch(self, batch: dict) -> int:
+        return 6 * sum(p.numel() for p in self.parameters()) * batch["input_ids"].numel()
+
+
+def token_batches(num_batches: int, batch_size: int, seq_len: int = 8, vocab_size: int = 32, seed: int = 0) -> list:
+    """A fixed list of LM batches, usable as a dataloader with a length."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        {"input_ids": torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)}
+        for _ in range(num_batches)
+    ]

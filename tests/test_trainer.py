@@ -1,0 +1,236 @@
+"""The loop's contract: event order, algorithms apply, exact gradient accumulation, exact resumption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TinyLM, token_batches
+
+from foundry import Algorithm, Callback, Event
+from foundry.errors import ConfigError
+from foundry.optim import CosineWithWarmupScheduler, DecoupledAdamW
+from foundry.trainer import Trainer
+
+
+class RecordEvents(Callback):
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def run_event(self, event, state, logger) -> None:
+        self.events.append(event)
+
+
+def _trainer(tmp_path, model=None, **kwargs) -> Trainer:
+    kwargs.setdefault("train_dataloader", token_batches(4, batch_size=4))
+    kwargs.setdefault("max_duration", "4ba")
+    kwargs.setdefault("log_to_console", False)
+    return Trainer(model=model or TinyLM(), run_folder=str(tmp_path / "run"), **kwargs)
+
+
+def test_event_order_for_a_fit_with_eval_and_checkpoint(tmp_path):
+    recorder = RecordEvents()
+    trainer = _trainer(
+        tmp_path,
+        train_dataloader=token_batches(2, batch_size=4),
+        max_duration="2ba",
+        device_train_microbatch_size=2,
+        eval_dataloader=token_batches(1, batch_size=2),
+        eval_interval="2ba",
+        save_folder=str(tmp_path / "ckpt"),
+        save_interval="2ba",
+        callbacks=[recorder],
+    )
+    trainer.fit()
+    microbatch = [
+        Event.BEFORE_FORWARD,
+        Event.AFTER_FORWARD,
+        Event.BEFORE_LOSS,
+        Event.AFTER_LOSS,
+        Event.BEFORE_BACKWARD,
+        Event.AFTER_BACKWARD,
+    ]
+    batch = [
+        Event.BEFORE_DATALOADER,
+        Event.AFTER_DATALOADER,
+        Event.BATCH_START,
+        *microbatch,
+        *microbatch,
+        Event.BEFORE_OPTIMIZER_STEP,
+        Event.AFTER_OPTIMIZER_STEP,
+        Event.BATCH_END,
+    ]
+    evaluation = [
+        Event.EVAL_START,
+        Event.EVAL_BATCH_START,
+        Event.EVAL_BEFORE_FORWARD,
+        Event.EVAL_AFTER_FORWARD,
+        Event.EVAL_BATCH_END,
+        Event.EVAL_END,
+    ]
+    assert recorder.events == [
+        Event.INIT,
+        Event.AFTER_LOAD,
+        Event.FIT_START,
+        Event.EPOCH_START,
+        *batch,
+        *batch,
+        Event.BATCH_CHECKPOINT,
+        Event.EPOCH_END,
+        *evaluation,
+        Event.FIT_END,
+    ]
+    assert trainer.state.last_checkpoint_path.endswith("ep0-ba2")
+
+
+def test_epochs_and_counters(tmp_path):
+    trainer = _trainer(tmp_path, train_dataloader=token_batches(3, batch_size=2, seq_len=5), max_duration="2ep")
+    trainer.fit()
+    stamp = trainer.state.timestamp
+    assert (stamp.epoch, stamp.batch, stamp.sample, stamp.token, stamp.batch_in_epoch) == (2, 6, 12, 60, 0)
+
+
+def test_algorithm_that_changes_state_is_applied(tmp_path):
+    class ZeroLoss(Algorithm):
+        def match(self, event, state):
+            return event == Event.AFTER_LOSS
+
+        def apply(self, event, state, logger):
+            state.loss = state.loss * 0.0
+
+    model = TinyLM()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = _trainer(
+        tmp_path, model=model, algorithms=[ZeroLoss()], optimizers=lambda params: torch.optim.SGD(params, lr=1.0)
+    )
+    trainer.fit()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    # Without the algorithm the same run moves the weights: the test above can fail.
+    other = TinyLM()
+    _trainer(tmp_path, model=other, optimizers=lambda params: torch.optim.SGD(params, lr=1.0)).fit()
+    assert not all(torch.equal(a, b) for a, b in zip(before, other.parameters()))
+
+
+class CaptureGrads(Callback):
+    def before_optimizer_step(self, state, logger) -> None:
+        self.grads = [p.grad.detach().clone() for p in state.model.parameters()]
+
+
+def _padded_batch(batch_size: int = 8, seq_len: int = 6) -> dict:
+    generator = torch.Generator().manual_seed(3)
+    input_ids = torch.randint(0, 32, (batch_size, seq_len), generator=generator)
+    lengths = torch.tensor([6, 2, 5, 3, 6, 4, 2, 6])  # uneven real tokens per sample
+    attention_mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).long()
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+@pytest.mark.parametrize("microbatch_size", [8, 2, 3])
+def test_gradient_accumulation_matches_one_big_batch(tmp_path, microbatch_size):
+    torch.manual_seed(0)
+    reference_model = TinyLM()
+    batch = _padded_batch()
+    reference_model.loss(reference_model(batch), batch).backward()
+    expected = [p.grad.detach().clone() for p in reference_model.parameters()]
+
+    model = TinyLM()
+    model.load_state_dict(reference_model.state_dict())
+    capture = CaptureGrads()
+    _trainer(
+        tmp_path,
+        model=model,
+        train_dataloader=[batch],
+        max_duration="1ba",
+        callbacks=[capture],
+        device_train_microbatch_size=microbatch_size,
+    ).fit()
+    for got, want in zip(capture.grads, expected):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def _resumable_trainer(tmp_path, max_duration: str, **kwargs) -> Trainer:
+    torch.manual_seed(0)
+    model = TinyLM()
+    return _trainer(
+        tmp_path,
+        model=model,
+        train_dataloader=token_batches(4, batch_size=4),
+        max_duration=max_duration,
+        optimizers=lambda params: DecoupledAdamW(params, lr=1e-2, weight_decay=1e-2),
+        schedulers=CosineWithWarmupScheduler(t_warmup="2ba", alpha_f=0.1, t_max="6ba"),
+        **kwargs,
+    )
+
+
+def test_resume_continues_the_exact_run(tmp_path):
+    uninterrupted = _resumable_trainer(tmp_path / "a", "6ba")
+    uninterrupted.fit()
+
+    first = _resumable_trainer(tmp_path / "b", "3ba", save_folder=str(tmp_path / "ckpt"), save_interval="3ba")
+    first.fit()
+    resumed = _resumable_trainer(tmp_path / "c", "6ba", load_path=str(tmp_path / "ckpt"))
+    assert resumed.state.timestamp.batch == 3
+    resumed.fit()
+    for a, b in zip(uninterrupted.state.model.parameters(), resumed.state.model.parameters()):
+        assert torch.equal(a, b)
+    assert resumed.state.lrs == uninterrupted.state.lrs
+
+
+def test_eval_reports_token_weighted_loss_and_perplexity(tmp_path):
+    eval_batches = token_batches(2, batch_size=3)
+    trainer = _trainer(tmp_path, eval_dataloader=eval_batches)
+    metrics = trainer.eval()["eval"]
+    model = trainer.state.model
+    with torch.no_grad():
+        losses = [model.loss(model(b), b) * model.loss_weight(b) for b in eval_batches]
+        expected = sum(losses) / sum(model.loss_weight(b) for b in eval_batches)
+    assert metrics["loss"] == pytest.approx(expected.item(), rel=1e-6)
+    assert metrics["perplexity"] == pytest.approx(torch.exp(expected).item(), rel=1e-6)
+
+
+def test_plain_module_returning_a_loss_trains(tmp_path):
+    class Regression(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(2, 1)
+
+        def forward(self, x, y):
+            return torch.nn.functional.mse_loss(self.linear(x), y)
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(16, 2, generator=generator)
+    data = [{"x": x, "y": x @ torch.tensor([[2.0], [-1.0]])}]
+    trainer = _trainer(
+        tmp_path,
+        model=Regression(),
+        train_dataloader=data,
+        max_duration="200ba",
+        optimizers=lambda params: torch.optim.SGD(params, lr=0.1),
+    )
+    trainer.fit()
+    assert trainer.state.loss.item() < 1e-3
+
+
+def test_stop_reason_ends_fit_after_the_batch(tmp_path):
+    class StopAtTwo(Callback):
+        def batch_end(self, state, logger):
+            if state.timestamp.batch == 2:
+                state.stop_reason = "enough"
+
+    trainer = _trainer(tmp_path, callbacks=[StopAtTwo()], max_duration="10ba")
+    trainer.fit()
+    assert trainer.state.timestamp.batch == 2
+
+
+def test_fit_without_dataloader_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="train_dataloader"):
+        _trainer(tmp_path, train_dataloader=None).fit()
+
+
+def test_amp_fp16_on_cpu_is_rejected(tmp_path):
+    with pytest.raises(ConfigError, match="amp_fp16"):
+        _trainer(tmp_path, precision="amp_fp16", device="cpu")
+
+
+def test_amp_bf16_trains_on_cpu(tmp_path):
+    trainer = _trainer(tmp_path, precision="amp_bf16")
+    trainer.fit()
+    assert torch.isfinite(trainer.state.loss)
