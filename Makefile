@@ -9,7 +9,6 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --upgrade pip >/dev/null
 
 $(VENV)/.installed: $(BIN)/activate pyproject.toml
 	$(BIN)/pip install $(TORCH_PINS)
@@ -18,8 +17,13 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml
 
 install: $(VENV)/.installed
 
-quickstart: install
-	$(BIN)/foundry quickstart
+QUICKSTART_DATA := data/quickstart
+
+$(QUICKSTART_DATA)/train/index.json: | install
+	$(BIN)/foundry data convert --builtin-corpus --out $(QUICKSTART_DATA) --max-seq-len 128 --vocab-size 4096 --overwrite
+
+quickstart: install $(QUICKSTART_DATA)/train/index.json
+	$(BIN)/foundry train yamls/quickstart.yaml
 
 test: install
 	$(BIN)/python -m pytest tests
