@@ -20,7 +20,7 @@ install: $(VENV)/.installed
 QUICKSTART_DATA := data/quickstart
 
 $(QUICKSTART_DATA)/train/index.json: | install
-	$(BIN)/foundry data convert --builtin-corpus --out $(QUICKSTART_DATA) --max-seq-len 128 --vocab-size 4096 --overwrite
+	$(BIN)/foundry data convert --builtin-corpus --out $(QUICKSTART_DATA) --concat-tokens 128 --vocab-size 4096 --overwrite
 
 quickstart: install $(QUICKSTART_DATA)/train/index.json
 	$(BIN)/foundry train yamls/quickstart.yaml

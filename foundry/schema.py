@@ -100,6 +100,8 @@ def coerce(value: Any, expected: Any, key_path: str) -> Any:
                 return coerce(value, option, key_path)
             except ConfigError as error:
                 errors.append(error)
+        if len(errors) == 1:  # e.g. `X | None`: the only real option's error is the precise one
+            raise errors[0]
         raise _type_error(key_path, value, expected)
     if origin is typing.Literal:
         if value in args:

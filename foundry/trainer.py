@@ -116,7 +116,7 @@ class Trainer:
         self.eval_first = eval_first
         self.eval_subset_num_batches = eval_subset_num_batches
         self.log_interval = Time.parse(console_log_interval)
-        self.save_folder = save_folder.format(run_name=run_name) if save_folder else None
+        self.save_folder = save_folder.replace("{run_name}", run_name) if save_folder else None
         self.save_interval = Time.parse(save_interval)
         self.save_num_checkpoints_to_keep = save_num_checkpoints_to_keep
         self.save_overwrite = save_overwrite
@@ -266,6 +266,8 @@ class Trainer:
         state.timestamp = previous.after_batch(
             state.batch_num_samples, state.batch_num_tokens, time.perf_counter() - batch_start_s
         )
+        for scheduler in state.schedulers:  # after the timestamp moves: batch k+1 trains at LR(k)
+            scheduler.step()
         engine.run_event(Event.BATCH_END)
         if self._due(self.log_interval, previous) or self._finished():
             self.logger.log_metrics({"loss/train/total": distributed.all_reduce_sum(share_of_global_loss)})
@@ -302,8 +304,6 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
         if self._grad_scaler:
             self._grad_scaler.update()
-        for scheduler in self.state.schedulers:
-            scheduler.step()
 
     def _due(self, interval: Time, previous: Any, epoch_end: bool = False) -> bool:
         """Whether ``interval`` elapsed with the last batch (or, for epoch intervals, the last epoch)."""

@@ -30,13 +30,14 @@ class DecoupledAdamW(torch.optim.AdamW):
     ) -> None:
         super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0, fused=fused)
         for group in self.param_groups:
-            group["decoupled_weight_decay"] = weight_decay
+            group["lr_relative_weight_decay"] = weight_decay
             group["initial_lr"] = group["lr"]
+        # (torch's Adam owns the group key "decoupled_weight_decay", hence our own name.)
 
     @torch.no_grad()
     def step(self, closure=None):
         for group in self.param_groups:
-            decay = group["decoupled_weight_decay"]
+            decay = group["lr_relative_weight_decay"]
             if decay == 0.0 or group["initial_lr"] == 0.0:
                 continue
             params = [p for p in group["params"] if p.grad is not None]

@@ -1,0 +1,5 @@
+"""``python -m foundry`` runs the ``foundry`` command."""
+
+from foundry.cli import main
+
+raise SystemExit(main())

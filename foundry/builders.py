@@ -1,0 +1,197 @@
+"""Typed config → components → Trainer: one small function per component, each a registry lookup.
+
+Every YAML section becomes ``registry.X.get(name)(**kwargs)`` with its kwargs checked against the
+constructor's signature first, so a typo fails before any model is built. Defaults live in
+``foundry.config``; nothing here invents one.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from foundry import registry
+from foundry.config import LoaderConfig, TokenizerConfig, TrainConfig, config_to_dict
+from foundry.errors import ConfigError
+from foundry.registry import Registry
+from foundry.schema import check_call_kwargs
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from foundry.trainer import Trainer
+
+
+def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -> Trainer:
+    """Build every component of ``cfg`` and the Trainer that runs them.
+
+    Args:
+        cfg: the typed config (``foundry.config.load_train_config``).
+        resolved: the resolved YAML, stored in checkpoints and sent to loggers (default: ``cfg`` as a dict).
+    """
+    from foundry.distributed import env
+    from foundry.trainer import Trainer
+
+    _reject_unimplemented(cfg)
+    _apply_cuda_allocator_settings(cfg.expandable_segments)
+    device_batch_size = device_train_batch_size(cfg.global_train_batch_size, env.get_world_size())
+    # Cheapest first, the model last: a typo or a missing data folder fails before a big model is built.
+    callbacks = build_components(registry.callbacks, cfg.callbacks, "callbacks")
+    algorithms = build_components(registry.algorithms, cfg.algorithms, "algorithms")
+    loggers = build_components(registry.loggers, cfg.loggers, "loggers")
+    scheduler = component_factory(registry.schedulers, cfg.scheduler, "scheduler")() if cfg.scheduler else None
+    optimizer_factory = component_factory(registry.optimizers, cfg.optimizer, "optimizer")
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    train_dataloader = build_dataloader(cfg.train_loader, tokenizer, device_batch_size, "train_loader")
+    eval_dataloaders = build_eval_dataloaders(cfg, tokenizer)
+    return Trainer(
+        model=build_model(cfg.model, tokenizer),
+        train_dataloader=train_dataloader,
+        eval_dataloader=eval_dataloaders or None,
+        optimizers=optimizer_factory,  # called with model.parameters() once the model is on its device
+        schedulers=scheduler,
+        max_duration=cfg.max_duration,
+        eval_interval=cfg.eval_interval,
+        eval_first=cfg.eval_first,
+        eval_subset_num_batches=cfg.eval_subset_num_batches,
+        callbacks=callbacks,
+        algorithms=algorithms,
+        loggers=loggers,
+        precision=cfg.precision,
+        device=cfg.device,
+        device_train_microbatch_size=cfg.device_train_microbatch_size,
+        save_folder=fill_run_name(cfg.save_folder, cfg.run_name),
+        save_interval=cfg.save_interval,
+        save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
+        save_overwrite=cfg.save_overwrite,
+        load_path=fill_run_name(cfg.load_path, cfg.run_name),
+        load_weights_only=cfg.load_weights_only,
+        autoresume=cfg.autoresume,
+        seed=cfg.seed,
+        run_name=cfg.run_name,
+        run_folder=fill_run_name(cfg.run_folder, cfg.run_name),
+        log_to_console=cfg.log_to_console,
+        progress_bar=cfg.progress_bar,
+        console_log_interval=cfg.console_log_interval,
+        config=dict(resolved) if resolved is not None else config_to_dict(cfg),
+    )
+
+
+def fill_run_name(path: str | None, run_name: str | None) -> str | None:
+    """``path`` with ``{run_name}`` filled in (Composer's convention); other braces, like ``{rank}``, stay."""
+    if path is None or run_name is None:
+        return path
+    return path.replace("{run_name}", run_name)
+
+
+def device_train_batch_size(global_train_batch_size: int, world_size: int) -> int:
+    """Samples each process loads per batch: the global batch split evenly over processes."""
+    if global_train_batch_size % world_size:
+        lower = global_train_batch_size - global_train_batch_size % world_size
+        raise ConfigError(
+            f"global_train_batch_size ({global_train_batch_size}) is not divisible by the number of processes "
+            f"({world_size}). Set it to a multiple of {world_size}, e.g. {lower or world_size} or {lower + world_size}."
+        )
+    return global_train_batch_size // world_size
+
+
+def build_tokenizer(cfg: TokenizerConfig) -> Any:
+    from foundry.data import load_tokenizer
+
+    return load_tokenizer(cfg.name, **cfg.kwargs)
+
+
+def build_model(section: Mapping[str, Any], tokenizer: Any = None) -> nn.Module:
+    """The registered model ``section['name']``, built from the other keys (the model validates them)."""
+    model = component_factory(registry.models, section, "model")()
+    model_vocab_size = getattr(model, "vocab_size", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+    if tokenizer is not None and model_vocab_size is not None and len(tokenizer) > model_vocab_size:
+        raise ConfigError(
+            f"The tokenizer has {len(tokenizer)} tokens but model.vocab_size is {model_vocab_size}, so some token "
+            f"ids have no embedding. Set model.vocab_size to at least {len(tokenizer)} (a multiple of 64 is fastest)."
+        )
+    return model
+
+
+# Every LoaderConfig key but name and label: a registered dataloader builder accepts all of them.
+_LOADER_ARGUMENTS = (
+    "dataset",
+    "drop_last",
+    "num_workers",
+    "pin_memory",
+    "prefetch_factor",
+    "persistent_workers",
+    "timeout",
+)
+
+
+def build_dataloader(cfg: LoaderConfig, tokenizer: Any, device_batch_size: int, key_path: str) -> Iterable:
+    """The registered dataloader ``cfg.name`` for this process's share of each batch."""
+    settings = {field: getattr(cfg, field) for field in _LOADER_ARGUMENTS}
+    factory = _factory(registry.dataloaders, cfg.name, settings, key_path, f"{key_path}.name")
+    # A loader that takes key_path names its own keys in errors (e.g. 'eval_loader.dataset.split').
+    where = {"key_path": key_path} if "key_path" in inspect.signature(factory.func).parameters else {}
+    return factory(tokenizer=tokenizer, device_batch_size=device_batch_size, **where)
+
+
+def build_eval_dataloaders(cfg: TrainConfig, tokenizer: Any) -> dict[str, Iterable]:
+    """``{label: loader}`` for ``eval_loader`` (label ``eval`` unless set) or each of ``eval_loaders``."""
+    if cfg.eval_loader is None and not cfg.eval_loaders:
+        return {}
+    if cfg.device_eval_batch_size is None:
+        raise ConfigError("An eval loader is set, so 'device_eval_batch_size' is needed (e.g. 16).")
+    if cfg.eval_loader is not None:
+        named = [(cfg.eval_loader.label or "eval", cfg.eval_loader, "eval_loader")]
+    else:
+        named = [(loader.label, loader, f"eval_loaders[{i}]") for i, loader in enumerate(cfg.eval_loaders)]
+    loaders: dict[str, Iterable] = {}
+    for label, loader, key_path in named:
+        if not label:
+            raise ConfigError(f"'{key_path}.label' is missing: each of several eval loaders needs a label.")
+        if label in loaders:
+            raise ConfigError(f"'{key_path}.label' is '{label}', which another eval loader already uses.")
+        loaders[label] = build_dataloader(loader, tokenizer, cfg.device_eval_batch_size, key_path)
+    return loaders
+
+
+def build_components(source: Registry, sections: Mapping[str, Mapping[str, Any] | None], key_path: str) -> list:
+    """``{name: kwargs}`` (LLM Foundry's callbacks/algorithms/loggers form; ``{}`` or empty = no kwargs)."""
+    return [_factory(source, name, kwargs, f"{key_path}.{name}")() for name, kwargs in sections.items()]
+
+
+def component_factory(source: Registry, section: Mapping[str, Any], key_path: str) -> Callable[..., Any]:
+    """``section['name']`` from ``source`` with the section's other keys bound, checked against its signature.
+
+    Call the result with any remaining positional arguments, e.g. an optimizer's parameters.
+    """
+    kwargs = dict(section)
+    return _factory(source, kwargs.pop("name"), kwargs, key_path, f"{key_path}.name")
+
+
+def _factory(
+    source: Registry, name: str, kwargs: Mapping[str, Any] | None, key_path: str, name_path: str | None = None
+) -> functools.partial:
+    """``source[name]`` with ``kwargs`` checked and bound; errors name ``key_path`` (``name_path`` for the name)."""
+    try:
+        constructor = source.get(name)
+    except ConfigError as error:
+        raise ConfigError(f"'{name_path or key_path}': {error}") from None
+    return functools.partial(constructor, **check_call_kwargs(constructor, kwargs or {}, key_path))
+
+
+def _reject_unimplemented(cfg: TrainConfig) -> None:
+    """Keys the YAML schema accepts but the Trainer cannot honour yet: fail instead of ignoring them."""
+    if cfg.save_weights_only:
+        raise ConfigError("save_weights_only: true is not supported yet; remove it to save full checkpoints.")
+    if not cfg.load_strict_model_weights:
+        raise ConfigError("load_strict_model_weights: false is not supported yet; checkpoints load strictly.")
+
+
+def _apply_cuda_allocator_settings(expandable_segments: bool) -> None:
+    """LLM Foundry's default: expandable segments cut fragmentation when sequence lengths vary."""
+    import torch
+
+    if expandable_segments and torch.cuda.is_available():
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")

@@ -1,0 +1,74 @@
+"""Accelerator memory after each batch, from the CUDA caching allocator's counters (no host sync)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from foundry import registry
+from foundry.core.callback import Callback
+from foundry.core.logger import Logger
+from foundry.core.state import State
+from foundry.errors import ConfigError, did_you_mean
+
+BYTES_PER_GIB = 2**30
+
+# torch.cuda.memory_stats() key -> name logged under 'memory/'. Peaks are since the process started.
+DEFAULT_MEMORY_KEYS = {
+    "allocated_bytes.all.current": "allocated_mem",
+    "allocated_bytes.all.peak": "peak_allocated_mem",
+    "reserved_bytes.all.current": "reserved_mem",
+    "reserved_bytes.all.peak": "peak_reserved_mem",
+    "num_alloc_retries": "alloc_retries",
+}
+
+
+@registry.callbacks.register("memory_monitor")
+class MemoryMonitor(Callback):
+    """Logs ``memory/<name>`` at every BATCH_END: byte counters in GiB, other counters as they are.
+
+    ``alloc_retries`` growing means the allocator had to free its cache to satisfy a request:
+    the run is close to out of memory and slowed by it. On CPU nothing is logged (one warning).
+
+    Args:
+        memory_keys: Map from a ``torch.cuda.memory_stats()`` key to the name it is logged under;
+            defaults to allocated, reserved, their peaks, and allocation retries.
+    """
+
+    def __init__(self, memory_keys: dict[str, str] | None = None) -> None:
+        self.memory_keys = dict(DEFAULT_MEMORY_KEYS if memory_keys is None else memory_keys)
+        self._warned_no_gpu = False
+        self._keys_checked = False
+
+    def batch_end(self, state: State, logger: Logger) -> None:
+        if state.device.type != "cuda":
+            self._warn_no_gpu(state)
+            return
+        stats = torch.cuda.memory_stats(state.device)
+        if stats and not self._keys_checked:
+            self._check_keys(stats)
+        metrics = {}
+        for stat_key, name in self.memory_keys.items():
+            value = stats.get(stat_key, 0)
+            metrics[f"memory/{name}"] = value / BYTES_PER_GIB if "bytes" in stat_key else value
+        logger.log_metrics(metrics)
+
+    def _warn_no_gpu(self, state: State) -> None:
+        if not self._warned_no_gpu:
+            self._warned_no_gpu = True
+            warnings.warn(
+                f"memory_monitor needs a CUDA device and this run is on '{state.device}'; "
+                "it logs nothing. Remove it from callbacks to silence this warning.",
+                stacklevel=2,
+            )
+
+    def _check_keys(self, stats: dict[str, int]) -> None:
+        self._keys_checked = True
+        for stat_key in self.memory_keys:
+            if stat_key not in stats:
+                raise ConfigError(
+                    f"callbacks.memory_monitor.memory_keys has '{stat_key}', which torch.cuda.memory_stats() "
+                    f"does not report.{did_you_mean(stat_key, stats)} "
+                    "See torch.cuda.memory_stats for the valid keys."
+                )

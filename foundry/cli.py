@@ -1,0 +1,189 @@
+"""The ``foundry`` command: ``foundry train CFG.yaml [key.path=value ...]``, ``foundry data convert ...``.
+
+Each subcommand is one ``Command`` in ``COMMANDS`` (help, add_arguments, run). Only the chosen
+command's arguments are built and its modules imported, so ``foundry --help`` stays fast. To add
+``foundry eval``, write its two functions and add an entry; ``"data convert"`` shows a nested one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import re
+import sys
+import textwrap
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from foundry.errors import FoundryError
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# ---------------------------------------------------------------------------------------- train
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = train_epilog()
+    parser.add_argument("config", help="train YAML (LLM Foundry's schema)")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="set any key; the value is YAML")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from foundry.config import load_train_config, to_yaml
+
+    cfg, resolved = load_train_config(args.config, args.overrides)  # every key is checked before any work
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return 0
+    _configure_logging(cfg.python_log_level)
+    from foundry.builders import build_trainer
+
+    trainer = build_trainer(cfg, resolved)
+    main_process = trainer.state.is_main_process
+    if main_process:
+        checkpoints = f"; checkpoints in {trainer.save_folder}" if trainer.save_folder else ""
+        print(f"foundry: run '{cfg.run_name}': metrics in {trainer.run_folder}{checkpoints}")
+    trainer.fit()
+    if main_process:
+        print(f"foundry: run '{cfg.run_name}' finished; metrics in {trainer.run_folder / 'metrics.jsonl'}")
+    return 0
+
+
+def train_epilog() -> str:
+    """Override syntax and every config key with its type and default, read from ``TrainConfig``."""
+    from foundry.config import TrainConfig
+
+    lines = [
+        "overrides:",
+        "  Any key can be set after the YAML path as key.path=value; the value is read as YAML.",
+        "  They apply before ${...} interpolation, so variables.* overrides reach every reference:",
+        "    foundry train yamls/quickstart.yaml max_duration=20ba optimizer.lr=3e-4",
+        "    foundry train cfg.yaml variables.max_seq_len=256 optimizer.betas=[0.9,0.95] loggers.wandb={}",
+        "",
+        "keys (type = default; an empty value in the YAML means the default):",
+    ]
+    for field in dataclasses.fields(TrainConfig):
+        lines.append(f"  {field.name}: {_field_signature(TrainConfig, field)}")
+        lines.append(f"      {field.metadata.get('doc', '')}")
+    lines += ["", "sections:"]
+    for section, owners in _sections(TrainConfig).items():
+        keys = ", ".join(f"{f.name}: {_field_signature(section, f)}" for f in dataclasses.fields(section))
+        text = f"{', '.join(owners)} ({section.__name__}): {keys}"
+        lines += textwrap.wrap(text, width=110, initial_indent="  ", subsequent_indent="      ")
+    return "\n".join(lines)
+
+
+def _field_signature(cls: type, field: dataclasses.Field) -> str:
+    hint = typing.get_type_hints(cls)[field.name]
+    type_text = re.sub(r"\b(?:\w+\.)+", "", hint.__name__ if isinstance(hint, type) else str(hint))
+    type_text = type_text.replace("NoneType", "None")
+    if field.default is not dataclasses.MISSING:
+        return f"{type_text} = {field.default if type(field.default).__name__ == 'Time' else repr(field.default)}"
+    if field.default_factory is not dataclasses.MISSING:
+        return f"{type_text} = {field.default_factory()!r}"
+    return f"{type_text} (required)"
+
+
+def _sections(cls: type) -> dict[type, list[str]]:
+    """Nested config dataclasses and the keys that hold them, e.g. ``LoaderConfig: [train_loader, ...]``."""
+    owners: dict[type, list[str]] = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        for section in _config_classes(hint, cls.__module__):
+            owners.setdefault(section, []).append(name)
+    return owners
+
+
+def _config_classes(hint: Any, module: str) -> list[type]:
+    """Dataclasses of ``module`` inside a type hint (``LoaderConfig | None`` → ``[LoaderConfig]``)."""
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return [hint] if hint.__module__ == module else []
+    return [found for arg in typing.get_args(hint) for found in _config_classes(arg, module)]
+
+
+def _configure_logging(level: str | None) -> None:
+    if level is not None:
+        logging.basicConfig(format="%(asctime)s: %(levelname)s: %(name)s: %(message)s")
+        logging.getLogger("foundry").setLevel(level.upper())
+
+
+# ------------------------------------------------------------------------------- data convert
+def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
+    from foundry.data.convert import add_convert_arguments as add_arguments
+
+    add_arguments(parser)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    from foundry.data.convert import run_convert as run
+
+    return run(args)
+
+
+COMMANDS: dict[str, Command] = {
+    "train": Command("train a model from a YAML config", add_train_arguments, run_train),
+    "data convert": Command("tokenize text into streaming (MDS) shards", add_convert_arguments, run_convert),
+}
+GROUP_HELP = {"data": "prepare datasets"}
+
+
+# ------------------------------------------------------------------------------------- parser
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``foundry`` command; returns the exit code (2 with a one-paragraph message on a FoundryError)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(selected_command(argv))
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # overrides may follow options: `foundry train cfg.yaml --print-config a=1`
+        if not hasattr(args, "overrides") or any(token.startswith("-") for token in extra):
+            args.help_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides += extra
+    if args.run is None:
+        args.help_parser.print_help()
+        return 2
+    try:
+        return args.run(args)
+    except FoundryError as error:
+        if args.debug:
+            raise
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def selected_command(argv: Sequence[str]) -> str | None:
+    """The ``COMMANDS`` key that ``argv`` names, if any (options are skipped)."""
+    words = [token for token in argv if not token.startswith("-")]
+    for name in COMMANDS:
+        if words[: len(name.split())] == name.split():
+            return name
+    return None
+
+
+def build_parser(selected: str | None) -> argparse.ArgumentParser:
+    """The ``foundry`` parser; only ``selected`` gets its full arguments (and imports)."""
+    parser = argparse.ArgumentParser(prog="foundry", description="Train and evaluate LLMs. See `foundry COMMAND -h`.")
+    parser.add_argument("--debug", action="store_true", help="show full tracebacks for foundry's own errors")
+    parser.set_defaults(run=None, help_parser=parser)
+    groups = {(): parser.add_subparsers(title="commands", metavar="COMMAND")}
+    for name, command in COMMANDS.items():
+        words = tuple(name.split())
+        for depth in range(1, len(words)):
+            if words[:depth] not in groups:
+                group = groups[words[: depth - 1]].add_parser(words[depth - 1], help=GROUP_HELP.get(words[depth - 1]))
+                group.set_defaults(help_parser=group)
+                groups[words[:depth]] = group.add_subparsers(title="commands", metavar="COMMAND")
+        leaf = groups[words[:-1]].add_parser(
+            words[-1], help=command.help, description=command.help, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        leaf.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show full tracebacks")
+        leaf.set_defaults(run=command.run, help_parser=leaf)
+        if name == selected:
+            command.add_arguments(leaf)
+    return parser

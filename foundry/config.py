@@ -1,0 +1,390 @@
+"""YAML → typed config: LLM Foundry's train YAML schema, ``${...}`` interpolation and CLI overrides.
+
+Data flows one way: ``load_yaml`` reads the file, ``apply_overrides`` sets ``key.path=value`` pairs,
+``resolve_interpolations`` fills every ``${a.b.c}`` reference and drops ``variables``, and
+``foundry.schema.parse_dataclass`` turns the result into a ``TrainConfig``. The dataclasses below
+are the one place defaults live; builders and the CLI read them from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from foundry.core.time import Time
+from foundry.errors import ConfigError, did_you_mean
+from foundry.schema import parse_dataclass
+
+
+def doc(text: str) -> dict[str, str]:
+    """Field metadata: the one-line description ``foundry train --help`` prints for a key."""
+    return {"doc": text}
+
+
+@dataclasses.dataclass(kw_only=True)
+class TokenizerConfig:
+    name: str = field(metadata=doc("Hugging Face tokenizer name or local folder"))
+    kwargs: dict[str, Any] = field(default_factory=dict, metadata=doc("passed to the tokenizer's from_pretrained"))
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoaderConfig:
+    """A dataloader: ``name`` picks a registered builder; the other keys are its arguments."""
+
+    name: str = field(metadata=doc("registered dataloader, e.g. text"))
+    dataset: dict[str, Any] = field(
+        default_factory=dict, metadata=doc("the dataset's own keys (local, split, max_seq_len...)")
+    )
+    label: str | None = field(default=None, metadata=doc("eval metrics are logged as metrics/<label>/..."))
+    drop_last: bool = field(default=False, metadata=doc("drop the last incomplete batch"))
+    num_workers: int = field(default=0, metadata=doc("dataloader worker processes"))
+    pin_memory: bool = field(default=True, metadata=doc("page-locked host memory for faster copies to the GPU"))
+    prefetch_factor: int | None = field(
+        default=None, metadata=doc("batches each worker loads ahead (torch's default when None)")
+    )
+    persistent_workers: bool = field(
+        default=False, metadata=doc("keep workers alive between epochs (needs num_workers > 0)")
+    )
+    timeout: float = field(default=0.0, metadata=doc("seconds to wait for a batch from a worker (0 = forever)"))
+
+
+@dataclasses.dataclass(kw_only=True)
+class FSDPConfig:
+    """LLM Foundry's ``fsdp_config`` keys; validated here, applied by ``foundry.distributed``."""
+
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"] = (
+        field(default="FULL_SHARD", metadata=doc("how parameters, gradients and optimizer state are sharded"))
+    )
+    mixed_precision: Literal["DEFAULT", "PURE", "FULL"] = field(
+        default="DEFAULT", metadata=doc("FSDP parameter/reduce dtypes")
+    )
+    activation_checkpointing: bool = field(default=False, metadata=doc("recompute block activations in backward"))
+    activation_checkpointing_reentrant: bool = field(
+        default=True, metadata=doc("use reentrant activation checkpointing")
+    )
+    activation_cpu_offload: bool = field(default=False, metadata=doc("offload saved activations to the CPU"))
+    limit_all_gathers: bool = field(default=True, metadata=doc("rate-limit all-gathers to bound memory"))
+    sync_module_states: bool = field(default=False, metadata=doc("broadcast rank 0's weights at wrap time"))
+    use_orig_params: bool = field(default=True, metadata=doc("keep original parameters visible to the optimizer"))
+    state_dict_type: Literal["full", "sharded", "local"] = field(default="full", metadata=doc("checkpoint layout"))
+    forward_prefetch: bool = field(default=False, metadata=doc("prefetch the next all-gather in forward"))
+    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"] = field(
+        default="BACKWARD_POST", metadata=doc("in backward")
+    )
+    verbose: bool = field(default=False, metadata=doc("log how modules are wrapped"))
+    cpu_offload: bool = field(default=False, metadata=doc("keep parameters on the CPU between uses"))
+
+
+# Keys that belong to in-context-learning eval, which `foundry train` does not run yet.
+_ICL_KEYS = ("icl_tasks", "eval_gauntlet")
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainConfig:
+    """Everything ``foundry train`` reads from a YAML; names and meanings follow LLM Foundry."""
+
+    run_name: str | None = field(default=None, metadata=doc("default: $RUN_NAME, else foundry-<date>-<time>"))
+    seed: int = field(default=17, metadata=doc("seed for weights, data order and dropout"))
+    max_seq_len: int | None = field(
+        default=None, metadata=doc("for ${max_seq_len} references; the model and data have their own")
+    )
+    model: dict[str, Any] = field(metadata=doc("'name' picks a registered model; other keys go to it"))
+    tokenizer: TokenizerConfig = field(metadata=doc("tokenizer name and kwargs"))
+    train_loader: LoaderConfig = field(metadata=doc("training data"))
+    eval_loader: LoaderConfig | None = field(
+        default=None, metadata=doc("evaluation data; a list of loaders with labels also works")
+    )
+    eval_loaders: list[LoaderConfig] = field(default_factory=list, metadata=doc("several labelled eval loaders"))
+    optimizer: dict[str, Any] = field(metadata=doc("'name' picks a registered optimizer (decoupled_adamw, adamw...)"))
+    scheduler: dict[str, Any] | None = field(
+        default=None, metadata=doc("'name' picks an LR schedule; none = constant LR")
+    )
+    algorithms: dict[str, dict[str, Any] | None] = field(default_factory=dict, metadata=doc("name -> kwargs"))
+    callbacks: dict[str, dict[str, Any] | None] = field(default_factory=dict, metadata=doc("name -> kwargs"))
+    loggers: dict[str, dict[str, Any] | None] = field(
+        default_factory=dict, metadata=doc("name -> kwargs, e.g. wandb: {}")
+    )
+    max_duration: Time = field(metadata=doc("how long to train: 4800ba, 1ep, 2000000tok"))
+    eval_interval: Time = field(
+        default=Time.parse("1ep"), metadata=doc("how often to evaluate (a bare int counts batches)")
+    )
+    eval_first: bool = field(default=False, metadata=doc("evaluate before the first batch"))
+    eval_subset_num_batches: int = field(default=-1, metadata=doc("batches per evaluation (-1 = the whole eval set)"))
+    global_train_batch_size: int = field(metadata=doc("samples per optimizer step, summed over all devices"))
+    device_train_microbatch_size: int | Literal["auto"] | None = field(
+        default=None, metadata=doc("samples per forward/backward (gradients accumulate); none = the whole device batch")
+    )
+    device_eval_batch_size: int | None = field(default=None, metadata=doc("eval samples per device per batch"))
+    precision: Literal["fp32", "amp_bf16", "amp_fp16"] = field(default="amp_bf16", metadata=doc("compute precision"))
+    device: str | None = field(default=None, metadata=doc("cpu, cuda, ... (none = this rank's GPU if any)"))
+    fsdp_config: FSDPConfig | None = field(default=None, metadata=doc("FSDP settings for multi-GPU runs"))
+    dist_timeout: float = field(default=600.0, metadata=doc("seconds before a stuck collective fails"))
+    expandable_segments: bool = field(
+        default=True, metadata=doc("CUDA allocator expandable segments (less fragmentation)")
+    )
+    progress_bar: bool = field(default=False, metadata=doc("show a progress bar instead of log lines"))
+    log_to_console: bool = field(default=True, metadata=doc("print metrics to the console"))
+    console_log_interval: Time = field(default=Time.parse("1ba"), metadata=doc("how often metrics are printed"))
+    python_log_level: Literal["debug", "info", "warning", "error", "critical"] | None = field(
+        default="debug", metadata=doc("level of the 'foundry' Python logger")
+    )
+    run_folder: str = field(default="runs/{run_name}", metadata=doc("where metrics.jsonl goes"))
+    save_folder: str | None = field(default=None, metadata=doc("checkpoint folder; {run_name} is filled in"))
+    save_interval: Time = field(default=Time.parse("1000ba"), metadata=doc("how often to checkpoint"))
+    save_num_checkpoints_to_keep: int = field(default=-1, metadata=doc("newest checkpoints kept on disk (-1 = all)"))
+    save_overwrite: bool = field(default=False, metadata=doc("overwrite existing checkpoints"))
+    save_weights_only: bool = field(default=False, metadata=doc("save only model weights"))
+    load_path: str | None = field(default=None, metadata=doc("checkpoint to start from"))
+    load_weights_only: bool = field(default=False, metadata=doc("load only weights (fresh optimizer and schedule)"))
+    load_strict_model_weights: bool = field(default=True, metadata=doc("fail on missing or unexpected weight names"))
+    autoresume: bool = field(default=False, metadata=doc("resume from the newest checkpoint in save_folder"))
+    icl_tasks: str | list[dict[str, Any]] | None = field(
+        default=None, metadata=doc("in-context learning tasks (not supported yet)")
+    )
+    eval_gauntlet: str | dict[str, Any] | None = field(
+        default=None, metadata=doc("ICL eval gauntlet (not supported yet)")
+    )
+    icl_seq_len: int | None = field(default=None, metadata=doc("sequence length of ICL tasks"))
+
+    def __post_init__(self) -> None:
+        if self.run_name is None:
+            self.run_name = default_run_name()
+        reject_icl({key: getattr(self, key) for key in _ICL_KEYS})
+        for section in ("model", "optimizer", "scheduler"):
+            value = getattr(self, section)
+            if value is not None and not value.get("name"):
+                raise ConfigError(f"'{section}.name' is missing: every {section} section names what to build.")
+        if self.global_train_batch_size < 1:
+            raise ConfigError(f"'global_train_batch_size' is {self.global_train_batch_size}; it must be >= 1.")
+        if self.eval_loader is not None and self.eval_loaders:
+            raise ConfigError("Both 'eval_loader' and 'eval_loaders' are set; keep one (a list under 'eval_loader').")
+
+
+def default_run_name() -> str:
+    """``$RUN_NAME`` (or Composer's ``$COMPOSER_RUN_NAME``), else ``foundry-<date>-<time>``."""
+    return (
+        os.environ.get("RUN_NAME") or os.environ.get("COMPOSER_RUN_NAME") or f"foundry-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+
+
+def reject_icl(values: Mapping[str, Any]) -> None:
+    """ICL evaluation is a separate, later feature: say so instead of silently skipping it."""
+    for key in _ICL_KEYS:
+        if values.get(key) is not None:
+            raise ConfigError(
+                f"'{key}' (in-context learning evaluation) is not supported by `foundry train` yet. To train "
+                f"without it, delete '{key}' (and 'eval_gauntlet', 'icl_seq_len') from the YAML or pass {key}=null."
+            )
+
+
+# ------------------------------------------------------------------------------------ loading
+def load_train_config(path: str | Path, overrides: Sequence[str] = ()) -> tuple[TrainConfig, dict[str, Any]]:
+    """Read, override, interpolate and validate a train YAML.
+
+    Returns:
+        The typed config, and the resolved plain dict (``run_name`` filled in) for loggers and checkpoints.
+    """
+    raw = apply_overrides(load_yaml(path), overrides)
+    try:
+        resolved = resolve_interpolations(raw)
+        cfg = parse_dataclass(TrainConfig, _prepare(resolved), "")
+    except ConfigError as error:
+        raise ConfigError(f"{path}: {error}") from None
+    resolved["run_name"] = cfg.run_name
+    return cfg, resolved
+
+
+def _prepare(data: dict[str, Any]) -> dict[str, Any]:
+    """Top-level checks with better messages than a generic parse, before ``parse_dataclass`` runs."""
+    reject_icl(data)
+    hints = typing.get_type_hints(TrainConfig)
+    prepared = {}
+    for key, value in data.items():
+        if key not in hints:
+            raise ConfigError(
+                f"Unknown top-level key '{key}'.{did_you_mean(str(key), hints)} `foundry train --help` lists every "
+                "key. Values that other keys only reference (YAML anchors, ${...}) belong under 'variables'."
+            )
+        if key == "eval_loader" and isinstance(value, list):  # LLM Foundry's list form
+            if data.get("eval_loaders"):
+                raise ConfigError("Both 'eval_loader' and 'eval_loaders' are set; keep one.")
+            key = "eval_loaders"
+        section = _optional_dataclass(hints[key])
+        if value is None and type(None) not in typing.get_args(hints[key]):
+            continue  # an empty YAML value (`callbacks:`) means the default
+        # schema.coerce reports only the union's type when `X | None` fails; parse X here for the exact key.
+        prepared[key] = parse_dataclass(section, value, key) if section and isinstance(value, Mapping) else value
+    return prepared
+
+
+def _optional_dataclass(hint: Any) -> type | None:
+    options = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    if len(options) == 1 and dataclasses.is_dataclass(options[0]):
+        return options[0]
+    return None
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading ``1e-4`` as a float as YAML 1.2 and OmegaConf do (YAML 1.1 needs a dot)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """The YAML mapping in ``path``; anchors and aliases are expanded into independent copies."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"Config file '{path}' does not exist (looked in {path.resolve().parent}). Check the path.")
+    try:
+        data = yaml.load(path.read_text(), Loader=_Loader)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "an unknown line"
+        raise ConfigError(f"YAML syntax error in '{path}' at {where}: {error.problem}.") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"Cannot read '{path}' as YAML: {error}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"'{path}' must hold a mapping of keys at the top level, not a {type(data).__name__}.")
+    return _copy_tree(data)
+
+
+def _copy_tree(value: Any) -> Any:
+    """A deep copy that also unshares YAML aliases, so an override of one key never edits another."""
+    if isinstance(value, dict):
+        return {key: _copy_tree(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_copy_tree(item) for item in value]
+    return value
+
+
+# ---------------------------------------------------------------------------------- overrides
+def apply_overrides(cfg: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of ``cfg`` with each ``key.path=value`` set; the value is read as YAML (``[0.9,0.95]``, ``{}``)."""
+    updated = _copy_tree(dict(cfg))
+    for override in overrides:
+        key_path, sep, text = override.partition("=")
+        if not sep or not key_path.strip():
+            raise ConfigError(
+                f"Cannot read override '{override}': write key.path=value, e.g. optimizer.lr=3e-4, "
+                "optimizer.betas=[0.9,0.95] or loggers.wandb={}."
+            )
+        try:
+            value = yaml.load(text, Loader=_Loader)
+        except yaml.YAMLError:
+            raise ConfigError(
+                f"Cannot read the value of override '{override}' as YAML; quote it if it is text."
+            ) from None
+        _set_path(updated, key_path.strip().split("."), value, override)
+    return updated
+
+
+def _set_path(root: dict[str, Any], parts: list[str], value: Any, override: str) -> None:
+    """Set ``root[p0][p1]...`` creating mappings where keys are missing (or null); ``a.0.b`` indexes lists."""
+    node: Any = root
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"Override '{override}': '{part}' is not an index of the {len(node)}-item list.")
+            index: Any = int(part)
+        elif isinstance(node, dict):
+            index = part
+            if not last and node.get(part) is None:
+                node[part] = {}
+        else:
+            parent = ".".join(parts[:depth])
+            raise ConfigError(f"Override '{override}': '{parent}' is {node!r}, not a mapping, so it has no '{part}'.")
+        if last:
+            node[index] = value
+        else:
+            node = node[index]
+
+
+# ------------------------------------------------------------------------------ interpolation
+_REFERENCE = re.compile(r"\$\{([^${}]+)\}")
+
+
+def resolve_interpolations(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Replace every ``${a.b.c}`` with the value at that path, then drop ``variables``.
+
+    A value that is exactly one reference keeps the referenced value's type (int, list, mapping);
+    a reference inside text is substituted as text. References may chain; cycles are errors.
+    """
+    resolver = _Resolver(cfg)
+    return {key: resolver.resolve(value, str(key), ()) for key, value in cfg.items() if key != "variables"}
+
+
+class _Resolver:
+    def __init__(self, root: Mapping[str, Any]) -> None:
+        self.root = root
+
+    def resolve(self, value: Any, key_path: str, chain: tuple[str, ...]) -> Any:
+        if isinstance(value, dict):
+            return {key: self.resolve(item, f"{key_path}.{key}", chain) for key, item in value.items()}
+        if isinstance(value, list):
+            return [self.resolve(item, f"{key_path}.{index}", chain) for index, item in enumerate(value)]
+        if not isinstance(value, str) or "${" not in value:
+            return value
+        whole = _REFERENCE.fullmatch(value.strip())
+        if whole:
+            return self.follow(whole.group(1).strip(), key_path, chain)
+        return _REFERENCE.sub(lambda match: str(self.follow(match.group(1).strip(), key_path, chain)), value)
+
+    def follow(self, reference: str, key_path: str, chain: tuple[str, ...]) -> Any:
+        """The resolved value at ``reference``, which ``key_path`` refers to."""
+        chain = (*chain, key_path)
+        if any(path == reference or path.startswith(reference + ".") for path in chain):
+            raise ConfigError(f"Interpolation cycle: {' -> '.join((*chain, reference))}. Break the loop.")
+        return self.resolve(self.lookup(reference, key_path), reference, chain)
+
+    def lookup(self, reference: str, key_path: str) -> Any:
+        node: Any = self.root
+        parts = reference.split(".")
+        for depth, part in enumerate(parts):
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                missing = ".".join(parts[: depth + 1])
+                hint = did_you_mean(part, map(str, node)) if isinstance(node, dict) else ""
+                raise ConfigError(
+                    f"'{key_path}' refers to '${{{reference}}}', but '{missing}' does not exist.{hint} "
+                    "Fix the reference or define the value (e.g. under 'variables')."
+                )
+        return node
+
+
+# ----------------------------------------------------------------------------------- printing
+def config_to_dict(cfg: Any) -> Any:
+    """A plain YAML-ready copy of a config: dataclasses become dicts, ``Time`` becomes ``'100ba'``."""
+    if isinstance(cfg, Time):
+        return str(cfg)
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {field.name: config_to_dict(getattr(cfg, field.name)) for field in dataclasses.fields(cfg)}
+    if isinstance(cfg, Mapping):
+        return {key: config_to_dict(value) for key, value in cfg.items()}
+    if isinstance(cfg, list | tuple):
+        return [config_to_dict(value) for value in cfg]
+    return cfg
+
+
+def to_yaml(cfg: Any) -> str:
+    """``cfg`` (a config or plain dict) as YAML that ``foundry train`` reads back to the same config."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)

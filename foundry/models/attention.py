@@ -1,0 +1,321 @@
+"""Causal self-attention with LLM Foundry's ``attn_config``: MHA/GQA/MQA, RoPE, ALiBi, QK norm, clipping.
+
+Three kernels compute the same thing, chosen by ``attn_impl``:
+
+- ``sdpa``: ``F.scaled_dot_product_attention``; torch picks the fastest backend that can run.
+- ``flash``: the same call restricted to the FlashAttention backend (CUDA, fp16/bf16, no mask).
+- ``torch``: the explicit math, ``softmax(QK^T * scale + bias + mask) V`` in fp32; the reference.
+
+Masks and biases that every layer shares (padding, sliding window, ALiBi, RoPE angles) are built
+once per forward by ``build_attention_inputs``. A kernel that cannot apply one of them raises; none
+is ever dropped. To add a kernel (e.g. Triton in ``foundry/kernels``), register a function with the
+signature of ``torch_attention`` in ``ATTENTION_IMPLS`` before building the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from foundry.errors import ConfigError
+from foundry.models.layers import NormType, alibi_slopes, apply_rope, build_norm, rope_cos_sin
+
+AttnType = Literal["multihead_attention", "grouped_query_attention", "multiquery_attention"]
+AttnImpl = Literal["sdpa", "flash", "torch", "triton"]
+_KEY = "model.attn_config"
+
+
+@dataclasses.dataclass
+class RopeDailConfig:
+    """``attn_config.rope_dail_config``; only the plain rotary form is implemented."""
+
+    type: Literal["original", "xpos"] = "original"
+    pos_idx_in_fp32: bool = True
+    xpos_scale_base: float = 512
+
+
+@dataclasses.dataclass
+class RopeHFConfig:
+    """``attn_config.rope_hf_config``: HF rotary scaling beyond the training length."""
+
+    type: Literal["no_scaling", "linear", "dynamic"] = "no_scaling"
+    factor: float = 1.0
+
+
+@dataclasses.dataclass
+class AttnConfig:
+    """``model.attn_config``, with LLM Foundry's keys and defaults except ``attn_impl``.
+
+    LLM Foundry defaults to ``flash`` (the flash-attn package); ours is ``sdpa``, which runs
+    FlashAttention on a GPU when it can and works everywhere else.
+    """
+
+    attn_type: AttnType = "multihead_attention"
+    attn_impl: AttnImpl = "sdpa"
+    attn_pdrop: float = 0.0
+    kv_n_heads: int | None = None  # grouped_query_attention only; MHA uses n_heads, MQA 1
+    qk_ln: bool = False  # LayerNorm over all of q and of k
+    qk_gn: bool = False  # the same norm per head (shared weights of size head_dim)
+    clip_qkv: float | None = None
+    softmax_scale: float | None = None  # None: 1 / sqrt(head_dim)
+    sliding_window_size: int = -1  # query i sees keys i - window .. i; -1: off
+    alibi: bool = False
+    alibi_bias_max: float = 8
+    rope: bool = False
+    rope_theta: float = 10000
+    rope_impl: Literal["dail", "hf"] = "dail"
+    rope_dail_config: RopeDailConfig = dataclasses.field(default_factory=RopeDailConfig)
+    rope_hf_config: RopeHFConfig = dataclasses.field(default_factory=RopeHFConfig)
+    attn_uses_sequence_id: bool = False
+    prefix_lm: bool = False
+    fused_qkv: bool = True
+    attn_logit_softcapping: float | None = None
+    kv_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        self._check_not_yet_supported()
+        if not 0.0 <= self.attn_pdrop <= 1.0:
+            raise ConfigError(f"'{_KEY}.attn_pdrop' is {self.attn_pdrop}; it is a probability in [0, 1].")
+        if self.qk_ln and self.qk_gn:
+            raise ConfigError(f"'{_KEY}.qk_ln' and '{_KEY}.qk_gn' are both true; set at most one.")
+        if self.sliding_window_size < -1:
+            raise ConfigError(f"'{_KEY}.sliding_window_size' is {self.sliding_window_size}; use -1 (off) or >= 0.")
+        if self.attn_impl not in ATTENTION_IMPLS:
+            raise ConfigError(
+                f"'{_KEY}.attn_impl' is {self.attn_impl!r}, whose kernel is not in this build (a Triton kernel "
+                f"will register itself in foundry.models.attention.ATTENTION_IMPLS); use 'sdpa'."
+            )
+        if self.attn_impl == "flash" and (self.alibi or self.sliding_window_size != -1):
+            feature = "alibi" if self.alibi else "sliding_window_size"
+            raise ConfigError(
+                f"'{_KEY}.{feature}' needs an additive attention bias or mask, which the FlashAttention backend "
+                f"of SDPA cannot take; set '{_KEY}.attn_impl' to 'sdpa' (or 'torch')."
+            )
+
+    def _check_not_yet_supported(self) -> None:
+        """LLM Foundry values foundry does not implement fail here rather than being ignored."""
+        unsupported = {
+            "attn_uses_sequence_id": (self.attn_uses_sequence_id, "until sequence packing lands; set it to false"),
+            "prefix_lm": (self.prefix_lm, "prefix-LM masking is not implemented; set it to false"),
+            "fused_qkv": (not self.fused_qkv, "only the fused Wqkv projection exists; set it to true"),
+            "attn_logit_softcapping": (self.attn_logit_softcapping is not None, "is not implemented; remove it"),
+            "kv_dim": (self.kv_dim is not None, "(cross-attention) is not implemented; remove it"),
+            "rope_dail_config.type": (self.rope_dail_config.type != "original", "'xpos' is not implemented"),
+            "rope_dail_config.pos_idx_in_fp32": (not self.rope_dail_config.pos_idx_in_fp32, "must be true"),
+            "rope_hf_config.type": (self.rope_hf_config.type == "dynamic", "'dynamic' is not implemented"),
+        }
+        for key, (is_set, fix) in unsupported.items():
+            if is_set:
+                raise ConfigError(f"'{_KEY}.{key}' is not supported by foundry {fix}.")
+
+    def resolve_kv_n_heads(self, n_heads: int) -> int:
+        """How many key/value heads ``attn_type`` gives ``n_heads`` query heads."""
+        if self.attn_type == "multiquery_attention":
+            kv_n_heads = 1
+        elif self.attn_type == "multihead_attention":
+            kv_n_heads = n_heads
+        elif self.kv_n_heads is None:
+            raise ConfigError(f"'{_KEY}.attn_type' is grouped_query_attention; set '{_KEY}.kv_n_heads'.")
+        else:
+            kv_n_heads = self.kv_n_heads
+        if self.kv_n_heads is not None and self.kv_n_heads != kv_n_heads:
+            raise ConfigError(
+                f"'{_KEY}.kv_n_heads' is {self.kv_n_heads} but {self.attn_type} uses {kv_n_heads}; "
+                f"set '{_KEY}.attn_type: grouped_query_attention' to choose the number of key/value heads."
+            )
+        if not 0 < kv_n_heads <= n_heads or n_heads % kv_n_heads:
+            raise ConfigError(f"'{_KEY}.kv_n_heads' ({kv_n_heads}) must divide 'model.n_heads' ({n_heads}).")
+        return kv_n_heads
+
+
+# ----------------------------------------------------------------------------- per-forward inputs
+
+
+@dataclasses.dataclass
+class AttentionInputs:
+    """What all layers of one forward share; built once by ``build_attention_inputs``."""
+
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin: (batch or 1, seq, 1, head_dim) fp32
+    allowed: torch.Tensor | None = None  # (batch or 1, 1, seq, seq) bool, True = may attend; None = causal
+    bias: torch.Tensor | None = None  # ALiBi, (1, n_heads, seq, seq) fp32
+
+    def causal_allowed(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        if self.allowed is not None:
+            return self.allowed
+        return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
+
+
+def build_attention_inputs(
+    config: AttnConfig,
+    n_heads: int,
+    head_dim: int,
+    seq_len: int,
+    positions: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+) -> AttentionInputs:
+    """Masks, ALiBi bias and RoPE angles for a batch.
+
+    Args:
+        positions: (batch or 1, seq) position of each token, used for RoPE.
+        key_padding_mask: (batch, seq) bool, True = real token; None when there is no padding.
+    """
+    device = positions.device
+    inputs = AttentionInputs()
+    if config.rope:
+        hf_linear = config.rope_impl == "hf" and config.rope_hf_config.type == "linear"
+        position_scale = config.rope_hf_config.factor if hf_linear else 1.0
+        inputs.rope = rope_cos_sin(positions, head_dim, config.rope_theta, position_scale)
+    query_pos = torch.arange(seq_len, device=device)[:, None]
+    distance = query_pos - torch.arange(seq_len, device=device)[None, :]  # (seq, seq): i - j
+    if config.alibi:
+        inputs.bias = (-distance.float() * alibi_slopes(n_heads, config.alibi_bias_max, device)[:, None, None])[None]
+    if config.alibi or config.sliding_window_size >= 0 or key_padding_mask is not None:
+        allowed = distance >= 0
+        if config.sliding_window_size >= 0:
+            allowed &= distance <= config.sliding_window_size
+        allowed = allowed[None, None]
+        if key_padding_mask is not None:
+            # A padding query may see itself, so no row is all-masked (a NaN that would leak into
+            # real tokens through 0 * NaN); its output is never used.
+            diagonal = distance == 0
+            allowed = (allowed & key_padding_mask[:, None, None, :].bool()) | diagonal
+        inputs.allowed = allowed
+    return inputs
+
+
+# ----------------------------------------------------------------------------- kernels
+# Each takes q (batch, n_heads, seq, head_dim), k and v (batch, kv_n_heads, seq, head_dim)
+# and returns (batch, n_heads, seq, head_dim) in q's dtype.
+
+
+def repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(batch, kv_heads, seq, d) -> (batch, n_heads, seq, d); kv head g serves query heads g*r .. g*r+r-1."""
+    return x.repeat_interleave(n_heads // x.shape[1], dim=1) if x.shape[1] != n_heads else x
+
+
+def torch_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, scale: float, dropout_p: float
+) -> torch.Tensor:
+    """The explicit math in fp32 (autocast off): the reference the fast kernels are tested against."""
+    n_heads, seq_len = q.shape[1], q.shape[2]
+    with torch.autocast(q.device.type, enabled=False):
+        k, v = repeat_kv(k.float(), n_heads), repeat_kv(v.float(), n_heads)
+        scores = q.float() @ k.transpose(-2, -1) * scale  # (batch, n_heads, seq, seq)
+        if inputs.bias is not None:
+            scores = scores + inputs.bias
+        scores = scores.masked_fill(~inputs.causal_allowed(seq_len, q.device), float("-inf"))
+        probs = F.dropout(scores.softmax(dim=-1), p=dropout_p)
+        return (probs @ v).to(q.dtype)
+
+
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, scale: float, dropout_p: float
+) -> torch.Tensor:
+    mask = None
+    if inputs.bias is not None:  # ALiBi is additive; SDPA wants it in q's dtype
+        mask = inputs.bias.to(q.dtype).masked_fill(~inputs.causal_allowed(q.shape[2], q.device), float("-inf"))
+    elif inputs.allowed is not None:
+        mask = inputs.allowed
+    if mask is not None:  # enable_gqa keeps SDPA off the mask-capable efficient backend; expand instead
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=mask is None, scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )  # fmt: skip
+
+
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, scale: float, dropout_p: float
+) -> torch.Tensor:
+    """SDPA pinned to FlashAttention: fails loudly instead of falling back to a slower backend."""
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        raise ConfigError(
+            f"'{_KEY}.attn_impl' is 'flash', which needs a CUDA GPU and fp16/bf16 activations "
+            f"(precision: amp_bf16); this forward ran on {q.device.type} in {q.dtype}. Use attn_impl 'sdpa'."
+        )
+    if inputs.allowed is not None or inputs.bias is not None:
+        raise ConfigError(
+            f"'{_KEY}.attn_impl' is 'flash', which cannot mask padding, but this batch's attention_mask has "
+            f"padding. Use attn_impl 'sdpa', or feed unpadded (packed) batches."
+        )
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+            )
+    except RuntimeError as error:
+        raise ConfigError(
+            f"'{_KEY}.attn_impl' is 'flash' but FlashAttention cannot run this input "
+            f"(head_dim {q.shape[-1]}, {q.dtype}, {torch.cuda.get_device_name(q.device)}): {error} Use 'sdpa'."
+        ) from error
+
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionInputs, float, float], torch.Tensor]
+ATTENTION_IMPLS: dict[str, AttentionFn] = {"sdpa": sdpa_attention, "flash": flash_attention, "torch": torch_attention}
+
+
+# ----------------------------------------------------------------------------- module
+
+
+class Attention(nn.Module):
+    """Causal self-attention with a fused Wqkv projection (LLM Foundry's GroupedQueryAttention).
+
+    Parameter names (``Wqkv``, ``out_proj``, ``q_ln``, ``k_ln``) match LLM Foundry's, so checkpoints map 1:1.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        config: AttnConfig,
+        norm_type: NormType = "low_precision_layernorm",
+        norm_eps: float = 1e-5,
+        bias: bool = True,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.n_heads = n_heads
+        self.kv_n_heads = config.resolve_kv_n_heads(n_heads)
+        self.head_dim = d_model // n_heads
+        self.softmax_scale = 1 / math.sqrt(self.head_dim) if config.softmax_scale is None else config.softmax_scale
+        self.attn_fn = ATTENTION_IMPLS[config.attn_impl]
+        kv_dim = self.kv_n_heads * self.head_dim
+        self.Wqkv = nn.Linear(d_model, d_model + 2 * kv_dim, bias=bias)
+        self.Wqkv.init_chunk_rows = self.head_dim  # init.py inits each head's slice as its own matrix
+        if config.qk_ln or config.qk_gn:
+            self.q_ln = build_norm(norm_type, self.head_dim if config.qk_gn else d_model, norm_eps, bias)
+            self.k_ln = build_norm(norm_type, self.head_dim if config.qk_gn else kv_dim, norm_eps, bias)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.out_proj.is_residual_output = True  # init.py scales it down by depth
+
+    def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        batch, seq_len, d_model = x.shape
+        qkv = self.Wqkv(x)  # (batch, seq, d_model + 2 * kv_dim)
+        if self.config.clip_qkv is not None:
+            qkv = qkv.clamp(min=-self.config.clip_qkv, max=self.config.clip_qkv)
+        kv_dim = self.kv_n_heads * self.head_dim
+        q, k, v = qkv.split([d_model, kv_dim, kv_dim], dim=-1)
+        q = q.reshape(batch, seq_len, self.n_heads, self.head_dim)
+        k = k.reshape(batch, seq_len, self.kv_n_heads, self.head_dim)
+        v = v.reshape(batch, seq_len, self.kv_n_heads, self.head_dim)
+        if self.config.qk_ln or self.config.qk_gn:
+            q, k = self._qk_norm(q, self.q_ln), self._qk_norm(k, self.k_ln)
+        if inputs.rope is not None:
+            q, k = apply_rope(q, *inputs.rope), apply_rope(k, *inputs.rope)
+        dropout_p = self.config.attn_pdrop if self.training else 0.0
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (batch, heads, seq, head_dim)
+        out = self.attn_fn(q, k, v, inputs, self.softmax_scale, dropout_p)
+        return self.out_proj(out.transpose(1, 2).reshape(batch, seq_len, d_model))
+
+    def _qk_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        """qk_ln normalises all heads together, qk_gn each head; x is (batch, seq, heads, head_dim)."""
+        if self.config.qk_gn:
+            return norm(x).to(x.dtype)
+        return norm(x.flatten(2)).to(x.dtype).view_as(x)

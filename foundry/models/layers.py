@@ -1,0 +1,205 @@
+"""Layers every decoder-only family shares: norms, feed-forward networks and positional encodings.
+
+Semantics follow LLM Foundry (``llmfoundry/models/layers/{norm,ffn}.py`` and the rotary/ALiBi code
+of ``attention.py``) so that its YAMLs and checkpoints mean the same thing here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from foundry.errors import ConfigError
+
+NormType = Literal["layernorm", "low_precision_layernorm", "rmsnorm", "low_precision_rmsnorm"]
+
+
+# ----------------------------------------------------------------------------- norms
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes in on ``device_type``, or None outside autocast."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+class LowPrecisionLayerNorm(nn.LayerNorm):
+    """LayerNorm that runs in the autocast dtype instead of fp32 (LLM Foundry's LPLayerNorm).
+
+    Autocast runs ``layer_norm`` in fp32; MPT trains with it in bf16 to save memory bandwidth.
+    Outside autocast it is a plain LayerNorm.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = _autocast_dtype(x.device.type)
+        if dtype is None:
+            return super().forward(x)
+        weight = self.weight.to(dtype) if self.weight is not None else None
+        bias = self.bias.to(dtype) if self.bias is not None else None
+        with torch.autocast(x.device.type, enabled=False):
+            return F.layer_norm(x.to(dtype), self.normalized_shape, weight, bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in fp32 and cast back to the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x.float(), self.weight).to(x.dtype)
+
+
+class LowPrecisionRMSNorm(RMSNorm):
+    """RMSNorm in the autocast dtype (LLM Foundry's LPRMSNorm); fp32 outside autocast."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = _autocast_dtype(x.device.type)
+        if dtype is None:
+            return super().forward(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return self._norm(x.to(dtype), self.weight.to(dtype)).to(x.dtype)
+
+
+def build_norm(norm_type: NormType, dim: int, eps: float = 1e-5, bias: bool = True) -> nn.Module:
+    """A norm over the last ``dim`` features; ``bias`` applies to the LayerNorms only."""
+    if norm_type == "layernorm":
+        return nn.LayerNorm(dim, eps=eps, bias=bias)
+    if norm_type == "low_precision_layernorm":
+        return LowPrecisionLayerNorm(dim, eps=eps, bias=bias)
+    if norm_type == "rmsnorm":
+        return RMSNorm(dim, eps=eps)
+    if norm_type == "low_precision_rmsnorm":
+        return LowPrecisionRMSNorm(dim, eps=eps)
+    raise ConfigError(f"Unknown norm_type {norm_type!r}; use one of {', '.join(NormType.__args__)}.")
+
+
+# ----------------------------------------------------------------------------- feed-forward
+
+
+@dataclasses.dataclass
+class ActFnConfig:
+    """``ffn_config.ffn_act_fn``: a ``torch.nn.functional`` activation by name."""
+
+    name: Literal["gelu", "silu", "relu"] = "gelu"
+    approximate: Literal["none", "tanh"] = "none"
+
+    def __post_init__(self) -> None:
+        if self.approximate != "none" and self.name != "gelu":
+            raise ConfigError(
+                f"'model.ffn_config.ffn_act_fn.approximate' is {self.approximate!r} but only gelu has an "
+                f"approximate form; remove it for {self.name!r}."
+            )
+
+
+@dataclasses.dataclass
+class FFNConfig:
+    """``model.ffn_config``: LLM Foundry's dense feed-forward types."""
+
+    ffn_type: Literal["mptmlp", "mptglu"] = "mptmlp"
+    ffn_act_fn: ActFnConfig = dataclasses.field(default_factory=ActFnConfig)
+    ffn_hidden_size: int | None = None  # overrides d_model * expansion_ratio
+
+
+def ffn_hidden_size(d_model: int, expansion_ratio: float, config: FFNConfig) -> int:
+    """``ffn_hidden_size`` if set, else ``d_model * expansion_ratio``, which must be a whole number."""
+    if config.ffn_hidden_size is not None:
+        return config.ffn_hidden_size
+    hidden = d_model * expansion_ratio
+    if not float(hidden).is_integer():
+        raise ConfigError(
+            f"'model.d_model' * 'model.expansion_ratio' = {d_model} * {expansion_ratio} = {hidden} is not a "
+            f"whole number; change expansion_ratio or set 'model.ffn_config.ffn_hidden_size'."
+        )
+    return int(hidden)
+
+
+class MLP(nn.Module):
+    """``down(act(up(x)))``: LLM Foundry's ``mptmlp``."""
+
+    def __init__(self, d_model: int, hidden: int, act: ActFnConfig, bias: bool = True) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(d_model, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, d_model, bias=bias)
+        self.down_proj.is_residual_output = True  # init.py scales it down by depth
+        self.act_name, self.act_approximate = act.name, act.approximate
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_name == "gelu":
+            return F.gelu(x, approximate=self.act_approximate)
+        return F.silu(x) if self.act_name == "silu" else F.relu(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class GLU(MLP):
+    """``down(act(gate(x)) * up(x))``: LLM Foundry's ``mptglu`` (SwiGLU with ``silu``)."""
+
+    def __init__(self, d_model: int, hidden: int, act: ActFnConfig, bias: bool = True) -> None:
+        super().__init__(d_model, hidden, act, bias)
+        self.gate_proj = nn.Linear(d_model, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+def build_ffn(config: FFNConfig, d_model: int, expansion_ratio: float, bias: bool = True) -> MLP:
+    hidden = ffn_hidden_size(d_model, expansion_ratio, config)
+    ffn_class = GLU if config.ffn_type == "mptglu" else MLP
+    return ffn_class(d_model, hidden, config.ffn_act_fn, bias=bias)
+
+
+# ----------------------------------------------------------------------------- positions
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, position_scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles, in fp32, each (batch or 1, seq, 1, head_dim).
+
+    ``position_scale`` > 1 is HF's linear RoPE scaling (positions divided by the factor).
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    angles = (positions.float() / position_scale)[..., None] * inv_freq  # (batch, seq, head_dim / 2)
+    angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (batch, seq, heads, head_dim) by position, half-split (GPT-NeoX) layout.
+
+    The layout both of LLM Foundry's rope_impls use (HF ``rotate_half``; DAIL with
+    ``interleaved=False``). Computed in fp32, returned in ``x``'s dtype.
+    """
+    x32 = x.float()
+    first, second = x32.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+def alibi_slopes(n_heads: int, alibi_bias_max: float = 8.0, device: torch.device | None = None) -> torch.Tensor:
+    """Per-head ALiBi slopes (n_heads,), LLM Foundry's ``gen_slopes``.
+
+    For a power-of-two head count the slopes are 2^(-alibi_bias_max * h / n_heads), h = 1..n_heads.
+    Otherwise they are computed for the next power of two and every other one is taken (odd
+    positions first), as HF and FasterTransformer do.
+    """
+    padded_heads = 2 ** math.ceil(math.log2(n_heads))
+    exponents = torch.arange(1, padded_heads + 1, dtype=torch.float32, device=device) * (alibi_bias_max / padded_heads)
+    slopes = 1.0 / torch.pow(2, exponents)
+    if padded_heads != n_heads:
+        slopes = torch.cat([slopes[1::2], slopes[::2]])[:n_heads]
+    return slopes

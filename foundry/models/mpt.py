@@ -1,0 +1,260 @@
+"""MPT, LLM Foundry's decoder-only transformer: ``model.name: mpt_causal_lm``.
+
+Pre-norm blocks, ``x + attn(norm_1(x))`` then ``x + ffn(norm_2(x))``, a final norm and (by default)
+an output projection tied to the token embedding. Config keys, defaults and parameter names match
+LLM Foundry's ``MPTConfig`` / ``MPTForCausalLM`` (``transformer.wte``, ``transformer.blocks.0.attn.Wqkv``,
+...), so YAMLs carry over unchanged and checkpoints map one to one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from foundry import registry
+from foundry.distributed.env import get_local_rank
+from foundry.errors import ConfigError
+from foundry.models import flops
+from foundry.models.attention import Attention, AttentionInputs, AttnConfig, build_attention_inputs
+from foundry.models.base import CausalLM
+from foundry.models.init import InitConfig, InitName, init_weights_
+from foundry.models.layers import FFNConfig, NormType, build_ffn, build_norm, ffn_hidden_size
+from foundry.schema import parse_dataclass
+
+_KEY = "model"
+
+
+@dataclasses.dataclass
+class MPTConfig:
+    """The ``model`` section of an LLM Foundry MPT YAML, with LLM Foundry's defaults.
+
+    Two defaults differ on purpose: ``attn_config.attn_impl`` is ``sdpa`` (LLM Foundry: ``flash``,
+    from the flash-attn package) and ``loss_fn`` is ``torch_crossentropy`` (LLM Foundry:
+    ``fused_crossentropy``, not implemented yet). As in LLM Foundry, ``alibi`` or ``rope`` turns
+    ``learned_pos_emb`` off.
+    """
+
+    d_model: int = 2048
+    n_heads: int = 16
+    n_layers: int = 24
+    expansion_ratio: float = 4
+    max_seq_len: int = 2048
+    vocab_size: int = 50368
+    resid_pdrop: float = 0.0
+    emb_pdrop: float = 0.0
+    embedding_fraction: float = 1.0  # < 1 scales the embedding's gradient (GLM-130B)
+    learned_pos_emb: bool = True
+    attn_config: AttnConfig = dataclasses.field(default_factory=AttnConfig)
+    ffn_config: FFNConfig = dataclasses.field(default_factory=FFNConfig)
+    init_config: InitConfig = dataclasses.field(default_factory=InitConfig)
+    param_init_fn: InitName | None = None  # LLM Foundry's alias of init_config.name
+    init_device: str = "cpu"  # 'cpu', 'meta', 'mixed' (cpu on local rank 0, meta elsewhere), 'cuda', ...
+    logit_scale: float | Literal["inv_sqrt_d_model"] | None = None
+    no_bias: bool = False
+    norm_type: NormType = "low_precision_layernorm"
+    norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    use_cache: bool = False  # generation-time KV cache; training ignores it, as in LLM Foundry
+    loss_fn: Literal["torch_crossentropy", "fused_crossentropy"] = "torch_crossentropy"
+    fc_type: str | dict[str, Any] = "torch"
+    use_pad_tok_in_ffn: bool = True
+
+    def __post_init__(self) -> None:
+        self._check_shapes()
+        self._check_not_yet_supported()
+        for key in ("resid_pdrop", "emb_pdrop"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"'{_KEY}.{key}' is {getattr(self, key)}; it is a probability in [0, 1].")
+        if not 0.0 < self.embedding_fraction <= 1.0:
+            raise ConfigError(f"'{_KEY}.embedding_fraction' is {self.embedding_fraction}; it must be in (0, 1].")
+        if self.param_init_fn is not None and self.param_init_fn != self.init_config.name:
+            if self.init_config.name != InitConfig.name:
+                raise ConfigError(
+                    f"'{_KEY}.param_init_fn' ({self.param_init_fn}) and '{_KEY}.init_config.name' "
+                    f"({self.init_config.name}) disagree; keep only init_config.name."
+                )
+            self.init_config = dataclasses.replace(self.init_config, name=self.param_init_fn)
+        if self.learned_pos_emb and (self.attn_config.alibi or self.attn_config.rope):
+            message = "alibi or rope is on, so 'model.learned_pos_emb' is turned off; set it to false to say so."
+            warnings.warn(message, stacklevel=3)
+            self.learned_pos_emb = False
+        init_device(self.init_device)  # fails early on a bad device name
+
+    def _check_shapes(self) -> None:
+        for key in ("d_model", "n_heads", "n_layers", "max_seq_len", "vocab_size"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"'{_KEY}.{key}' is {getattr(self, key)}; it must be positive.")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"'{_KEY}.d_model' ({self.d_model}) must be divisible by 'n_heads' ({self.n_heads}).")
+        if self.attn_config.rope and self.head_dim % 2:
+            raise ConfigError(f"rope needs an even head dim (d_model / n_heads), got {self.head_dim}.")
+        self.attn_config.resolve_kv_n_heads(self.n_heads)
+        ffn_hidden_size(self.d_model, self.expansion_ratio, self.ffn_config)
+
+    def _check_not_yet_supported(self) -> None:
+        if self.loss_fn == "fused_crossentropy":
+            raise ConfigError(
+                f"'{_KEY}.loss_fn: fused_crossentropy' is not implemented in foundry yet; use "
+                f"'torch_crossentropy' (the same loss, unfused)."
+            )
+        fc_name = self.fc_type.get("name") if isinstance(self.fc_type, Mapping) else self.fc_type
+        if fc_name != "torch":
+            raise ConfigError(f"'{_KEY}.fc_type' is {fc_name!r}; only 'torch' (nn.Linear) is supported.")
+        if not self.use_pad_tok_in_ffn:
+            raise ConfigError(f"'{_KEY}.use_pad_tok_in_ffn: false' (unpadding) is not supported; remove it.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def resolved_logit_scale(self) -> float | None:
+        """PaLM's 1/sqrt(d_model) for 'inv_sqrt_d_model', else the number (or None)."""
+        if self.logit_scale == "inv_sqrt_d_model":
+            return 1 / math.sqrt(self.d_model)
+        return self.logit_scale
+
+
+def init_device(name: str) -> torch.device:
+    """The device parameters are created on; 'mixed' is cpu on each node's rank 0 and meta elsewhere."""
+    if name == "mixed":
+        return torch.device("cpu" if get_local_rank() == 0 else "meta")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"'{_KEY}.init_device' is {name!r}; use 'cpu', 'meta', 'mixed' or a torch device.") from None
+
+
+class MPTBlock(nn.Module):
+    def __init__(self, config: MPTConfig) -> None:
+        super().__init__()
+        bias = not config.no_bias
+        self.norm_1 = build_norm(config.norm_type, config.d_model, config.norm_eps, bias)
+        self.attn = Attention(
+            config.d_model, config.n_heads, config.attn_config, config.norm_type, config.norm_eps, bias
+        )
+        self.norm_2 = build_norm(config.norm_type, config.d_model, config.norm_eps, bias)
+        self.ffn = build_ffn(config.ffn_config, config.d_model, config.expansion_ratio, bias)
+        self.resid_attn_dropout = nn.Dropout(config.resid_pdrop)
+        self.resid_ffn_dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, x: torch.Tensor, attn_inputs: AttentionInputs) -> torch.Tensor:
+        x = x + self.resid_attn_dropout(self.attn(self.norm_1(x), attn_inputs))
+        return x + self.resid_ffn_dropout(self.ffn(self.norm_2(x)))
+
+
+class MPTTransformer(nn.Module):
+    """Embeddings, blocks and the final norm: token ids -> hidden states (batch, seq, d_model)."""
+
+    def __init__(self, config: MPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.wpe = nn.Embedding(config.max_seq_len, config.d_model) if config.learned_pos_emb else None
+        self.emb_drop = nn.Dropout(config.emb_pdrop)
+        self.blocks = nn.ModuleList(MPTBlock(config) for _ in range(config.n_layers))
+        self.norm_f = build_norm(config.norm_type, config.d_model, config.norm_eps, not config.no_bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        config = self.config
+        seq_len = input_ids.shape[1]
+        if seq_len > config.max_seq_len:
+            raise ConfigError(
+                f"A batch has sequences of {seq_len} tokens but 'model.max_seq_len' is {config.max_seq_len}; "
+                f"raise max_seq_len or shorten the dataset's max_seq_len."
+            )
+        padding = _key_padding_mask(attention_mask)
+        positions = torch.arange(seq_len, device=input_ids.device)[None]  # (1, seq)
+        # Left padding shifts each row's positions so its first real token is at 0 (as LLM Foundry).
+        shifted = positions if padding is None else (positions - (~padding).cumsum(dim=1)).clamp(min=0)
+        x = self.wte(input_ids)  # (batch, seq, d_model)
+        if self.wpe is not None:
+            x = x + self.wpe(shifted)
+        if config.embedding_fraction < 1:
+            x = x * config.embedding_fraction + x.detach() * (1 - config.embedding_fraction)
+        x = self.emb_drop(x)
+        attn = config.attn_config
+        rope_positions = shifted if attn.rope_impl == "hf" else positions  # DAIL rope ignores padding
+        attn_inputs = build_attention_inputs(attn, config.n_heads, config.head_dim, seq_len, rope_positions, padding)
+        for block in self.blocks:
+            x = block(x, attn_inputs)
+        return self.norm_f(x)
+
+
+def _key_padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """(batch, seq) bool, True = real token; None when nothing is padded.
+
+    Checking for padding costs one host sync, but an unpadded batch then runs plain causal
+    attention (SDPA's flash path) instead of a masked one. Omit attention_mask to skip the check.
+    """
+    if attention_mask is None:
+        return None
+    mask = attention_mask.bool()
+    return None if bool(mask.all()) else mask
+
+
+@registry.models.register("mpt_causal_lm")
+class MPTCausalLM(CausalLM):
+    """MPT as a next-token predictor: ``forward(batch)`` returns logits (batch, seq, vocab).
+
+    Build from an ``MPTConfig`` or from the YAML keys directly::
+
+        MPTCausalLM(d_model=768, n_heads=12, n_layers=12, attn_config={"alibi": True})
+
+    Parameters are created on the meta device and then materialised on ``init_device`` and
+    initialised by ``init_weights()``; with ``init_device: meta`` that is left to the caller
+    (``model.to_empty(device=...)`` then ``model.init_weights()``), e.g. after FSDP sharding.
+    """
+
+    def __init__(self, config: MPTConfig | Mapping[str, Any] | None = None, **config_keys: Any) -> None:
+        super().__init__()
+        if config is not None and config_keys:
+            raise ConfigError("Pass MPTCausalLM either an MPTConfig or its keys as keyword arguments, not both.")
+        self.config = parse_dataclass(MPTConfig, config if config is not None else config_keys, _KEY)
+        self.logit_scale = self.config.resolved_logit_scale
+        with torch.device("meta"):
+            self.transformer = MPTTransformer(self.config)
+            tied = self.config.tie_word_embeddings
+            self.lm_head = None if tied else nn.Linear(self.config.d_model, self.config.vocab_size, bias=False)
+        device = init_device(self.config.init_device)
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.init_weights()
+
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter in place with ``config.init_config``'s scheme."""
+        init_weights_(self, self.config.init_config, self.config.n_layers, self.config.d_model)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The (vocab, d_model) output projection: the token embedding itself when tied."""
+        return self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        hidden = self.transformer(batch["input_ids"], batch.get("attention_mask"))
+        logits = F.linear(hidden, self.output_weight)  # (batch, seq, vocab)
+        return logits if self.logit_scale is None else logits * self.logit_scale
+
+    @property
+    def num_params(self) -> int:
+        return flops.num_params(self)
+
+    @functools.cached_property
+    def n_active_params(self) -> int:
+        return flops.active_params(self, self.transformer.wte, self.config.tie_word_embeddings)
+
+    def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
+        batch_size, seq_len = batch["input_ids"].shape[:2]
+        config = self.config
+        return flops.flops_per_batch(self.n_active_params, config.n_layers, config.d_model, batch_size, seq_len)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        return flops.flops_per_token(self.n_active_params, self.config.n_layers, self.config.d_model, seq_len)

@@ -1,0 +1,47 @@
+"""End to end: the monitors' metrics reach metrics.jsonl through a real Trainer run (skipped until it exists)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from foundry.callbacks import LRMonitor, RuntimeEstimator, SpeedMonitor
+from foundry.loggers import JSONLLogger
+from foundry.models.base import CausalLM
+
+trainer_module = pytest.importorskip("foundry.trainer")
+
+
+class TinyLM(CausalLM):
+    def __init__(self, vocab_size: int = 16) -> None:
+        super().__init__()
+        self.embedding = torch.nn.Embedding(vocab_size, 8)
+        self.head = torch.nn.Linear(8, vocab_size)
+
+    def forward(self, batch):
+        return self.head(self.embedding(batch["input_ids"]))  # (batch, seq, vocab)
+
+    def flops_per_batch(self, batch) -> int:
+        return 6 * sum(p.numel() for p in self.parameters()) * batch["input_ids"].numel()
+
+
+def test_monitor_metrics_reach_the_jsonl_file(tmp_path):
+    model = TinyLM()
+    batches = [{"input_ids": torch.randint(0, 16, (2, 8))} for _ in range(4)]
+    path = tmp_path / "metrics.jsonl"
+    trainer = trainer_module.Trainer(
+        model=model,
+        train_dataloader=batches,
+        max_duration="4ba",
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        callbacks=[SpeedMonitor(window_size=2), LRMonitor(), RuntimeEstimator(skip_batches=1)],
+        loggers=[JSONLLogger(str(path))],
+        log_to_console=False,
+    )
+    trainer.fit()
+    logged = set().union(*(json.loads(line).keys() for line in path.read_text().splitlines()))
+    expected = {"throughput/tokens_per_sec", "throughput/device/flops_per_sec", "lr-SGD/group0"}
+    assert expected | {"time/train", "time/remaining_estimate"} <= logged
+    assert "throughput/device/mfu" not in logged  # CPU: no peak, no MFU

@@ -1,0 +1,61 @@
+"""Loading a checkpoint never runs code hidden in its pickles."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from foundry.checkpoint import SafeFileSystemReader, load_checkpoint, save_checkpoint
+from foundry.errors import CheckpointError
+
+# The tests call DCP directly, which warns that it runs without a process group.
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+class RunsCommand:
+    """Unpickling this object runs a shell command: what a malicious checkpoint would contain."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_malicious_metadata_is_refused_and_not_executed(tmp_path, trained_state, new_state):
+    path = save_checkpoint(tmp_path, trained_state)
+    marker = tmp_path / "pwned"
+    (path / ".metadata").write_bytes(pickle.dumps(RunsCommand(f"touch {marker}")))
+    with pytest.raises(CheckpointError, match=r"Refusing to load .*\.metadata.*system"):
+        load_checkpoint(path, new_state())
+    assert not marker.exists()
+
+
+def test_malicious_optimizer_value_is_refused_and_not_executed(tmp_path, trained_state, new_state):
+    path = save_checkpoint(tmp_path, trained_state)
+    marker = tmp_path / "pwned"
+    model_state, optim_state = get_state_dict(trained_state.model, trained_state.optimizers)
+    optim_state["param_groups"][0]["lr"] = RunsCommand(f"touch {marker}")
+    dcp.save({"model": model_state, "optim": optim_state}, storage_writer=dcp.FileSystemWriter(path))
+    refused = r"Refusing to load checkpoint value 'optim\.param_groups\.0\.lr'.*\.system"
+    with pytest.raises(CheckpointError, match=refused):
+        load_checkpoint(path, new_state())
+    assert not marker.exists()
+
+
+def test_reader_refuses_dcp_default_planner(tmp_path, trained_state):
+    path = save_checkpoint(tmp_path, trained_state)
+    state_dict = {"model": dict(trained_state.model.state_dict())}
+    with pytest.raises(dcp.CheckpointException, match="SafeLoadPlanner"):
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path))
+
+
+def test_real_metadata_passes_the_allowlist(tmp_path, trained_state):
+    path = save_checkpoint(tmp_path, trained_state)
+    metadata = SafeFileSystemReader(path).read_metadata()
+    assert metadata.state_dict_metadata["model.0.weight"].size == torch.Size([8, 4])

@@ -1,0 +1,83 @@
+"""JSONLLogger: one JSON object per log call, readable back line by line; rank 0 unless all_ranks."""
+
+from __future__ import annotations
+
+import json
+
+from foundry import registry
+from foundry.core import Event
+from foundry.loggers import JSONLLogger
+
+
+def _read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_round_trip_of_hyperparameters_and_metrics(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    logger = JSONLLogger(str(path))
+    logger.log_hyperparameters({"model": {"d_model": 64}, "max_duration": "10ba"})
+    logger.log_metrics({"loss/train/total": 3.5}, step=1)
+    logger.log_metrics({"loss/train/total": 3.25, "lr-AdamW/group0": 1e-3}, step=2)
+    logger.close()
+    assert _read(path) == [
+        {"hyperparameters": {"model": {"d_model": 64}, "max_duration": "10ba"}},
+        {"step": 1, "loss/train/total": 3.5},
+        {"step": 2, "loss/train/total": 3.25, "lr-AdamW/group0": 1e-3},
+    ]
+
+
+def test_parent_folders_are_created(tmp_path):
+    path = tmp_path / "runs" / "demo" / "metrics.jsonl"
+    logger = JSONLLogger(str(path))
+    logger.log_metrics({"x": 1.0}, step=0)
+    logger.close()
+    assert path.is_file()
+
+
+def test_lines_are_on_disk_after_batch_end(tmp_path, fire):
+    path = tmp_path / "metrics.jsonl"
+    logger = JSONLLogger(str(path))
+    logger.log_metrics({"x": 1.0}, step=1)
+    fire(logger, Event.BATCH_END)
+    assert _read(path) == [{"step": 1, "x": 1.0}]
+    logger.close()
+
+
+def test_an_existing_file_is_appended_to(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    for step in (1, 2):
+        logger = JSONLLogger(str(path))
+        logger.log_metrics({"x": float(step)}, step=step)
+        logger.close()
+    assert [row["step"] for row in _read(path)] == [1, 2]
+
+
+def test_nan_is_written_as_null(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    logger = JSONLLogger(str(path))
+    logger.log_metrics({"loss/train/total": float("nan")}, step=3)
+    logger.close()
+    assert _read(path) == [{"step": 3, "loss/train/total": None}]
+
+
+def test_other_ranks_write_nothing_by_default(tmp_path, state, fire):
+    state.rank = 1
+    logger = JSONLLogger(str(tmp_path / "metrics.jsonl"))
+    fire(logger, Event.FIT_START)
+    logger.log_metrics({"x": 1.0}, step=1)
+    logger.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_all_ranks_writes_a_file_per_rank(tmp_path, state, fire):
+    state.rank = 1
+    logger = JSONLLogger(str(tmp_path / "metrics.jsonl"), all_ranks=True)
+    fire(logger, Event.FIT_START)
+    logger.log_metrics({"x": 1.0}, step=1)
+    logger.close()
+    assert _read(tmp_path / "metrics.rank1.jsonl") == [{"step": 1, "x": 1.0}]
+
+
+def test_registered_as_jsonl():
+    assert registry.loggers.get("jsonl") is JSONLLogger

@@ -1,0 +1,215 @@
+"""Config → components → Trainer, with tiny fake components registered under test-only names."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from helpers import TinyLM, token_batches
+
+import foundry.data
+from foundry import registry
+from foundry.builders import (
+    build_components,
+    build_eval_dataloaders,
+    build_model,
+    build_trainer,
+    component_factory,
+    device_train_batch_size,
+)
+from foundry.config import LoaderConfig, TokenizerConfig, TrainConfig
+from foundry.core import Callback
+from foundry.core.time import Time
+from foundry.errors import ConfigError
+
+VOCAB_SIZE = 32
+
+
+class VocabLM(TinyLM):
+    def __init__(self, vocab_size: int = VOCAB_SIZE, d_model: int = 8) -> None:
+        super().__init__(vocab_size, d_model)
+        self.vocab_size = vocab_size
+
+
+def config_lm(vocab_size: int = VOCAB_SIZE) -> TinyLM:
+    """A model that keeps vocab_size on .config, as MPT and Hugging Face models do."""
+    model = TinyLM(vocab_size)
+    model.config = SimpleNamespace(vocab_size=vocab_size)
+    return model
+
+
+class FakeTokenizer:
+    def __init__(self, name: str, vocab_size: int = VOCAB_SIZE) -> None:
+        self.name = name
+        self.vocab_size = vocab_size
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+LOADER_CALLS: list[dict[str, Any]] = []
+
+
+def fake_loader(
+    tokenizer: Any,
+    device_batch_size: int,
+    dataset: dict[str, Any],
+    drop_last: bool,
+    num_workers: int,
+    pin_memory: bool,
+    prefetch_factor: int | None,
+    persistent_workers: bool,
+    timeout: float,
+) -> list:
+    LOADER_CALLS.append({"device_batch_size": device_batch_size, "dataset": dataset, "num_workers": num_workers})
+    return token_batches(dataset.get("num_batches", 2), device_batch_size, vocab_size=VOCAB_SIZE)
+
+
+class CountBatches(Callback):
+    def __init__(self, every: int = 1) -> None:
+        self.every = every
+        self.batches = 0
+
+    def batch_end(self, state, logger) -> None:
+        self.batches += 1
+
+
+registry.models.register("test_builders_lm", VocabLM)
+registry.models.register("test_builders_config_lm", config_lm)
+registry.dataloaders.register("test_builders_loader", fake_loader)
+registry.callbacks.register("test_builders_count", CountBatches)
+
+
+@pytest.fixture(autouse=True)
+def fake_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(foundry.data, "load_tokenizer", FakeTokenizer, raising=False)
+    LOADER_CALLS.clear()
+
+
+def make_config(tmp_path: Path, **changes: Any) -> TrainConfig:
+    cfg = TrainConfig(
+        run_name="tiny",
+        model={"name": "test_builders_lm"},
+        tokenizer=TokenizerConfig(name="fake"),
+        train_loader=LoaderConfig(name="test_builders_loader", dataset={"num_batches": 3}, num_workers=1),
+        optimizer={"name": "decoupled_adamw", "lr": "3e-4"},
+        max_duration=Time.parse("2ba"),
+        global_train_batch_size=4,
+        precision="fp32",
+        device="cpu",
+        progress_bar=False,
+        log_to_console=False,
+        expandable_segments=False,
+        run_folder=str(tmp_path / "{run_name}"),
+    )
+    return dataclasses.replace(cfg, **changes)
+
+
+# ---------------------------------------------------------------------------------- batch sizes
+def test_device_batch_is_the_global_batch_split_over_processes() -> None:
+    assert device_train_batch_size(256, 8) == 32
+
+
+def test_indivisible_global_batch_names_both_numbers() -> None:
+    with pytest.raises(ConfigError, match=r"global_train_batch_size \(10\) is not divisible .*\(4\)"):
+        device_train_batch_size(10, 4)
+
+
+# --------------------------------------------------------------------------------------- models
+def test_model_is_built_from_its_section() -> None:
+    model = build_model({"name": "test_builders_lm", "vocab_size": 48}, FakeTokenizer("x", 40))
+    assert isinstance(model, VocabLM) and model.vocab_size == 48
+
+
+def test_tokenizer_larger_than_model_vocab_names_both_sizes() -> None:
+    with pytest.raises(ConfigError, match=r"tokenizer has 40 tokens but model\.vocab_size is 32"):
+        build_model({"name": "test_builders_lm"}, FakeTokenizer("x", 40))
+
+
+def test_vocab_check_reads_the_model_config_too() -> None:
+    with pytest.raises(ConfigError, match=r"model\.vocab_size is 32"):
+        build_model({"name": "test_builders_config_lm"}, FakeTokenizer("x", 40))
+
+
+def test_model_kwarg_typo_names_the_key_path() -> None:
+    with pytest.raises(ConfigError, match=r"'model\.d_modle'\. Did you mean 'd_model'"):
+        build_model({"name": "test_builders_lm", "d_modle": 8})
+
+
+def test_unknown_model_name_is_an_error_with_a_suggestion() -> None:
+    with pytest.raises(ConfigError, match=r"'model\.name'.*Did you mean 'test_builders_lm'"):
+        build_model({"name": "test_builders_lmm"})
+
+
+# --------------------------------------------------------------------------- optimizer & friends
+def test_optimizer_kwargs_are_coerced_and_bound() -> None:
+    factory = component_factory(registry.optimizers, {"name": "decoupled_adamw", "lr": "3e-4"}, "optimizer")
+    optimizer = factory(VocabLM().parameters())
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(3e-4)
+
+
+def test_optimizer_kwarg_typo_names_the_key_path() -> None:
+    with pytest.raises(ConfigError, match=r"'optimizer\.lrr'\. Did you mean 'lr'"):
+        component_factory(registry.optimizers, {"name": "decoupled_adamw", "lrr": 1.0}, "optimizer")
+
+
+def test_callbacks_are_built_from_name_to_kwargs_with_empty_meaning_none() -> None:
+    callbacks = build_components(registry.callbacks, {"test_builders_count": None}, "callbacks")
+    assert isinstance(callbacks[0], CountBatches) and callbacks[0].every == 1
+
+
+def test_unknown_callback_names_its_key_path() -> None:
+    with pytest.raises(ConfigError, match=r"'callbacks\.test_builders_cont'.*Did you mean 'test_builders_count'"):
+        build_components(registry.callbacks, {"test_builders_cont": {}}, "callbacks")
+
+
+# ------------------------------------------------------------------------------------ eval data
+def test_single_eval_loader_is_labelled_eval_and_uses_the_eval_batch_size(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, eval_loader=LoaderConfig(name="test_builders_loader"), device_eval_batch_size=3)
+    loaders = build_eval_dataloaders(cfg, FakeTokenizer("x"))
+    assert list(loaders) == ["eval"] and LOADER_CALLS[-1]["device_batch_size"] == 3
+
+
+def test_eval_loader_without_eval_batch_size_is_an_error(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, eval_loader=LoaderConfig(name="test_builders_loader"))
+    with pytest.raises(ConfigError, match="device_eval_batch_size"):
+        build_eval_dataloaders(cfg, FakeTokenizer("x"))
+
+
+def test_unlabelled_loader_among_several_is_an_error(tmp_path: Path) -> None:
+    loaders = [LoaderConfig(name="test_builders_loader", label="a"), LoaderConfig(name="test_builders_loader")]
+    cfg = make_config(tmp_path, eval_loaders=loaders, device_eval_batch_size=2)
+    with pytest.raises(ConfigError, match=r"'eval_loaders\[1\]\.label' is missing"):
+        build_eval_dataloaders(cfg, FakeTokenizer("x"))
+
+
+# -------------------------------------------------------------------------------------- trainer
+def test_built_trainer_trains_for_max_duration(tmp_path: Path) -> None:
+    trainer = build_trainer(make_config(tmp_path, callbacks={"test_builders_count": {}}))
+    trainer.fit()
+    assert trainer.state.timestamp.batch == 2
+    assert [c.batches for c in trainer.engine.callbacks if isinstance(c, CountBatches)] == [2]
+
+
+def test_train_loader_gets_the_device_batch_and_its_settings(tmp_path: Path) -> None:
+    build_trainer(make_config(tmp_path))
+    assert LOADER_CALLS == [{"device_batch_size": 4, "dataset": {"num_batches": 3}, "num_workers": 1}]
+
+
+def test_run_name_is_filled_into_run_and_save_folders(tmp_path: Path) -> None:
+    trainer = build_trainer(make_config(tmp_path, save_folder=str(tmp_path / "{run_name}" / "ckpt")))
+    assert Path(trainer.run_folder) == tmp_path / "tiny"
+    assert trainer.save_folder == str(tmp_path / "tiny" / "ckpt")
+
+
+def test_resolved_config_is_handed_to_the_trainer(tmp_path: Path) -> None:
+    trainer = build_trainer(make_config(tmp_path), {"run_name": "tiny", "from": "yaml"})
+    assert trainer.config == {"run_name": "tiny", "from": "yaml"}
+
+
+def test_unimplemented_setting_is_rejected_not_ignored(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="save_weights_only"):
+        build_trainer(make_config(tmp_path, save_weights_only=True))

@@ -1,0 +1,121 @@
+"""The `foundry` command, run in-process: help text, error reporting, --print-config, subcommand routing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import TinyLM, token_batches
+
+import foundry.data
+from foundry import cli, registry
+
+CONFIG = """\
+variables:
+  seq: 16
+run_name: cli-test
+model: {name: tiny_test_model, max_seq_len: "${variables.seq}"}
+tokenizer: {name: gpt2}
+train_loader: {name: text, dataset: {local: ./data}}
+optimizer: {name: decoupled_adamw, lr: 1.0e-3}
+max_duration: 2ba
+global_train_batch_size: 4
+"""
+
+
+def write_config(folder: Path) -> Path:
+    path = folder / "cfg.yaml"
+    path.write_text(textwrap.dedent(CONFIG))
+    return path
+
+
+@pytest.fixture
+def config_path(tmp_path: Path) -> Path:
+    return write_config(tmp_path)
+
+
+def test_train_help_explains_overrides_and_lists_keys_with_defaults(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert "optimizer.lr=3e-4" in out
+    assert "global_train_batch_size: int (required)" in out
+    assert "save_interval: Time = 1000ba" in out
+    assert "fsdp_config (FSDPConfig): sharding_strategy" in out
+
+
+def test_bad_key_prints_one_paragraph_error_and_exits_2(config_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code = cli.main(["train", str(config_path), "max_durration=5ba"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert "'max_durration'" in err and "Did you mean 'max_duration'" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_debug_flag_shows_the_exception(config_path: Path) -> None:
+    from foundry.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        cli.main(["train", str(config_path), "max_durration=5ba", "--debug"])
+
+
+def test_missing_config_file_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code = cli.main(["train", str(tmp_path / "absent.yaml")])
+    assert code == 2 and "absent.yaml' does not exist" in capsys.readouterr().err
+
+
+def test_print_config_prints_resolved_yaml_with_overrides(config_path: Path, capsys: pytest.CaptureFixture) -> None:
+    code = cli.main(["train", str(config_path), "--print-config", "variables.seq=32", "optimizer.lr=3e-4"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert code == 0
+    assert printed["model"]["max_seq_len"] == 32 and printed["optimizer"]["lr"] == 3e-4
+    assert printed["max_duration"] == "2ba" and printed["seed"] == 17 and "variables" not in printed
+
+
+def test_override_that_looks_like_an_option_is_rejected(config_path: Path) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["train", str(config_path), "--bogus"])
+    assert exit_info.value.code == 2
+
+
+def test_only_the_chosen_command_builds_its_arguments() -> None:
+    assert cli.selected_command(["--debug", "data", "convert", "--out", "x"]) == "data convert"
+    parser = cli.build_parser("train")
+    assert parser.parse_args(["data", "convert"]).run is cli.run_convert  # convert's arguments were never added
+
+
+def test_top_level_help_does_not_import_the_trainer_or_data_tools() -> None:
+    code = "import sys; from foundry import cli; cli.build_parser(None).format_help(); print(*sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    modules = set(result.stdout.split())
+    assert not modules & {"foundry.trainer", "foundry.builders", "foundry.data.convert", "transformers", "streaming"}
+
+
+def tiny_loader(tokenizer: object, device_batch_size: int, **settings: object) -> list:
+    return token_batches(2, device_batch_size)
+
+
+def tiny_model(max_seq_len: int) -> TinyLM:
+    return TinyLM()
+
+
+registry.models.register("test_cli_lm", tiny_model)
+registry.dataloaders.register("test_cli_loader", tiny_loader)
+
+
+def test_train_runs_fit_and_says_where_the_run_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setattr(foundry.data, "load_tokenizer", lambda name, **kwargs: None)
+    overrides = ["model.name=test_cli_lm", "train_loader.name=test_cli_loader", f"run_folder={tmp_path}/{{run_name}}"]
+    overrides += ["precision=fp32", "device=cpu", "log_to_console=false", "expandable_segments=false"]
+    code = cli.main(["train", str(write_config(tmp_path)), *overrides])
+    assert code == 0
+    assert (tmp_path / "cli-test" / "metrics.jsonl").is_file()
+    assert f"metrics in {tmp_path / 'cli-test'}" in capsys.readouterr().out
