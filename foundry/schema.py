@@ -6,6 +6,7 @@ one, and ``check_call_kwargs`` validates the kwargs a YAML section passes to a r
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import enum
 import inspect
@@ -125,12 +126,12 @@ def coerce(value: Any, expected: Any, key_path: str) -> Any:
             raise ConfigError(
                 f"'{key_path}' is {value!r}; it must be one of {names}.{did_you_mean(str(value), map(str, names))}"
             ) from None
-    if origin in (list, tuple, typing.Sequence, getattr(__import__("collections.abc").abc, "Sequence")):
+    if origin in (list, tuple, typing.Sequence, collections.abc.Sequence):
         if not isinstance(value, list | tuple):
             raise _type_error(key_path, value, expected)
         item_type = args[0] if args else Any
         return [coerce(item, item_type, f"{key_path}[{i}]") for i, item in enumerate(value)]
-    if origin in (dict, typing.Mapping, getattr(__import__("collections.abc").abc, "Mapping")):
+    if origin in (dict, typing.Mapping, collections.abc.Mapping):
         if not isinstance(value, Mapping):
             raise _type_error(key_path, value, expected)
         value_type = args[1] if len(args) == 2 else Any
