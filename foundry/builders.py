@@ -32,7 +32,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
         resolved: the resolved YAML, stored in checkpoints and sent to loggers (default: ``cfg`` as a dict).
     """
     from foundry.distributed import env
-    from foundry.trainer import Trainer
+    from foundry.trainer import Trainer, seed_everything
 
     _reject_unimplemented(cfg)
     _apply_cuda_allocator_settings(cfg.expandable_segments)
@@ -46,6 +46,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
     tokenizer = build_tokenizer(cfg.tokenizer)
     train_dataloader = build_dataloader(cfg.train_loader, tokenizer, device_batch_size, "train_loader")
     eval_dataloaders = build_eval_dataloaders(cfg, tokenizer)
+    seed_everything(cfg.seed)  # the model's initial weights depend on the seed alone
     return Trainer(
         model=build_model(cfg.model, tokenizer),
         train_dataloader=train_dataloader,
