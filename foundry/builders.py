@@ -42,7 +42,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
     algorithms = build_components(registry.algorithms, cfg.algorithms, "algorithms")
     loggers = build_components(registry.loggers, cfg.loggers, "loggers")
     scheduler = component_factory(registry.schedulers, cfg.scheduler, "scheduler")() if cfg.scheduler else None
-    optimizer_factory = component_factory(registry.optimizers, cfg.optimizer, "optimizer")
+    optimizer_factory = component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",))
     tokenizer = build_tokenizer(cfg.tokenizer)
     train_dataloader = build_dataloader(cfg.train_loader, tokenizer, device_batch_size, "train_loader")
     eval_dataloaders = build_eval_dataloaders(cfg, tokenizer)
@@ -162,24 +162,31 @@ def build_components(source: Registry, sections: Mapping[str, Mapping[str, Any] 
     return [_factory(source, name, kwargs, f"{key_path}.{name}")() for name, kwargs in sections.items()]
 
 
-def component_factory(source: Registry, section: Mapping[str, Any], key_path: str) -> Callable[..., Any]:
+def component_factory(
+    source: Registry, section: Mapping[str, Any], key_path: str, supplied: tuple[str, ...] = ()
+) -> Callable[..., Any]:
     """``section['name']`` from ``source`` with the section's other keys bound, checked against its signature.
 
-    Call the result with any remaining positional arguments, e.g. an optimizer's parameters.
+    Call the result with the arguments named in ``supplied`` (not YAML keys), e.g. an optimizer's ``params``.
     """
     kwargs = dict(section)
-    return _factory(source, kwargs.pop("name"), kwargs, key_path, f"{key_path}.name")
+    return _factory(source, kwargs.pop("name"), kwargs, key_path, f"{key_path}.name", supplied)
 
 
 def _factory(
-    source: Registry, name: str, kwargs: Mapping[str, Any] | None, key_path: str, name_path: str | None = None
+    source: Registry,
+    name: str,
+    kwargs: Mapping[str, Any] | None,
+    key_path: str,
+    name_path: str | None = None,
+    supplied: tuple[str, ...] = (),
 ) -> functools.partial:
     """``source[name]`` with ``kwargs`` checked and bound; errors name ``key_path`` (``name_path`` for the name)."""
     try:
         constructor = source.get(name)
     except ConfigError as error:
         raise ConfigError(f"'{name_path or key_path}': {error}") from None
-    return functools.partial(constructor, **check_call_kwargs(constructor, kwargs or {}, key_path))
+    return functools.partial(constructor, **check_call_kwargs(constructor, kwargs or {}, key_path, supplied))
 
 
 def _reject_unimplemented(cfg: TrainConfig) -> None:

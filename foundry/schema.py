@@ -12,7 +12,7 @@ import enum
 import inspect
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeVar
 
 from foundry.errors import ConfigError, did_you_mean
@@ -58,11 +58,16 @@ def parse_dataclass(cls: type[T], data: Mapping[str, Any] | T | None, key_path: 
         raise ConfigError(f"Invalid value under '{key_path}': {error}") from error
 
 
-def check_call_kwargs(target: Callable[..., Any], kwargs: Mapping[str, Any], key_path: str) -> dict[str, Any]:
-    """Validate and coerce ``kwargs`` against ``target``'s signature (a registered class or function)."""
+def check_call_kwargs(
+    target: Callable[..., Any], kwargs: Mapping[str, Any], key_path: str, supplied: Collection[str] = ()
+) -> dict[str, Any]:
+    """Validate and coerce ``kwargs`` against ``target``'s signature (a registered class or function).
+
+    ``supplied`` names arguments the caller passes itself (an optimizer's ``params``): not YAML keys.
+    """
     function = target.__init__ if inspect.isclass(target) else target
     signature = inspect.signature(function)
-    parameters = {name: p for name, p in signature.parameters.items() if name not in ("self", "cls")}
+    parameters = {n: p for n, p in signature.parameters.items() if n not in ("self", "cls", *supplied)}
     accepts_any = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     try:
         hints = typing.get_type_hints(function)
