@@ -1,26 +1,40 @@
-"""foundry: fast, portable LLM training and evaluation on PyTorch."""
+"""foundry: fast, portable LLM training and evaluation on PyTorch.
 
-from foundry.core import Algorithm, Callback, Event, Logger, LoggerDestination, State, Time, Timestamp
-from foundry.errors import CheckpointError, ConfigError, DataError, FoundryError, TrainingError
-from foundry.models.base import CausalLM, FoundryModel
+Names load on first use, so ``foundry --help`` does not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Algorithm",
-    "Callback",
-    "CausalLM",
-    "CheckpointError",
-    "ConfigError",
-    "DataError",
-    "Event",
-    "FoundryError",
-    "FoundryModel",
-    "Logger",
-    "LoggerDestination",
-    "State",
-    "Time",
-    "Timestamp",
-    "TrainingError",
-    "__version__",
-]
+_EXPORTS = {
+    "Algorithm": "foundry.core",
+    "Callback": "foundry.core",
+    "Event": "foundry.core",
+    "Logger": "foundry.core",
+    "LoggerDestination": "foundry.core",
+    "State": "foundry.core",
+    "Time": "foundry.core",
+    "Timestamp": "foundry.core",
+    "CausalLM": "foundry.models.base",
+    "FoundryModel": "foundry.models.base",
+    "CheckpointError": "foundry.errors",
+    "ConfigError": "foundry.errors",
+    "DataError": "foundry.errors",
+    "FoundryError": "foundry.errors",
+    "TrainingError": "foundry.errors",
+    "registry": "foundry.registry",
+}
+
+__all__ = [*sorted(_EXPORTS), "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'foundry' has no attribute '{name}'")
+    value = importlib.import_module(module)
+    return value if name == "registry" else getattr(value, name)
