@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import TinyLM
+from helpers import FakeClock, TinyLM
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("FOUNDRY_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
@@ -33,3 +33,9 @@ def shared_data() -> Path:
 @pytest.fixture
 def tiny_lm() -> TinyLM:
     return TinyLM()
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """A clock that moves only when the test sets ``clock.now``."""
+    return FakeClock()

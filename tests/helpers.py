@@ -29,3 +29,13 @@ def token_batches(num_batches: int, batch_size: int, seq_len: int = 8, vocab_siz
         {"input_ids": torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator)}
         for _ in range(num_batches)
     ]
+
+
+class FakeClock:
+    """A clock that only moves when the test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now

@@ -12,16 +12,6 @@ from foundry.core import Callback, Event, Logger, LoggerDestination, State, Time
 from foundry.models.base import FoundryModel
 
 
-class FakeClock:
-    """A clock that only moves when the test says so."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class RecordingDestination(LoggerDestination):
     def __init__(self) -> None:
         self.calls: list[tuple[dict[str, float], int]] = []
@@ -49,11 +39,6 @@ class FlopsModel(FoundryModel):
 
     def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
         return self._flops_per_batch
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
 
 
 @pytest.fixture

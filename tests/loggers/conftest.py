@@ -10,21 +10,6 @@ import torch
 from foundry.core import Callback, Event, Logger, State, Time
 
 
-class FakeClock:
-    """A clock that only moves when the test says so."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
-
-
 @pytest.fixture
 def state() -> State:
     return State(model=torch.nn.Linear(2, 2), max_duration=Time.parse("200ba"))
