@@ -218,19 +218,10 @@ def _prepare(data: dict[str, Any]) -> dict[str, Any]:
             if data.get("eval_loaders"):
                 raise ConfigError("Both 'eval_loader' and 'eval_loaders' are set; keep one.")
             key = "eval_loaders"
-        section = _optional_dataclass(hints[key])
         if value is None and type(None) not in typing.get_args(hints[key]):
             continue  # an empty YAML value (`callbacks:`) means the default
-        # schema.coerce reports only the union's type when `X | None` fails; parse X here for the exact key.
-        prepared[key] = parse_dataclass(section, value, key) if section and isinstance(value, Mapping) else value
+        prepared[key] = value
     return prepared
-
-
-def _optional_dataclass(hint: Any) -> type | None:
-    options = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-    if len(options) == 1 and dataclasses.is_dataclass(options[0]):
-        return options[0]
-    return None
 
 
 class _Loader(yaml.SafeLoader):
