@@ -256,8 +256,9 @@ class Trainer:
             share_of_global_loss += self._train_microbatch(microbatch, weight * state.world_size / total_weight)
         share_of_global_loss /= state.world_size
         state.loss = share_of_global_loss * total_weight / local_weight  # this rank's mean loss
+        state.skip_optimizer_step = False
         engine.run_event(Event.BEFORE_OPTIMIZER_STEP)
-        self._optimizer_step()
+        self._optimizer_step(skip=state.skip_optimizer_step)
         engine.run_event(Event.AFTER_OPTIMIZER_STEP)
 
         previous = state.timestamp
@@ -295,14 +296,13 @@ class Trainer:
         state.outputs = None  # free activations' outputs (logits) before the next microbatch
         return loss.detach()
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self, skip: bool) -> None:
+        """Step every optimizer (unless ``skip``: the batch's gradients are dropped) and clear the grads."""
         for optimizer in self.state.optimizers:
-            if self._grad_scaler:
-                self._grad_scaler.step(optimizer)
-            else:
-                optimizer.step()
+            if not skip:
+                self._grad_scaler.step(optimizer) if self._grad_scaler else optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        if self._grad_scaler:
+        if self._grad_scaler and not skip:
             self._grad_scaler.update()
 
     def _due(self, interval: Time, previous: Any, epoch_end: bool = False) -> bool:
@@ -355,6 +355,7 @@ class Trainer:
             return
         from foundry.checkpoint import save_checkpoint
 
+        self.engine.run_event(Event.BEFORE_CHECKPOINT)
         path = save_checkpoint(
             self.save_folder,
             self.state,

@@ -74,6 +74,7 @@ def test_event_order_for_a_fit_with_eval_and_checkpoint(tmp_path):
         Event.EPOCH_START,
         *batch,
         *batch,
+        Event.BEFORE_CHECKPOINT,
         Event.BATCH_CHECKPOINT,
         Event.EPOCH_END,
         *evaluation,
@@ -218,6 +219,26 @@ def test_stop_reason_ends_fit_after_the_batch(tmp_path):
     trainer = _trainer(tmp_path, callbacks=[StopAtTwo()], max_duration="10ba")
     trainer.fit()
     assert trainer.state.timestamp.batch == 2
+
+
+def test_skip_optimizer_step_drops_only_that_batchs_update(tmp_path):
+    class SkipSecond(Callback):
+        def before_optimizer_step(self, state, logger):
+            state.skip_optimizer_step = state.timestamp.batch == 1
+
+    def trained_weights(batches, callbacks):
+        torch.manual_seed(0)
+        trainer = _trainer(
+            tmp_path, model=TinyLM(), train_dataloader=batches, max_duration=f"{len(batches)}ba",
+            optimizers=lambda params: torch.optim.SGD(params, lr=0.1), callbacks=callbacks,
+        )  # fmt: skip
+        trainer.fit()
+        return [p.detach() for p in trainer.state.model.parameters()]
+
+    b0, b1, b2 = token_batches(3, batch_size=4)
+    skipped = trained_weights([b0, b1, b2], [SkipSecond()])
+    without_b1 = trained_weights([b0, b2], [])
+    assert all(torch.equal(a, b) for a, b in zip(skipped, without_b1))
 
 
 def test_fit_without_dataloader_is_a_clear_error(tmp_path):

@@ -23,7 +23,8 @@ The whole loop, with each event in place (``Trainer.fit``)::
                 loss.backward()
                 AFTER_BACKWARD
             BEFORE_OPTIMIZER_STEP             # grads of the whole batch are ready (clipping lives here)
-            optimizer.step(); scheduler.step()
+            optimizer.step()                  # skipped when a callback set state.skip_optimizer_step
+            scheduler.step()
             AFTER_OPTIMIZER_STEP
             BATCH_END                         # timestamp already counts this batch
             if eval is due:
@@ -36,10 +37,12 @@ The whole loop, with each event in place (``Trainer.fit``)::
                     EVAL_BATCH_END
                 EVAL_END
             if checkpoint is due:
+                BEFORE_CHECKPOINT
                 BATCH_CHECKPOINT              # fired after the checkpoint is on disk
             if max_duration reached: break
         EPOCH_END
         if checkpoint is due:
+            BEFORE_CHECKPOINT
             EPOCH_CHECKPOINT
     FIT_END
 
@@ -68,6 +71,7 @@ class Event(str, enum.Enum):
     BEFORE_OPTIMIZER_STEP = "before_optimizer_step"
     AFTER_OPTIMIZER_STEP = "after_optimizer_step"
     BATCH_END = "batch_end"
+    BEFORE_CHECKPOINT = "before_checkpoint"
     BATCH_CHECKPOINT = "batch_checkpoint"
     EPOCH_END = "epoch_end"
     EPOCH_CHECKPOINT = "epoch_checkpoint"

@@ -46,6 +46,8 @@ class State:
 
     # Eval results by dataloader label, e.g. {"eval": {"loss": 3.1, "perplexity": 22.2}}.
     eval_metrics: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    # Set at BEFORE_OPTIMIZER_STEP to drop this batch's update (e.g. a NaN gradient); reset every batch.
+    skip_optimizer_step: bool = False
     # Set by a callback to end fit() after the current batch; the reason is logged.
     stop_reason: str | None = None
     # Path of the newest checkpoint this run wrote or loaded.
