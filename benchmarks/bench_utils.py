@@ -1,0 +1,76 @@
+"""What every benchmark script shares: a model from a train YAML, random batches, CUDA timing."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from foundry.builders import build_model
+from foundry.config import load_train_config
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def model_from_yaml(config_path: str | Path, overrides: Sequence[str] = ()) -> tuple[nn.Module, int]:
+    """The YAML's model (its ``model:`` section with ``overrides``) and its ``max_seq_len``."""
+    cfg, _ = load_train_config(config_path, overrides)
+    return build_model(cfg.model), cfg.max_seq_len
+
+
+def random_batch(batch_size: int, seq_len: int, vocab_size: int, device: torch.device) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.randint(0, vocab_size, (batch_size, seq_len), device=device)}
+
+
+def cuda_time_ms(step: Callable[[], Any], warmup: int, iters: int) -> list[float]:
+    """Milliseconds of each of ``iters`` calls of ``step`` (after ``warmup`` calls), from CUDA events."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for start, end in zip(starts, ends):
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in zip(starts, ends)]
+
+
+def environment() -> dict[str, str]:
+    """Device, software and date, recorded next to every result."""
+    return {
+        "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "cuda": str(torch.version.cuda),
+    }
+
+
+def write_results(out_dir: str | Path | None, name: str, rows: list[dict[str, Any]]) -> None:
+    """Print rows as a markdown table and, with ``out_dir``, save them as JSON."""
+    print(markdown_table(rows))
+    if out_dir:
+        path = Path(out_dir) / f"{name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"environment": environment(), "rows": rows}, indent=2))
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "(no rows)"
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        lines.append("| " + " | ".join(_cell(row.get(column, "")) for column in columns) + " |")
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
