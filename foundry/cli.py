@@ -126,11 +126,33 @@ def run_convert(args: argparse.Namespace) -> int:
     return run(args)
 
 
+# ------------------------------------------------------------------------ convert to-hf / from-hf
+def _lazy(module: str, function: str) -> Callable[..., Any]:
+    """``module.function``, imported only when the command runs (keeps ``foundry --help`` fast)."""
+
+    def call(*args: Any) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(module), function)(*args)
+
+    return call
+
+
 COMMANDS: dict[str, Command] = {
     "train": Command("train a model from a YAML config", add_train_arguments, run_train),
     "data convert": Command("tokenize text into streaming (MDS) shards", add_convert_arguments, run_convert),
+    "convert to-hf": Command(
+        "write a checkpoint as a Hugging Face model directory",
+        _lazy("foundry.convert.commands", "add_to_hf_arguments"),
+        _lazy("foundry.convert.commands", "run_to_hf"),
+    ),
+    "convert from-hf": Command(
+        "write a Hugging Face model directory as a foundry checkpoint",
+        _lazy("foundry.convert.commands", "add_from_hf_arguments"),
+        _lazy("foundry.convert.commands", "run_from_hf"),
+    ),
 }
-GROUP_HELP = {"data": "prepare datasets"}
+GROUP_HELP = {"data": "prepare datasets", "convert": "move weights to and from Hugging Face"}
 
 
 # ------------------------------------------------------------------------------------- parser

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from foundry.models.base import CausalLM
@@ -39,3 +41,11 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
+
+
+# Tiny model sections (fp32, CPU-fast) shared by the model, backend and conversion tests.
+TINY_LLAMA: dict[str, Any] = {
+    "d_model": 64, "n_layers": 2, "n_heads": 4, "kv_n_heads": 2, "vocab_size": 96, "max_seq_len": 32,
+    "multiple_of": 32, "ffn_dim_multiplier": None, "rope_theta": 10000.0,
+}  # fmt: skip
+TINY_MPT: dict[str, Any] = {"d_model": 64, "n_heads": 4, "n_layers": 2, "vocab_size": 96, "max_seq_len": 32}

@@ -1,9 +1,10 @@
 """Causal self-attention with LLM Foundry's ``attn_config``: MHA/GQA/MQA, RoPE, ALiBi, QK norm, clipping.
 
-Three kernels compute the same thing, chosen by ``attn_impl``:
+Four kernels compute the same thing, chosen by ``attn_impl``:
 
 - ``sdpa``: ``F.scaled_dot_product_attention``; torch picks the fastest backend that can run.
-- ``flash``: the same call restricted to the FlashAttention backend (CUDA, fp16/bf16, no mask).
+- ``flash``: the same call restricted to the FlashAttention-2 backend (CUDA, fp16/bf16, no mask).
+- ``cudnn``: the same call restricted to cuDNN's fused attention (CUDA, fp16/bf16, no mask).
 - ``torch``: the explicit math, ``softmax(QK^T * scale + bias + mask) V`` in fp32; the reference.
 
 Masks and biases that every layer shares (padding, sliding window, ALiBi, RoPE angles) are built
@@ -25,10 +26,18 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from foundry.errors import ConfigError
-from foundry.models.layers import NormType, alibi_slopes, apply_rope, build_norm, rope_cos_sin
+from foundry.models.layers import (
+    NormType,
+    alibi_slopes,
+    apply_rope,
+    build_norm,
+    llama3_scaled_inv_freq,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 AttnType = Literal["multihead_attention", "grouped_query_attention", "multiquery_attention"]
-AttnImpl = Literal["sdpa", "flash", "torch", "triton"]
+AttnImpl = Literal["sdpa", "flash", "cudnn", "torch", "triton"]
 _KEY = "model.attn_config"
 
 
@@ -43,10 +52,38 @@ class RopeDailConfig:
 
 @dataclasses.dataclass
 class RopeHFConfig:
-    """``attn_config.rope_hf_config``: HF rotary scaling beyond the training length."""
+    """``attn_config.rope_hf_config``: HF's rotary scaling beyond the training length.
 
-    type: Literal["no_scaling", "linear", "dynamic"] = "no_scaling"
+    ``linear`` divides positions by ``factor``; ``llama3`` rescales the frequencies as Llama 3.1 does
+    (``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings`` are its keys).
+    """
+
+    type: Literal["no_scaling", "linear", "dynamic", "llama3"] = "no_scaling"
     factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.factor <= 0:
+            raise ConfigError(f"'{_KEY}.rope_hf_config.factor' is {self.factor}; it must be positive.")
+        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(
+                f"'{_KEY}.rope_hf_config.high_freq_factor' ({self.high_freq_factor}) must exceed low_freq_factor "
+                f"({self.low_freq_factor}) for llama3 scaling."
+            )
+
+    def inv_freq(self, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+        inv_freq = rope_inv_freq(head_dim, theta, device)
+        if self.type != "llama3":
+            return inv_freq
+        return llama3_scaled_inv_freq(
+            inv_freq, self.factor, self.low_freq_factor, self.high_freq_factor, self.original_max_position_embeddings
+        )
+
+    @property
+    def position_scale(self) -> float:
+        return self.factor if self.type == "linear" else 1.0
 
 
 @dataclasses.dataclass
@@ -92,11 +129,11 @@ class AttnConfig:
                 f"'{_KEY}.attn_impl' is {self.attn_impl!r}, whose kernel is not in this build (a Triton kernel "
                 f"will register itself in foundry.models.attention.ATTENTION_IMPLS); use 'sdpa'."
             )
-        if self.attn_impl == "flash" and (self.alibi or self.sliding_window_size != -1):
+        if self.attn_impl in ("flash", "cudnn") and (self.alibi or self.sliding_window_size != -1):
             feature = "alibi" if self.alibi else "sliding_window_size"
             raise ConfigError(
-                f"'{_KEY}.{feature}' needs an additive attention bias or mask, which the FlashAttention backend "
-                f"of SDPA cannot take; set '{_KEY}.attn_impl' to 'sdpa' (or 'torch')."
+                f"'{_KEY}.{feature}' needs an additive attention bias or mask, which SDPA's {self.attn_impl} backend "
+                f"cannot take; set '{_KEY}.attn_impl' to 'sdpa' (or 'torch')."
             )
 
     def _check_not_yet_supported(self) -> None:
@@ -110,6 +147,10 @@ class AttnConfig:
             "rope_dail_config.type": (self.rope_dail_config.type != "original", "'xpos' is not implemented"),
             "rope_dail_config.pos_idx_in_fp32": (not self.rope_dail_config.pos_idx_in_fp32, "must be true"),
             "rope_hf_config.type": (self.rope_hf_config.type == "dynamic", "'dynamic' is not implemented"),
+            "rope_impl": (
+                self.rope_impl == "dail" and self.rope_hf_config.type != "no_scaling",
+                "'dail' with rope_hf_config scaling; set rope_impl: hf to use rope_hf_config",
+            ),
         }
         for key, (is_set, fix) in unsupported.items():
             if is_set:
@@ -169,9 +210,9 @@ def build_attention_inputs(
     device = positions.device
     inputs = AttentionInputs()
     if config.rope:
-        hf_linear = config.rope_impl == "hf" and config.rope_hf_config.type == "linear"
-        position_scale = config.rope_hf_config.factor if hf_linear else 1.0
-        inputs.rope = rope_cos_sin(positions, head_dim, config.rope_theta, position_scale)
+        scaling = config.rope_hf_config if config.rope_impl == "hf" else RopeHFConfig()
+        inv_freq = scaling.inv_freq(head_dim, config.rope_theta, device)
+        inputs.rope = rope_cos_sin(positions, inv_freq, scaling.position_scale)
     query_pos = torch.arange(seq_len, device=device)[:, None]
     distance = query_pos - torch.arange(seq_len, device=device)[None, :]  # (seq, seq): i - j
     if config.alibi:
@@ -231,34 +272,56 @@ def sdpa_attention(
     )  # fmt: skip
 
 
-def flash_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, scale: float, dropout_p: float
-) -> torch.Tensor:
-    """SDPA pinned to FlashAttention: fails loudly instead of falling back to a slower backend."""
+def _pinned_sdpa(
+    backend: SDPBackend, impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs,
+    scale: float, dropout_p: float,
+) -> torch.Tensor:  # fmt: skip
+    """SDPA restricted to one fused backend: fails loudly instead of falling back to a slower one."""
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         raise ConfigError(
-            f"'{_KEY}.attn_impl' is 'flash', which needs a CUDA GPU and fp16/bf16 activations "
+            f"'{_KEY}.attn_impl' is '{impl}', which needs a CUDA GPU and fp16/bf16 activations "
             f"(precision: amp_bf16); this forward ran on {q.device.type} in {q.dtype}. Use attn_impl 'sdpa'."
         )
     if inputs.allowed is not None or inputs.bias is not None:
         raise ConfigError(
-            f"'{_KEY}.attn_impl' is 'flash', which cannot mask padding, but this batch's attention_mask has "
+            f"'{_KEY}.attn_impl' is '{impl}', which cannot mask padding, but this batch's attention_mask has "
             f"padding. Use attn_impl 'sdpa', or feed unpadded (packed) batches."
         )
+    if backend == SDPBackend.CUDNN_ATTENTION:  # cuDNN takes equal head counts only
+        k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
     try:
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
             )
     except RuntimeError as error:
         raise ConfigError(
-            f"'{_KEY}.attn_impl' is 'flash' but FlashAttention cannot run this input "
-            f"(head_dim {q.shape[-1]}, {q.dtype}, {torch.cuda.get_device_name(q.device)}): {error} Use 'sdpa'."
+            f"'{_KEY}.attn_impl' is '{impl}' but that backend cannot run this input (q {tuple(q.shape)}, kv heads "
+            f"{k.shape[1]}, {q.dtype}, {torch.cuda.get_device_name(q.device)}): {error} Use 'sdpa'."
         ) from error
 
 
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, scale: float, dropout_p: float
+) -> torch.Tensor:
+    """SDPA pinned to FlashAttention-2."""
+    return _pinned_sdpa(SDPBackend.FLASH_ATTENTION, "flash", q, k, v, inputs, scale, dropout_p)
+
+
+def cudnn_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, scale: float, dropout_p: float
+) -> torch.Tensor:
+    """SDPA pinned to cuDNN's fused attention (fastest on Hopper for head_dim 128)."""
+    return _pinned_sdpa(SDPBackend.CUDNN_ATTENTION, "cudnn", q, k, v, inputs, scale, dropout_p)
+
+
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionInputs, float, float], torch.Tensor]
-ATTENTION_IMPLS: dict[str, AttentionFn] = {"sdpa": sdpa_attention, "flash": flash_attention, "torch": torch_attention}
+ATTENTION_IMPLS: dict[str, AttentionFn] = {
+    "sdpa": sdpa_attention,
+    "flash": flash_attention,
+    "cudnn": cudnn_attention,
+    "torch": torch_attention,
+}
 
 
 # ----------------------------------------------------------------------------- module

@@ -165,14 +165,41 @@ def build_ffn(config: FFNConfig, d_model: int, expansion_ratio: float, bias: boo
 # ----------------------------------------------------------------------------- positions
 
 
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """The rotary frequencies theta^(-2i / head_dim), i = 0 .. head_dim / 2 - 1, in fp32."""
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+
+
+def llama3_scaled_inv_freq(
+    inv_freq: torch.Tensor,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+) -> torch.Tensor:
+    """Llama 3.1's long-context RoPE: slow frequencies divided by ``factor``, fast ones kept, a blend between.
+
+    Wavelengths longer than ``original / low_freq_factor`` are stretched by ``factor``; shorter than
+    ``original / high_freq_factor`` stay; those between interpolate linearly in ``original / wavelength``
+    (the same numbers as transformers' ``rope_type: llama3``).
+    """
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original_max_position_embeddings / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > original_max_position_embeddings / low_freq_factor, inv_freq / factor, inv_freq)
+    is_medium = (wavelength >= original_max_position_embeddings / high_freq_factor) & (
+        wavelength <= original_max_position_embeddings / low_freq_factor
+    )
+    return torch.where(is_medium, blended, scaled)
+
+
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, position_scale: float = 1.0
+    positions: torch.Tensor, inv_freq: torch.Tensor, position_scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, in fp32, each (batch or 1, seq, 1, head_dim).
 
     ``position_scale`` > 1 is HF's linear RoPE scaling (positions divided by the factor).
     """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
     angles = (positions.float() / position_scale)[..., None] * inv_freq  # (batch, seq, head_dim / 2)
     angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
     return angles.cos(), angles.sin()

@@ -18,6 +18,7 @@ from foundry.models.layers import (
     build_ffn,
     ffn_hidden_size,
     rope_cos_sin,
+    rope_inv_freq,
 )
 
 
@@ -35,7 +36,7 @@ def test_rope_dot_products_depend_only_on_relative_position() -> None:
     q, k = torch.randn(2, 1, 1, 1, 8).unbind(0)  # each (1, 1, 1, head_dim)
 
     def rotated_dot(query_pos: int, key_pos: int) -> torch.Tensor:
-        cos, sin = rope_cos_sin(torch.tensor([[query_pos, key_pos]]), head_dim=8, theta=10000.0)
+        cos, sin = rope_cos_sin(torch.tensor([[query_pos, key_pos]]), rope_inv_freq(8, 10000.0))
         return (apply_rope(q, cos[:, :1], sin[:, :1]) * apply_rope(k, cos[:, 1:], sin[:, 1:])).sum()
 
     torch.testing.assert_close(rotated_dot(7, 3), rotated_dot(104, 100))
@@ -44,7 +45,7 @@ def test_rope_dot_products_depend_only_on_relative_position() -> None:
 
 def test_rope_at_position_zero_is_the_identity() -> None:
     x = torch.randn(1, 1, 2, 8)
-    cos, sin = rope_cos_sin(torch.zeros(1, 1, dtype=torch.long), head_dim=8, theta=10000.0)
+    cos, sin = rope_cos_sin(torch.zeros(1, 1, dtype=torch.long), rope_inv_freq(8, 10000.0))
     torch.testing.assert_close(apply_rope(x, cos, sin), x)
 
 

@@ -1,0 +1,155 @@
+"""foundry's Llama family <-> ``transformers.LlamaForCausalLM``.
+
+Names differ only in spelling, except that foundry fuses q, k and v into one ``Wqkv`` projection
+(rows q, then k, then v), which is split for Hugging Face. Both use the half-split RoPE layout, so no
+row permutation is needed.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from foundry.errors import ConfigError
+
+FAMILY = "llama_causal_lm"
+# foundry suffix -> Hugging Face suffix, per block
+_BLOCK_NAMES = {
+    "norm_1.weight": "input_layernorm.weight",
+    "attn.out_proj.weight": "self_attn.o_proj.weight",
+    "norm_2.weight": "post_attention_layernorm.weight",
+    "ffn.gate_proj.weight": "mlp.gate_proj.weight",
+    "ffn.up_proj.weight": "mlp.up_proj.weight",
+    "ffn.down_proj.weight": "mlp.down_proj.weight",
+}
+_TOP_NAMES = {"transformer.wte.weight": "model.embed_tokens.weight", "transformer.norm_f.weight": "model.norm.weight"}
+_BLOCK = re.compile(r"^transformer\.blocks\.(\d+)\.(.+)$")
+_HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_HF_QKV = re.compile(r"^self_attn\.([qkv])_proj\.weight$")
+
+
+def to_hf_config(model: Any) -> Any:
+    """A ``transformers.LlamaConfig`` for a ``LlamaCausalLM``."""
+    from transformers import LlamaConfig as HFLlamaConfig
+
+    llama = model.llama_config
+    rope_scaling = None
+    if llama.rope_scaling is not None:
+        rope_scaling = {"rope_type": llama.rope_scaling.rope_type, "factor": llama.rope_scaling.factor}
+        if llama.rope_scaling.rope_type == "llama3":
+            rope_scaling.update(
+                low_freq_factor=llama.rope_scaling.low_freq_factor,
+                high_freq_factor=llama.rope_scaling.high_freq_factor,
+                original_max_position_embeddings=llama.rope_scaling.original_max_position_embeddings,
+            )
+    return HFLlamaConfig(
+        vocab_size=llama.vocab_size,
+        hidden_size=llama.d_model,
+        intermediate_size=llama.hidden_size,
+        num_hidden_layers=llama.n_layers,
+        num_attention_heads=llama.n_heads,
+        num_key_value_heads=llama.kv_n_heads or llama.n_heads,
+        head_dim=llama.d_model // llama.n_heads,
+        hidden_act="silu",
+        max_position_embeddings=llama.max_seq_len,
+        rms_norm_eps=llama.norm_eps,
+        rope_theta=llama.rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=llama.tie_word_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+        attention_dropout=llama.attn_pdrop,
+        initializer_range=llama.init_std,
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
+    d_model, kv_dim = model.config.d_model, model.config.attn_config.resolve_kv_n_heads(model.config.n_heads)
+    kv_dim *= model.config.head_dim
+    hf_state = {}
+    for name, tensor in state.items():
+        if name in _TOP_NAMES:
+            hf_state[_TOP_NAMES[name]] = tensor
+        elif name == "lm_head.weight":
+            hf_state[name] = tensor
+        elif match := _BLOCK.match(name):
+            layer, suffix = match.groups()
+            prefix = f"model.layers.{layer}."
+            if suffix == "attn.Wqkv.weight":
+                q, k, v = tensor.split([d_model, kv_dim, kv_dim], dim=0)
+                hf_state.update({f"{prefix}self_attn.{n}_proj.weight": w for n, w in zip("qkv", (q, k, v))})
+            else:
+                hf_state[prefix + _BLOCK_NAMES[suffix]] = tensor
+        else:
+            raise ConfigError(f"Llama export does not know the parameter '{name}'.")
+    return hf_state
+
+
+def from_hf_config(hf_config: Any) -> dict[str, Any]:
+    """The ``model:`` section of a foundry YAML for a Hugging Face Llama config."""
+    from foundry.convert.rope import hf_rope_settings
+
+    _check_hf_features(hf_config)
+    rope_theta, rope_scaling = hf_rope_settings(hf_config)
+    section: dict[str, Any] = {
+        "name": FAMILY,
+        "d_model": hf_config.hidden_size,
+        "n_layers": hf_config.num_hidden_layers,
+        "n_heads": hf_config.num_attention_heads,
+        "kv_n_heads": hf_config.num_key_value_heads or hf_config.num_attention_heads,
+        "vocab_size": hf_config.vocab_size,
+        "max_seq_len": hf_config.max_position_embeddings,
+        "ffn_hidden_size": hf_config.intermediate_size,
+        "norm_eps": hf_config.rms_norm_eps,
+        "rope_theta": rope_theta,
+        "tie_word_embeddings": bool(hf_config.tie_word_embeddings),
+        "init_std": hf_config.initializer_range,
+    }
+    if rope_scaling is not None:
+        section["rope_scaling"] = rope_scaling
+    return section
+
+
+def _check_hf_features(hf_config: Any) -> None:
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    problems = {
+        "attention_bias": getattr(hf_config, "attention_bias", False),
+        "mlp_bias": getattr(hf_config, "mlp_bias", False),
+        "hidden_act": hf_config.hidden_act != "silu",
+        "head_dim": head_dim * hf_config.num_attention_heads != hf_config.hidden_size,
+    }
+    for key, unsupported in problems.items():
+        if unsupported:
+            raise ConfigError(
+                f"This Llama checkpoint sets '{key}' to {getattr(hf_config, key)!r}, which foundry's Llama does not "
+                "implement; train it as `model: {name: hf_causal_lm, pretrained_model_name_or_path: <dir>}` instead."
+            )
+
+
+def from_hf_state_dict(hf_state: dict[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    top = {hf: ours for ours, hf in _TOP_NAMES.items()}
+    block = {hf: ours for ours, hf in _BLOCK_NAMES.items()}
+    state: dict[str, torch.Tensor] = {}
+    qkv: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in hf_state.items():
+        if name in top:
+            state[top[name]] = tensor
+        elif name == "lm_head.weight":
+            if not hf_config.tie_word_embeddings:
+                state[name] = tensor
+        elif match := _HF_BLOCK.match(name):
+            layer, suffix = match.groups()
+            if qkv_match := _HF_QKV.match(suffix):
+                qkv.setdefault(layer, {})[qkv_match.group(1)] = tensor
+            elif suffix in block:
+                state[f"transformer.blocks.{layer}.{block[suffix]}"] = tensor
+            elif not suffix.endswith("rotary_emb.inv_freq"):
+                raise ConfigError(f"Llama import does not know the parameter '{name}'.")
+        elif not name.endswith("rotary_emb.inv_freq"):
+            raise ConfigError(f"Llama import does not know the parameter '{name}'.")
+    for layer, parts in qkv.items():
+        state[f"transformer.blocks.{layer}.attn.Wqkv.weight"] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
+    return state

@@ -1,0 +1,124 @@
+"""foundry's MPT family <-> ``transformers.MptForCausalLM``, where the features map.
+
+Parameter names are the same on both sides. Hugging Face's MPT is narrower than LLM Foundry's: ALiBi
+with ``alibi_bias_max`` 8, multi-head attention, no biases, a GELU MLP of width 4·d_model, tied
+embeddings, no QK norm and no logit scale. An export outside that set fails naming the feature.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from foundry.errors import ConfigError
+
+FAMILY = "mpt_causal_lm"
+_HF_ALIBI_BIAS_MAX = 8  # MptModel.forward builds ALiBi with the default, whatever the config says
+
+
+def unmappable_features(config: Any) -> list[str]:
+    """The settings of an ``MPTConfig`` that ``MptForCausalLM`` cannot express (empty when it maps)."""
+    attn, ffn = config.attn_config, config.ffn_config
+    checks = {
+        "attn_config.alibi (must be true)": not attn.alibi,
+        f"attn_config.alibi_bias_max (must be {_HF_ALIBI_BIAS_MAX})": attn.alibi_bias_max != _HF_ALIBI_BIAS_MAX,
+        "attn_config.rope": attn.rope,
+        "attn_config.attn_type (must be multihead_attention)": attn.attn_type != "multihead_attention",
+        "attn_config.qk_ln / qk_gn": attn.qk_ln or attn.qk_gn,
+        "attn_config.sliding_window_size": attn.sliding_window_size != -1,
+        "learned_pos_emb": config.learned_pos_emb,
+        "no_bias (must be true)": not config.no_bias,
+        "norm_type (must be layernorm or low_precision_layernorm)": "rmsnorm" in config.norm_type,
+        "ffn_config.ffn_type (must be mptmlp)": ffn.ffn_type != "mptmlp",
+        "ffn_config.ffn_act_fn (must be exact gelu)": (ffn.ffn_act_fn.name, ffn.ffn_act_fn.approximate)
+        != ("gelu", "none"),
+        "expansion_ratio / ffn_hidden_size (must give 4 * d_model)": _ffn_width(config) != 4 * config.d_model,
+        "tie_word_embeddings (must be true)": not config.tie_word_embeddings,
+        "logit_scale": config.logit_scale is not None,
+    }
+    return [feature for feature, unmappable in checks.items() if unmappable]
+
+
+def _ffn_width(config: Any) -> float:
+    return config.ffn_config.ffn_hidden_size or config.d_model * config.expansion_ratio
+
+
+def to_hf_config(model: Any) -> Any:
+    """A ``transformers.MptConfig`` for an ``MPTCausalLM``, or a ConfigError naming what does not map."""
+    from transformers import MptConfig as HFMptConfig
+
+    config = model.config
+    unmappable = unmappable_features(config)
+    if unmappable:
+        raise ConfigError(
+            "This MPT cannot be written as transformers' MptForCausalLM, which lacks: "
+            f"model.{', model.'.join(unmappable)}. "
+            "Export a model whose config keeps Hugging Face MPT's settings, or a Llama-style model "
+            "(llama_causal_lm), which exports to LlamaForCausalLM."
+        )
+    attn = config.attn_config
+    return HFMptConfig(
+        d_model=config.d_model,
+        n_heads=config.n_heads,
+        n_layers=config.n_layers,
+        expansion_ratio=4,
+        max_seq_len=config.max_seq_len,
+        vocab_size=config.vocab_size,
+        resid_pdrop=config.resid_pdrop,
+        emb_pdrop=config.emb_pdrop,
+        layer_norm_epsilon=config.norm_eps,
+        learned_pos_emb=False,
+        attn_config={
+            "alibi": True,
+            "alibi_bias_max": attn.alibi_bias_max,
+            "clip_qkv": attn.clip_qkv,
+            "softmax_scale": attn.softmax_scale,
+            "attn_pdrop": attn.attn_pdrop,
+            "qk_ln": False,
+        },
+        no_bias=True,
+        norm_type=config.norm_type,
+        embedding_fraction=config.embedding_fraction,
+        tie_word_embeddings=True,
+        architectures=["MptForCausalLM"],
+    )
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
+    del model
+    return dict(state)
+
+
+def from_hf_config(hf_config: Any) -> dict[str, Any]:
+    """The ``model:`` section of a foundry YAML for a Hugging Face MPT config."""
+    attn = hf_config.attn_config
+    attn = attn if isinstance(attn, dict) else attn.to_dict()
+    return {
+        "name": FAMILY,
+        "d_model": hf_config.d_model,
+        "n_heads": hf_config.n_heads,
+        "n_layers": hf_config.n_layers,
+        "expansion_ratio": 4,
+        "max_seq_len": hf_config.max_seq_len,
+        "vocab_size": hf_config.vocab_size,
+        "resid_pdrop": hf_config.resid_pdrop,
+        "emb_pdrop": hf_config.emb_pdrop,
+        "norm_eps": hf_config.layer_norm_epsilon,
+        "learned_pos_emb": False,
+        "no_bias": True,
+        "norm_type": "low_precision_layernorm" if hf_config.norm_type == "low_precision_layernorm" else "layernorm",
+        "attn_config": {
+            "alibi": True,
+            "alibi_bias_max": _HF_ALIBI_BIAS_MAX,
+            "clip_qkv": attn.get("clip_qkv"),
+            "softmax_scale": attn.get("softmax_scale"),
+            "attn_pdrop": attn.get("attn_pdrop", 0.0),
+        },
+        "tie_word_embeddings": True,
+    }
+
+
+def from_hf_state_dict(hf_state: dict[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    del hf_config
+    return {name: tensor for name, tensor in hf_state.items() if name != "lm_head.weight"}

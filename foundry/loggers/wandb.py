@@ -1,0 +1,218 @@
+"""Weights & Biases: metrics by step, the resolved config, the run's YAML and (optionally) checkpoints.
+
+Keys follow LLM Foundry's ``loggers: {wandb: {...}}``. ``WANDB_MODE=offline`` works without a network:
+the run is written under ``<run_folder>/wandb/`` (or ``$WANDB_DIR``) and ``wandb sync`` uploads it later.
+
+Secrets never reach W&B: ``scrub_secrets`` replaces the value of every config key that names a secret
+(``api_key``, ``token``, ``secret``, ``password``, ...) and every copy of a secret environment variable's
+value (``WANDB_API_KEY``, ``HF_TOKEN``, ...) with ``'***'``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+from collections.abc import Collection
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from foundry import registry
+from foundry.core.event import Event
+from foundry.core.logger import Logger, LoggerDestination
+from foundry.core.state import State
+from foundry.errors import ConfigError
+
+CONFIG_FILE_NAME = "foundry_config.yaml"
+REDACTED = "***"
+# Matched against snake_case keys: 'token' must stand alone ('hf_token', 'hfToken') so that 'tokenizer'
+# and 'max_tokens' are kept.
+_SECRET_KEY = re.compile(r"api_?key|secret|passw(?:or)?d|credential|(?<![a-z])token(?![a-z])")
+_MIN_SECRET_LENGTH = 8  # shorter env values ('1', 'true') would redact ordinary config values
+
+
+@registry.loggers.register("wandb")
+class WandBLogger(LoggerDestination):
+    """Logs to a W&B run started at FIT_START, after a checkpoint loads, so an autoresumed run continues it.
+
+    Args:
+        project, group, name, entity, tags: the W&B run's fields; ``name`` defaults to the run name.
+        log_artifacts: upload every checkpoint the run saves as a W&B artifact of type 'model'.
+        rank_zero_only: only rank 0 logs; otherwise every rank logs to '<name>-rank<r>' in group '<name>'.
+        init_kwargs: more ``wandb.init`` arguments (``dir``, ``mode``, ``resume``, ``config``...); they win.
+    """
+
+    def __init__(
+        self,
+        project: str | None = None,
+        group: str | None = None,
+        name: str | None = None,
+        entity: str | None = None,
+        tags: list[str] | None = None,
+        log_artifacts: bool = False,
+        rank_zero_only: bool = True,
+        init_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self._wandb = import_wandb()
+        self.project, self.group, self.name, self.entity = project, group, name, entity
+        self.tags = list(tags or [])
+        self.log_artifacts = log_artifacts
+        self.rank_zero_only = rank_zero_only
+        self.init_kwargs = dict(init_kwargs or {})
+        self._config: dict[str, Any] = scrub_secrets(self.init_kwargs.pop("config", {}))
+        self._rank = int(os.environ.get("RANK", "0"))  # until an event tells us state.rank
+        self._run_name: str | None = None
+        self._run_folder: Path | None = None
+        self._run: Any = None
+        self._resume_id: str | None = None  # the W&B run of the checkpoint this run resumed from
+        self._fit_ended = False
+
+    @property
+    def logs_on_this_rank(self) -> bool:
+        return self._rank == 0 or not self.rank_zero_only
+
+    def run_event(self, event: Event, state: State, logger: Logger) -> None:
+        self._rank, self._run_name = state.rank, state.run_name
+        # Until State carries the Trainer's run_folder, its default 'runs/<run_name>' is assumed.
+        self._run_folder = Path(getattr(state, "run_folder", None) or Path("runs") / state.run_name)
+        super().run_event(event, state, logger)
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        self._start()
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        self._fit_ended = True
+
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        self._upload_checkpoint(state)
+
+    def epoch_checkpoint(self, state: State, logger: Logger) -> None:
+        self._upload_checkpoint(state)
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        scrubbed = scrub_secrets(hyperparameters)
+        self._config.update(scrubbed)
+        if self._run is not None:
+            self._run.config.update(scrubbed, allow_val_change=True)
+            self._save_config_file()
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        run = self._run or self._start()  # Trainer.eval() without fit() logs before any FIT_START
+        if run is not None:
+            run.log(metrics, step=step)
+
+    def log_text(self, text: str) -> None:
+        if self._run is not None:
+            print(text)  # W&B captures the console into the run's output.log
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish(exit_code=0 if self._fit_ended else 1)  # 1 marks the run failed in the W&B UI
+            self._run = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_id": self._run.id} if self._run is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume_id = state.get("run_id")
+
+    def _start(self) -> Any:
+        if self._run is not None or not self.logs_on_this_rank:
+            return self._run
+        self._run = self._wandb.init(**self.init_arguments())
+        self._save_config_file()
+        return self._run
+
+    def init_arguments(self) -> dict[str, Any]:
+        """What ``wandb.init`` gets: the YAML keys, then the resumed run's id, then ``init_kwargs``."""
+        name = self.name or self._run_name
+        group = self.group
+        if not self.rank_zero_only and name is not None:
+            name, group = f"{name}-rank{self._rank}", group or name
+        arguments: dict[str, Any] = {
+            "project": self.project,
+            "group": group,
+            "name": name,
+            "entity": self.entity,
+            "tags": self.tags or None,
+            "config": self._config,
+        }
+        if "WANDB_DIR" not in os.environ and self._run_folder is not None:
+            self._run_folder.mkdir(parents=True, exist_ok=True)
+            arguments["dir"] = str(self._run_folder)  # W&B writes '<dir>/wandb/<run>/'
+        if self._resume_id is not None:
+            arguments.update(id=self._resume_id, resume="allow")
+        return {**arguments, **self.init_kwargs}
+
+    def _save_config_file(self) -> None:
+        """The resolved YAML as a file of the run, beside W&B's own flattened config."""
+        if not self._config:
+            return
+        path = Path(self._run.dir) / CONFIG_FILE_NAME
+        path.write_text(yaml.safe_dump(self._config, sort_keys=False), encoding="utf-8")
+        self._run.save(str(path), base_path=self._run.dir, policy="live")
+
+    def _upload_checkpoint(self, state: State) -> None:
+        if not self.log_artifacts or self._run is None or not state.last_checkpoint_path:
+            return
+        path = Path(state.last_checkpoint_path)
+        artifact_name = re.sub(r"[^\w.-]", "_", f"{state.run_name}-checkpoint")
+        artifact = self._wandb.Artifact(artifact_name, type="model", metadata={"batch": state.timestamp.batch})
+        if path.is_dir():
+            artifact.add_dir(str(path))
+        else:
+            artifact.add_file(str(path))
+        self._run.log_artifact(artifact, aliases=["latest", f"ba{state.timestamp.batch}"])
+
+
+def import_wandb() -> Any:
+    try:
+        return importlib.import_module("wandb")
+    except ImportError as error:
+        raise ConfigError(
+            f"loggers.wandb needs the wandb package, which cannot be imported ({error}). "
+            "Install it with: pip install 'foundry[wandb]'"
+        ) from None
+
+
+def scrub_secrets(config: Any, secret_values: Collection[str] | None = None) -> Any:
+    """A JSON-plain copy of ``config`` with secrets replaced by ``'***'``.
+
+    A value is secret when its key names one (``api_key``, ``hf_token``, ``client_secret``, ``password``,
+    case-insensitive, at any depth) or when it holds the value of a secret environment variable.
+
+    Args:
+        config: nested dicts and lists; other values become numbers, strings, booleans or None.
+        secret_values: strings to redact wherever they appear; default: secret environment variables' values.
+    """
+    secrets = environment_secrets() if secret_values is None else [s for s in secret_values if s]
+    plain = json.loads(json.dumps(config, default=str))  # Time, Path and friends become strings
+    return _scrub(plain, secrets)
+
+
+def environment_secrets() -> list[str]:
+    """Values of environment variables whose names name a secret (``WANDB_API_KEY``, ``HF_TOKEN``...)."""
+    return [
+        value
+        for name, value in os.environ.items()
+        if is_secret_key(name) and len(value) >= _MIN_SECRET_LENGTH
+    ]
+
+
+def is_secret_key(key: str) -> bool:
+    snake = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", key).lower()  # 'hfToken' -> 'hf_token'
+    return _SECRET_KEY.search(snake) is not None
+
+
+def _scrub(value: Any, secrets: list[str]) -> Any:
+    if isinstance(value, dict):
+        return {key: REDACTED if is_secret_key(key) else _scrub(item, secrets) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_scrub(item, secrets) for item in value]
+    if isinstance(value, str):
+        for secret in secrets:
+            value = value.replace(secret, REDACTED)
+    return value

@@ -1,0 +1,165 @@
+"""Any Hugging Face causal LM as a foundry model: ``model.name: hf_causal_lm``.
+
+Wraps ``transformers.AutoModelForCausalLM`` so a local checkpoint directory (or a hub name, when the
+machine can reach the hub) trains, evaluates and checkpoints like a native family. Remote code
+never runs unless the YAML sets ``trust_remote_code: true``. The loss is foundry's (shifted
+targets, token-weighted), so it is exactly the native families' loss; the HF model never sees labels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from foundry import registry
+from foundry.errors import ConfigError, did_you_mean
+from foundry.models import flops
+from foundry.models.base import CausalLM
+from foundry.schema import parse_dataclass
+
+_KEY = "model"
+
+
+@dataclasses.dataclass
+class HFCausalLMConfig:
+    """The ``model`` section for ``hf_causal_lm`` (LLM Foundry's keys where they exist)."""
+
+    pretrained_model_name_or_path: str
+    pretrained: bool = True  # False: the architecture of the config, randomly initialised
+    config_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    trust_remote_code: bool = False
+    attn_implementation: str = "sdpa"  # transformers' name: sdpa, eager, flash_attention_2, ...
+    init_device: str = "cpu"
+    use_flash_attention_2: bool = False  # LLM Foundry's spelling; refused with the new one
+    peft_config: dict[str, Any] | None = None
+    pretrained_lora_id_or_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.use_flash_attention_2:
+            raise ConfigError(
+                f"'{_KEY}.use_flash_attention_2' is replaced by '{_KEY}.attn_implementation: flash_attention_2' "
+                "(transformers' own key); set that instead."
+            )
+        for key in ("peft_config", "pretrained_lora_id_or_path"):
+            if getattr(self, key) is not None:
+                raise ConfigError(f"'{_KEY}.{key}': LoRA adapters are not supported by hf_causal_lm yet; remove it.")
+
+
+@registry.models.register("hf_causal_lm")
+class HFCausalLM(CausalLM):
+    """A ``transformers`` causal LM; ``forward(batch)`` returns its logits (batch, seq, vocab).
+
+    ``hf_model`` is the wrapped ``PreTrainedModel`` (``save_pretrained`` works on it directly).
+    """
+
+    def __init__(self, config: HFCausalLMConfig | Mapping[str, Any] | None = None, **config_keys: Any) -> None:
+        super().__init__()
+        if config is not None and config_keys:
+            raise ConfigError("Pass HFCausalLM either an HFCausalLMConfig or its keys as keyword arguments, not both.")
+        self.config = parse_dataclass(HFCausalLMConfig, config if config is not None else config_keys, _KEY)
+        hf_config = load_hf_config(self.config)
+        self.hf_model = _build_hf_model(self.config, hf_config)
+
+    @property
+    def hf_config(self) -> Any:
+        return self.hf_model.config
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_model.get_input_embeddings().weight.shape[0]
+
+    def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        outputs = self.hf_model(
+            input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False
+        )
+        return outputs.logits
+
+    @property
+    def num_params(self) -> int:
+        return flops.num_params(self)
+
+    @functools.cached_property
+    def n_active_params(self) -> int:
+        embedding = self.hf_model.get_input_embeddings()
+        output = self.hf_model.get_output_embeddings()
+        tied = output is not None and output.weight is embedding.weight
+        return flops.active_params(self, embedding, tied)
+
+    def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
+        batch_size, seq_len = batch["input_ids"].shape[:2]
+        n_layers, d_model = hf_depth_and_width(self.hf_config)
+        return flops.flops_per_batch(self.n_active_params, n_layers, d_model, batch_size, seq_len)
+
+
+def load_hf_config(config: HFCausalLMConfig) -> Any:
+    """The checkpoint's ``PretrainedConfig`` with ``config_overrides`` applied (each key must exist)."""
+    from transformers import AutoConfig
+
+    path = config.pretrained_model_name_or_path
+    try:
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+    except ValueError as error:
+        if "trust_remote_code" in str(error):
+            raise ConfigError(
+                f"'{_KEY}.pretrained_model_name_or_path' ({path}) needs its own Python code to build the model, "
+                f"which foundry does not run unless you set '{_KEY}.trust_remote_code: true'. Do so only if you "
+                "trust that code."
+            ) from None
+        raise ConfigError(f"'{_KEY}.pretrained_model_name_or_path' ({path}): {error}") from None
+    except OSError as error:
+        raise ConfigError(
+            f"'{_KEY}.pretrained_model_name_or_path' is {path!r}, which is neither a directory with a config.json "
+            f"nor a model this machine can download ({error}). Give the path of a Hugging Face model directory."
+        ) from None
+    known = hf_config.to_dict()
+    for key, value in config.config_overrides.items():
+        if key not in known and not hasattr(hf_config, key):
+            raise ConfigError(
+                f"'{_KEY}.config_overrides.{key}' is not a key of {type(hf_config).__name__}."
+                f"{did_you_mean(key, known)} Valid keys include: {', '.join(sorted(known)[:30])}."
+            )
+        setattr(hf_config, key, value)
+    return hf_config
+
+
+def _build_hf_model(config: HFCausalLMConfig, hf_config: Any) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"trust_remote_code": config.trust_remote_code, "attn_implementation": config.attn_implementation}
+    path = config.pretrained_model_name_or_path
+    try:
+        if config.pretrained:
+            model = AutoModelForCausalLM.from_pretrained(path, config=hf_config, dtype=torch.float32, **kwargs)
+            return model.to(config.init_device)
+        with torch.device(config.init_device):
+            return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **kwargs)
+    except ValueError as error:
+        raise ConfigError(
+            f"'{_KEY}.pretrained_model_name_or_path' ({path}) is not a causal language model transformers can "
+            f"build ({type(hf_config).__name__}): {error}"
+        ) from None
+    except OSError as error:
+        raise ConfigError(
+            f"'{_KEY}.pretrained_model_name_or_path' ({path}) has a config but no weights transformers can read "
+            f"({error}). Set '{_KEY}.pretrained: false' to start from random weights."
+        ) from None
+
+
+def hf_depth_and_width(hf_config: Any) -> tuple[int, int]:
+    """(layers, hidden size) under the names different architectures use."""
+    n_layers = _first_attribute(hf_config, ("num_hidden_layers", "n_layers", "n_layer", "num_layers"))
+    d_model = _first_attribute(hf_config, ("hidden_size", "d_model", "n_embd"))
+    return n_layers, d_model
+
+
+def _first_attribute(hf_config: Any, names: tuple[str, ...]) -> int:
+    for name in names:
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int):
+            return value
+    raise ConfigError(f"{type(hf_config).__name__} has none of {names}; foundry cannot count its FLOPs.")

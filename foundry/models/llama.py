@@ -1,0 +1,139 @@
+"""Llama 2/3-style decoders: ``model.name: llama_causal_lm``.
+
+A Llama is a configuration of the same decoder as MPT, not a second implementation: RMSNorm
+pre-norm blocks without biases, rotary embeddings (HF's half-split layout, optional Llama 3.1
+long-context scaling), SwiGLU feed-forward with Llama's hidden-size rule, grouped-query attention
+and an untied output head. ``LlamaConfig`` speaks Llama's vocabulary and becomes an ``MPTConfig``,
+so every kernel, algorithm and sharding rule written for MPT serves Llama too, and
+``foundry convert to-hf`` writes a ``LlamaForCausalLM``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from foundry import registry
+from foundry.errors import ConfigError
+from foundry.models.attention import AttnConfig, AttnImpl, RopeHFConfig
+from foundry.models.init import InitConfig
+from foundry.models.layers import ActFnConfig, FFNConfig
+from foundry.models.mpt import MPTCausalLM, MPTConfig
+from foundry.schema import parse_dataclass
+
+_KEY = "model"
+
+
+@dataclasses.dataclass
+class RopeScalingConfig:
+    """``model.rope_scaling``, as in a Hugging Face Llama ``config.json``."""
+
+    rope_type: Literal["llama3", "linear"] = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass
+class LlamaConfig:
+    """The ``model`` section of a Llama YAML; defaults are Llama-3-8B's."""
+
+    d_model: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    kv_n_heads: int | None = 8  # None: as many as n_heads (plain multi-head attention)
+    vocab_size: int = 128256
+    max_seq_len: int = 8192
+    ffn_hidden_size: int | None = None  # None: Llama's rule from multiple_of and ffn_dim_multiplier
+    multiple_of: int = 1024
+    ffn_dim_multiplier: float | None = 1.3
+    norm_eps: float = 1e-5
+    norm_type: Literal["rmsnorm", "low_precision_rmsnorm"] = "rmsnorm"
+    rope_theta: float = 500000.0
+    rope_scaling: RopeScalingConfig | None = None
+    attn_impl: AttnImpl = "sdpa"
+    attn_pdrop: float = 0.0
+    tie_word_embeddings: bool = False
+    init_std: float = 0.02  # every linear and embedding weight ~ N(0, init_std), as Hugging Face's Llama
+    init_device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for key in ("d_model", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"'{_KEY}.{key}' is {getattr(self, key)}; it must be positive.")
+        if self.kv_n_heads is not None and (self.kv_n_heads <= 0 or self.n_heads % self.kv_n_heads):
+            raise ConfigError(
+                f"'{_KEY}.kv_n_heads' ({self.kv_n_heads}) must divide '{_KEY}.n_heads' ({self.n_heads}); "
+                "each key/value head serves n_heads / kv_n_heads query heads."
+            )
+
+    @property
+    def hidden_size(self) -> int:
+        """The SwiGLU width: ``ffn_hidden_size``, else Meta's rule (2/3 of 4·d_model, scaled, rounded up)."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        hidden = int(2 * 4 * self.d_model / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * -(-hidden // self.multiple_of)
+
+    def to_mpt_config(self) -> MPTConfig:
+        kv_n_heads = self.kv_n_heads or self.n_heads
+        rope_scaling = RopeHFConfig()
+        if self.rope_scaling is not None:
+            scaling = self.rope_scaling
+            rope_scaling = RopeHFConfig(
+                type=scaling.rope_type,
+                factor=scaling.factor,
+                low_freq_factor=scaling.low_freq_factor,
+                high_freq_factor=scaling.high_freq_factor,
+                original_max_position_embeddings=scaling.original_max_position_embeddings,
+            )
+        attn_config = AttnConfig(
+            attn_type="grouped_query_attention",
+            kv_n_heads=kv_n_heads,
+            attn_impl=self.attn_impl,
+            attn_pdrop=self.attn_pdrop,
+            rope=True,
+            rope_impl="hf",
+            rope_theta=self.rope_theta,
+            rope_hf_config=rope_scaling,
+        )
+        return MPTConfig(
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            n_layers=self.n_layers,
+            max_seq_len=self.max_seq_len,
+            vocab_size=self.vocab_size,
+            learned_pos_emb=False,
+            attn_config=attn_config,
+            ffn_config=FFNConfig(
+                ffn_type="mptglu", ffn_act_fn=ActFnConfig(name="silu"), ffn_hidden_size=self.hidden_size
+            ),
+            init_config=InitConfig(
+                name="baseline_", init_std=self.init_std, emb_init_std=self.init_std, init_div_is_residual=False
+            ),
+            init_device=self.init_device,
+            no_bias=True,
+            norm_type=self.norm_type,
+            norm_eps=self.norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+        )
+
+
+@registry.models.register("llama_causal_lm")
+class LlamaCausalLM(MPTCausalLM):
+    """A Llama as a next-token predictor; ``llama_config`` keeps the Llama-side keys (for export).
+
+    Parameter names are MPT's (``transformer.blocks.N.attn.Wqkv`` holds q, k and v rows in that order);
+    ``foundry convert to-hf`` maps them to Hugging Face's ``model.layers.N.self_attn.q_proj`` and so on.
+    """
+
+    def __init__(self, config: LlamaConfig | Mapping[str, Any] | None = None, **config_keys: Any) -> None:
+        if config is not None and config_keys:
+            raise ConfigError("Pass LlamaCausalLM either a LlamaConfig or its keys as keyword arguments, not both.")
+        llama_config = parse_dataclass(LlamaConfig, config if config is not None else config_keys, _KEY)
+        super().__init__(llama_config.to_mpt_config())
+        self.llama_config = llama_config

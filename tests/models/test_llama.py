@@ -1,0 +1,98 @@
+"""The Llama family: Llama's config vocabulary, its hidden-size rule, llama3 RoPE scaling, GQA, init."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from helpers import TINY_LLAMA
+
+from foundry import registry
+from foundry.errors import ConfigError
+from foundry.models import LlamaCausalLM, LlamaConfig
+from foundry.models.attention import RopeHFConfig
+
+
+def tiny_llama(seed: int = 0, **overrides: Any) -> LlamaCausalLM:
+    torch.manual_seed(seed)
+    return LlamaCausalLM(**{**TINY_LLAMA, **overrides})
+
+
+def test_hidden_size_rule_gives_llama_3_8b_width() -> None:
+    assert LlamaConfig().hidden_size == 14336
+
+
+def test_hidden_size_rule_rounds_two_thirds_of_four_d_model_up_to_multiple_of() -> None:
+    # int(2 * 4 * 768 / 3) = 2048, already a multiple of 256; 2/3 * 4 * 100 = 266 -> 288 with multiple_of 32.
+    assert LlamaConfig(d_model=768, multiple_of=256, ffn_dim_multiplier=None).hidden_size == 2048
+    assert LlamaConfig(d_model=100, n_heads=4, kv_n_heads=4, multiple_of=32, ffn_dim_multiplier=None).hidden_size == 288
+
+
+def test_ffn_hidden_size_overrides_the_rule() -> None:
+    model = tiny_llama(ffn_hidden_size=80)
+    assert model.transformer.blocks[0].ffn.up_proj.out_features == 80
+
+
+def test_llama3_frequencies_equal_transformers() -> None:
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    hf_config = HFLlamaConfig(
+        hidden_size=512, num_attention_heads=4, rope_theta=500000.0, rope_scaling={"rope_type": "llama3", **scaling}
+    )
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, torch.device("cpu"))
+    ours = RopeHFConfig(type="llama3", **scaling).inv_freq(128, 500000.0, torch.device("cpu"))
+    torch.testing.assert_close(ours, expected.float(), rtol=1e-6, atol=0)
+    assert not torch.equal(ours, RopeHFConfig().inv_freq(128, 500000.0, torch.device("cpu")))
+
+
+def test_rope_scaling_changes_the_logits() -> None:
+    scaling = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 4}
+    input_ids = torch.randint(0, 96, (1, 32))
+    plain, scaled = tiny_llama(), tiny_llama(rope_scaling=scaling)
+    assert not torch.allclose(plain({"input_ids": input_ids}), scaled({"input_ids": input_ids}))
+
+
+def test_grouped_query_attention_has_kv_n_heads_key_value_heads() -> None:
+    attention = tiny_llama().transformer.blocks[0].attn
+    head_dim = 64 // 4
+    assert attention.Wqkv.out_features == 64 + 2 * 2 * head_dim
+
+
+def test_no_biases_and_an_untied_head() -> None:
+    model = tiny_llama()
+    assert not any(name.endswith(".bias") for name, _ in model.named_parameters())
+    assert model.lm_head is not None and model.lm_head.weight is not model.transformer.wte.weight
+
+
+def test_weights_start_at_init_std() -> None:
+    model = tiny_llama(d_model=256, n_heads=4, vocab_size=512, init_std=0.02)
+    assert model.lm_head.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.transformer.blocks[0].ffn.down_proj.weight.std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_forward_is_causal() -> None:
+    model = tiny_llama()
+    input_ids = torch.randint(0, 96, (1, 16))
+    changed = input_ids.clone()
+    changed[0, 10] = (changed[0, 10] + 1) % 96
+    before, after = model({"input_ids": input_ids}), model({"input_ids": changed})
+    torch.testing.assert_close(before[0, :10], after[0, :10])
+    assert not torch.allclose(before[0, 10:], after[0, 10:])
+
+
+def test_registry_builds_from_yaml_keys() -> None:
+    model = registry.models.get("llama_causal_lm")(**TINY_LLAMA)
+    assert isinstance(model, LlamaCausalLM) and model.llama_config.kv_n_heads == 2
+
+
+def test_typo_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"model\.n_kv_heads.*kv_n_heads"):
+        LlamaCausalLM(**{**TINY_LLAMA, "n_kv_heads": 2})
+
+
+def test_kv_n_heads_must_divide_n_heads() -> None:
+    with pytest.raises(ConfigError, match=r"model\.kv_n_heads"):
+        LlamaCausalLM(**{**TINY_LLAMA, "kv_n_heads": 3})
