@@ -104,10 +104,6 @@ class WandBLogger(LoggerDestination):
         if run is not None:
             run.log(metrics, step=step)
 
-    def log_text(self, text: str) -> None:
-        if self._run is not None:
-            print(text)  # W&B captures the console into the run's output.log
-
     def close(self) -> None:
         if self._run is not None:
             self._run.finish(exit_code=0 if self._fit_ended else 1)  # 1 marks the run failed in the W&B UI

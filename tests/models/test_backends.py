@@ -15,8 +15,9 @@ FAMILIES = {
     "mpt_alibi": (MPTCausalLM, {**TINY_MPT, "learned_pos_emb": False, "attn_config": {"alibi": True}}),
     "mpt_rope_gqa_qkln_clip": (
         MPTCausalLM,
-        {**TINY_MPT, "learned_pos_emb": False, "attn_config": {"rope": True, "attn_type": "grouped_query_attention", "kv_n_heads": 2,
-                                     "qk_ln": True, "clip_qkv": 0.3}},
+        {**TINY_MPT, "learned_pos_emb": False,
+         "attn_config": {"rope": True, "attn_type": "grouped_query_attention", "kv_n_heads": 2, "qk_ln": True,
+                         "clip_qkv": 0.3}},
     ),
     "llama": (LlamaCausalLM, {**TINY_LLAMA, "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 8}}),
 }  # fmt: skip
