@@ -35,16 +35,19 @@ class HFCausalLMConfig:
     trust_remote_code: bool = False
     attn_implementation: str = "sdpa"  # transformers' name: sdpa, eager, flash_attention_2, ...
     init_device: str = "cpu"
-    use_flash_attention_2: bool = False  # LLM Foundry's spelling; refused with the new one
+    use_flash_attention_2: bool = False  # LLM Foundry's spelling of attn_implementation: flash_attention_2
+    use_auth_token: bool | str | None = None  # a Hub token (or true: the logged-in one) for gated models
     peft_config: dict[str, Any] | None = None
     pretrained_lora_id_or_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.use_flash_attention_2:
-            raise ConfigError(
-                f"'{_KEY}.use_flash_attention_2' is replaced by '{_KEY}.attn_implementation: flash_attention_2' "
-                "(transformers' own key); set that instead."
-            )
+            if self.attn_implementation not in ("sdpa", "flash_attention_2"):
+                raise ConfigError(
+                    f"'{_KEY}.use_flash_attention_2' is true but '{_KEY}.attn_implementation' is "
+                    f"{self.attn_implementation!r}; keep one of them."
+                )
+            self.attn_implementation = "flash_attention_2"
         for key in ("peft_config", "pretrained_lora_id_or_path"):
             if getattr(self, key) is not None:
                 raise ConfigError(f"'{_KEY}.{key}': LoRA adapters are not supported by hf_causal_lm yet; remove it.")
@@ -102,7 +105,7 @@ def load_hf_config(config: HFCausalLMConfig) -> Any:
 
     path = config.pretrained_model_name_or_path
     try:
-        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=config.trust_remote_code)
+        hf_config = AutoConfig.from_pretrained(path, **_hub_kwargs(config))
     except ValueError as error:
         if "trust_remote_code" in str(error):
             raise ConfigError(
@@ -130,7 +133,7 @@ def load_hf_config(config: HFCausalLMConfig) -> Any:
 def _build_hf_model(config: HFCausalLMConfig, hf_config: Any) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"trust_remote_code": config.trust_remote_code, "attn_implementation": config.attn_implementation}
+    kwargs = {**_hub_kwargs(config), "attn_implementation": config.attn_implementation}
     path = config.pretrained_model_name_or_path
     try:
         if config.pretrained:
@@ -148,6 +151,13 @@ def _build_hf_model(config: HFCausalLMConfig, hf_config: Any) -> nn.Module:
             f"'{_KEY}.pretrained_model_name_or_path' ({path}) has a config but no weights transformers can read "
             f"({error}). Set '{_KEY}.pretrained: false' to start from random weights."
         ) from None
+
+
+def _hub_kwargs(config: HFCausalLMConfig) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"trust_remote_code": config.trust_remote_code}
+    if config.use_auth_token is not None:
+        kwargs["token"] = config.use_auth_token
+    return kwargs
 
 
 def hf_depth_and_width(hf_config: Any) -> tuple[int, int]:

@@ -1,0 +1,36 @@
+"""Every shipped YAML loads, validates and builds its model; the pretrain widths give their sizes."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from foundry.builders import build_model
+from foundry.config import load_train_config
+
+YAMLS = sorted((Path(__file__).resolve().parents[1] / "yamls").rglob("*.yaml"))
+# Parameter counts published for the architectures these widths reproduce (Hugging Face model cards).
+PUBLISHED_PARAMS = {"llama-1b.yaml": 1_235_814_400, "llama-8b.yaml": 8_030_261_248}  # Llama-3.2-1B, Llama-3-8B
+
+
+def num_params(path: Path) -> int:
+    cfg, _ = load_train_config(path, ["model.init_device=meta"])  # meta: no memory, no init time
+    return sum(p.numel() for p in build_model(cfg.model).parameters())
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=[str(path.relative_to(path.parents[1])) for path in YAMLS])
+def test_yaml_builds_its_model(path: Path) -> None:
+    assert num_params(path) > 0
+
+
+@pytest.mark.parametrize("path", [p for p in YAMLS if p.parent.name == "pretrain"], ids=lambda p: p.name)
+def test_pretrain_size_matches_its_name(path: Path) -> None:
+    value, unit = re.search(r"(\d+)([mb])\.yaml$", path.name).groups()
+    named = int(value) * (1e6 if unit == "m" else 1e9)
+    params = num_params(path)
+    if path.name in PUBLISHED_PARAMS:
+        assert params == PUBLISHED_PARAMS[path.name]
+    else:  # LLM Foundry rounds: MPT-1B has 1.3B parameters, MPT-3B 2.7B
+        assert 0.85 * named <= params <= 1.35 * named
