@@ -97,6 +97,7 @@ class Trainer:
             model=model,
             max_duration=Time.parse(max_duration if max_duration is not None else "1ep"),
             run_name=run_name,
+            run_folder=str(self.run_folder),
             train_dataloader=train_dataloader,
             eval_dataloaders=_as_eval_dict(eval_dataloader),
             precision=check_precision(precision, device),

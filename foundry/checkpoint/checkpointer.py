@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from foundry.checkpoint.rng import get_rng_state, load_rng_file, rng_file_for_rank, rng_file_name
 from foundry.checkpoint.safe_reader import METADATA_FILE, SafeFileSystemReader, SafeLoadPlanner
+from foundry.core.redact import scrub_secrets
 from foundry.core.state import State
 from foundry.core.time import Timestamp
 from foundry.errors import CheckpointError
@@ -136,7 +137,7 @@ def _meta_json(state: State, name: str, callbacks: Sequence, algorithms: Sequenc
         "callbacks": _stateful_states(callbacks),
         "algorithms": _stateful_states(algorithms),
         "dataloader": _dataloader_state(state.train_dataloader),
-        "config": _checked_json(config, "the run config"),
+        "config": scrub_secrets(_checked_json(config, "the run config")),
         "run": _run_info(state),
     }
     return json.dumps(meta, indent=2)

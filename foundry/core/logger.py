@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from foundry.core.callback import Callback
+from foundry.core.redact import scrub_secrets
 
 if TYPE_CHECKING:
     from foundry.core.state import State
@@ -39,6 +40,8 @@ class Logger:
             destination.log_metrics(values, step)
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        """Send the run's config to every destination, secrets scrubbed (``foundry.core.redact``)."""
+        hyperparameters = scrub_secrets(hyperparameters)
         for destination in self.destinations:
             destination.log_hyperparameters(hyperparameters)
 

@@ -22,6 +22,7 @@ class State:
     model: torch.nn.Module
     max_duration: Time
     run_name: str = "foundry-run"
+    run_folder: str | None = None  # where the run's metrics, plots and logger files go
     optimizers: list[torch.optim.Optimizer] = dataclasses.field(default_factory=list)
     schedulers: list[Any] = dataclasses.field(default_factory=list)
     train_dataloader: Iterable | None = None

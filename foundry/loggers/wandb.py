@@ -11,10 +11,8 @@ value (``WANDB_API_KEY``, ``HF_TOKEN``, ...) with ``'***'``.
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import re
-from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +21,11 @@ import yaml
 from foundry import registry
 from foundry.core.event import Event
 from foundry.core.logger import Logger, LoggerDestination
+from foundry.core.redact import scrub_secrets
 from foundry.core.state import State
 from foundry.errors import ConfigError
 
 CONFIG_FILE_NAME = "foundry_config.yaml"
-REDACTED = "***"
-# Matched against snake_case keys: 'token' must stand alone ('hf_token', 'hfToken') so that 'tokenizer'
-# and 'max_tokens' are kept.
-_SECRET_KEY = re.compile(r"api_?key|secret|passw(?:or)?d|credential|(?<![a-z])token(?![a-z])")
-_MIN_SECRET_LENGTH = 8  # shorter env values ('1', 'true') would redact ordinary config values
 
 
 @registry.loggers.register("wandb")
@@ -76,8 +70,7 @@ class WandBLogger(LoggerDestination):
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         self._rank, self._run_name = state.rank, state.run_name
-        # Until State carries the Trainer's run_folder, its default 'runs/<run_name>' is assumed.
-        self._run_folder = Path(getattr(state, "run_folder", None) or Path("runs") / state.run_name)
+        self._run_folder = run_folder(state)
         super().run_event(event, state, logger)
 
     def fit_start(self, state: State, logger: Logger) -> None:
@@ -139,7 +132,7 @@ class WandBLogger(LoggerDestination):
         if "WANDB_DIR" not in os.environ and self._run_folder is not None:
             self._run_folder.mkdir(parents=True, exist_ok=True)
             arguments["dir"] = str(self._run_folder)  # W&B writes '<dir>/wandb/<run>/'
-        if self._resume_id is not None:
+        if self._resume_id is not None and self._rank == 0:  # the checkpoint holds rank 0's run id
             arguments.update(id=self._resume_id, resume="allow")
         return {**arguments, **self.init_kwargs}
 
@@ -174,41 +167,6 @@ def import_wandb() -> Any:
         ) from None
 
 
-def scrub_secrets(config: Any, secret_values: Collection[str] | None = None) -> Any:
-    """A JSON-plain copy of ``config`` with secrets replaced by ``'***'``.
-
-    A value is secret when its key names one (``api_key``, ``hf_token``, ``client_secret``, ``password``,
-    case-insensitive, at any depth) or when it holds the value of a secret environment variable.
-
-    Args:
-        config: nested dicts and lists; other values become numbers, strings, booleans or None.
-        secret_values: strings to redact wherever they appear; default: secret environment variables' values.
-    """
-    secrets = environment_secrets() if secret_values is None else [s for s in secret_values if s]
-    plain = json.loads(json.dumps(config, default=str))  # Time, Path and friends become strings
-    return _scrub(plain, secrets)
-
-
-def environment_secrets() -> list[str]:
-    """Values of environment variables whose names name a secret (``WANDB_API_KEY``, ``HF_TOKEN``...)."""
-    return [
-        value
-        for name, value in os.environ.items()
-        if is_secret_key(name) and len(value) >= _MIN_SECRET_LENGTH
-    ]
-
-
-def is_secret_key(key: str) -> bool:
-    snake = re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", key).lower()  # 'hfToken' -> 'hf_token'
-    return _SECRET_KEY.search(snake) is not None
-
-
-def _scrub(value: Any, secrets: list[str]) -> Any:
-    if isinstance(value, dict):
-        return {key: REDACTED if is_secret_key(key) else _scrub(item, secrets) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_scrub(item, secrets) for item in value]
-    if isinstance(value, str):
-        for secret in secrets:
-            value = value.replace(secret, REDACTED)
-    return value
+def run_folder(state: State) -> Path:
+    """The Trainer's run folder ('runs/<run_name>' for a State built without one)."""
+    return Path(state.run_folder or Path("runs") / state.run_name)
