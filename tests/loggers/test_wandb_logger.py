@@ -18,9 +18,9 @@ from helpers import TinyLM, token_batches
 
 from foundry import registry
 from foundry.core import Event
+from foundry.core.redact import scrub_secrets
 from foundry.errors import ConfigError
 from foundry.loggers import WandBLogger
-from foundry.core.redact import scrub_secrets
 from foundry.loggers.wandb import CONFIG_FILE_NAME
 from foundry.trainer import Trainer
 
