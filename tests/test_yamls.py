@@ -13,6 +13,9 @@ from foundry.config import load_train_config
 YAMLS = sorted((Path(__file__).resolve().parents[1] / "yamls").rglob("*.yaml"))
 # Parameter counts published for the architectures these widths reproduce (Hugging Face model cards).
 PUBLISHED_PARAMS = {"llama-1b.yaml": 1_235_814_400, "llama-8b.yaml": 8_030_261_248}  # Llama-3.2-1B, Llama-3-8B
+# Names that round more than 15%: LLM Foundry's MPT-1B has 1.3B parameters.
+NOMINAL_PARAMS = {"mpt-1b.yaml": 1.3e9}
+MODELS_MD = Path(__file__).resolve().parents[1] / "docs" / "MODELS.md"
 
 
 def num_params(path: Path) -> int:
@@ -32,5 +35,13 @@ def test_pretrain_size_matches_its_name(path: Path) -> None:
     params = num_params(path)
     if path.name in PUBLISHED_PARAMS:
         assert params == PUBLISHED_PARAMS[path.name]
-    else:  # LLM Foundry rounds: MPT-1B has 1.3B parameters, MPT-3B 2.7B
-        assert 0.85 * named <= params <= 1.35 * named
+    else:
+        nominal = NOMINAL_PARAMS.get(path.name, named)
+        assert 0.85 * nominal <= params <= 1.15 * nominal
+
+
+def test_models_md_states_each_pretrain_size() -> None:
+    """docs/MODELS.md's table of pretrain YAMLs gives the counts these YAMLs build."""
+    rows = re.findall(r"`([\w.-]+\.yaml)` \|.*\| ([\d,]+) \|", MODELS_MD.read_text())
+    pretrain = [path for path in YAMLS if path.parent.name == "pretrain"]
+    assert {name: int(count.replace(",", "")) for name, count in rows} == {p.name: num_params(p) for p in pretrain}

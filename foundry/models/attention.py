@@ -65,25 +65,33 @@ class RopeHFConfig:
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self) -> None:
-        if self.factor <= 0:
-            raise ConfigError(f"'{_KEY}.rope_hf_config.factor' is {self.factor}; it must be positive.")
-        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
-            raise ConfigError(
-                f"'{_KEY}.rope_hf_config.high_freq_factor' ({self.high_freq_factor}) must exceed low_freq_factor "
-                f"({self.low_freq_factor}) for llama3 scaling."
-            )
+        key_path = f"{_KEY}.rope_hf_config"
+        check_rope_scaling(self.type, self.factor, self.low_freq_factor, self.high_freq_factor, key_path)
 
     def inv_freq(self, head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+        """The rotary frequencies (head_dim / 2,) in fp32, with this scaling applied."""
         inv_freq = rope_inv_freq(head_dim, theta, device)
-        if self.type != "llama3":
-            return inv_freq
-        return llama3_scaled_inv_freq(
-            inv_freq, self.factor, self.low_freq_factor, self.high_freq_factor, self.original_max_position_embeddings
-        )
+        if self.type == "linear":  # the same as dividing positions by factor
+            return inv_freq / self.factor
+        if self.type == "llama3":
+            original_length = self.original_max_position_embeddings
+            return llama3_scaled_inv_freq(
+                inv_freq, self.factor, self.low_freq_factor, self.high_freq_factor, original_length
+            )
+        return inv_freq
 
-    @property
-    def position_scale(self) -> float:
-        return self.factor if self.type == "linear" else 1.0
+
+def check_rope_scaling(
+    rope_type: str, factor: float, low_freq_factor: float, high_freq_factor: float, key_path: str
+) -> None:
+    """Scaling values that would give zero, infinite or reversed frequencies fail, naming ``key_path``."""
+    if factor <= 0:
+        raise ConfigError(f"'{key_path}.factor' is {factor}; it must be positive (1 = no scaling).")
+    if rope_type == "llama3" and high_freq_factor <= low_freq_factor:
+        raise ConfigError(
+            f"'{key_path}.high_freq_factor' ({high_freq_factor}) must exceed '{key_path}.low_freq_factor' "
+            f"({low_freq_factor}) for llama3 scaling (Llama 3.1 uses 4 and 1)."
+        )
 
 
 @dataclasses.dataclass
@@ -211,8 +219,7 @@ def build_attention_inputs(
     inputs = AttentionInputs()
     if config.rope:
         scaling = config.rope_hf_config if config.rope_impl == "hf" else RopeHFConfig()
-        inv_freq = scaling.inv_freq(head_dim, config.rope_theta, device)
-        inputs.rope = rope_cos_sin(positions, inv_freq, scaling.position_scale)
+        inputs.rope = rope_cos_sin(positions, scaling.inv_freq(head_dim, config.rope_theta, device))
     query_pos = torch.arange(seq_len, device=device)[:, None]
     distance = query_pos - torch.arange(seq_len, device=device)[None, :]  # (seq, seq): i - j
     if config.alibi:

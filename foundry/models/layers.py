@@ -193,14 +193,12 @@ def llama3_scaled_inv_freq(
     return torch.where(is_medium, blended, scaled)
 
 
-def rope_cos_sin(
-    positions: torch.Tensor, inv_freq: torch.Tensor, position_scale: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, in fp32, each (batch or 1, seq, 1, head_dim).
 
-    ``position_scale`` > 1 is HF's linear RoPE scaling (positions divided by the factor).
+    ``inv_freq`` (head_dim / 2,) carries any scaling (``RopeHFConfig.inv_freq``).
     """
-    angles = (positions.float() / position_scale)[..., None] * inv_freq  # (batch, seq, head_dim / 2)
+    angles = positions.float()[..., None] * inv_freq  # (batch, seq, head_dim / 2)
     angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
     return angles.cos(), angles.sin()
 

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from foundry import registry
 from foundry.errors import ConfigError
-from foundry.models.attention import AttnConfig, AttnImpl, RopeHFConfig
+from foundry.models.attention import AttnConfig, AttnImpl, RopeHFConfig, check_rope_scaling
 from foundry.models.init import InitConfig
 from foundry.models.layers import ActFnConfig, FFNConfig
 from foundry.models.mpt import MPTCausalLM, MPTConfig
@@ -27,13 +27,30 @@ _KEY = "model"
 
 @dataclasses.dataclass
 class RopeScalingConfig:
-    """``model.rope_scaling``, as in a Hugging Face Llama ``config.json``."""
+    """``model.rope_scaling``, as in a Hugging Face Llama ``config.json`` (transformers' semantics).
+
+    ``llama3`` uses every key; ``linear`` only ``factor``.
+    """
 
     rope_type: Literal["llama3", "linear"] = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        check_rope_scaling(
+            self.rope_type, self.factor, self.low_freq_factor, self.high_freq_factor, f"{_KEY}.rope_scaling"
+        )
+
+    def to_rope_hf_config(self) -> RopeHFConfig:
+        return RopeHFConfig(
+            type=self.rope_type,
+            factor=self.factor,
+            low_freq_factor=self.low_freq_factor,
+            high_freq_factor=self.high_freq_factor,
+            original_max_position_embeddings=self.original_max_position_embeddings,
+        )
 
 
 @dataclasses.dataclass
@@ -63,44 +80,36 @@ class LlamaConfig:
         for key in ("d_model", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"'{_KEY}.{key}' is {getattr(self, key)}; it must be positive.")
+        for key in ("ffn_hidden_size", "ffn_dim_multiplier", "norm_eps", "init_std", "rope_theta"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ConfigError(f"'{_KEY}.{key}' is {value}; it must be positive.")
         if self.kv_n_heads is not None and (self.kv_n_heads <= 0 or self.n_heads % self.kv_n_heads):
             raise ConfigError(
                 f"'{_KEY}.kv_n_heads' ({self.kv_n_heads}) must divide '{_KEY}.n_heads' ({self.n_heads}); "
                 "each key/value head serves n_heads / kv_n_heads query heads."
             )
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"'{_KEY}.d_model' ({self.d_model}) must be divisible by '{_KEY}.n_heads' ({self.n_heads}): "
+                "each head gets d_model / n_heads dimensions."
+            )
 
     @property
     def hidden_size(self) -> int:
-        """The SwiGLU width: ``ffn_hidden_size``, else Meta's rule (2/3 of 4·d_model, scaled, rounded up)."""
+        """The SwiGLU width (HF's ``intermediate_size``): ``ffn_hidden_size``, else Meta's rule.
+
+        Meta's rule: 2/3 of 4 * d_model, times ``ffn_dim_multiplier``, rounded up to ``multiple_of``.
+        """
         if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
         hidden = int(2 * 4 * self.d_model / 3)
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
-        return self.multiple_of * -(-hidden // self.multiple_of)
+        return self.multiple_of * -(-hidden // self.multiple_of)  # ceil division
 
     def to_mpt_config(self) -> MPTConfig:
-        kv_n_heads = self.kv_n_heads or self.n_heads
-        rope_scaling = RopeHFConfig()
-        if self.rope_scaling is not None:
-            scaling = self.rope_scaling
-            rope_scaling = RopeHFConfig(
-                type=scaling.rope_type,
-                factor=scaling.factor,
-                low_freq_factor=scaling.low_freq_factor,
-                high_freq_factor=scaling.high_freq_factor,
-                original_max_position_embeddings=scaling.original_max_position_embeddings,
-            )
-        attn_config = AttnConfig(
-            attn_type="grouped_query_attention",
-            kv_n_heads=kv_n_heads,
-            attn_impl=self.attn_impl,
-            attn_pdrop=self.attn_pdrop,
-            rope=True,
-            rope_impl="hf",
-            rope_theta=self.rope_theta,
-            rope_hf_config=rope_scaling,
-        )
+        """The same network as MPT keys: no biases, RMSNorm, RoPE, SwiGLU, N(0, init_std) init."""
         return MPTConfig(
             d_model=self.d_model,
             n_heads=self.n_heads,
@@ -108,7 +117,7 @@ class LlamaConfig:
             max_seq_len=self.max_seq_len,
             vocab_size=self.vocab_size,
             learned_pos_emb=False,
-            attn_config=attn_config,
+            attn_config=self._attn_config(),
             ffn_config=FFNConfig(
                 ffn_type="mptglu", ffn_act_fn=ActFnConfig(name="silu"), ffn_hidden_size=self.hidden_size
             ),
@@ -120,6 +129,20 @@ class LlamaConfig:
             norm_type=self.norm_type,
             norm_eps=self.norm_eps,
             tie_word_embeddings=self.tie_word_embeddings,
+        )
+
+    def _attn_config(self) -> AttnConfig:
+        kv_n_heads = self.kv_n_heads or self.n_heads
+        is_multihead = kv_n_heads == self.n_heads
+        return AttnConfig(
+            attn_type="multihead_attention" if is_multihead else "grouped_query_attention",
+            kv_n_heads=None if is_multihead else kv_n_heads,
+            attn_impl=self.attn_impl,
+            attn_pdrop=self.attn_pdrop,
+            rope=True,
+            rope_impl="hf",
+            rope_theta=self.rope_theta,
+            rope_hf_config=RopeHFConfig() if self.rope_scaling is None else self.rope_scaling.to_rope_hf_config(),
         )
 
 

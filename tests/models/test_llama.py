@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from foundry import registry
 from foundry.errors import ConfigError
 from foundry.models import LlamaCausalLM, LlamaConfig
 from foundry.models.attention import RopeHFConfig
+from foundry.models.llama import RopeScalingConfig
 
 
 def tiny_llama(seed: int = 0, **overrides: Any) -> LlamaCausalLM:
@@ -29,23 +31,46 @@ def test_hidden_size_rule_rounds_two_thirds_of_four_d_model_up_to_multiple_of() 
     assert LlamaConfig(d_model=100, n_heads=4, kv_n_heads=4, multiple_of=32, ffn_dim_multiplier=None).hidden_size == 288
 
 
+def test_hidden_size_rule_gives_llama_3_2_1b_width() -> None:
+    # int(2 * 4 * 2048 / 3) = 5461; * 1.5 = 8191; rounded up to a multiple of 256: 8192.
+    assert LlamaConfig(d_model=2048, multiple_of=256, ffn_dim_multiplier=1.5).hidden_size == 8192
+
+
 def test_ffn_hidden_size_overrides_the_rule() -> None:
     model = tiny_llama(ffn_hidden_size=80)
     assert model.transformer.blocks[0].ffn.up_proj.out_features == 80
 
 
-def test_llama3_frequencies_equal_transformers() -> None:
+def transformers_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """transformers' own frequencies for ``scaling`` (a HF ``rope_scaling`` dict), on 4.x and 5.x."""
     from transformers import LlamaConfig as HFLlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    scaling = {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
-    hf_config = HFLlamaConfig(
-        hidden_size=512, num_attention_heads=4, rope_theta=500000.0, rope_scaling={"rope_type": "llama3", **scaling}
-    )
-    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, torch.device("cpu"))
-    ours = RopeHFConfig(type="llama3", **scaling).inv_freq(128, 500000.0, torch.device("cpu"))
-    torch.testing.assert_close(ours, expected.float(), rtol=1e-6, atol=0)
+    shape = {"hidden_size": 4 * head_dim, "num_attention_heads": 4}
+    if "rope_parameters" in inspect.signature(HFLlamaConfig.__init__).parameters:  # transformers >= 5
+        hf_config = HFLlamaConfig(**shape, rope_parameters={"rope_theta": theta, **scaling})
+    else:
+        hf_config = HFLlamaConfig(**shape, rope_theta=theta, rope_scaling=scaling)
+    inv_freq, _ = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_config, torch.device("cpu"))
+    return inv_freq.float()
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [{"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 64},
+     {"rope_type": "linear", "factor": 4.0}],
+    ids=["llama3", "linear"],
+)  # fmt: skip
+def test_scaled_frequencies_equal_transformers(scaling: dict[str, Any]) -> None:
+    ours = RopeScalingConfig(**scaling).to_rope_hf_config().inv_freq(128, 500000.0, torch.device("cpu"))
+    torch.testing.assert_close(ours, transformers_inv_freq(128, 500000.0, scaling), rtol=1e-6, atol=0)
     assert not torch.equal(ours, RopeHFConfig().inv_freq(128, 500000.0, torch.device("cpu")))
+
+
+def test_bad_rope_scaling_names_the_llama_key() -> None:
+    with pytest.raises(ConfigError, match=r"'model\.rope_scaling\.high_freq_factor'"):
+        LlamaCausalLM(**{**TINY_LLAMA, "rope_scaling": {"low_freq_factor": 4.0, "high_freq_factor": 1.0}})
 
 
 def test_rope_scaling_changes_the_logits() -> None:
@@ -59,6 +84,21 @@ def test_grouped_query_attention_has_kv_n_heads_key_value_heads() -> None:
     attention = tiny_llama().transformer.blocks[0].attn
     head_dim = 64 // 4
     assert attention.Wqkv.out_features == 64 + 2 * 2 * head_dim
+
+
+def test_kv_n_heads_none_is_multihead_attention() -> None:
+    model = tiny_llama(kv_n_heads=None)
+    assert model.config.attn_config.attn_type == "multihead_attention"
+    assert model.transformer.blocks[0].attn.Wqkv.out_features == 3 * 64
+
+
+def test_parameter_names_are_mpts_with_fused_wqkv() -> None:
+    """The Hugging Face export splits Wqkv by these names and the q, k, v row order."""
+    block = {"norm_1.weight", "attn.Wqkv.weight", "attn.out_proj.weight", "norm_2.weight",
+             "ffn.gate_proj.weight", "ffn.up_proj.weight", "ffn.down_proj.weight"}  # fmt: skip
+    expected = {"transformer.wte.weight", "transformer.norm_f.weight", "lm_head.weight"}
+    expected |= {f"transformer.blocks.{layer}.{name}" for layer in range(2) for name in block}
+    assert set(dict(tiny_llama().named_parameters())) == expected
 
 
 def test_no_biases_and_an_untied_head() -> None:
