@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,39 +17,39 @@ from foundry.core.time import Time
 from foundry.errors import CheckpointError
 
 
-def checkpoint_config(path: Path) -> dict[str, Any]:
+def checkpoint_config(folder: Path) -> dict[str, Any]:
     """The resolved train config a checkpoint was saved with (``meta.json``'s ``config``)."""
     try:
-        config = json.loads((path / META_FILE).read_text()).get("config") or {}
+        config = json.loads((folder / META_FILE).read_text()).get("config") or {}
     except ValueError as error:
-        raise CheckpointError(f"{path / META_FILE} is not valid JSON ({error}); use another checkpoint.") from None
+        raise CheckpointError(f"{folder / META_FILE} is not valid JSON ({error}); use another checkpoint.") from None
     if not isinstance(config.get("model"), dict) or "name" not in config["model"]:
         raise CheckpointError(
-            f"Checkpoint {path} holds no model config (its run passed no `config` to the Trainer), so foundry "
+            f"Checkpoint {folder} holds no model config (its run passed no `config` to the Trainer), so foundry "
             "cannot tell which architecture the weights belong to. Save checkpoints with `foundry train`."
         )
     return config
 
 
-def empty_model(model_section: dict[str, Any]) -> nn.Module:
-    """The model of ``model_section`` with uninitialised CPU weights (no time spent on a random init)."""
-    model = build_model({**model_section, "init_device": "meta"})
-    return model.to_empty(device="cpu")
+def meta_model(model_section: Mapping[str, Any]) -> nn.Module:
+    """The model of ``model_section`` with every weight on the meta device: no memory, no random init."""
+    return build_model({**model_section, "init_device": "meta"})
 
 
-def load_model_from_checkpoint(path: str | Path) -> tuple[nn.Module, dict[str, Any], Path]:
-    """(model with the checkpoint's weights on CPU, the run's config, the checkpoint folder).
-
-    ``path`` is a checkpoint folder or a save_folder (its latest checkpoint).
-    """
-    folder = resolve_checkpoint_path(path)
-    config = checkpoint_config(folder)
-    model = empty_model(config["model"])
+def load_checkpoint_model(folder: Path, model_section: Mapping[str, Any]) -> nn.Module:
+    """``model_section``'s model on CPU holding the weights of checkpoint ``folder`` (nothing else is read)."""
+    model = meta_model(model_section).to_empty(device="cpu")
     load_checkpoint(folder, State(model=model, max_duration=Time.parse("1ba")), weights_only=True)
-    return model, config, folder
+    return model
 
 
-def save_weights_checkpoint(model: nn.Module, save_folder: str | Path, config: dict[str, Any], overwrite: bool) -> Path:
+def resolve_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """(checkpoint folder, its run's config); ``path`` is a checkpoint folder or a save_folder (its latest)."""
+    folder = resolve_checkpoint_path(path)
+    return folder, checkpoint_config(folder)
+
+
+def save_weights_checkpoint(model: nn.Module, save_folder: Path, config: dict[str, Any], overwrite: bool) -> Path:
     """A checkpoint at batch 0 holding only ``model``'s weights; ``load_path`` + ``load_weights_only`` read it."""
     state = State(model=model, max_duration=Time.parse("1ba"))
     return save_checkpoint(save_folder, state, config=config, overwrite=overwrite)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from torch import nn
 
 from foundry.checkpoint import latest_checkpoint
 from foundry.convert import adapter_for_family, adapter_for_hf
-from foundry.convert.checkpoint_io import empty_model, load_model_from_checkpoint, save_weights_checkpoint
+from foundry.convert.checkpoint_io import load_checkpoint_model, meta_model, resolve_checkpoint, save_weights_checkpoint
 from foundry.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -26,17 +27,26 @@ def add_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", help="the Hugging Face model directory to write")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype (default fp32)")
     parser.add_argument("--tokenizer", help="tokenizer to include (default: the checkpoint config's tokenizer.name)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing out_dir")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
 
 
 def run_to_hf(args: argparse.Namespace) -> int:
     out_dir = _check_out_dir(Path(args.out_dir), args.overwrite)
-    model, config, folder = load_model_from_checkpoint(args.checkpoint)
+    folder, config = resolve_checkpoint(args.checkpoint)
+    family = config["model"]["name"]
+    adapter_for_family(family)  # an unexportable family fails before any weight is read
     tokenizer = _checkpoint_tokenizer(args.tokenizer, config, folder)
-    hf_model = to_hf_model(model, config["model"]["name"]).to(DTYPES[args.dtype])
+    model = load_checkpoint_model(folder, config["model"])
+    hf_model = to_hf_model(model, family).to(DTYPES[args.dtype])
+    if len(tokenizer) > hf_model.config.vocab_size:
+        raise ConfigError(
+            f"The tokenizer has {len(tokenizer)} tokens but the model in {folder} embeds only "
+            f"{hf_model.config.vocab_size} (model.vocab_size), so the export could not read every token it writes. "
+            "Pass --tokenizer with the tokenizer the model was trained with."
+        )
 
     def write(tmp_dir: Path) -> None:
-        hf_model.save_pretrained(tmp_dir, safe_serialization=True)
+        hf_model.save_pretrained(tmp_dir)  # safetensors (the only format transformers 5 writes)
         tokenizer.save_pretrained(tmp_dir)
 
     _write_atomically(out_dir, write)
@@ -45,102 +55,117 @@ def run_to_hf(args: argparse.Namespace) -> int:
 
 
 def to_hf_model(model: nn.Module, family: str) -> nn.Module:
-    """The ``transformers`` model with ``model``'s weights (shared, not copied)."""
+    """The ``transformers`` model holding ``model``'s weights (shared where names map one to one)."""
     from transformers import AutoModelForCausalLM
 
     adapter = adapter_for_family(family)
     hf_config = adapter.to_hf_config(model)
     hf_state = adapter.to_hf_state_dict(model.state_dict(), model)
-    with torch.device("meta"):  # no random init of weights about to be replaced
+    with torch.device("meta"):  # no random init of weights about to be replaced (an 8B model is 32 GB)
         hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    result = hf_model.load_state_dict(hf_state, strict=False, assign=True)
-    hf_model.tie_weights()
-    _rebuild_computed_buffers(hf_model)
-    left_on_meta = [name for name, tensor in hf_model.state_dict().items() if tensor.is_meta]
-    if result.unexpected_keys or left_on_meta:
-        raise ConfigError(
-            f"Export to {type(hf_model).__name__} left weights unset {left_on_meta[:5]} or unused "
-            f"{result.unexpected_keys[:5]}; this is a bug in foundry/convert/{adapter.__name__.rsplit('.', 1)[-1]}.py."
-        )
-    return hf_model.eval()
-
-
-def _rebuild_computed_buffers(hf_model: nn.Module) -> None:
-    """Re-create modules whose buffers are computed from the config (RoPE frequencies), left on meta."""
-    for parent in list(hf_model.modules()):
-        for child_name, child in parent.named_children():
-            if any(buffer.is_meta for buffer in child.buffers(recurse=False)):
-                setattr(parent, child_name, type(child)(config=hf_model.config))
+    return _assign_weights(hf_model, hf_state, f"{family} to {type(hf_model).__name__}").eval()
 
 
 def _checkpoint_tokenizer(name: str | None, config: dict[str, Any], folder: Path) -> Any:
     from foundry.data import load_tokenizer
 
     section = config.get("tokenizer") or {}
-    name = name or section.get("name")
-    if not name:
+    if not (name or section.get("name")):
         raise ConfigError(
             f"Checkpoint {folder} names no tokenizer (its config has no tokenizer.name), and an exported model "
             "must include one. Pass --tokenizer with a tokenizer directory or name."
         )
-    return load_tokenizer(name, **(section.get("kwargs") or {}))
+    return load_tokenizer(name or section["name"], **({} if name else section.get("kwargs") or {}))
 
 
 # ----------------------------------------------------------------------------------- from-hf
 def add_from_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("hf_dir", help="a Hugging Face model directory (LlamaForCausalLM or MptForCausalLM)")
     parser.add_argument("out_ckpt", help="the save_folder to write the checkpoint into (load_path for training)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint there")
+    parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already there")
 
 
 def run_from_hf(args: argparse.Namespace) -> int:
-    hf_dir, out_ckpt = Path(args.hf_dir), Path(args.out_ckpt)
+    hf_dir, out_ckpt = Path(args.hf_dir), Path(args.out_ckpt).resolve()
     if latest_checkpoint(out_ckpt) is not None and not args.overwrite:
         raise ConfigError(f"{out_ckpt} already holds a checkpoint; pass --overwrite to replace it, or choose another.")
     model, section = from_hf_model(hf_dir)
     config: dict[str, Any] = {"model": section}
     tokenizer = _hf_tokenizer(hf_dir)
     if tokenizer is not None:
-        tokenizer_dir = out_ckpt / "tokenizer"
-        tokenizer.save_pretrained(tokenizer_dir)
-        config["tokenizer"] = {"name": str(tokenizer_dir)}
+        tokenizer.save_pretrained(out_ckpt / "tokenizer")
+        config["tokenizer"] = {"name": str(out_ckpt / "tokenizer")}
     folder = save_weights_checkpoint(model, out_ckpt, config, overwrite=args.overwrite)
-    print(f"foundry: wrote {folder} from {hf_dir}. Train from it with `load_path: {out_ckpt}`, ")
-    print("`load_weights_only: true` and this model section:\n")
+    print(
+        f"foundry: wrote {folder} from {hf_dir}"
+        f"{' with its tokenizer' if tokenizer is not None else ' (no tokenizer found there)'}. Train from it with "
+        f"`load_path: {out_ckpt}`, `load_weights_only: true` and this model section:\n"
+    )
     print(yaml.safe_dump({"model": section}, sort_keys=False), end="")
     return 0
 
 
 def from_hf_model(hf_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
-    """(foundry model with the checkpoint's weights, its ``model:`` section)."""
+    """(foundry model holding the checkpoint's weights in fp32, its ``model:`` section)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not (hf_dir / "config.json").is_file():
         raise ConfigError(f"{hf_dir} is not a Hugging Face model directory (it has no config.json).")
-    hf_config = AutoConfig.from_pretrained(hf_dir)
+    try:  # never runs a checkpoint's own code: the adapters know transformers' built-in classes only
+        hf_config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)
+    except (ValueError, OSError) as error:
+        remote = "trust_remote_code" in str(error)
+        reason = "the model needs its own Python code, which foundry does not run" if remote else str(error).strip()
+        raise ConfigError(
+            f"transformers cannot read {hf_dir / 'config.json'} with its built-in classes: {reason}. foundry convert "
+            "from-hf reads Llama and MPT checkpoints; train any other causal LM with `model: {name: hf_causal_lm}`."
+        ) from None
     adapter = adapter_for_hf(hf_config.model_type)
     section = adapter.from_hf_config(hf_config)
-    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    model = empty_model(section)
-    model.load_state_dict(adapter.from_hf_state_dict(hf_model.state_dict(), hf_config), strict=True)
-    return model, section
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=False)
+    state = adapter.from_hf_state_dict(hf_model.state_dict(), hf_config)
+    return _assign_weights(meta_model(section), state, f"{hf_dir} to {section['name']}"), section
 
 
 def _hf_tokenizer(hf_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     has_tokenizer = any((hf_dir / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
-    return AutoTokenizer.from_pretrained(hf_dir) if has_tokenizer else None
+    return AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=False) if has_tokenizer else None
 
 
 # ----------------------------------------------------------------------------------- helpers
+def _assign_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> nn.Module:
+    """Put ``state``'s tensors into meta-device ``model`` as they are (no copy); every weight must be set."""
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if hasattr(model, "tie_weights"):  # transformers: the output head shares the embedding when tied
+        model.tie_weights()
+    _rebuild_computed_buffers(model)
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    left_on_meta = [name for name, tensor in tensors if tensor.is_meta]
+    if result.unexpected_keys or left_on_meta:
+        raise ConfigError(
+            f"Converting {source} left weights unset {left_on_meta[:5]} or unused {result.unexpected_keys[:5]}; "
+            "this is a bug in its foundry/convert adapter."
+        )
+    return model
+
+
+def _rebuild_computed_buffers(model: nn.Module) -> None:
+    """Re-create transformers modules whose buffers come from the config (RoPE frequencies), left on meta."""
+    for parent in list(model.modules()):
+        for child_name, child in parent.named_children():
+            if any(buffer.is_meta for buffer in child.buffers(recurse=False)):
+                setattr(parent, child_name, type(child)(config=model.config))
+
+
 def _check_out_dir(out_dir: Path, overwrite: bool) -> Path:
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+    if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite):
         raise ConfigError(f"{out_dir} exists and is not empty; pass --overwrite to replace it, or choose another.")
     return out_dir
 
 
-def _write_atomically(out_dir: Path, write: Any) -> None:
+def _write_atomically(out_dir: Path, write: Callable[[Path], None]) -> None:
     """Run ``write(tmp_dir)`` beside ``out_dir``, then move the result into place: no half-written export."""
     tmp_dir = out_dir.parent / f".tmp-{out_dir.name}-{secrets.token_hex(4)}"
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -37,13 +37,14 @@ def to_hf_config(model: Any) -> Any:
     llama = model.llama_config
     rope_scaling = None
     if llama.rope_scaling is not None:
-        rope_scaling = {"rope_type": llama.rope_scaling.rope_type, "factor": llama.rope_scaling.factor}
+        rope_scaling = {"rope_type": llama.rope_scaling.rope_type, "factor": float(llama.rope_scaling.factor)}
         if llama.rope_scaling.rope_type == "llama3":
             rope_scaling.update(
-                low_freq_factor=llama.rope_scaling.low_freq_factor,
-                high_freq_factor=llama.rope_scaling.high_freq_factor,
+                low_freq_factor=float(llama.rope_scaling.low_freq_factor),
+                high_freq_factor=float(llama.rope_scaling.high_freq_factor),
                 original_max_position_embeddings=llama.rope_scaling.original_max_position_embeddings,
             )
+    # Floats cast explicitly: transformers 5 validates config types strictly (a YAML `1` is an int).
     return HFLlamaConfig(
         vocab_size=llama.vocab_size,
         hidden_size=llama.d_model,
@@ -54,14 +55,14 @@ def to_hf_config(model: Any) -> Any:
         head_dim=llama.d_model // llama.n_heads,
         hidden_act="silu",
         max_position_embeddings=llama.max_seq_len,
-        rms_norm_eps=llama.norm_eps,
-        rope_theta=llama.rope_theta,
+        rms_norm_eps=float(llama.norm_eps),
+        rope_theta=float(llama.rope_theta),
         rope_scaling=rope_scaling,
         tie_word_embeddings=llama.tie_word_embeddings,
         attention_bias=False,
         mlp_bias=False,
-        attention_dropout=llama.attn_pdrop,
-        initializer_range=llama.init_std,
+        attention_dropout=float(llama.attn_pdrop),
+        initializer_range=float(llama.init_std),
         architectures=["LlamaForCausalLM"],
     )
 
@@ -79,7 +80,8 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], model: Any) -> dict[str, to
             layer, suffix = match.groups()
             prefix = f"model.layers.{layer}."
             if suffix == "attn.Wqkv.weight":
-                q, k, v = tensor.split([d_model, kv_dim, kv_dim], dim=0)
+                # Clones, not views: safetensors refuses tensors that share memory.
+                q, k, v = (part.clone() for part in tensor.split([d_model, kv_dim, kv_dim], dim=0))
                 hf_state.update({f"{prefix}self_attn.{n}_proj.weight": w for n, w in zip("qkv", (q, k, v))})
             else:
                 hf_state[prefix + _BLOCK_NAMES[suffix]] = tensor
@@ -106,6 +108,7 @@ def from_hf_config(hf_config: Any) -> dict[str, Any]:
         "norm_eps": hf_config.rms_norm_eps,
         "rope_theta": rope_theta,
         "tie_word_embeddings": bool(hf_config.tie_word_embeddings),
+        "attn_pdrop": float(getattr(hf_config, "attention_dropout", 0.0)),
         "init_std": hf_config.initializer_range,
     }
     if rope_scaling is not None:

@@ -58,6 +58,8 @@ def to_hf_config(model: Any) -> Any:
             "(llama_causal_lm), which exports to LlamaForCausalLM."
         )
     attn = config.attn_config
+    # transformers 5 validates types strictly: floats as floats, alibi_bias_max as an int. It types
+    # attn_pdrop (MptForCausalLM's only dropout) as an int, so dropout is left at its default, 0.
     return HFMptConfig(
         d_model=config.d_model,
         n_heads=config.n_heads,
@@ -65,24 +67,25 @@ def to_hf_config(model: Any) -> Any:
         expansion_ratio=4,
         max_seq_len=config.max_seq_len,
         vocab_size=config.vocab_size,
-        resid_pdrop=config.resid_pdrop,
-        emb_pdrop=config.emb_pdrop,
-        layer_norm_epsilon=config.norm_eps,
+        layer_norm_epsilon=float(config.norm_eps),
         learned_pos_emb=False,
         attn_config={
             "alibi": True,
-            "alibi_bias_max": attn.alibi_bias_max,
-            "clip_qkv": attn.clip_qkv,
-            "softmax_scale": attn.softmax_scale,
-            "attn_pdrop": attn.attn_pdrop,
+            "alibi_bias_max": _HF_ALIBI_BIAS_MAX,
+            "clip_qkv": _float_or_none(attn.clip_qkv),
+            "softmax_scale": _float_or_none(attn.softmax_scale),
             "qk_ln": False,
         },
         no_bias=True,
         norm_type=config.norm_type,
-        embedding_fraction=config.embedding_fraction,
+        embedding_fraction=float(config.embedding_fraction),
         tie_word_embeddings=True,
         architectures=["MptForCausalLM"],
     )
+
+
+def _float_or_none(value: float | None) -> float | None:
+    return None if value is None else float(value)
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
@@ -91,9 +94,13 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], model: Any) -> dict[str, to
 
 
 def from_hf_config(hf_config: Any) -> dict[str, Any]:
-    """The ``model:`` section of a foundry YAML for a Hugging Face MPT config."""
-    attn = hf_config.attn_config
-    attn = attn if isinstance(attn, dict) else attn.to_dict()
+    """The ``model:`` section of a foundry YAML for a Hugging Face MPT config.
+
+    The section describes what ``MptForCausalLM`` computes; a config declaring a feature that class
+    ignores (its weights were trained with LLM Foundry's own MPT code) fails, naming the feature.
+    """
+    attn = _attn_dict(hf_config)
+    _check_hf_features(hf_config, attn)
     return {
         "name": FAMILY,
         "d_model": hf_config.d_model,
@@ -117,6 +124,34 @@ def from_hf_config(hf_config: Any) -> dict[str, Any]:
         },
         "tie_word_embeddings": True,
     }
+
+
+def _attn_dict(hf_config: Any) -> dict[str, Any]:
+    attn = hf_config.attn_config
+    return dict(attn) if isinstance(attn, dict) else attn.to_dict()
+
+
+def _check_hf_features(hf_config: Any, attn: dict[str, Any]) -> None:
+    attn_type = attn.get("attn_type", "multihead_attention")
+    ignored_by_hf = {
+        "no_bias: false": not getattr(hf_config, "no_bias", True),
+        "attn_config.alibi: false": not attn.get("alibi", True),
+        "attn_config.alibi_bias_max": attn.get("alibi_bias_max", _HF_ALIBI_BIAS_MAX) != _HF_ALIBI_BIAS_MAX,
+        "attn_config.rope": attn.get("rope", False),
+        "attn_config.qk_ln": attn.get("qk_ln", False),
+        f"attn_config.attn_type: {attn_type}": attn_type != "multihead_attention",
+        "expansion_ratio other than 4": getattr(hf_config, "expansion_ratio", 4) != 4,
+        "logit_scale": getattr(hf_config, "logit_scale", None) is not None,
+        "an rmsnorm norm_type": "rmsnorm" in str(getattr(hf_config, "norm_type", "")),
+    }
+    ignored = [feature for feature, is_set in ignored_by_hf.items() if is_set]
+    if ignored:
+        raise ConfigError(
+            f"This MPT checkpoint's config sets {', '.join(ignored)}, which transformers' MptForCausalLM does not "
+            "compute, so neither it nor a foundry import would run these weights as they were trained. Train it as "
+            "`model: {name: hf_causal_lm, pretrained_model_name_or_path: <dir>, trust_remote_code: true}` if the "
+            "checkpoint ships its own MPT code."
+        )
 
 
 def from_hf_state_dict(hf_state: dict[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:

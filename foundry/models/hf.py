@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -104,6 +105,11 @@ def load_hf_config(config: HFCausalLMConfig) -> Any:
     from transformers import AutoConfig
 
     path = config.pretrained_model_name_or_path
+    if _looks_like_path(path) and not Path(path).expanduser().is_dir():
+        raise ConfigError(
+            f"'{_KEY}.pretrained_model_name_or_path' is {path!r}, which is not a directory. Give the path of a "
+            "Hugging Face model directory (one holding config.json), or a Hub name such as 'gpt2'."
+        )
     try:
         hf_config = AutoConfig.from_pretrained(path, **_hub_kwargs(config))
     except ValueError as error:
@@ -119,38 +125,64 @@ def load_hf_config(config: HFCausalLMConfig) -> Any:
             f"'{_KEY}.pretrained_model_name_or_path' is {path!r}, which is neither a directory with a config.json "
             f"nor a model this machine can download ({error}). Give the path of a Hugging Face model directory."
         ) from None
-    known = hf_config.to_dict()
-    for key, value in config.config_overrides.items():
-        if key not in known and not hasattr(hf_config, key):
-            raise ConfigError(
-                f"'{_KEY}.config_overrides.{key}' is not a key of {type(hf_config).__name__}."
-                f"{did_you_mean(key, known)} Valid keys include: {', '.join(sorted(known)[:30])}."
-            )
-        setattr(hf_config, key, value)
+    _apply_overrides(hf_config, config.config_overrides, f"{_KEY}.config_overrides")
     return hf_config
+
+
+def _apply_overrides(target: Any, overrides: Mapping[str, Any], key_path: str) -> None:
+    """Set each override on ``target``; a mapping updates a nested config or dict key by key (LLM Foundry's rule)."""
+    is_dict = isinstance(target, dict)
+    known = target if is_dict else target.to_dict()
+    for key, value in overrides.items():
+        if key not in known and (is_dict or not hasattr(target, key)):
+            raise ConfigError(
+                f"'{key_path}.{key}' is not a key of {type(target).__name__}.{did_you_mean(key, known)} "
+                f"Valid keys include: {', '.join(sorted(known)[:30])}."
+            )
+        current = target.get(key) if is_dict else getattr(target, key, None)
+        if isinstance(value, Mapping) and (isinstance(current, dict) or hasattr(current, "to_dict")):
+            _apply_overrides(current, value, f"{key_path}.{key}")
+        elif is_dict:
+            target[key] = value
+        else:
+            setattr(target, key, value)
 
 
 def _build_hf_model(config: HFCausalLMConfig, hf_config: Any) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    kwargs = {**_hub_kwargs(config), "attn_implementation": config.attn_implementation}
     path = config.pretrained_model_name_or_path
+    _check_is_causal_lm(config, hf_config)
+    kwargs = {**_hub_kwargs(config), "attn_implementation": config.attn_implementation}
     try:
         if config.pretrained:
             model = AutoModelForCausalLM.from_pretrained(path, config=hf_config, dtype=torch.float32, **kwargs)
             return model.to(config.init_device)
         with torch.device(config.init_device):
             return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **kwargs)
-    except ValueError as error:
+    except (ValueError, ImportError) as error:
         raise ConfigError(
-            f"'{_KEY}.pretrained_model_name_or_path' ({path}) is not a causal language model transformers can "
-            f"build ({type(hf_config).__name__}): {error}"
+            f"transformers cannot build '{_KEY}.pretrained_model_name_or_path' ({path}) with "
+            f"'{_KEY}.attn_implementation: {config.attn_implementation}' ({error}). Set "
+            f"'{_KEY}.attn_implementation' to one this model supports ('eager' always works)."
         ) from None
     except OSError as error:
         raise ConfigError(
             f"'{_KEY}.pretrained_model_name_or_path' ({path}) has a config but no weights transformers can read "
             f"({error}). Set '{_KEY}.pretrained: false' to start from random weights."
         ) from None
+
+
+def _check_is_causal_lm(config: HFCausalLMConfig, hf_config: Any) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    remote = "AutoModelForCausalLM" in (getattr(hf_config, "auto_map", None) or {}) and config.trust_remote_code
+    if not remote and type(hf_config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ConfigError(
+            f"'{_KEY}.pretrained_model_name_or_path' ({config.pretrained_model_name_or_path}) is a "
+            f"{type(hf_config).__name__} (model_type '{hf_config.model_type}'), which has no causal language "
+            "model class in transformers (AutoModelForCausalLM); hf_causal_lm trains decoder language models only."
+        )
 
 
 def _hub_kwargs(config: HFCausalLMConfig) -> dict[str, Any]:
@@ -173,3 +205,8 @@ def _first_attribute(hf_config: Any, names: tuple[str, ...]) -> int:
         if isinstance(value, int):
             return value
     raise ConfigError(f"{type(hf_config).__name__} has none of {names}; foundry cannot count its FLOPs.")
+
+
+def _looks_like_path(name: str) -> bool:
+    """Hub names are 'name' or 'org/name'; anything absolute, dotted, home-based or deeper is a local path."""
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).expanduser().exists()
