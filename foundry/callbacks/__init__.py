@@ -1,8 +1,25 @@
 """Built-in callbacks; importing this package registers them under their YAML names."""
 
+from foundry.callbacks.early_stopping import EarlyStopper, ThresholdStopper
 from foundry.callbacks.lr_monitor import LRMonitor
 from foundry.callbacks.memory_monitor import MemoryMonitor
+from foundry.callbacks.memory_snapshot import MemorySnapshot
+from foundry.callbacks.nan_guard import NanGuard
+from foundry.callbacks.optimizer_monitor import OptimizerMonitor
+from foundry.callbacks.plot_curves import PlotCurves
 from foundry.callbacks.runtime_estimator import RuntimeEstimator
 from foundry.callbacks.speed_monitor import SpeedMonitor, TrainClock
 
-__all__ = ["LRMonitor", "MemoryMonitor", "RuntimeEstimator", "SpeedMonitor", "TrainClock"]
+__all__ = [
+    "EarlyStopper",
+    "LRMonitor",
+    "MemoryMonitor",
+    "MemorySnapshot",
+    "NanGuard",
+    "OptimizerMonitor",
+    "PlotCurves",
+    "RuntimeEstimator",
+    "SpeedMonitor",
+    "ThresholdStopper",
+    "TrainClock",
+]

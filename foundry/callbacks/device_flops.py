@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Mapping
 
 import torch
+
+from foundry.errors import ConfigError, did_you_mean
 
 # (regex on the lowercased torch.cuda.get_device_name(), dense TFLOP/s per precision).
 # The first match wins, so specific variants (NVL, PCIe) come before the family name.
@@ -22,14 +25,18 @@ _PEAK_DENSE_TFLOPS: list[tuple[str, dict[str, float]]] = [
     (r"h100.*(pcie|hbm2e)", {"fp32": 51, "tf32": 378, "bf16": 756.5, "fp16": 756.5, "fp8": 1513}),
     # NVIDIA H100 SXM datasheet ("H100 80GB HBM3"): FP32 67, TF32 989*, BF16/FP16 1,979*, FP8 3,958*.
     (r"h100", {"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979}),
+    # NVIDIA GH200 Grace Hopper datasheet (its H100 GPU): FP32 67, TF32 494, BF16/FP16 990, FP8 1,979 (dense
+    # column; sparse doubles). Before the H200 rows, which would match its name.
+    (r"gh200", {"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979}),
     # NVIDIA H200 NVL datasheet: FP32 60, TF32 835*, BF16/FP16 1,671*, FP8 3,341* (*sparse).
     (r"h200.*nvl", {"fp32": 60, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5, "fp8": 1670.5}),
     # NVIDIA H200 SXM datasheet: FP32 67, TF32 989*, BF16/FP16 1,979*, FP8 3,958* (*sparse).
     (r"h200", {"fp32": 67, "tf32": 494.5, "bf16": 989.5, "fp16": 989.5, "fp8": 1979}),
     # NVIDIA HGX B200 datasheet, 8 GPUs: FP32 600 TF, TF32 18*, BF16/FP16 36*, FP8 72* PF (*sparse); / 8.
     (r"\bb200\b", {"fp32": 75, "tf32": 1125, "bf16": 2250, "fp16": 2250, "fp8": 4500}),
-    # NVIDIA A100 datasheet (SXM and PCIe, 40 and 80 GB alike): FP32 19.5, TF32 156, BF16/FP16 312.
-    (r"a100", {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}),
+    # NVIDIA A100 datasheet (SXM and PCIe, 40 and 80 GB alike): FP32 19.5, TF32 156, BF16/FP16 312
+    # (\b: the RTX A1000 is another part).
+    (r"\ba100\b", {"fp32": 19.5, "tf32": 156, "bf16": 312, "fp16": 312}),
     # NVIDIA A10 datasheet: FP32 31.2, TF32 62.5, BF16/FP16 125 (A10G is a different part: no match).
     (r"\ba10\b", {"fp32": 31.2, "tf32": 62.5, "bf16": 125, "fp16": 125}),
     # NVIDIA L40S datasheet: FP32 91.6, TF32 183, BF16/FP16 362.05, FP8 733 (dense column).
@@ -53,6 +60,7 @@ _PEAK_DENSE_TFLOPS: list[tuple[str, dict[str, float]]] = [
     (r"mi325x", {"fp32": 163.4, "tf32": 653.7, "bf16": 1307.4, "fp16": 1307.4, "fp8": 2614.9}),
 ]
 
+MATMUL_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 _MATMUL_DTYPE = {"amp_bf16": "bf16", "bf16": "bf16", "amp_fp16": "fp16", "fp16": "fp16", "amp_fp8": "fp8", "fp8": "fp8"}
 
 
@@ -76,18 +84,45 @@ def peak_flops_per_sec(device_name: str, dtype: str) -> float | None:
     return None
 
 
-def device_peak_flops_per_sec(device: torch.device, precision: str) -> float | None:
-    """Peak FLOP/s of the run's accelerator, or None on CPU or an unknown device (with a warning)."""
+def check_peak_override(override: float | Mapping[str, float] | None, key_path: str) -> None:
+    """Raise ConfigError unless ``override`` is None, a positive FLOP/s, or ``{matmul dtype: positive FLOP/s}``."""
+    peaks = override if isinstance(override, Mapping) else {"": override} if override is not None else {}
+    for dtype, peak in peaks.items():
+        where = f"{key_path}.{dtype}" if dtype else key_path
+        if dtype and dtype not in MATMUL_DTYPES:
+            raise ConfigError(
+                f"'{where}': '{dtype}' is not a matmul dtype{did_you_mean(dtype, MATMUL_DTYPES)}; "
+                f"use {', '.join(MATMUL_DTYPES)}."
+            )
+        if not isinstance(peak, int | float) or peak <= 0:
+            raise ConfigError(
+                f"'{where}' is {peak!r}; give the device's dense peak FLOP/s as a positive number "
+                "(e.g. 989.5e12 for an H100 SXM in bf16), or leave it unset to look it up."
+            )
+
+
+def device_peak_flops_per_sec(
+    device: torch.device, precision: str, override: float | Mapping[str, float] | None = None
+) -> float | None:
+    """Peak FLOP/s of the run's accelerator, or None on CPU or an unknown device (with a warning).
+
+    ``override`` (the user's ``gpu_flops_available``) wins: one number for any precision, or a map from
+    matmul dtype to peak; a dtype the map lacks is looked up as usual.
+    """
+    if isinstance(override, int | float):
+        return float(override)
+    dtype = matmul_dtype(precision, torch.backends.cuda.matmul.allow_tf32)
+    if override and dtype in override:
+        return float(override[dtype])
     if device.type != "cuda":
         return None
     device_name = torch.cuda.get_device_name(device)
-    dtype = matmul_dtype(precision, torch.backends.cuda.matmul.allow_tf32)
     peak = peak_flops_per_sec(device_name, dtype) if dtype else None
     if peak is None:
         warnings.warn(
             f"No peak FLOP/s is known for '{device_name}' at precision '{precision}', so MFU is not logged. "
             "Set callbacks.speed_monitor.gpu_flops_available to the device's dense peak FLOP/s "
-            "(e.g. 989.5e12 for an H100 SXM in bf16) to log it.",
+            "(e.g. 989.5e12, or per dtype: {bf16: 989.5e12, fp8: 1979e12}) to log it.",
             stacklevel=2,
         )
     return peak

@@ -20,6 +20,9 @@ DEFAULT_MEMORY_KEYS = {
     "allocated_bytes.all.peak": "peak_allocated_mem",
     "reserved_bytes.all.current": "reserved_mem",
     "reserved_bytes.all.peak": "peak_reserved_mem",
+    # Cached but unusable slivers of split blocks: reserved minus allocated that fragmentation wastes.
+    "inactive_split_bytes.all.current": "inactive_mem",
+    # Times the allocator freed its whole cache and retried (cudaFree syncs the device): near-OOM and slow.
     "num_alloc_retries": "alloc_retries",
 }
 
@@ -29,11 +32,13 @@ class MemoryMonitor(Callback):
     """Logs ``memory/<name>`` at every BATCH_END: byte counters in GiB, other counters as they are.
 
     ``alloc_retries`` growing means the allocator had to free its cache to satisfy a request:
-    the run is close to out of memory and slowed by it. On CPU nothing is logged (one warning).
+    the run is close to out of memory and slowed by it; a large ``inactive_mem`` means fragmentation
+    (try ``expandable_segments: true``). On CPU nothing is logged (one warning). For where the memory
+    goes allocation by allocation, use ``memory_snapshot``.
 
     Args:
         memory_keys: Map from a ``torch.cuda.memory_stats()`` key to the name it is logged under;
-            defaults to allocated, reserved, their peaks, and allocation retries.
+            defaults to allocated, reserved, their peaks, inactive split memory, and allocation retries.
     """
 
     def __init__(self, memory_keys: dict[str, str] | None = None) -> None:

@@ -1,8 +1,11 @@
-"""Throughput and model FLOPs utilisation (MFU) over a sliding window of batches.
+"""Throughput, model FLOPs utilisation (MFU) and where the time goes, over a sliding window of batches.
 
 Timing uses the host clock only: no device synchronize and no ``.item()``, so measuring never slows
 the run. With asynchronous CUDA execution a single batch's host time is noisy, but over a window
 of batches the host cannot run ahead of the device by more than its queue, so the average is honest.
+The per-phase split is approximate for the same reason: device work shows up in the phase where the
+host first waits for it (typically the loss read at a logging step, or the next batch's
+forward), not where it was queued; the window's total is exact.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from foundry import registry
-from foundry.callbacks.device_flops import device_peak_flops_per_sec
+from foundry.callbacks.device_flops import check_peak_override, device_peak_flops_per_sec
 from foundry.core.callback import Callback
 from foundry.core.event import Event
 from foundry.core.logger import Logger
@@ -69,6 +72,43 @@ class TrainClock:
         self.train_s, self.eval_s = float(state["train_s"]), float(state["eval_s"])
 
 
+# Phase name -> (the event that starts it, the events that end it). Time outside every phase (callbacks
+# and logging at BATCH_END, waits for the device) is reported as 'other'.
+PHASES: dict[str, tuple[Event, tuple[Event, ...]]] = {
+    "data": (Event.BEFORE_DATALOADER, (Event.AFTER_DATALOADER,)),
+    "forward_backward": (Event.BATCH_START, (Event.BEFORE_OPTIMIZER_STEP,)),
+    "optimizer": (Event.BEFORE_OPTIMIZER_STEP, (Event.AFTER_OPTIMIZER_STEP,)),
+    "eval": (Event.EVAL_START, (Event.EVAL_END,)),
+    "checkpoint": (Event.BEFORE_CHECKPOINT, (Event.BATCH_CHECKPOINT, Event.EPOCH_CHECKPOINT)),
+}
+_TRAIN_PHASES = ("data", "forward_backward", "optimizer")  # the parts of TrainClock's train time
+_PHASE_EVENTS = {event for start, ends in PHASES.values() for event in (start, *ends)}
+
+
+class PhaseClock:
+    """Host seconds spent in each of ``PHASES`` since the last ``take()``."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self._pending_s = dict.fromkeys(PHASES, 0.0)
+        self._started_s: dict[str, float] = {}
+
+    def observe(self, event: Event) -> None:
+        if event not in _PHASE_EVENTS:
+            return
+        now = self.clock()
+        for name, (start, ends) in PHASES.items():
+            if event in ends and name in self._started_s:
+                self._pending_s[name] += now - self._started_s.pop(name)
+            elif event == start:  # a start with no end (the epoch's last, empty fetch) is overwritten
+                self._started_s[name] = now
+
+    def take(self) -> dict[str, float]:
+        """Seconds per phase since the last call, and start again from zero."""
+        taken, self._pending_s = self._pending_s, dict.fromkeys(PHASES, 0.0)
+        return taken
+
+
 class _BatchRecord(NamedTuple):
     duration_s: float
     samples: int  # whole batch, all ranks (state.batch_num_samples)
@@ -89,40 +129,50 @@ class SpeedMonitor(Callback):
     Every BATCH_END also logs ``time/train`` and every EVAL_END ``time/eval``, both in HOURS; eval and
     checkpoint time never count as train time.
 
+    With the throughput, ``time/phase/<phase>_s`` gives the MEAN SECONDS PER BATCH over the window
+    spent in each phase: ``data`` (waiting for the loader), ``forward_backward``, ``optimizer`` (the
+    step), ``other`` (the rest of train time: BATCH_END callbacks, logging), and, amortised over the
+    window, ``eval`` and ``checkpoint`` (charged to the batch after them). data + forward_backward +
+    optimizer + other = 1 / batches_per_sec. A boundary is read when this callback sees its event,
+    so work done at the same event falls by order: algorithms (gradient clipping) and the callbacks
+    listed before speed_monitor count on the earlier side.
+
     Args:
         window_size: Batches averaged over; the first values appear after this many batches.
-        gpu_flops_available: Dense peak FLOP/s of one device; looked up from the device name if None.
+        gpu_flops_available: Dense peak FLOP/s of one device, or a map from matmul dtype ('bf16', 'fp16',
+            'fp8', 'tf32', 'fp32') to it; what it does not give is looked up from the device name.
         clock: Seconds from an arbitrary origin; injectable for tests.
     """
 
     def __init__(
         self,
         window_size: int = 100,
-        gpu_flops_available: float | None = None,
+        gpu_flops_available: float | dict[str, float] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if window_size < 1:
             raise ConfigError(f"callbacks.speed_monitor.window_size is {window_size}; it must be at least 1.")
-        if gpu_flops_available is not None and gpu_flops_available <= 0:
-            raise ConfigError(
-                f"callbacks.speed_monitor.gpu_flops_available is {gpu_flops_available}; give the device's "
-                "peak FLOP/s as a positive number (e.g. 989.5e12), or leave it unset to look it up."
-            )
+        check_peak_override(gpu_flops_available, "callbacks.speed_monitor.gpu_flops_available")
         self.window_size = window_size
         self.gpu_flops_available = gpu_flops_available
         self.train_clock = TrainClock(clock)
+        self.phase_clock = PhaseClock(clock)
         self._window: deque[_BatchRecord] = deque(maxlen=window_size)
+        self._phase_window: deque[dict[str, float]] = deque(maxlen=window_size)
         self._train_s_at_last_batch = 0.0
         self._peak_flops_per_sec: float | None = None
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         self.train_clock.observe(event)
+        self.phase_clock.observe(event)
         super().run_event(event, state, logger)
 
     def fit_start(self, state: State, logger: Logger) -> None:
         self._window.clear()
+        self._phase_window.clear()
+        self.phase_clock.take()  # an eval before fit is not this window's
         self._train_s_at_last_batch = self.train_clock.train_s
-        self._peak_flops_per_sec = self.gpu_flops_available or device_peak_flops_per_sec(state.device, state.precision)
+        self._peak_flops_per_sec = device_peak_flops_per_sec(state.device, state.precision, self.gpu_flops_available)
 
     def batch_end(self, state: State, logger: Logger) -> None:
         model_flops = model_flops_per_batch(state)
@@ -136,10 +186,12 @@ class SpeedMonitor(Callback):
                 hardware_flops=model_flops + state.extra_flops_per_batch,
             )
         )
+        self._phase_window.append(self.phase_clock.take())
         self._train_s_at_last_batch = train_s
         metrics = {"time/train": train_s / SECONDS_PER_HOUR}
         if len(self._window) == self.window_size:
             metrics.update(self._throughput(state.world_size))
+            metrics.update(self._phase_means())
         logger.log_metrics(metrics)
 
     def eval_end(self, state: State, logger: Logger) -> None:
@@ -164,6 +216,13 @@ class SpeedMonitor(Callback):
                 metrics["throughput/device/mfu"] = device_flops_per_sec / self._peak_flops_per_sec
                 metrics["throughput/device/hfu"] = hardware_flops / duration_s / self._peak_flops_per_sec
         return metrics
+
+    def _phase_means(self) -> dict[str, float]:
+        batches = len(self._phase_window)
+        totals_s = {name: sum(phases[name] for phases in self._phase_window) for name in PHASES}
+        train_s = sum(record.duration_s for record in self._window)
+        totals_s["other"] = max(0.0, train_s - sum(totals_s[name] for name in _TRAIN_PHASES))
+        return {f"time/phase/{name}_s": total_s / batches for name, total_s in totals_s.items()}
 
     def state_dict(self) -> dict[str, Any]:
         return self.train_clock.state_dict()

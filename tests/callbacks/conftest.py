@@ -80,6 +80,25 @@ def train_batch(state: State, fire: Callable[[Callback, Event], None]) -> Callab
 
 
 @pytest.fixture
+def host_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the tensor methods that read a value to the host (a device sync on GPU), as they are called."""
+    reads: list[str] = []
+
+    def counting(method: str) -> Callable[..., Any]:
+        original = getattr(torch.Tensor, method)
+
+        def read(tensor: torch.Tensor, *args: Any) -> Any:
+            reads.append(method)
+            return original(tensor, *args)
+
+        return read
+
+    for method in ("item", "tolist", "__bool__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, method, counting(method))
+    return reads
+
+
+@pytest.fixture
 def flops_model() -> Callable[[int], FlopsModel]:
     """Build a model that costs the given FLOPs per batch."""
     return FlopsModel

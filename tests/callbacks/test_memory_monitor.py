@@ -15,6 +15,7 @@ _STATS = {
     "allocated_bytes.all.peak": 3 * 2**30,
     "reserved_bytes.all.current": 4 * 2**30,
     "reserved_bytes.all.peak": 5 * 2**30,
+    "inactive_split_bytes.all.current": 2**29,
     "num_alloc_retries": 7,
 }
 
@@ -44,6 +45,7 @@ def test_cuda_logs_bytes_in_gib_and_counts_as_is(recorder, train_batch):
         "memory/peak_allocated_mem": 3.0,
         "memory/reserved_mem": 4.0,
         "memory/peak_reserved_mem": 5.0,
+        "memory/inactive_mem": 0.5,
         "memory/alloc_retries": 7.0,
     }
 

@@ -134,6 +134,72 @@ def test_eval_outside_fit_does_not_start_the_train_clock():
     assert (train_clock.train_s, train_clock.eval_s) == (0.0, 5.0)
 
 
+def _timed_batch(monitor, state, fire, clock, data_s, forward_backward_s, optimizer_s, other_s) -> None:
+    """Fire one batch's events, moving the clock by each phase's seconds."""
+    for event, seconds in [
+        (Event.BEFORE_DATALOADER, data_s),
+        (Event.AFTER_DATALOADER, 0.0),
+        (Event.BATCH_START, forward_backward_s),
+        (Event.BEFORE_OPTIMIZER_STEP, optimizer_s),
+        (Event.AFTER_OPTIMIZER_STEP, other_s),
+    ]:
+        fire(monitor, event)
+        clock.now += seconds
+    state.timestamp = state.timestamp.after_batch(4, 32, 0.0)
+    fire(monitor, Event.BATCH_END)
+
+
+def _timed(monitor, fire, clock, start, end, seconds) -> None:
+    fire(monitor, start)
+    clock.now += seconds
+    fire(monitor, end)
+
+
+def test_phase_seconds_are_per_batch_means_over_the_window(state, recorder, clock, fire):
+    monitor = _monitor(clock, window_size=2)
+    fire(monitor, Event.FIT_START)
+    _timed_batch(monitor, state, fire, clock, data_s=1.0, forward_backward_s=3.0, optimizer_s=2.0, other_s=1.0)
+    _timed(monitor, fire, clock, Event.EVAL_START, Event.EVAL_END, 10.0)
+    _timed(monitor, fire, clock, Event.BEFORE_CHECKPOINT, Event.BATCH_CHECKPOINT, 5.0)
+    _timed_batch(monitor, state, fire, clock, data_s=3.0, forward_backward_s=5.0, optimizer_s=0.0, other_s=0.0)
+    metrics, _ = recorder.calls[-1]
+    assert {key: value for key, value in metrics.items() if key.startswith("time/phase/")} == {
+        "time/phase/data_s": 2.0,
+        "time/phase/forward_backward_s": 4.0,
+        "time/phase/optimizer_s": 1.0,
+        "time/phase/other_s": 0.5,
+        "time/phase/eval_s": 5.0,  # one 10 s eval amortised over the window's 2 batches
+        "time/phase/checkpoint_s": 2.5,
+    }
+    assert metrics["throughput/batches_per_sec"] == 2 / 15.0  # the train phases and other add up to it
+
+
+def test_epoch_end_fetch_without_a_batch_is_not_data_time(state, recorder, clock, fire):
+    monitor = _monitor(clock, window_size=1)
+    fire(monitor, Event.FIT_START)
+    fire(monitor, Event.BEFORE_DATALOADER)  # the loader is exhausted: no AFTER_DATALOADER
+    clock.now += 4.0
+    fire(monitor, Event.EPOCH_END)
+    _timed_batch(monitor, state, fire, clock, data_s=1.0, forward_backward_s=1.0, optimizer_s=1.0, other_s=1.0)
+    assert recorder.last("time/phase/data_s") == 1.0
+
+
+def test_per_dtype_peak_override_gives_mfu(state, recorder, clock, fire, train_batch, flops_model):
+    state.model = flops_model(flops_per_batch=100)
+    state.precision = "amp_bf16"
+    monitor = _monitor(clock, window_size=1, gpu_flops_available={"bf16": 1000.0})
+    fire(monitor, Event.FIT_START)
+    clock.now = 1.0
+    train_batch(monitor)
+    assert recorder.last("throughput/device/mfu") == 0.1
+
+
+def test_yaml_peak_override_per_dtype_is_coerced_to_floats():
+    cls = registry.callbacks.get("speed_monitor")
+    kwargs = check_call_kwargs(cls, {"gpu_flops_available": {"bf16": "989.5e12"}}, "callbacks.speed_monitor")
+    assert kwargs == {"gpu_flops_available": {"bf16": 989.5e12}}
+
+
 def test_window_size_below_one_is_a_config_error():
     with pytest.raises(ConfigError, match="window_size"):
         SpeedMonitor(window_size=0)
