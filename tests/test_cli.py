@@ -119,3 +119,15 @@ def test_train_runs_fit_and_says_where_the_run_is(
     assert code == 0
     assert (tmp_path / "cli-test" / "metrics.jsonl").is_file()
     assert f"metrics in {tmp_path / 'cli-test'}" in capsys.readouterr().out
+
+
+def test_plot_command_draws_runs_side_by_side(tmp_path) -> None:
+    import json
+
+    for name, losses in (("a", [3.0, 2.0]), ("b", [3.5, 2.5])):
+        rows = [{"step": step + 1, "loss/train/total": loss} for step, loss in enumerate(losses)]
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "both.png"
+    assert cli.main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(out)]) == 0
+    assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 1000
