@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -221,11 +222,21 @@ def offline_run(tmp_path_factory):
     return run_dir, rows
 
 
+def _flushed_records(path: Path, timeout_s: float = 60.0) -> list:
+    """The file's records once W&B's service has written the run's exit record (it writes after finish())."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = list(_records(path))
+        if any(record.WhichOneof("record_type") == "exit" for record in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
+
+
 def test_offline_run_holds_the_trainers_losses_by_step(offline_run):
     run_dir, rows = offline_run
     (wandb_file,) = run_dir.glob("*.wandb")
     history = {}
-    for record in _records(wandb_file):
+    for record in _flushed_records(wandb_file):
         if record.WhichOneof("record_type") == "history":
             # wandb-core writes history keys as one-element nested_key lists, not key.
             items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
