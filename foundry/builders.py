@@ -35,6 +35,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
     from foundry.trainer import Trainer, seed_everything
 
     _reject_unimplemented(cfg)
+    _check_hand_over(cfg)
     _apply_cuda_allocator_settings(cfg.expandable_segments)
     device_batch_size = device_train_batch_size(cfg.global_train_batch_size, env.get_world_size())
     # Cheapest first, the model last: a typo or a missing data folder fails before a big model is built.
@@ -62,6 +63,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
         loggers=loggers,
         precision=cfg.precision,
         device=cfg.device,
+        fsdp_config=cfg.fsdp_config,
         device_train_microbatch_size=cfg.device_train_microbatch_size,
         save_folder=fill_run_name(cfg.save_folder, cfg.run_name),
         save_interval=cfg.save_interval,
@@ -195,6 +197,15 @@ def _reject_unimplemented(cfg: TrainConfig) -> None:
         raise ConfigError("save_weights_only: true is not supported yet; remove it to save full checkpoints.")
     if not cfg.load_strict_model_weights:
         raise ConfigError("load_strict_model_weights: false is not supported yet; checkpoints load strictly.")
+
+
+def _check_hand_over(cfg: TrainConfig) -> None:
+    """A hand-over without a checkpoint would lose the run: fail before training, not at the first interval."""
+    if "hand_over" in cfg.callbacks and not cfg.save_folder:
+        raise ConfigError(
+            "callbacks.hand_over stops the run to be continued elsewhere, from a checkpoint: set save_folder "
+            "(a folder every machine reaches) and autoresume: true."
+        )
 
 
 def _apply_cuda_allocator_settings(expandable_segments: bool) -> None:

@@ -15,9 +15,12 @@ import sys
 import textwrap
 import typing
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from foundry.errors import FoundryError
+
+if TYPE_CHECKING:
+    from foundry.config import TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,27 +36,66 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="train YAML (LLM Foundry's schema)")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="set any key; the value is YAML")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    launch = parser.add_argument_group("launch (through torchrun; see docs/DISTRIBUTED.md)")
+    launch.add_argument("--nproc", type=int, metavar="N", help="run N ranks on this machine (one per GPU)")
+    launch.add_argument("--nnodes", type=int, default=1, metavar="N", help="machines in the job (default 1)")
+    launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="where the machines' ranks meet (nnodes > 1)")
 
 
 def run_train(args: argparse.Namespace) -> int:
+    """Train in this process (one rank of a launched job, or alone), or launch ``--nproc`` ranks.
+
+    Returns 0 when the run finished, ``HANDED_OVER_EXIT_CODE`` (3) when a ``hand_over`` callback stopped it.
+    """
     from foundry.config import load_train_config, to_yaml
+    from foundry.distributed import launched_by_torchrun
 
     cfg, resolved = load_train_config(args.config, args.overrides)  # every key is checked before any work
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
+    if (args.nproc is not None or args.nnodes > 1) and not launched_by_torchrun():
+        return _launch_ranks(args, cfg.run_name)
     _configure_logging(cfg.python_log_level)
-    from foundry.builders import build_trainer
+    return _train(cfg, resolved)
 
-    trainer = build_trainer(cfg, resolved)
-    main_process = trainer.state.is_main_process
-    if main_process:
-        checkpoints = f"; checkpoints in {trainer.save_folder}" if trainer.save_folder else ""
-        print(f"foundry: run '{cfg.run_name}': metrics in {trainer.run_folder}{checkpoints}")
-    trainer.fit()
+
+def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
+    from foundry import distributed
+    from foundry.builders import build_trainer
+    from foundry.callbacks.hand_over import HANDED_OVER_EXIT_CODE, handed_over
+
+    if distributed.launched_by_torchrun():
+        distributed.init_process_group(cfg.dist_timeout)
+    try:
+        # Ranks that each made a default name (foundry-<time>) must share rank 0's: it names the save folder.
+        cfg.run_name = resolved["run_name"] = distributed.broadcast_object(cfg.run_name)
+        trainer = build_trainer(cfg, resolved)
+        main_process = trainer.state.is_main_process
+        if main_process:
+            checkpoints = f"; checkpoints in {trainer.save_folder}" if trainer.save_folder else ""
+            print(f"foundry: run '{cfg.run_name}': metrics in {trainer.run_folder}{checkpoints}")
+        trainer.fit()
+    finally:
+        distributed.destroy_process_group()
+    if handed_over(trainer.engine.callbacks):
+        if main_process:
+            print(f"foundry: run '{cfg.run_name}' {trainer.state.stop_reason}; relaunch with autoresume: true")
+        return HANDED_OVER_EXIT_CODE
     if main_process:
         print(f"foundry: run '{cfg.run_name}' finished; metrics in {trainer.run_folder / 'metrics.jsonl'}")
     return 0
+
+
+def _launch_ranks(args: argparse.Namespace, run_name: str) -> int:
+    """``foundry train`` again, as ``--nproc`` ranks under torchrun, all with this run name."""
+    import os
+
+    from foundry.distributed.launch import launch
+
+    os.environ["RUN_NAME"] = run_name  # the ranks' default run name, when the YAML sets none
+    command = ["train", args.config, *args.overrides, *(["--debug"] if args.debug else [])]
+    return launch(command, args.nproc or 1, args.nnodes, args.rdzv_endpoint)
 
 
 def train_epilog() -> str:
@@ -214,3 +256,7 @@ def build_parser(selected: str | None) -> argparse.ArgumentParser:
         if name == selected:
             command.add_arguments(leaf)
     return parser
+
+
+if __name__ == "__main__":  # `torchrun -m foundry.cli train ...` runs this module as a script
+    raise SystemExit(main())

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from foundry import distributed
+from foundry.config import FSDPConfig
 from foundry.core import Algorithm, Callback, Engine, Event, Logger, LoggerDestination, State, Time
 from foundry.core.precision import autocast, check_precision
 from foundry.errors import ConfigError, TrainingError
@@ -46,6 +47,9 @@ class Trainer:
         device_train_microbatch_size: samples per forward/backward; batches are split and gradients
             accumulated exactly (each microbatch weighs its share of loss tokens, not 1/n).
         precision: ``"fp32"``, ``"amp_bf16"`` or ``"amp_fp16"``.
+        fsdp_config: an ``FSDPConfig`` (or its keys): shard the model with FSDP2 (also on one rank).
+            Without it a single process trains the plain module and several ranks replicate it
+            (``NO_SHARD``, DDP's layout). See ``foundry.distributed.parallelize``.
         save_folder / save_interval / load_path / autoresume: checkpointing (see ``foundry.checkpoint``).
         run_folder: where ``metrics.jsonl`` goes (default ``runs/<run_name>``).
         config: the resolved YAML, stored in checkpoints and sent to loggers.
@@ -67,6 +71,7 @@ class Trainer:
         loggers: Sequence[LoggerDestination] = (),
         precision: str = "fp32",
         device: str | torch.device | None = None,
+        fsdp_config: FSDPConfig | Mapping[str, Any] | None = None,
         device_train_microbatch_size: int | str | None = None,
         save_folder: str | None = None,
         save_interval: str | Time | int = "1ep",
@@ -84,6 +89,7 @@ class Trainer:
         config: dict[str, Any] | None = None,
     ) -> None:
         seed_everything(seed)
+        fsdp_config = distributed.prepare_sharding(fsdp_config, optimizers)
         device = torch.device(device) if device is not None else distributed.default_device()
         if device_train_microbatch_size == "auto":
             raise ConfigError(
@@ -122,12 +128,12 @@ class Trainer:
         self.save_num_checkpoints_to_keep = save_num_checkpoints_to_keep
         self.save_overwrite = save_overwrite
         self.config = config
-        self._grad_scaler = torch.amp.GradScaler("cuda") if precision == "amp_fp16" else None
+        self._grad_scaler = _grad_scaler(precision, sharded=fsdp_config is not None)
         self._last_eval_batch: int | None = None
         self._last_save_batch: int | None = None
 
-        self._place_model(model, device)
-        self.engine.run_event(Event.INIT)
+        self.engine.run_event(Event.INIT)  # before sharding, so that algorithms' model surgery is sharded too
+        self._place_model(model, device, fsdp_config)
         self.state.optimizers = _build_optimizers(optimizers, self.state.model)
         self.state.schedulers = [_as_torch_scheduler(s, self.state) for s in _as_list(schedulers)]
         if config is not None:
@@ -152,8 +158,10 @@ class Trainer:
             defaults.append(JSONLLogger(path=str(self.run_folder / "metrics.jsonl")))
         return defaults
 
-    def _place_model(self, model: FoundryModel, device: torch.device) -> None:
-        if any(p.is_meta for p in model.parameters()):
+    def _place_model(self, model: FoundryModel, device: torch.device, fsdp_config: FSDPConfig | None) -> None:
+        if fsdp_config is not None:
+            distributed.parallelize(model, fsdp_config, device, self.state.precision)
+        elif any(p.is_meta for p in model.parameters()):
             if not hasattr(model, "init_weights"):
                 raise ConfigError(f"{type(model).__name__} was built on the meta device but has no init_weights().")
             model.to_empty(device=device)
@@ -258,6 +266,9 @@ class Trainer:
         share_of_global_loss /= state.world_size
         state.loss = share_of_global_loss * total_weight / local_weight  # this rank's mean loss
         state.skip_optimizer_step = False
+        if self._grad_scaler:  # algorithms (clipping) see the true gradients, not fp16-scaled ones
+            for optimizer in state.optimizers:
+                self._grad_scaler.unscale_(optimizer)
         engine.run_event(Event.BEFORE_OPTIMIZER_STEP)
         self._optimizer_step(skip=state.skip_optimizer_step)
         engine.run_event(Event.AFTER_OPTIMIZER_STEP)
@@ -303,7 +314,7 @@ class Trainer:
             if not skip:
                 self._grad_scaler.step(optimizer) if self._grad_scaler else optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        if self._grad_scaler and not skip:
+        if self._grad_scaler:  # also after a skipped step: unscale_ must be followed by update()
             self._grad_scaler.update()
 
     def _due(self, interval: Time, previous: Any, epoch_end: bool = False) -> bool:
@@ -439,6 +450,17 @@ def _safe_len(loader: Iterable | None) -> int | None:
         return len(loader)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def _grad_scaler(precision: str, sharded: bool) -> torch.amp.GradScaler | None:
+    """fp16 needs loss scaling; sharded, every rank must agree on skipping a step with inf gradients."""
+    if precision != "amp_fp16":
+        return None
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler("cuda")
+    return torch.amp.GradScaler("cuda")
 
 
 def _build_optimizers(optimizers: Any, model: nn.Module) -> list[torch.optim.Optimizer]:

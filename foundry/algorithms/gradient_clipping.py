@@ -1,10 +1,15 @@
-"""Gradient clipping, applied once per batch after all microbatches' gradients have accumulated."""
+"""Gradient clipping, applied once per batch after all microbatches' gradients have accumulated.
+
+Under FSDP2 each rank holds gradient shards (DTensors); ``clip_grad_norm_`` reduces their norms
+over the ranks, so the clipped norm is the global one (tests/distributed/test_gradient_clipping.py).
+"""
 
 from __future__ import annotations
 
 from typing import Literal
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from foundry import registry
 from foundry.core.algorithm import Algorithm
@@ -32,7 +37,9 @@ class GradientClipping(Algorithm):
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         parameters = [p for p in state.model.parameters() if p.grad is not None]
         if self.clipping_type == "norm":
-            # foreach=True keeps it to a handful of kernels; with DTensor grads the norm is global.
-            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(parameters, self.clipping_threshold, foreach=True)
+            # foreach=True keeps it to a handful of kernels. Sharded (FSDP2 DTensor) gradients give the
+            # global norm over all ranks' shards, as a replicated DTensor: keep its plain local value.
+            norm = torch.nn.utils.clip_grad_norm_(parameters, self.clipping_threshold, foreach=True)
+            self.last_grad_norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         else:
             torch.nn.utils.clip_grad_value_(parameters, self.clipping_threshold, foreach=True)

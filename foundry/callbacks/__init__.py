@@ -1,6 +1,7 @@
 """Built-in callbacks; importing this package registers them under their YAML names."""
 
 from foundry.callbacks.early_stopping import EarlyStopper, ThresholdStopper
+from foundry.callbacks.hand_over import HandOver
 from foundry.callbacks.lr_monitor import LRMonitor
 from foundry.callbacks.memory_monitor import MemoryMonitor
 from foundry.callbacks.memory_snapshot import MemorySnapshot
@@ -12,6 +13,7 @@ from foundry.callbacks.speed_monitor import SpeedMonitor, TrainClock
 
 __all__ = [
     "EarlyStopper",
+    "HandOver",
     "LRMonitor",
     "MemoryMonitor",
     "MemorySnapshot",

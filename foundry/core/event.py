@@ -2,7 +2,7 @@
 
 The whole loop, with each event in place (``Trainer.fit``)::
 
-    INIT                                  # components built, before any checkpoint loads
+    INIT                                  # components built; before the model is placed/sharded and loaded
     AFTER_LOAD                            # load_path / autoresume applied
     FIT_START
     for epoch in range(...):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,11 +25,25 @@ def get_world_size() -> int:
     return dist.get_world_size() if is_distributed() else int(os.environ.get("WORLD_SIZE", 1))
 
 
+def get_local_world_size() -> int:
+    """Ranks on this node: torchrun's ``LOCAL_WORLD_SIZE``, else every rank (one node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", get_world_size()))
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum ``tensor`` over ranks in place (a no-op in one process); stays on device, no host sync."""
     if is_distributed() and get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def broadcast_object(value: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``value`` on every rank (picklable objects; ``value`` itself in one process)."""
+    if not is_distributed() or get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
 
 
 def barrier() -> None:

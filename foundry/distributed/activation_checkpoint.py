@@ -1,0 +1,149 @@
+"""Activation checkpointing: chosen modules keep only their inputs and recompute the rest in backward.
+
+Which modules, as LLM Foundry's ``model.activation_checkpointing_target`` says:
+
+- ``null`` or ``[]``: every block;
+- a class name or a list of them (case-insensitive; LLM Foundry's ``grouped_query_attention``,
+  ``mptmlp``... name foundry's ``Attention``, ``MLP``...): those modules, in every block;
+- ``{name: blocks}``: those modules in the chosen blocks only; ``blocks`` is ``n`` (the first n),
+  ``-1`` (all), a list of ids, or ``first-n``, ``last-n``, ``middle-n``, ``range-i-j`` (i included,
+  j not), alone, in a list, or comma-separated.
+
+A block whose own class is named is checkpointed whole, and the other names are ignored for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+    offload_wrapper,
+)
+
+from foundry.errors import ConfigError
+
+_KEY = "model.activation_checkpointing_target"
+# LLM Foundry's registry names for modules that foundry implements as one class each.
+_ALIASES = {
+    "multihead_attention": "attention",
+    "grouped_query_attention": "attention",
+    "multiquery_attention": "attention",
+    "mptmlp": "mlp",
+    "mptglu": "glu",
+}
+
+
+def apply_activation_checkpointing(
+    model: nn.Module, blocks: Sequence[nn.Module], target: Any, reentrant: bool
+) -> list[nn.Module]:
+    """Wrap the targeted modules of ``blocks`` in place; returns the blocks as they now are (some wrapped)."""
+    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+    plan = checkpoint_plan(blocks, target)
+    for block_modules in plan:
+        for module in block_modules:
+            replace_module(model, module, checkpoint_wrapper(module, checkpoint_impl=impl))
+    return [checkpoint_wrapper_of(model, block) for block in blocks]
+
+
+def apply_activation_offload(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
+    """Keep each block's saved activations in (pinned) host memory until backward needs them."""
+    wrapped = []
+    for block in blocks:
+        offloaded = offload_wrapper(block)
+        replace_module(model, block, offloaded)
+        wrapped.append(offloaded)
+    return wrapped
+
+
+def checkpoint_plan(blocks: Sequence[nn.Module], target: Any) -> list[list[nn.Module]]:
+    """For each block, the modules to checkpoint (the block itself, some of its submodules, or none)."""
+    if target is None or target == []:
+        return [[block] for block in blocks]
+    if isinstance(target, str):
+        target = [target]
+    if isinstance(target, list):
+        target = dict.fromkeys(target, -1)
+    if not isinstance(target, dict):
+        raise ConfigError(f"'{_KEY}' is {target!r}; give a class name, a list of names or {{name: blocks}}.")
+    chosen: list[set[str]] = [set() for _ in blocks]
+    for name, selection in target.items():
+        for index in block_ids(selection, len(blocks)):
+            chosen[index].add(_ALIASES.get(name.lower(), name.lower()))
+    _check_names(blocks, {name for names in chosen for name in names})
+    return [_modules_named(block, names) for block, names in zip(blocks, chosen)]
+
+
+def block_ids(selection: Any, num_blocks: int) -> list[int]:
+    """Block indices that LLM Foundry's target-block ``selection`` names (out-of-range ids are dropped)."""
+    if selection == -1:
+        return list(range(num_blocks))
+    if isinstance(selection, int):
+        return list(range(min(selection, num_blocks)))
+    if isinstance(selection, str):
+        selection = [part for part in selection.replace(" ", "").split(",") if part]
+    if not isinstance(selection, list):
+        raise ConfigError(f"'{_KEY}': block selection {selection!r} is not an int, a list or a string.")
+    ids: set[int] = set()
+    for item in selection:
+        ids.update([item] if isinstance(item, int) else _parse_range(str(item), num_blocks))
+    return sorted(i for i in ids if 0 <= i < num_blocks)
+
+
+def _parse_range(text: str, num_blocks: int) -> range:
+    kind, _, rest = text.partition("-")
+    numbers = rest.split("-")
+    if not all(number.isdigit() for number in numbers) or len(numbers) != (2 if kind == "range" else 1):
+        raise ConfigError(f"'{_KEY}': cannot read {text!r}; use first-n, last-n, middle-n or range-i-j.")
+    count = int(numbers[0])
+    if kind == "first":
+        return range(min(count, num_blocks))
+    if kind == "last":
+        return range(max(num_blocks - count, 0), num_blocks)
+    if kind == "middle":
+        start = max((num_blocks - 1) // 2 - count // 2, 0)
+        return range(start, min(start + count, num_blocks))
+    if kind == "range":
+        return range(count, min(int(numbers[1]), num_blocks))
+    raise ConfigError(f"'{_KEY}': cannot read {text!r}; use first-n, last-n, middle-n or range-i-j.")
+
+
+def _modules_named(block: nn.Module, names: set[str]) -> list[nn.Module]:
+    """The outermost modules of ``block`` whose class is in ``names`` (the block itself if it is)."""
+    if type(block).__name__.lower() in names:
+        return [block]
+    found: dict[str, nn.Module] = {}
+    for name, module in block.named_modules():
+        inside_found = any(name.startswith(f"{outer}.") for outer in found)
+        if type(module).__name__.lower() in names and not inside_found:
+            found[name] = module
+    return list(found.values())
+
+
+def _check_names(blocks: Sequence[nn.Module], names: set[str]) -> None:
+    known = {type(module).__name__.lower() for block in blocks for module in block.modules()}
+    if unknown := sorted(names - known):
+        raise ConfigError(
+            f"'{_KEY}' names {unknown}, which no block holds. Modules in the blocks: {', '.join(sorted(known))}."
+        )
+
+
+def replace_module(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """Put ``new`` where ``old`` sits inside ``root`` (a block in its ModuleList, a submodule in its block)."""
+    for name, module in root.named_modules():
+        if module is old:
+            parent_name, _, child_name = name.rpartition(".")
+            root.get_submodule(parent_name).register_module(child_name, new)
+            return
+    raise ValueError(f"{type(old).__name__} is not inside {type(root).__name__}.")
+
+
+def checkpoint_wrapper_of(root: nn.Module, block: nn.Module) -> nn.Module:
+    """``block``, or the wrapper that now stands in its place."""
+    for module in root.modules():
+        if getattr(module, "_checkpoint_wrapped_module", None) is block:
+            return module
+    return block

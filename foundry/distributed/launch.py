@@ -1,0 +1,59 @@
+"""``foundry train --nproc N``: run N ranks on this machine (joining other machines' ranks) through torchrun.
+
+The command re-runs itself as ``torchrun --nproc-per-node N ... -m foundry.cli train CFG ...``; each
+rank then joins the process group from torchrun's environment. It exits with the ranks' common exit
+code (3 when the run handed over, 2 for a config error), where plain torchrun would exit 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from foundry.errors import ConfigError
+
+
+def launch(command: Sequence[str], nproc: int, nnodes: int = 1, rdzv_endpoint: str | None = None) -> int:
+    """Run ``python -m foundry.cli *command`` as ``nproc`` local ranks of an ``nnodes``-node job.
+
+    Args:
+        command: the ``foundry`` arguments each rank runs, e.g. ``["train", "cfg.yaml", "max_duration=10ba"]``.
+        nproc: ranks on this machine (usually its GPU count).
+        nnodes: machines in the job; more than one needs ``rdzv_endpoint``.
+        rdzv_endpoint: ``host:port`` that every machine reaches, where the ranks find each other.
+
+    Returns:
+        0, or the exit code every failed rank shared (1 when they differ).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    arguments = torchrun_arguments(command, nproc, nnodes, rdzv_endpoint)
+    try:
+        run(get_args_parser().parse_args(arguments))
+    except ChildFailedError as error:
+        return ranks_exit_code([failure.exitcode for failure in error.failures.values()])
+    return 0
+
+
+def torchrun_arguments(command: Sequence[str], nproc: int, nnodes: int, rdzv_endpoint: str | None) -> list[str]:
+    """torchrun's command line for ``launch``."""
+    if nproc < 1 or nnodes < 1:
+        raise ConfigError(f"--nproc ({nproc}) and --nnodes ({nnodes}) must be at least 1.")
+    arguments = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
+    if rdzv_endpoint:
+        # One endpoint serves one job, so a fixed id is enough (and needs no agreement between machines).
+        arguments += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-id=foundry"]
+    elif nnodes > 1:
+        raise ConfigError(
+            f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, an address every machine of the job reaches "
+            "(e.g. the first node's hostname and a free port, like 29500)."
+        )
+    else:
+        arguments.append("--standalone")  # one machine: torchrun picks a free local port
+    return [*arguments, "-m", "foundry.cli", *command]
+
+
+def ranks_exit_code(exit_codes: Sequence[int]) -> int:
+    """The exit code the failed ranks share; ranks torchrun stopped afterwards (by a signal) do not count."""
+    codes = {code for code in exit_codes if code > 0}
+    return codes.pop() if len(codes) == 1 else 1

@@ -1,0 +1,202 @@
+"""FSDP2 and activation checkpointing, applied in one place (torchtitan's ``parallelize`` step).
+
+``parallelize(model, fsdp_config, device, precision)`` changes ``model`` in place:
+
+1. activation checkpointing (and activation CPU offload) around the chosen blocks;
+2. ``fully_shard`` on each block, then on the root (embeddings, final norm, output head), over a
+   DeviceMesh that ``sharding_strategy`` shapes;
+3. weights: when some rank built the model on the meta device (or ``sync_module_states`` is set),
+   rank 0 materialises and initialises the full model in host memory, and its weights reach the
+   other ranks one parameter at a time, each rank keeping its shard; device memory never holds more
+   than a shard plus one parameter. Otherwise every rank already holds the same seeded weights.
+
+Blocks are ``model.fsdp_wrap_modules()`` when the model defines it, else ``model.transformer.blocks``
+(MPT, Llama), else the classes a Hugging Face model lists in ``_no_split_modules``. docs/DISTRIBUTED.md
+tabulates how each ``fsdp_config`` key maps to FSDP2.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from foundry.distributed.activation_checkpoint import apply_activation_checkpointing, apply_activation_offload
+from foundry.distributed.env import all_reduce_sum, get_local_world_size, get_rank, get_world_size
+from foundry.errors import ConfigError
+
+if TYPE_CHECKING:
+    from foundry.config import FSDPConfig
+
+log = logging.getLogger(__name__)
+
+# sharding_strategy -> (how ranks are laid out, reshard_after_forward)
+STRATEGIES: dict[str, tuple[str, bool]] = {
+    "FULL_SHARD": ("shard", True),
+    "SHARD_GRAD_OP": ("shard", False),
+    "HYBRID_SHARD": ("hybrid", True),
+    "_HYBRID_SHARD_ZERO2": ("hybrid", False),
+    "NO_SHARD": ("replicate", False),
+}
+
+
+def parallelize(model: nn.Module, config: FSDPConfig, device: torch.device, precision: str) -> None:
+    """Shard ``model`` over every rank as ``config`` (an ``FSDPConfig``) says; the process group must exist.
+
+    Args:
+        model: built on the CPU (every rank, same seed), on the meta device, or ``mixed``.
+        config: ``fsdp_config``; ``model.config.activation_checkpointing_target`` picks what to checkpoint.
+        device: this rank's device; the shards live there (on the CPU with ``cpu_offload``).
+        precision: the run's precision; ``mixed_precision`` applies only to the amp precisions.
+    """
+    layout, reshard_after_forward = STRATEGIES[config.sharding_strategy]
+    mesh = build_mesh(layout, device.type)
+    rank0_weights = _rank0_weights(model, config.sync_module_states, device)
+    blocks = fsdp_blocks(model)
+    if config.activation_checkpointing:
+        target = getattr(getattr(model, "config", None), "activation_checkpointing_target", None)
+        blocks = apply_activation_checkpointing(model, blocks, target, config.activation_checkpointing_reentrant)
+    if config.activation_cpu_offload and device.type == "cuda":  # on a CPU run activations are in host memory
+        blocks = apply_activation_offload(model, blocks)
+    offload = config.cpu_offload and device.type == "cuda"
+    shard_settings = {
+        "mesh": mesh,
+        "mp_policy": mixed_precision_policy(config.mixed_precision, precision),
+        "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
+    }
+    for index, block in enumerate(blocks):
+        # The last block would be gathered again at once for backward: keeping it whole saves an all-gather.
+        is_last = index == len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard_after_forward and not is_last, **shard_settings)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **shard_settings)
+    if config.forward_prefetch:
+        for block, next_block in itertools.pairwise(blocks):
+            block.set_modules_to_forward_prefetch([next_block])
+    _materialise(model, torch.device("cpu") if offload else device, device, rank0_weights)
+    if config.verbose and get_rank() == 0:
+        log.info("FSDP2 (%s) on mesh %s: %d blocks, then the root.", config.sharding_strategy, mesh, len(blocks))
+
+
+def build_mesh(layout: str, device_type: str) -> DeviceMesh:
+    """1-D ("shard",) mesh, or 2-D ("replicate", "shard") when some ranks hold copies of the same shards.
+
+    ``hybrid`` shards within a node and replicates across nodes (one node: plain sharding);
+    ``replicate`` gives every rank the whole model (DDP's layout: shards of one rank each).
+    """
+    world_size = get_world_size()
+    if layout == "replicate":
+        shard_size = 1
+    elif layout == "hybrid":
+        shard_size = get_local_world_size()
+        if world_size % shard_size:
+            raise ConfigError(
+                f"fsdp_config.sharding_strategy HYBRID_SHARD shards within a node, but the {world_size} ranks do "
+                f"not split into nodes of LOCAL_WORLD_SIZE={shard_size}. Launch the same number of ranks per node."
+            )
+    else:
+        shard_size = world_size
+    replicas = world_size // shard_size
+    if replicas == 1:
+        return init_device_mesh(device_type, (shard_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
+def mixed_precision_policy(mode: str, precision: str) -> MixedPrecisionPolicy:
+    """``fsdp_config.mixed_precision`` as FSDP2 dtypes (as LLM Foundry maps it); fp32 runs stay fp32.
+
+    PURE: compute and gradient reduction in the amp dtype. DEFAULT: compute in the amp dtype,
+    reduction in fp32. FULL: both fp32 (autocast still runs matmuls in the amp dtype).
+    The sharded parameters and the optimizer state stay fp32 in every mode.
+    """
+    if precision == "fp32" or mode == "FULL":
+        return MixedPrecisionPolicy()
+    low = torch.bfloat16 if precision == "amp_bf16" else torch.float16
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low if mode == "PURE" else torch.float32)
+
+
+def fsdp_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules sharded one at a time (each all-gathered just before it runs)."""
+    if hasattr(model, "fsdp_wrap_modules"):
+        return list(model.fsdp_wrap_modules())
+    blocks = getattr(getattr(model, "transformer", None), "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        return list(blocks)
+    no_split = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or ()}
+    return [module for module in model.modules() if type(module).__name__ in no_split]
+
+
+def _rank0_weights(model: nn.Module, sync_module_states: bool, device: torch.device) -> Mapping[str, Any] | None:
+    """Rank 0's full weights (an empty dict elsewhere) when other ranks must receive them, else None.
+
+    They must when any rank built the model on the meta device (``init_device: meta`` or ``mixed``)
+    or ``sync_module_states`` asks. Rank 0 then initialises on the CPU with the run's seed, so the
+    sharded model starts from exactly the weights an unsharded ``init_device: cpu`` run gets.
+    """
+    on_meta = any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()])
+    ranks_on_meta = all_reduce_sum(torch.tensor(float(on_meta), device=device))
+    if not (ranks_on_meta.item() or sync_module_states):
+        return None
+    if get_rank() != 0:
+        return {}
+    if on_meta:
+        if not hasattr(model, "init_weights"):
+            raise ConfigError(
+                f"{type(model).__name__} was built on the meta device but has no init_weights(), so its weights "
+                "cannot be created. Build it on the CPU (model.init_device: cpu)."
+            )
+        with torch.random.fork_rng(devices=[]):  # every rank's generators stay in step for training
+            model.to_empty(device="cpu")
+            model.init_weights()
+    return model.state_dict()
+
+
+def _materialise(
+    model: nn.Module, param_device: torch.device, buffer_device: torch.device, rank0_weights: Mapping[str, Any] | None
+) -> None:
+    """Allocate meta shards (and buffers) and fill them from rank 0's weights, if any."""
+    if any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()]):
+        model.to_empty(device=param_device)
+        if buffer_device != param_device:  # with cpu_offload the shards live on the CPU, buffers on the device
+            for module in model.modules():
+                for name, buffer in module._buffers.items():
+                    module._buffers[name] = None if buffer is None else buffer.to(buffer_device)
+    if rank0_weights is None:
+        return
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, dict(rank0_weights), options=options)
+    for buffer in model.buffers():  # non-persistent buffers (e.g. rotary tables) are not in a state dict
+        dist.broadcast(buffer, src=0)
+
+
+def prepare_sharding(config: FSDPConfig | Mapping[str, Any] | None, optimizers: Any) -> FSDPConfig | None:
+    """The ``FSDPConfig`` a Trainer applies (None: a plain module), with the process group ready.
+
+    Several ranks without one get ``NO_SHARD``: their gradients must still be averaged. A sharded
+    model gets new parameters, so ``optimizers`` must be a factory called after sharding.
+    """
+    from foundry.config import FSDPConfig
+    from foundry.distributed.process_group import init_process_group
+    from foundry.schema import parse_dataclass
+
+    if isinstance(config, Mapping):
+        config = parse_dataclass(FSDPConfig, config, "fsdp_config")
+    if config is None and get_world_size() > 1:
+        config = FSDPConfig(sharding_strategy="NO_SHARD")
+    if config is None:
+        return None
+    if optimizers is not None and not callable(optimizers):
+        raise ConfigError(
+            "The model is sharded (fsdp_config, or several ranks), which replaces its parameters, so an optimizer "
+            "built beforehand would update stale ones. Pass a function instead, e.g. "
+            "optimizers=lambda params: DecoupledAdamW(params, lr=6e-4)."
+        )
+    init_process_group()  # a no-op when the launcher's group exists
+    return config

@@ -1,0 +1,94 @@
+"""What the distributed tests run on each rank: a tiny MPT trained on fixed batches, through the Trainer.
+
+Every run of ``train`` sees the same global batches; rank r of W trains on its 1/W slice of each,
+so any world size trains on the same data and should reach the same losses and weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from helpers import token_batches
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from foundry.core import LoggerDestination
+from foundry.distributed import get_rank, get_world_size
+from foundry.models import MPTCausalLM
+from foundry.optim import DecoupledAdamW
+from foundry.trainer import Trainer
+
+# no_bias: the attention's key bias has a zero gradient in exact arithmetic, so Adam would scale
+# rank-count-dependent rounding noise up to full-size updates there.
+MODEL = {"d_model": 32, "n_heads": 4, "n_layers": 2, "vocab_size": 64, "max_seq_len": 16, "no_bias": True}
+GLOBAL_BATCH_SIZE = 4
+SEED = 17
+
+
+class LossRecorder(LoggerDestination):
+    """Keeps every logged ``loss/train/total`` (the global batch's loss, the same on every rank)."""
+
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if "loss/train/total" in metrics:
+            self.losses[step] = metrics["loss/train/total"]
+
+
+def rank_batches(num_batches: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's slice of each of ``num_batches`` fixed global batches."""
+    rank, world_size = get_rank(), get_world_size()
+    per_rank = GLOBAL_BATCH_SIZE // world_size
+    batches = token_batches(num_batches, GLOBAL_BATCH_SIZE, seq_len=16, vocab_size=MODEL["vocab_size"], seed=0)
+    return [{key: value[rank * per_rank : (rank + 1) * per_rank] for key, value in b.items()} for b in batches]
+
+
+def build_trainer(
+    max_batches: int,
+    folder: str,
+    fsdp_config: dict[str, Any] | None = None,
+    model_keys: dict[str, Any] | None = None,
+    **trainer_kwargs: Any,
+) -> Trainer:
+    torch.manual_seed(SEED)  # as builders.build_trainer seeds before building the model
+    return Trainer(
+        model=MPTCausalLM(**MODEL, **(model_keys or {})),
+        train_dataloader=rank_batches(max_batches),
+        max_duration=f"{max_batches}ba",
+        optimizers=lambda params: DecoupledAdamW(params, lr=3e-3),
+        fsdp_config=fsdp_config,
+        device="cpu",
+        seed=SEED,
+        run_folder=f"{folder}/run",
+        log_to_console=False,
+        loggers=[LossRecorder()],
+        **trainer_kwargs,
+    )
+
+
+def train(max_batches: int, folder: str, fsdp_config: dict[str, Any] | None = None, **kwargs: Any) -> dict | None:
+    """Train (resuming when ``autoresume`` is passed); rank 0 returns losses, final weights and stop reason."""
+    trainer = build_trainer(max_batches, folder, fsdp_config, **kwargs)
+    trainer.fit()
+    return summary(trainer)
+
+
+def summary(trainer: Trainer) -> dict[str, Any] | None:
+    """Losses by batch, full weights (gathered from the shards) and the stop reason, on rank 0 only."""
+    weights = get_model_state_dict(trainer.state.model, options=StateDictOptions(full_state_dict=True))
+    if get_rank() != 0:
+        return None
+    recorder = next(d for d in trainer.logger.destinations if isinstance(d, LossRecorder))
+    return {
+        "losses": recorder.losses,
+        "weights": {name: tensor.detach().clone() for name, tensor in weights.items()},
+        "stop_reason": trainer.state.stop_reason,
+        "batch": trainer.state.timestamp.batch,
+    }
+
+
+def initial_weights(folder: str, fsdp_config: dict[str, Any] | None = None, **kwargs: Any) -> dict | None:
+    """The full weights right after the Trainer placed (and sharded) the model, on rank 0."""
+    result = summary(build_trainer(1, folder, fsdp_config, **kwargs))
+    return None if result is None else result["weights"]

@@ -1,0 +1,103 @@
+"""`foundry train --nproc N` launches ranks through torchrun; a hand-over exits 3 and a relaunch continues."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from foundry.cli import main
+from foundry.data import convert_to_mds
+from foundry.distributed.launch import ranks_exit_code, torchrun_arguments
+from foundry.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+OVERRIDES = [
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.max_seq_len=32",
+    "model.vocab_size=512",
+    "variables.max_seq_len=32",
+    "global_train_batch_size=8",
+    "device_train_microbatch_size=2",
+    "device_eval_batch_size=16",
+    "eval_first=false",
+    "eval_interval=100ba",
+    "console_log_interval=1ba",
+    "callbacks={}",
+    "max_duration=6ba",
+    "save_interval=100ba",
+    "autoresume=true",
+]
+HAND_OVER = ["callbacks={hand_over: {interval: 2ba}}", "fsdp_config={sharding_strategy: FULL_SHARD}"]
+
+
+def test_single_node_launch_is_standalone_torchrun_of_the_cli():
+    arguments = torchrun_arguments(["train", "cfg.yaml", "a=1"], nproc=4, nnodes=1, rdzv_endpoint=None)
+    assert arguments == [
+        "--nproc-per-node=4",
+        "--nnodes=1",
+        "--standalone",
+        "-m",
+        "foundry.cli",
+        "train",
+        "cfg.yaml",
+        "a=1",
+    ]
+
+
+def test_several_nodes_need_a_rendezvous_endpoint():
+    with pytest.raises(ConfigError, match="rdzv-endpoint"):
+        torchrun_arguments(["train", "cfg.yaml"], nproc=8, nnodes=2, rdzv_endpoint=None)
+
+
+def test_exit_code_is_the_one_the_failed_ranks_share():
+    assert ranks_exit_code([3, -15]) == 3  # rank 1 was stopped by torchrun after rank 0 handed over
+    assert ranks_exit_code([3, 1]) == 1
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data") / "quickstart"
+    convert_to_mds(None, out, max_seq_len=32, vocab_size=512, progress=False)
+    return out
+
+
+def _args(folder: Path, data: Path, *overrides: str) -> list[str]:
+    return [
+        "train",
+        str(REPO_ROOT / "yamls" / "quickstart.yaml"),
+        f"variables.data_local={data}",
+        f"run_folder={folder / 'run'}",
+        f"save_folder={folder / 'ckpt'}",
+        *OVERRIDES,
+        *overrides,
+    ]
+
+
+def _losses(folder: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss/train/total"] for row in rows if "loss/train/total" in row}
+
+
+def test_hand_over_from_two_ranks_to_one_continues_the_run(tmp_path, data, capsys):
+    launched = subprocess.run(
+        [sys.executable, "-m", "foundry.cli", *_args(tmp_path / "b", data, *HAND_OVER)[:1], "--nproc", "2",
+         *_args(tmp_path / "b", data, *HAND_OVER)[1:]],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )  # fmt: skip
+    assert launched.returncode == 3, launched.stderr[-3000:]
+    assert "handed over at batch 2" in launched.stdout
+    assert main(_args(tmp_path / "b", data, *HAND_OVER)) == 3
+    assert "handed over at batch 4" in capsys.readouterr().out
+    assert main(_args(tmp_path / "b", data, *HAND_OVER)) == 0
+
+    assert main(_args(tmp_path / "a", data)) == 0  # the same run, uninterrupted, in one process
+    uninterrupted, handed_over = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert sorted(handed_over) == list(range(1, 7))
+    for step, loss in uninterrupted.items():
+        assert handed_over[step] == pytest.approx(loss, abs=1e-4), step

@@ -1,0 +1,104 @@
+"""The pure parts of sharding: dtypes, which blocks are sharded, which modules are checkpointed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TinyLM
+from torch import nn
+
+from foundry.distributed.activation_checkpoint import block_ids, checkpoint_plan
+from foundry.distributed.parallelize import fsdp_blocks, mixed_precision_policy, prepare_sharding
+from foundry.distributed.process_group import init_process_group
+from foundry.errors import ConfigError
+from foundry.models import MPTCausalLM
+
+TINY = {"d_model": 16, "n_heads": 2, "n_layers": 4, "vocab_size": 32, "max_seq_len": 8}
+
+
+@pytest.mark.parametrize(
+    ("mode", "precision", "param_dtype", "reduce_dtype"),
+    [
+        ("PURE", "amp_bf16", torch.bfloat16, torch.bfloat16),
+        ("DEFAULT", "amp_bf16", torch.bfloat16, torch.float32),
+        ("DEFAULT", "amp_fp16", torch.float16, torch.float32),
+        ("FULL", "amp_bf16", None, None),
+        ("PURE", "fp32", None, None),
+    ],
+)
+def test_mixed_precision_maps_as_llm_foundry(mode, precision, param_dtype, reduce_dtype):
+    policy = mixed_precision_policy(mode, precision)
+    assert (policy.param_dtype, policy.reduce_dtype) == (param_dtype, reduce_dtype)
+
+
+def test_mpt_blocks_are_sharded_one_by_one():
+    model = MPTCausalLM(**TINY)
+    assert fsdp_blocks(model) == list(model.transformer.blocks)
+
+
+def test_a_model_names_its_blocks_with_fsdp_wrap_modules():
+    class TwoStages(TinyLM):
+        def fsdp_wrap_modules(self) -> list[nn.Module]:
+            return [self.embed]
+
+    model = TwoStages()
+    assert fsdp_blocks(model) == [model.embed]
+
+
+def test_hugging_face_blocks_come_from_no_split_modules():
+    class Layer(nn.Linear):
+        pass
+
+    class HFLike(nn.Module):
+        _no_split_modules = ["Layer"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(2, 2), Layer(2, 2)])
+            self.head = nn.Linear(2, 2)
+
+    model = HFLike()
+    assert fsdp_blocks(model) == list(model.layers)
+
+
+@pytest.mark.parametrize(
+    ("selection", "ids"),
+    [(-1, [0, 1, 2, 3, 4, 5]), (2, [0, 1]), ("last-2", [4, 5]), ("middle-2", [1, 2]),
+     ("range-1-3", [1, 2]), ("first-1, last-1", [0, 5]), ([0, "last-1", 9], [0, 5])],
+)  # fmt: skip
+def test_block_selection_reads_llm_foundry_forms(selection, ids):
+    assert block_ids(selection, num_blocks=6) == ids
+
+
+def test_default_target_checkpoints_every_whole_block():
+    blocks = list(MPTCausalLM(**TINY).transformer.blocks)
+    assert checkpoint_plan(blocks, None) == [[block] for block in blocks]
+
+
+def test_target_names_submodules_in_chosen_blocks():
+    blocks = list(MPTCausalLM(**TINY).transformer.blocks)
+    plan = checkpoint_plan(blocks, {"grouped_query_attention": "last-1", "mptblock": [0]})
+    assert plan == [[blocks[0]], [], [], [blocks[3].attn]]
+
+
+def test_unknown_target_lists_the_modules_there_are():
+    blocks = list(MPTCausalLM(**TINY).transformer.blocks)
+    with pytest.raises(ConfigError, match="attention, .*mptblock"):
+        checkpoint_plan(blocks, ["flash_block"])
+
+
+def test_sharding_rejects_an_optimizer_built_before_the_model_is_sharded():
+    model = TinyLM()
+    with pytest.raises(ConfigError, match="Pass a function"):
+        prepare_sharding({}, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_one_process_without_fsdp_config_is_not_sharded():
+    assert prepare_sharding(None, None) is None
+
+
+def test_several_ranks_without_a_rendezvous_address_fail_clearly(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(ConfigError, match="--nproc"):
+        init_process_group()

@@ -1,0 +1,57 @@
+"""Every sharding strategy on 2 ranks trains exactly like one process with the same global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed.jobs import initial_weights, train
+
+NUM_BATCHES = 5
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "NO_SHARD"]
+
+
+@pytest.fixture(scope="module")
+def one_rank(ranks, tmp_path_factory) -> dict:
+    """The reference: the plain module (no fsdp_config) in one process."""
+    return ranks.run(1, train, NUM_BATCHES, str(tmp_path_factory.mktemp("one_rank")))[0]
+
+
+def assert_same_run(result: dict, reference: dict, tolerance: float = 1e-5) -> None:
+    assert sorted(result["losses"]) == list(range(1, NUM_BATCHES + 1))
+    for step, loss in reference["losses"].items():
+        assert result["losses"][step] == pytest.approx(loss, abs=tolerance), step
+    assert result["weights"].keys() == reference["weights"].keys()
+    for name, weight in reference["weights"].items():
+        torch.testing.assert_close(result["weights"][name], weight, atol=tolerance, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_ranks_match_one_rank(ranks, one_rank, strategy, tmp_path):
+    # HYBRID_SHARD with one rank per node: replicate across the 2 "nodes"; the ZeRO-2 variant on one node.
+    env = {"LOCAL_WORLD_SIZE": "1"} if strategy == "HYBRID_SHARD" else None
+    result = ranks.run(2, train, NUM_BATCHES, str(tmp_path), {"sharding_strategy": strategy}, env=env)[0]
+    assert_same_run(result, one_rank)
+
+
+def test_fsdp_on_one_rank_matches_the_plain_module(ranks, one_rank, tmp_path):
+    assert_same_run(ranks.run(1, train, NUM_BATCHES, str(tmp_path), {})[0], one_rank)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_keeps_the_losses(ranks, one_rank, reentrant, tmp_path):
+    fsdp = {"activation_checkpointing": True, "activation_checkpointing_reentrant": reentrant}
+    assert_same_run(ranks.run(2, train, NUM_BATCHES, str(tmp_path), fsdp)[0], one_rank)
+
+
+@pytest.mark.parametrize("init_device", ["meta", "mixed"])
+def test_sharded_meta_init_gives_the_unsharded_weights(ranks, init_device, tmp_path):
+    unsharded = ranks.run(1, initial_weights, str(tmp_path / "cpu"))[0]
+    keys = {"init_device": init_device}
+    sharded = ranks.run(2, initial_weights, str(tmp_path / init_device), {}, model_keys=keys)[0]
+    for name, weight in unsharded.items():
+        assert torch.equal(sharded[name], weight), name
+
+
+def test_two_ranks_without_fsdp_config_replicate_the_model(ranks, one_rank, tmp_path):
+    assert_same_run(ranks.run(2, train, NUM_BATCHES, str(tmp_path), None)[0], one_rank)
