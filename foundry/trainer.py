@@ -265,7 +265,7 @@ class Trainer:
             share_of_global_loss += self._train_microbatch(microbatch, weight * state.world_size / total_weight)
         share_of_global_loss /= state.world_size
         state.loss = share_of_global_loss * total_weight / local_weight  # this rank's mean loss
-        state.skip_optimizer_step = False
+        state.skip_optimizer_step, state.grad_norm = False, None
         if self._grad_scaler:  # algorithms (clipping) see the true gradients, not fp16-scaled ones
             for optimizer in state.optimizers:
                 self._grad_scaler.unscale_(optimizer)

@@ -22,14 +22,13 @@ from foundry.core.state import State
 class GradientClipping(Algorithm):
     """Clip by global norm (``norm``) or per element (``value``) before the optimizer steps.
 
-    The total norm is kept on device as ``last_grad_norm`` (no host sync); the optimizer
-    monitor logs it at logging intervals.
+    The pre-clip global norm goes to ``state.grad_norm`` on device (no host sync), where nan_guard and
+    the optimizer monitor reuse it.
     """
 
     def __init__(self, clipping_type: Literal["norm", "value"] = "norm", clipping_threshold: float = 1.0) -> None:
         self.clipping_type = clipping_type
         self.clipping_threshold = clipping_threshold
-        self.last_grad_norm: torch.Tensor | None = None
 
     def match(self, event: Event, state: State) -> bool:
         return event == Event.BEFORE_OPTIMIZER_STEP
@@ -40,6 +39,6 @@ class GradientClipping(Algorithm):
             # foreach=True keeps it to a handful of kernels. Sharded (FSDP2 DTensor) gradients give the
             # global norm over all ranks' shards, as a replicated DTensor: keep its plain local value.
             norm = torch.nn.utils.clip_grad_norm_(parameters, self.clipping_threshold, foreach=True)
-            self.last_grad_norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+            state.grad_norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
         else:
             torch.nn.utils.clip_grad_value_(parameters, self.clipping_threshold, foreach=True)

@@ -60,10 +60,8 @@ def grad_norm_of_batch(state: State, grad_norms: torch.Tensor | None = None) -> 
 
     ``grad_norms`` (every gradient's norm, when the caller has them) saves a second pass over the gradients.
     """
-    # State.grad_norm is set by gradient_clipping (and cleared by the Trainer each batch) where wired.
-    norm = getattr(state, "grad_norm", None)
-    if norm is not None:
-        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).float()
+    if state.grad_norm is not None:  # set by gradient_clipping this batch (the Trainer clears it per batch)
+        return state.grad_norm.float()
     if grad_norms is not None:
         return torch.linalg.vector_norm(grad_norms)
     return global_grad_norm(state.model.parameters())

@@ -35,15 +35,7 @@ def to_hf_config(model: Any) -> Any:
     from transformers import LlamaConfig as HFLlamaConfig
 
     llama = model.llama_config
-    rope_scaling = None
-    if llama.rope_scaling is not None:
-        rope_scaling = {"rope_type": llama.rope_scaling.rope_type, "factor": float(llama.rope_scaling.factor)}
-        if llama.rope_scaling.rope_type == "llama3":
-            rope_scaling.update(
-                low_freq_factor=float(llama.rope_scaling.low_freq_factor),
-                high_freq_factor=float(llama.rope_scaling.high_freq_factor),
-                original_max_position_embeddings=llama.rope_scaling.original_max_position_embeddings,
-            )
+    rope_scaling = llama.rope_scaling.to_hf_dict() if llama.rope_scaling is not None else None
     # Floats cast explicitly: transformers 5 validates config types strictly (a YAML `1` is an int).
     return HFLlamaConfig(
         vocab_size=llama.vocab_size,

@@ -49,6 +49,9 @@ class State:
     eval_metrics: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     # Set at BEFORE_OPTIMIZER_STEP to drop this batch's update (e.g. a NaN gradient); reset every batch.
     skip_optimizer_step: bool = False
+    # This batch's global pre-clip gradient norm (device tensor) when an algorithm computed it (gradient
+    # clipping), so monitors reuse it instead of another pass over the gradients; reset every batch.
+    grad_norm: torch.Tensor | None = None
     # Set by a callback to end fit() after the current batch; the reason is logged.
     stop_reason: str | None = None
     # Path of the newest checkpoint this run wrote or loaded.

@@ -129,7 +129,7 @@ def test_spike_warning_stays_silent_on_a_smooth_noisy_curve(state, fire):
 
 
 def test_grad_norm_from_gradient_clipping_is_reused(state, fire):
-    state.grad_norm = torch.tensor(float("inf"))  # State.grad_norm, as gradient_clipping sets it once wired
+    state.grad_norm = torch.tensor(float("inf"))  # as gradient_clipping sets it
     state.loss = torch.tensor(1.0)
     with pytest.raises(TrainingError, match="gradients"):
         fire(NanGuard(), Event.BEFORE_OPTIMIZER_STEP)

@@ -64,7 +64,7 @@ def test_without_optimizer_metrics_only_the_global_norm_is_logged(adam_state, fi
 
 
 def test_global_norm_reuses_gradient_clippings_pre_clip_norm(adam_state, fire, recorder):
-    adam_state.grad_norm = torch.tensor(123.0)  # State.grad_norm, as gradient_clipping sets it once wired
+    adam_state.grad_norm = torch.tensor(123.0)  # as gradient_clipping sets it
     _one_batch(OptimizerMonitor(log_optimizer_metrics=False, log_interval="1ba"), adam_state, fire)
     assert recorder.last("l2_norm/grad/global") == 123.0
 

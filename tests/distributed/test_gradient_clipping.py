@@ -18,8 +18,8 @@ def clipped_run(folder: str, fsdp_config: dict | None) -> dict | None:
 
     class RecordNorm(GradientClipping):  # runs right after the clipping: the norm it measured
         def apply(self, event, state, logger) -> None:
-            assert type(clipping.last_grad_norm) is torch.Tensor
-            norms.append(float(clipping.last_grad_norm))
+            assert type(state.grad_norm) is torch.Tensor  # a plain (replicated) tensor, not a DTensor shard
+            norms.append(float(state.grad_norm))
 
     trainer = build_trainer(NUM_BATCHES, folder, fsdp_config, algorithms=[clipping, RecordNorm()])
     trainer.fit()
