@@ -101,7 +101,7 @@ class LazyKernel:
 
     ``triton.jit`` decides between compiling and interpreting when it decorates, so a module-level
     ``@triton.jit`` imported before ``TRITON_INTERPRET=1`` is set would never interpret. Deciding at
-    launch lets one process (the test suite) import foundry first and set the variable later.
+    launch lets one process (the test suite) import foundry and Triton first and set the variable later.
     """
 
     def __init__(self, fn: Callable[..., None]) -> None:
@@ -112,7 +112,30 @@ class LazyKernel:
         mode = interpreting()
         if mode not in self._by_mode:
             self._by_mode[mode] = triton.jit(self.fn)
-        return self._by_mode[mode][grid]
+        launch = self._by_mode[mode][grid]
+        return functools.partial(_launch_interpreted, launch) if mode else launch
+
+
+def _launch_interpreted(launch: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run an interpreted launch with Triton's own jitted helpers (``tl.sum``, ``tl.max``...) interpretable.
+
+    Those helpers were decorated when Triton was imported; if that was before ``TRITON_INTERPRET=1``,
+    they are compiled-only ``JITFunction``s that refuse to be called. For the launch, calling one runs
+    its Python function through the interpreter, as it would had the variable been set at import.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    original_call = JITFunction.__call__
+
+    def call_interpreted(self: JITFunction, *call_args: Any, **call_kwargs: Any) -> Any:
+        return InterpretedFunction(self.fn)(*call_args, **call_kwargs)
+
+    JITFunction.__call__ = call_interpreted
+    try:
+        return launch(*args, **kwargs)
+    finally:
+        JITFunction.__call__ = original_call
 
 
 def lazy_jit(fn: Callable[..., None]) -> LazyKernel:

@@ -37,7 +37,7 @@ def _glu(
         cdf = 0.5 * (1.0 + tl.math.erf(gate * 0.7071067811865476))
         activated = gate * cdf
         slope = cdf + gate * tl.exp(-0.5 * gate * gate) * 0.3989422804014327
-    elif ACTIVATION == 2:  # tanh gelu; tanh(z) = 2 sigmoid(2z) - 1 (no libdevice, so it runs on every backend)
+    elif ACTIVATION == 2:  # tanh gelu; tanh(z) = 2 sigmoid(2z) - 1 (no libdevice: runs on every backend)
         inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
         tanh = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
         activated = 0.5 * gate * (1.0 + tanh)

@@ -14,6 +14,7 @@ import torch
 import triton
 
 from foundry.kernels.device import kernels_run_on
+from foundry.models.layers import autocast_dtype
 
 IGNORE_INDEX = -100
 
@@ -48,9 +49,7 @@ def _cross_entropy_rows_(logits: torch.Tensor, *args: object) -> torch.Tensor:
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     """The dtype ``F.linear`` would run in here: autocast's if on, else the promoted input dtype."""
-    if torch.is_autocast_enabled(hidden.device.type):
-        return torch.get_autocast_dtype(hidden.device.type)
-    return torch.promote_types(hidden.dtype, weight.dtype)
+    return autocast_dtype(hidden.device.type) or torch.promote_types(hidden.dtype, weight.dtype)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
