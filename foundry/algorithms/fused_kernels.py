@@ -17,11 +17,12 @@ from foundry import registry
 from foundry.core.algorithm import Algorithm
 from foundry.core.event import Event
 from foundry.core.logger import Logger
+from foundry.core.precision import autocast_dtype
 from foundry.core.state import State
 from foundry.errors import ConfigError
 from foundry.kernels.device import kernels_run_on
 from foundry.models.attention import Attention
-from foundry.models.layers import GLU, LowPrecisionLayerNorm, LowPrecisionRMSNorm, RMSNorm, autocast_dtype
+from foundry.models.layers import GLU, LowPrecisionLayerNorm, LowPrecisionRMSNorm, RMSNorm
 
 
 class FusedNorm(nn.Module):

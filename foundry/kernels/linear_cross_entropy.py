@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from foundry.core.precision import autocast_dtype
 from foundry.kernels.device import kernels_run_on
-from foundry.models.layers import autocast_dtype
 
 IGNORE_INDEX = -100
 

@@ -14,17 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foundry.core.precision import autocast_dtype
 from foundry.errors import ConfigError
 
 NormType = Literal["layernorm", "low_precision_layernorm", "rmsnorm", "low_precision_rmsnorm"]
 
 
 # ----------------------------------------------------------------------------- norms
-
-
-def autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype autocast computes in on ``device_type``, or None outside autocast."""
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 class LowPrecisionLayerNorm(nn.LayerNorm):
