@@ -23,7 +23,9 @@ def _reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 
 @pytest.mark.parametrize("chunk_tokens", [5, 26, None])
 @pytest.mark.parametrize("logit_scale", [None, 0.37])
-def test_loss_and_grads_match_unfused_cross_entropy_in_fp32(chunk_tokens: int | None, logit_scale: float | None) -> None:
+def test_loss_and_grads_match_unfused_cross_entropy_in_fp32(
+    chunk_tokens: int | None, logit_scale: float | None
+) -> None:
     hidden, weight, targets = _problem()
     loss = linear_cross_entropy(hidden, weight, targets, logit_scale, chunk_tokens=chunk_tokens)
     expected = _reference(hidden, weight, targets, logit_scale or 1.0)
@@ -66,7 +68,7 @@ class _LargestAllocation(TorchDispatchMode):
         super().__init__()
         self.largest_bytes = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in out if isinstance(out, tuple | list) else (out,):
             if isinstance(tensor, torch.Tensor):
