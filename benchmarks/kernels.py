@@ -159,10 +159,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     rows: list[dict] = []
-    for dtype in (torch.bfloat16, torch.float32):
-        rows += [*norm_rows(dtype), rope_row(dtype), *glu_rows(dtype)]
     for vocab in (50368, 128256):
         rows.append(cross_entropy_row(vocab))
+        print(rows[-1], flush=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        rows += [*norm_rows(dtype), rope_row(dtype), *glu_rows(dtype)]
+        print(rows[-5:], flush=True)
     write_results(args.out, "kernels", rows)
 
 

@@ -37,6 +37,17 @@ def test_loss_and_grads_match_unfused_cross_entropy_in_fp32(
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+def test_rows_longer_than_one_block_loop_over_the_vocabulary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Vocabularies wider than the kernel's block (Llama 3's 128256) are read block by block."""
+    monkeypatch.setattr("foundry.kernels.cross_entropy._MAX_VOCAB_BLOCK", 32)
+    hidden, weight, targets = _problem()
+    loss = linear_cross_entropy(hidden, weight, targets, chunk_tokens=13)
+    expected = _reference(hidden, weight, targets, 1.0)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    for got, want in zip(torch.autograd.grad(loss, weight), torch.autograd.grad(expected, weight), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
 def test_bf16_autocast_matches_unfused_within_bf16_precision() -> None:
     hidden, weight, targets = _problem()
     with torch.autocast("cpu", dtype=torch.bfloat16):
