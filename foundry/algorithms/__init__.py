@@ -1,5 +1,6 @@
 """Algorithms change training: registered by YAML name under ``algorithms:``."""
 
+from foundry.algorithms.fused_kernels import FusedKernels
 from foundry.algorithms.gradient_clipping import GradientClipping
 
-__all__ = ["GradientClipping"]
+__all__ = ["FusedKernels", "GradientClipping"]
