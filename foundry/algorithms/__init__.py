@@ -1,5 +1,6 @@
 """Algorithms change training: registered by YAML name under ``algorithms:``."""
 
 from foundry.algorithms.gradient_clipping import GradientClipping
+from foundry.algorithms.torch_compile import TorchCompile
 
-__all__ = ["GradientClipping"]
+__all__ = ["GradientClipping", "TorchCompile"]
