@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import gc
 import itertools
+import os
 import sys
 import tempfile
 import time
@@ -53,15 +54,27 @@ class Row:
 
 FAST = {"torch_compile": {"compile_loss": True}}
 SDPA = ("model.attn_config.attn_impl=sdpa",)
+
+
+def fast(config: str, microbatch: int, use_fsdp_config: bool = False) -> Row:
+    """The YAML with regional compile (loss too) and SDPA; on one device without its fsdp_config."""
+    return Row(config, microbatch, algorithms=FAST, overrides=SDPA, use_fsdp_config=use_fsdp_config)
+
+
+MPT_125M, MPT_1B, LLAMA_1B = (f"yamls/pretrain/{name}.yaml" for name in ("mpt-125m", "mpt-1b", "llama-1b"))
 ROWS: dict[str, Row] = {
-    "mpt-125m": Row("yamls/pretrain/mpt-125m.yaml", microbatch=16),
-    "mpt-125m-fast": Row("yamls/pretrain/mpt-125m.yaml", microbatch=16, algorithms=FAST, overrides=SDPA),
-    "mpt-1b": Row("yamls/pretrain/mpt-1b.yaml", microbatch=4),
-    "mpt-1b-nofsdp": Row("yamls/pretrain/mpt-1b.yaml", microbatch=4, use_fsdp_config=False),
-    "mpt-1b-fast": Row("yamls/pretrain/mpt-1b.yaml", microbatch=4, algorithms=FAST, overrides=SDPA),
-    "mpt-1b-fast-mb8": Row("yamls/pretrain/mpt-1b.yaml", microbatch=8, algorithms=FAST, overrides=SDPA),
-    "llama-1b": Row("yamls/pretrain/llama-1b.yaml", microbatch=4),
-    "llama-1b-fast": Row("yamls/pretrain/llama-1b.yaml", microbatch=4, algorithms=FAST, overrides=SDPA),
+    "mpt-125m": Row(MPT_125M, microbatch=16),
+    "mpt-125m-fast": fast(MPT_125M, microbatch=16),
+    "mpt-125m-fast-mb32": fast(MPT_125M, microbatch=32),
+    "mpt-125m-fast-fsdp": fast(MPT_125M, microbatch=16, use_fsdp_config=True),
+    "mpt-1b": Row(MPT_1B, microbatch=4),
+    "mpt-1b-nofsdp": Row(MPT_1B, microbatch=4, use_fsdp_config=False),
+    "mpt-1b-fast": fast(MPT_1B, microbatch=4),
+    "mpt-1b-fast-mb6": fast(MPT_1B, microbatch=6),
+    "mpt-1b-fast-mb8": fast(MPT_1B, microbatch=8),
+    "mpt-1b-fast-fsdp": fast(MPT_1B, microbatch=4, use_fsdp_config=True),
+    "llama-1b": Row(LLAMA_1B, microbatch=4),
+    "llama-1b-fast": fast(LLAMA_1B, microbatch=4),
     "hf-llama": Row(None, microbatch=4),
     "hf-llama-compiled": Row(None, microbatch=4, compiled=True),
 }
@@ -178,6 +191,7 @@ def measure(name: str, row: Row, args: argparse.Namespace) -> dict[str, Any]:
         "mfu": tflops / args.peak_tflops,
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
         "wall_s": time.perf_counter() - started_s,
+        "step_ms_each": [round(ms, 2) for ms in step_ms],
     }
     if profile_summary is not None:
         result.update({f"{label}_share": share for label, share in profile_summary["share"].items()})
@@ -190,16 +204,16 @@ def main() -> int:
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--warmup", type=int, default=3, help="untimed batches (compile happens here)")
     parser.add_argument("--steps", type=int, default=10, help="timed batches")
-    parser.add_argument("--accum", type=int, default=2, help="microbatches per batch (one optimizer step)")
+    parser.add_argument("--accum", type=int, default=8, help="microbatches per batch (one optimizer step)")
     parser.add_argument("--peak-tflops", type=float, default=H100_BF16_PEAK_TFLOPS)
     parser.add_argument("--profile", action="store_true", help="profile a few more batches per row")
     parser.add_argument("--profile-steps", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as `foundry train` sets it
     if not torch.cuda.is_available():
         print("mfu.py needs a CUDA device.", file=sys.stderr)
         return 2
-    torch.backends.cuda.matmul.allow_tf32 = True
     results = []
     for name in args.rows:
         try:
@@ -211,7 +225,8 @@ def main() -> int:
         torch.cuda.empty_cache()
         torch._dynamo.reset()
     save_json(args.out, "mfu", results)
-    print(markdown_table([{key: value for key, value in row.items() if key != "profile"} for row in results]))
+    details = ("profile", "step_ms_each")
+    print(markdown_table([{key: value for key, value in row.items() if key not in details} for row in results]))
     return 0
 
 

@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from foundry import Callback
@@ -33,7 +34,8 @@ def category(kernel_name: str) -> str:
 def summarize(prof: profile, wall_ms: float) -> dict[str, Any]:
     """Milliseconds per category (per profiled window), their shares of ``wall_ms``, and the top kernels."""
     by_category: dict[str, float] = {label: 0.0 for label, _ in CATEGORIES}
-    kernels = [event for event in prof.key_averages() if event.self_device_time_total > 0]
+    # Device-side events only: a CPU op's "self device time" repeats its kernels' time.
+    kernels = [event for event in prof.key_averages() if event.device_type == DeviceType.CUDA]
     for event in kernels:
         by_category[category(event.key)] += event.self_device_time_total / 1e3
     busy_ms = sum(by_category.values())
@@ -57,7 +59,7 @@ class ProfileWindow(Callback):
         self.summary: dict[str, Any] | None = None
 
     def batch_end(self, state, logger) -> None:
-        batch = state.timestamp.batch.value
+        batch = state.timestamp.batch
         if batch == self.first_batch:
             self.profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             self.profiler.__enter__()

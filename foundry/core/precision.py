@@ -31,3 +31,8 @@ def autocast(precision: str, device: torch.device) -> Iterator[None]:
     dtype = torch.bfloat16 if precision == "amp_bf16" else torch.float16
     with torch.autocast(device_type=device.type, dtype=dtype):
         yield
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes in on ``device_type``, or None outside autocast."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None

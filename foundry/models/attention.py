@@ -364,6 +364,7 @@ class Attention(nn.Module):
             self.k_ln = build_norm(norm_type, self.head_dim if config.qk_gn else kv_dim, norm_eps, bias)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias)
         self.out_proj.is_residual_output = True  # init.py scales it down by depth
+        self.apply_rope = apply_rope  # the fused_kernels algorithm swaps in its Triton kernel
 
     def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
         batch, seq_len, d_model = x.shape
@@ -378,7 +379,7 @@ class Attention(nn.Module):
         if self.config.qk_ln or self.config.qk_gn:
             q, k = self._qk_norm(q, self.q_ln), self._qk_norm(k, self.k_ln)
         if inputs.rope is not None:
-            q, k = apply_rope(q, *inputs.rope), apply_rope(k, *inputs.rope)
+            q, k = self.apply_rope(q, *inputs.rope), self.apply_rope(k, *inputs.rope)
         dropout_p = self.config.attn_pdrop if self.training else 0.0
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (batch, heads, seq, head_dim)
         out = self.attn_fn(q, k, v, inputs, self.softmax_scale, dropout_p)

@@ -5,6 +5,7 @@ A plain ``nn.Module`` that returns a loss also works: the Trainer wraps it in ``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -44,10 +45,23 @@ class FoundryModel(nn.Module):
         return {"loss": loss}
 
 
+@dataclasses.dataclass
+class LossOutput:
+    """What a forward returns when it computed the loss itself (the fused linear + cross-entropy): no logits."""
+
+    loss: torch.Tensor
+
+
 class CausalLM(FoundryModel):
-    """A next-token predictor: ``forward`` returns logits (batch, seq, vocab); labels shift inside."""
+    """A next-token predictor: ``forward`` returns logits (batch, seq, vocab); labels shift inside.
+
+    A model may instead return ``LossOutput`` from a training forward that fused the output
+    projection into the loss; ``loss`` then passes it through.
+    """
 
     def loss(self, outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+        if isinstance(outputs, LossOutput):
+            return outputs.loss
         logits = outputs.logits if hasattr(outputs, "logits") else outputs
         targets = shifted_targets(batch)
         return nn.functional.cross_entropy(

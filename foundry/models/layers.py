@@ -14,17 +14,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foundry.core.precision import autocast_dtype
 from foundry.errors import ConfigError
 
 NormType = Literal["layernorm", "low_precision_layernorm", "rmsnorm", "low_precision_rmsnorm"]
 
 
 # ----------------------------------------------------------------------------- norms
-
-
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype autocast computes in on ``device_type``, or None outside autocast."""
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 class LowPrecisionLayerNorm(nn.LayerNorm):
@@ -35,7 +31,7 @@ class LowPrecisionLayerNorm(nn.LayerNorm):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = _autocast_dtype(x.device.type)
+        dtype = autocast_dtype(x.device.type)
         if dtype is None:
             return super().forward(x)
         weight = self.weight.to(dtype) if self.weight is not None else None
@@ -66,7 +62,7 @@ class LowPrecisionRMSNorm(RMSNorm):
     """RMSNorm in the autocast dtype (LLM Foundry's LPRMSNorm); fp32 outside autocast."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = _autocast_dtype(x.device.type)
+        dtype = autocast_dtype(x.device.type)
         if dtype is None:
             return super().forward(x)
         with torch.autocast(x.device.type, enabled=False):
@@ -152,8 +148,12 @@ class GLU(MLP):
         super().__init__(d_model, hidden, act, bias)
         self.gate_proj = nn.Linear(d_model, hidden, bias=bias)
 
+    def gated_act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up``; the fused_kernels algorithm replaces it with one Triton kernel."""
+        return self.act(gate) * up
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.gated_act(self.gate_proj(x), self.up_proj(x)))
 
 
 def build_ffn(config: FFNConfig, d_model: int, expansion_ratio: float, bias: bool = True) -> MLP:

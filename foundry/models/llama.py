@@ -86,6 +86,7 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     init_std: float = 0.02  # every linear and embedding weight ~ N(0, init_std), as Hugging Face's Llama
     init_device: str = "cpu"
+    loss_fn: Literal["torch_crossentropy", "fused_crossentropy"] = "torch_crossentropy"  # as MPT's
 
     def __post_init__(self) -> None:
         for key in ("d_model", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"):
@@ -140,6 +141,7 @@ class LlamaConfig:
             norm_type=self.norm_type,
             norm_eps=self.norm_eps,
             tie_word_embeddings=self.tie_word_embeddings,
+            loss_fn=self.loss_fn,
         )
 
     def _attn_config(self) -> AttnConfig:

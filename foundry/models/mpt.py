@@ -24,7 +24,8 @@ from foundry.distributed.env import get_local_rank
 from foundry.errors import ConfigError
 from foundry.models import flops
 from foundry.models.attention import Attention, AttentionInputs, AttnConfig, build_attention_inputs
-from foundry.models.base import CausalLM
+from foundry.kernels.linear_cross_entropy import linear_cross_entropy
+from foundry.models.base import CausalLM, LossOutput, shifted_targets
 from foundry.models.init import InitConfig, InitName, init_weights_
 from foundry.models.layers import FFNConfig, NormType, build_ffn, build_norm, ffn_hidden_size
 from foundry.schema import parse_dataclass
@@ -38,8 +39,9 @@ class MPTConfig:
 
     Two defaults differ on purpose: ``attn_config.attn_impl`` is ``sdpa`` (LLM Foundry: ``flash``,
     from the flash-attn package) and ``loss_fn`` is ``torch_crossentropy`` (LLM Foundry:
-    ``fused_crossentropy``, not implemented yet). As in LLM Foundry, ``alibi`` or ``rope`` turns
-    ``learned_pos_emb`` off.
+    ``fused_crossentropy``). ``fused_crossentropy`` here is the chunked output projection +
+    cross-entropy of ``foundry.kernels.linear_cross_entropy``: training never materialises the
+    (tokens, vocab) logits. As in LLM Foundry, ``alibi`` or ``rope`` turns ``learned_pos_emb`` off.
     """
 
     d_model: int = 2048
@@ -100,11 +102,6 @@ class MPTConfig:
         ffn_hidden_size(self.d_model, self.expansion_ratio, self.ffn_config)
 
     def _check_not_yet_supported(self) -> None:
-        if self.loss_fn == "fused_crossentropy":
-            raise ConfigError(
-                f"'{_KEY}.loss_fn: fused_crossentropy' is not implemented in foundry yet; use "
-                f"'torch_crossentropy' (the same loss, unfused)."
-            )
         fc_name = self.fc_type.get("name") if isinstance(self.fc_type, Mapping) else self.fc_type
         if fc_name != "torch":
             raise ConfigError(f"'{_KEY}.fc_type' is {fc_name!r}; only 'torch' (nn.Linear) is supported.")
@@ -220,6 +217,8 @@ class MPTCausalLM(CausalLM):
             raise ConfigError("Pass MPTCausalLM either an MPTConfig or its keys as keyword arguments, not both.")
         self.config = parse_dataclass(MPTConfig, config if config is not None else config_keys, _KEY)
         self.logit_scale = self.config.resolved_logit_scale
+        # Training forwards return the loss of the chunked output projection + cross-entropy (no logits).
+        self.fused_cross_entropy = self.config.loss_fn == "fused_crossentropy"
         with torch.device("meta"):
             self.transformer = MPTTransformer(self.config)
             tied = self.config.tie_word_embeddings
@@ -238,8 +237,12 @@ class MPTCausalLM(CausalLM):
         """The (vocab, d_model) output projection: the token embedding itself when tied."""
         return self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
+    def forward(self, batch: Mapping[str, Any]) -> torch.Tensor | LossOutput:
+        """Logits (batch, seq, vocab); with ``fused_cross_entropy`` in training, the loss itself."""
         hidden = self.transformer(batch["input_ids"], batch.get("attention_mask"))
+        if self.fused_cross_entropy and self.training:
+            targets = shifted_targets(batch)
+            return LossOutput(linear_cross_entropy(hidden, self.output_weight, targets, self.logit_scale))
         logits = F.linear(hidden, self.output_weight)  # (batch, seq, vocab)
         return logits if self.logit_scale is None else logits * self.logit_scale
 

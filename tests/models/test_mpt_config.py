@@ -61,9 +61,8 @@ def test_unknown_loss_fn_is_a_config_error(parse: Callable[..., MPTConfig]) -> N
         parse(loss_fn="cross_entropy")
 
 
-def test_fused_crossentropy_points_to_torch_crossentropy(parse: Callable[..., MPTConfig]) -> None:
-    with pytest.raises(ConfigError, match="fused_crossentropy.*'torch_crossentropy'"):
-        parse(loss_fn="fused_crossentropy")
+def test_fused_crossentropy_is_accepted(parse: Callable[..., MPTConfig]) -> None:
+    assert parse(loss_fn="fused_crossentropy").loss_fn == "fused_crossentropy"
 
 
 def test_grouped_query_attention_needs_kv_n_heads(parse: Callable[..., MPTConfig]) -> None:

@@ -1,0 +1,116 @@
+"""Output projection + cross-entropy, chunked over tokens, so the (tokens, vocab) logits never exist.
+
+For each chunk of tokens: logits = hidden_chunk @ weight.T (a cuBLAS GEMM), then the loss and
+d(loss)/d(logits) in place (the Triton kernel of ``cross_entropy.py``, or PyTorch where Triton
+cannot run), then grad_hidden_chunk = dlogits @ weight and grad_weight += dlogits.T @ hidden_chunk.
+The gradients are finished in the forward; the backward only scales them by the incoming gradient.
+A chunk holds about as many logits as the input holds hidden values, which bounds the extra memory
+to the size of ``hidden`` (plus the fp32 weight gradient) instead of tokens x vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from foundry.core.precision import autocast_dtype
+from foundry.kernels.device import kernels_run_on
+
+IGNORE_INDEX = -100
+
+
+def chunk_tokens_for(n_tokens: int, d_model: int, vocab_size: int) -> int:
+    """Tokens per chunk: a chunk's logits (chunk, vocab) about the size of the hidden input (tokens, d_model)."""
+    chunks = triton.cdiv(vocab_size, d_model)
+    return min(n_tokens, triton.next_power_of_2(triton.cdiv(n_tokens, chunks)))
+
+
+def _cross_entropy_rows_torch_(
+    logits: torch.Tensor, targets: torch.Tensor, inv_count: torch.Tensor, logit_scale: float, ignore_index: int
+) -> torch.Tensor:
+    """``cross_entropy_rows_`` in PyTorch (for devices without Triton): same outputs, one chunk of fp32 scratch."""
+    is_valid = targets != ignore_index
+    safe_targets = torch.where(is_valid, targets, 0)[:, None]
+    log_probs = (logits.float() * logit_scale).log_softmax(dim=-1)
+    row_loss = -log_probs.gather(1, safe_targets).squeeze(1) * is_valid
+    grad = log_probs.exp_()
+    grad.scatter_add_(1, safe_targets, -torch.ones_like(safe_targets, dtype=grad.dtype))
+    logits.copy_(grad * (is_valid * (logit_scale * inv_count))[:, None])
+    return row_loss
+
+
+def _cross_entropy_rows_(logits: torch.Tensor, *args: object) -> torch.Tensor:
+    if kernels_run_on(logits.device):
+        from foundry.kernels.cross_entropy import cross_entropy_rows_
+
+        return cross_entropy_rows_(logits, *args)
+    return _cross_entropy_rows_torch_(logits, *args)
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear`` would run in here: autocast's if on, else the promoted input dtype."""
+    return autocast_dtype(hidden.device.type) or torch.promote_types(hidden.dtype, weight.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, logit_scale, ignore_index, chunk_tokens):  # type: ignore[override]
+        n_tokens = hidden.shape[0]
+        dtype = _compute_dtype(hidden, weight)
+        with torch.autocast(hidden.device.type, enabled=False):
+            hidden_c, weight_c = hidden.to(dtype), weight.to(dtype)
+            inv_count = 1.0 / (targets != ignore_index).sum().float()  # on device: no host sync
+            loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            grad_hidden = torch.empty_like(hidden_c) if ctx.needs_input_grad[0] else None
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            for start in range(0, n_tokens, chunk_tokens):
+                hidden_chunk = hidden_c[start : start + chunk_tokens]  # (chunk, d_model)
+                logits = hidden_chunk @ weight_c.T  # (chunk, vocab); becomes d(loss)/d(logits)
+                row_loss = _cross_entropy_rows_(
+                    logits, targets[start : start + chunk_tokens], inv_count, logit_scale, ignore_index
+                )
+                loss_sum += row_loss.sum()
+                if grad_hidden is not None:
+                    torch.mm(logits, weight_c, out=grad_hidden[start : start + chunk_tokens])
+                if ctx.needs_input_grad[1]:
+                    if dtype == torch.float32:
+                        grad_weight.addmm_(logits.T, hidden_chunk)
+                    else:
+                        grad_weight += logits.T @ hidden_chunk
+        ctx.save_for_backward(grad_hidden, grad_weight if ctx.needs_input_grad[1] else None)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        return loss_sum * inv_count
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # type: ignore[override]
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        if grad_hidden is not None:
+            grad_hidden = (grad_hidden * grad_loss).to(hidden_dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_loss).to(weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    logit_scale: float | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """``F.cross_entropy(logit_scale * hidden @ weight.T, targets)``, mean over non-ignored targets, chunked.
+
+    Args:
+        hidden: (..., d_model) final hidden states.
+        weight: (vocab, d_model) output projection (the tied embedding or ``lm_head``).
+        targets: (...) token ids; ``ignore_index`` marks positions without a loss.
+        logit_scale: multiplies the logits (MPT's ``logit_scale``); None = 1.
+        chunk_tokens: tokens per chunk; None picks ``chunk_tokens_for``.
+    """
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    if chunk_tokens is None:
+        chunk_tokens = chunk_tokens_for(hidden.shape[0], hidden.shape[1], weight.shape[0])
+    scale = 1.0 if logit_scale is None else float(logit_scale)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, scale, ignore_index, chunk_tokens)

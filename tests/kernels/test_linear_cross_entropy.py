@@ -1,0 +1,93 @@
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from foundry.kernels.linear_cross_entropy import chunk_tokens_for, linear_cross_entropy
+
+
+def _problem(tokens: int = 26, d_model: int = 24, vocab: int = 77) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden = torch.randn(2, tokens // 2, d_model).requires_grad_()
+    weight = (torch.randn(vocab, d_model) * 0.3).requires_grad_()
+    targets = torch.randint(0, vocab, (2, tokens // 2))
+    targets[0, 3] = targets[1, :4] = -100
+    return hidden, weight, targets
+
+
+def _reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+    logits = (hidden @ weight.T).float() * scale
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+@pytest.mark.parametrize("chunk_tokens", [5, 26, None])
+@pytest.mark.parametrize("logit_scale", [None, 0.37])
+def test_loss_and_grads_match_unfused_cross_entropy_in_fp32(chunk_tokens: int | None, logit_scale: float | None) -> None:
+    hidden, weight, targets = _problem()
+    loss = linear_cross_entropy(hidden, weight, targets, logit_scale, chunk_tokens=chunk_tokens)
+    expected = _reference(hidden, weight, targets, logit_scale or 1.0)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    # An upstream gradient other than 1 (gradient accumulation scales each microbatch's loss).
+    grads = torch.autograd.grad(loss * 0.7, (hidden, weight))
+    expected_grads = torch.autograd.grad(expected * 0.7, (hidden, weight))
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_bf16_autocast_matches_unfused_within_bf16_precision() -> None:
+    hidden, weight, targets = _problem()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(hidden, weight, targets)
+        expected = _reference(hidden, weight, targets, 1.0)
+    torch.testing.assert_close(loss, expected, rtol=2e-2, atol=2e-2)
+    grads = torch.autograd.grad(loss, (hidden, weight))
+    assert [g.dtype for g in grads] == [torch.float32, torch.float32]  # the parameters' dtype
+    for got, want in zip(grads, torch.autograd.grad(expected, (hidden, weight)), strict=True):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3)
+
+
+def test_pytorch_path_matches_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where Triton cannot run (CPU without the interpreter) the per-chunk step is PyTorch, with the same results."""
+    hidden, weight, targets = _problem()
+    with_kernel = linear_cross_entropy(hidden, weight, targets, 0.5, chunk_tokens=8)
+    kernel_grads = torch.autograd.grad(with_kernel, (hidden, weight))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    without_kernel = linear_cross_entropy(hidden, weight, targets, 0.5, chunk_tokens=8)
+    torch.testing.assert_close(without_kernel, with_kernel, rtol=1e-6, atol=0)
+    for got, want in zip(torch.autograd.grad(without_kernel, (hidden, weight)), kernel_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """Records the largest tensor (in bytes) any op returns, the interpreter's copies of kernel arguments included."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(tensor, torch.Tensor):
+                self.largest_bytes = max(self.largest_bytes, tensor.numel() * tensor.element_size())
+        return out
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"])
+def test_never_allocates_tokens_by_vocab(interpret: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    tokens, d_model, vocab = 64, 8, 160
+    hidden, weight, targets = _problem(tokens, d_model, vocab)
+    with _LargestAllocation() as recorder:
+        loss = linear_cross_entropy(hidden, weight, targets)
+        loss.backward()
+    # Chunks of ~tokens * d_model / vocab tokens: the largest fp32 tensor is a chunk's logits or the weight.
+    fp32_bytes = 4
+    assert recorder.largest_bytes <= max(chunk_tokens_for(tokens, d_model, vocab) * vocab, vocab * d_model) * fp32_bytes
+    assert recorder.largest_bytes < tokens * vocab * fp32_bytes // 4
+
+
+def test_chunk_holds_about_as_many_logits_as_the_input_holds_hidden_values() -> None:
+    assert chunk_tokens_for(16384, 2048, 50368) * 50368 <= 2 * 16384 * 2048
+    assert chunk_tokens_for(10, 64, 32) == 10  # a small vocab: one chunk
