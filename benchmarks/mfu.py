@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -54,10 +55,16 @@ class Row:
 
 FAST = {"torch_compile": {"compile_loss": True}}
 SDPA = ("model.attn_config.attn_impl=sdpa",)
+FUSED_CE = ("model.loss_fn=fused_crossentropy",)
 
 
-def fast(config: str, microbatch: int, use_fsdp_config: bool = False) -> Row:
-    """The YAML with regional compile (loss too) and SDPA; on one device without its fsdp_config."""
+def fast(config: str, microbatch: int, use_fsdp_config: bool = False, fused_ce: bool = False) -> Row:
+    """The YAML with regional compile and SDPA; on one device without its fsdp_config.
+
+    The loss is compiled too, or with ``fused_ce`` computed by the chunked linear + cross-entropy kernel.
+    """
+    if fused_ce:
+        return Row(config, microbatch, {"torch_compile": {}}, SDPA + FUSED_CE, use_fsdp_config)
     return Row(config, microbatch, algorithms=FAST, overrides=SDPA, use_fsdp_config=use_fsdp_config)
 
 
@@ -66,15 +73,24 @@ ROWS: dict[str, Row] = {
     "mpt-125m": Row(MPT_125M, microbatch=16),
     "mpt-125m-fast": fast(MPT_125M, microbatch=16),
     "mpt-125m-fast-mb32": fast(MPT_125M, microbatch=32),
+    "mpt-125m-fused-mb32": fast(MPT_125M, microbatch=32, fused_ce=True),
+    "mpt-125m-fused-mb64": fast(MPT_125M, microbatch=64, fused_ce=True),
+    "mpt-125m-autotune-mb32": Row(
+        MPT_125M, 32, {"torch_compile": {"compile_loss": True, "mode": "max-autotune-no-cudagraphs"}}, SDPA, False
+    ),
     "mpt-125m-fast-fsdp": fast(MPT_125M, microbatch=16, use_fsdp_config=True),
     "mpt-1b": Row(MPT_1B, microbatch=4),
     "mpt-1b-nofsdp": Row(MPT_1B, microbatch=4, use_fsdp_config=False),
+    "mpt-1b-fused-ce": Row(MPT_1B, microbatch=4, overrides=FUSED_CE),
     "mpt-1b-fast": fast(MPT_1B, microbatch=4),
     "mpt-1b-fast-mb6": fast(MPT_1B, microbatch=6),
     "mpt-1b-fast-mb8": fast(MPT_1B, microbatch=8),
+    "mpt-1b-fused-mb8": fast(MPT_1B, microbatch=8, fused_ce=True),
+    "mpt-1b-fused-mb12": fast(MPT_1B, microbatch=12, fused_ce=True),
     "mpt-1b-fast-fsdp": fast(MPT_1B, microbatch=4, use_fsdp_config=True),
     "llama-1b": Row(LLAMA_1B, microbatch=4),
     "llama-1b-fast": fast(LLAMA_1B, microbatch=4),
+    "llama-1b-fused-mb8": fast(LLAMA_1B, microbatch=8, fused_ce=True),
     "hf-llama": Row(None, microbatch=4),
     "hf-llama-compiled": Row(None, microbatch=4, compiled=True),
 }
@@ -220,6 +236,10 @@ def main() -> int:
             results.append(measure(name, ROWS[name], args))
         except torch.OutOfMemoryError as error:
             results.append({"row": name, "error": f"out of memory: {str(error)[:120]}"})
+        except Exception as error:  # one broken row must not lose the others' measurements
+            traceback.print_exc()
+            results.append({"row": name, "error": f"{type(error).__name__}: {str(error)[:200]}"})
+        save_json(args.out, "mfu", results)
         print({key: value for key, value in results[-1].items() if key != "profile"}, flush=True)
         gc.collect()
         torch.cuda.empty_cache()
