@@ -1,7 +1,15 @@
 """Algorithms change training: registered by YAML name under ``algorithms:``."""
 
+from foundry.algorithms.activation_checkpointing import ActivationCheckpointing
 from foundry.algorithms.fused_kernels import FusedKernels
 from foundry.algorithms.gradient_clipping import GradientClipping
+from foundry.algorithms.low_precision_layernorm import LowPrecisionLayerNormAlgorithm
 from foundry.algorithms.torch_compile import TorchCompile
 
-__all__ = ["FusedKernels", "GradientClipping", "TorchCompile"]
+__all__ = [
+    "ActivationCheckpointing",
+    "FusedKernels",
+    "GradientClipping",
+    "LowPrecisionLayerNormAlgorithm",
+    "TorchCompile",
+]

@@ -32,11 +32,12 @@ def train_tiny_mpt(
     num_batches: int = 3,
     precision: str = "fp32",
     tmp_path: Any = None,
+    model_keys: dict[str, Any] | None = None,
     **trainer_kwargs: Any,
 ) -> tuple[Trainer, list[float]]:
-    """Train a 2-layer MPT (d_model 64, seq 16) on fixed random batches; returns the Trainer and the losses."""
+    """Train a 2-layer MPT (d_model 64, seq 16; ``model_keys`` override) on fixed batches; returns Trainer, losses."""
     torch.manual_seed(0)
-    model = MPTCausalLM({**TINY_MPT, "max_seq_len": 16})
+    model = MPTCausalLM({**TINY_MPT, "max_seq_len": 16, **(model_keys or {})})
     recorder = LossRecorder()
     trainer = Trainer(
         model=model,
