@@ -33,6 +33,7 @@ def train_tiny_mpt(
     precision: str = "fp32",
     tmp_path: Any = None,
     model_keys: dict[str, Any] | None = None,
+    callbacks: Sequence[Callback] = (),
     **trainer_kwargs: Any,
 ) -> tuple[Trainer, list[float]]:
     """Train a 2-layer MPT (d_model 64, seq 16; ``model_keys`` override) on fixed batches; returns Trainer, losses."""
@@ -44,7 +45,7 @@ def train_tiny_mpt(
         train_dataloader=token_batches(num_batches, batch_size=4, seq_len=16, vocab_size=TINY_MPT["vocab_size"]),
         max_duration=f"{num_batches}ba",
         algorithms=algorithms,
-        callbacks=[recorder],
+        callbacks=[recorder, *callbacks],
         precision=precision,
         device="cpu",
         log_to_console=False,

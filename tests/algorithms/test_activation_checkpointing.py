@@ -6,6 +6,8 @@ import pytest
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from foundry.algorithms import ActivationCheckpointing
+from foundry.distributed.activation_checkpoint import apply_activation_checkpointing
+from foundry.distributed.parallelize import fsdp_blocks
 from foundry.errors import ConfigError
 
 
@@ -31,6 +33,9 @@ def test_per_block_selection_wraps_the_chosen_blocks(train):
     assert _wrapped(trainer) == ["transformer.blocks.1"]
 
 
-def test_algorithm_and_fsdp_config_together_is_a_config_error(train):
+def test_checkpointing_twice_is_a_config_error(train):
+    """What fsdp_config.activation_checkpointing does after the algorithm ran (without a process group here)."""
+    trainer, _ = train([ActivationCheckpointing()], num_batches=1)
+    model = trainer.state.model
     with pytest.raises(ConfigError, match="both on"):
-        train([ActivationCheckpointing()], fsdp_config={"activation_checkpointing": True})
+        apply_activation_checkpointing(model, fsdp_blocks(model), target=None, reentrant=False)
