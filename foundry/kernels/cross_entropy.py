@@ -8,9 +8,10 @@ online max and sum of exponentials (log-sum-exp), once to overwrite each logit w
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
-from foundry.kernels.device import lazy_jit, num_warps_for, row_block
+from foundry.kernels.device import lazy_jit, num_warps_for
 
 # A block of the vocabulary per loop step; rows of any length loop over it.
 _MAX_VOCAB_BLOCK = 4096
@@ -56,7 +57,7 @@ def cross_entropy_rows_(
     """
     n_rows, n_cols = logits.shape
     row_loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    block = min(_MAX_VOCAB_BLOCK, row_block(n_cols, "cross_entropy"))
+    block = min(_MAX_VOCAB_BLOCK, triton.next_power_of_2(n_cols))  # rows loop over blocks: any vocab
     _cross_entropy_rows[(n_rows,)](
         logits, targets, row_loss, inv_count, logits.stride(0), n_cols, ignore_index, logit_scale, BLOCK=block,
         num_warps=num_warps_for(block, logits.device),

@@ -58,8 +58,16 @@ def _launch(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor | None, out: 
             dup: torch.Tensor | None, activation: int) -> None:  # fmt: skip
     numel = gate.numel()
     _glu[(triton.cdiv(numel, _BLOCK),)](
-        gate, up, dy if dy is not None else gate, out, dup if dup is not None else out, numel, ACTIVATION=activation,
-        BACKWARD=dy is not None, BLOCK=_BLOCK, num_warps=num_warps_for(_BLOCK, gate.device),
+        gate,
+        up,
+        dy if dy is not None else gate,
+        out,
+        dup if dup is not None else out,
+        numel,
+        ACTIVATION=activation,
+        BACKWARD=dy is not None,
+        BLOCK=_BLOCK,
+        num_warps=num_warps_for(_BLOCK, gate.device),
     )
 
 

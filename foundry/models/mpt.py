@@ -22,9 +22,9 @@ from torch import nn
 from foundry import registry
 from foundry.distributed.env import get_local_rank
 from foundry.errors import ConfigError
+from foundry.kernels.linear_cross_entropy import linear_cross_entropy
 from foundry.models import flops
 from foundry.models.attention import Attention, AttentionInputs, AttnConfig, build_attention_inputs
-from foundry.kernels.linear_cross_entropy import linear_cross_entropy
 from foundry.models.base import CausalLM, LossOutput, shifted_targets
 from foundry.models.init import InitConfig, InitName, init_weights_
 from foundry.models.layers import FFNConfig, NormType, build_ffn, build_norm, ffn_hidden_size

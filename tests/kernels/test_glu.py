@@ -9,9 +9,13 @@ from foundry.models.layers import GLU, ActFnConfig
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("name", "approximate"), [("silu", "none"), ("gelu", "none"), ("gelu", "tanh"), ("relu", "none")])
+@pytest.mark.parametrize(
+    ("name", "approximate"), [("silu", "none"), ("gelu", "none"), ("gelu", "tanh"), ("relu", "none")]
+)
 @pytest.mark.parametrize("shape", [(2, 5, 77), (3, 1030)])
-def test_glu_matches_foundry_glu(shape: tuple[int, ...], name: str, approximate: str, dtype: torch.dtype, assert_close) -> None:
+def test_glu_matches_foundry_glu(
+    shape: tuple[int, ...], name: str, approximate: str, dtype: torch.dtype, assert_close
+) -> None:
     reference = GLU(4, shape[-1], ActFnConfig(name=name, approximate=approximate))
     gate = (torch.randn(shape) * 2).to(dtype).requires_grad_()
     up = torch.randn(shape).to(dtype).requires_grad_()
@@ -20,7 +24,9 @@ def test_glu_matches_foundry_glu(shape: tuple[int, ...], name: str, approximate:
     assert_close(actual, expected, dtype)
     upstream = torch.randn(shape).to(dtype)
     for got, want in zip(
-        torch.autograd.grad(actual, (gate, up), upstream), torch.autograd.grad(expected, (gate, up), upstream), strict=True
+        torch.autograd.grad(actual, (gate, up), upstream),
+        torch.autograd.grad(expected, (gate, up), upstream),
+        strict=True,
     ):
         assert_close(got, want, dtype)
 

@@ -23,7 +23,9 @@ def _reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
 
 @pytest.mark.parametrize("chunk_tokens", [5, 26, None])
 @pytest.mark.parametrize("logit_scale", [None, 0.37])
-def test_loss_and_grads_match_unfused_cross_entropy_in_fp32(chunk_tokens: int | None, logit_scale: float | None) -> None:
+def test_loss_and_grads_match_unfused_cross_entropy_in_fp32(
+    chunk_tokens: int | None, logit_scale: float | None
+) -> None:
     hidden, weight, targets = _problem()
     loss = linear_cross_entropy(hidden, weight, targets, logit_scale, chunk_tokens=chunk_tokens)
     expected = _reference(hidden, weight, targets, logit_scale or 1.0)
@@ -32,6 +34,17 @@ def test_loss_and_grads_match_unfused_cross_entropy_in_fp32(chunk_tokens: int | 
     grads = torch.autograd.grad(loss * 0.7, (hidden, weight))
     expected_grads = torch.autograd.grad(expected * 0.7, (hidden, weight))
     for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_rows_longer_than_one_block_loop_over_the_vocabulary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Vocabularies wider than the kernel's block (Llama 3's 128256) are read block by block."""
+    monkeypatch.setattr("foundry.kernels.cross_entropy._MAX_VOCAB_BLOCK", 32)
+    hidden, weight, targets = _problem()
+    loss = linear_cross_entropy(hidden, weight, targets, chunk_tokens=13)
+    expected = _reference(hidden, weight, targets, 1.0)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    for got, want in zip(torch.autograd.grad(loss, weight), torch.autograd.grad(expected, weight), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
@@ -66,7 +79,7 @@ class _LargestAllocation(TorchDispatchMode):
         super().__init__()
         self.largest_bytes = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in out if isinstance(out, tuple | list) else (out,):
             if isinstance(tensor, torch.Tensor):

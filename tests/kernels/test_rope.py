@@ -8,7 +8,9 @@ from foundry.kernels.rope import rope
 from foundry.models.layers import apply_rope, rope_cos_sin, rope_inv_freq
 
 
-def _qkv_query(batch: int, seq: int, heads: int, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _qkv_query(
+    batch: int, seq: int, heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """q as the attention layer sees it: a strided view into the fused qkv projection."""
     qkv = torch.randn(batch, seq, 3 * heads * head_dim).to(dtype).requires_grad_()
     return qkv, qkv[..., : heads * head_dim].reshape(batch, seq, heads, head_dim)
@@ -16,7 +18,9 @@ def _qkv_query(batch: int, seq: int, heads: int, head_dim: int, dtype: torch.dty
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("batch", "seq", "heads", "head_dim"), [(2, 7, 3, 10), (1, 16, 4, 16), (3, 5, 1, 6)])
-def test_rope_matches_apply_rope(batch: int, seq: int, heads: int, head_dim: int, dtype: torch.dtype, assert_close) -> None:
+def test_rope_matches_apply_rope(
+    batch: int, seq: int, heads: int, head_dim: int, dtype: torch.dtype, assert_close
+) -> None:
     qkv, q = _qkv_query(batch, seq, heads, head_dim, dtype)
     cos, sin = rope_cos_sin(torch.arange(seq)[None], rope_inv_freq(head_dim, 10000.0))
     expected, actual = apply_rope(q, cos, sin), rope(q, cos, sin)

@@ -1,0 +1,116 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import TINY_LLAMA, TINY_MPT, token_batches
+
+from foundry.algorithms.fused_kernels import FusedKernels, FusedNorm
+from foundry.core.callback import Callback
+from foundry.errors import ConfigError
+from foundry.models import LlamaCausalLM, MPTCausalLM
+from foundry.models.base import LossOutput
+from foundry.trainer import Trainer
+
+pytest.importorskip("triton")
+
+# MPT with RoPE and a GeGLU feed-forward, so every kernel has a layer to replace.
+MPT_ALL_KERNELS = {
+    **TINY_MPT, "max_seq_len": 16, "no_bias": True, "learned_pos_emb": False, "attn_config": {"rope": True},
+    "ffn_config": {"ffn_type": "mptglu", "ffn_act_fn": {"name": "gelu", "approximate": "tanh"}},
+}  # fmt: skip
+MODELS = {"mpt": (MPTCausalLM, MPT_ALL_KERNELS), "llama": (LlamaCausalLM, {**TINY_LLAMA, "max_seq_len": 16})}
+
+
+@pytest.fixture
+def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+class _RecordLoss(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def batch_end(self, state, logger) -> None:
+        self.losses.append(state.loss.item())
+
+
+def _train(folder: Path, family: str, fused: bool, **trainer_keys) -> tuple[list[float], torch.nn.Module]:
+    model_class, keys = MODELS[family]
+    torch.manual_seed(0)
+    model = model_class(keys)
+    recorder = _RecordLoss()
+    Trainer(
+        model=model,
+        train_dataloader=token_batches(3, batch_size=2, seq_len=16, vocab_size=96),
+        max_duration="3ba",
+        algorithms=[FusedKernels()] if fused else [],
+        callbacks=[recorder],
+        run_folder=str(folder),
+        log_to_console=False,
+        **trainer_keys,
+    ).fit()
+    return recorder.losses, model
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("family", ["mpt", "llama"])
+def test_fused_kernels_train_to_the_same_losses(tmp_path: Path, family: str) -> None:
+    plain_losses, _ = _train(tmp_path / "plain", family, fused=False)
+    fused_losses, fused_model = _train(tmp_path / "fused", family, fused=True)
+    assert sum(isinstance(m, FusedNorm) for m in fused_model.modules()) == 2 * 2 + 1  # two per block + final
+    torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+
+
+def test_fusing_keeps_parameter_names_and_objects() -> None:
+    model = MPTCausalLM(MPT_ALL_KERNELS)
+    before = dict(model.named_parameters())
+    swapped = FusedKernels().fuse(model)
+    assert swapped == {"norms": 5, "rope": 2, "glu": 2, "cross_entropy": 1}
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(after[name] is before[name] for name in before)
+
+
+@pytest.mark.usefixtures("triton_interpreter")
+@pytest.mark.parametrize("saved_fused", [True, False])
+def test_checkpoints_load_with_or_without_the_algorithm(tmp_path: Path, saved_fused: bool) -> None:
+    _, saved = _train(tmp_path / "save", "llama", fused=saved_fused, save_folder=str(tmp_path / "ckpt"),
+                      save_interval="3ba")  # fmt: skip
+    model_class, keys = MODELS["llama"]
+    loaded = model_class(keys)
+    Trainer(model=loaded, algorithms=[FusedKernels()] if not saved_fused else [], load_path=str(tmp_path / "ckpt"),
+            run_folder=str(tmp_path / "load"), log_to_console=False)  # fmt: skip
+    for (name, want), (_, got) in zip(saved.state_dict().items(), loaded.state_dict().items(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+
+
+def test_cpu_without_the_interpreter_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = MPTCausalLM(MPT_ALL_KERNELS)
+    with pytest.warns(UserWarning, match="fused_kernels: Triton kernels cannot run on cpu") as warned:
+        Trainer(model=model, algorithms=[FusedKernels()], run_folder=str(tmp_path), log_to_console=False)
+    assert len([w for w in warned if "fused_kernels" in str(w.message)]) == 1
+    assert not any(isinstance(m, FusedNorm) for m in model.modules())
+
+
+def test_strict_refuses_to_fall_back(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match="strict: true"):
+        Trainer(model=MPTCausalLM(MPT_ALL_KERNELS), algorithms=[FusedKernels(strict=True)], run_folder=str(tmp_path),
+                log_to_console=False)  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["mpt", "llama"])
+def test_fused_crossentropy_key_returns_the_loss_in_training_and_logits_in_eval(family: str) -> None:
+    model_class, keys = MODELS[family]
+    torch.manual_seed(0)
+    model = model_class({**keys, "loss_fn": "fused_crossentropy"})
+    batch = token_batches(1, batch_size=2, seq_len=16, vocab_size=96)[0]
+    outputs = model(batch)
+    assert isinstance(outputs, LossOutput)
+    model.eval()
+    logits = model(batch)
+    assert logits.shape == (2, 16, 96)
+    torch.testing.assert_close(model.loss(outputs, batch), model.loss(logits, batch), rtol=1e-5, atol=0)
