@@ -56,6 +56,11 @@ def environment() -> dict[str, str]:
 def write_results(out_dir: str | Path | None, name: str, rows: list[dict[str, Any]]) -> None:
     """Print rows as a markdown table and, with ``out_dir``, save them as JSON."""
     print(markdown_table(rows))
+    save_json(out_dir, name, rows)
+
+
+def save_json(out_dir: str | Path | None, name: str, rows: list[dict[str, Any]]) -> None:
+    """With ``out_dir``, save rows and the environment as ``<out_dir>/<name>.json``."""
     if out_dir:
         path = Path(out_dir) / f"{name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)

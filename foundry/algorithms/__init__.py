@@ -1,6 +1,17 @@
 """Algorithms change training: registered by YAML name under ``algorithms:``."""
 
+from foundry.algorithms.activation_checkpointing import ActivationCheckpointing
+from foundry.algorithms.ema import EMA
 from foundry.algorithms.fused_kernels import FusedKernels
 from foundry.algorithms.gradient_clipping import GradientClipping
+from foundry.algorithms.low_precision_layernorm import LowPrecisionLayerNormAlgorithm
+from foundry.algorithms.torch_compile import TorchCompile
 
-__all__ = ["FusedKernels", "GradientClipping"]
+__all__ = [
+    "ActivationCheckpointing",
+    "EMA",
+    "FusedKernels",
+    "GradientClipping",
+    "LowPrecisionLayerNormAlgorithm",
+    "TorchCompile",
+]

@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
+    CheckpointWrapper,
     checkpoint_wrapper,
     offload_wrapper,
 )
@@ -41,6 +42,11 @@ def apply_activation_checkpointing(
     model: nn.Module, blocks: Sequence[nn.Module], target: Any, reentrant: bool
 ) -> list[nn.Module]:
     """Wrap the targeted modules of ``blocks`` in place; returns the blocks as they now are (some wrapped)."""
+    if any(isinstance(module, CheckpointWrapper) for module in model.modules()):
+        raise ConfigError(
+            "Activation checkpointing is already applied to this model: algorithms.activation_checkpointing and "
+            "fsdp_config.activation_checkpointing are both on. Keep one (they take the same target)."
+        )
     impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
     plan = checkpoint_plan(blocks, target)
     for block_modules in plan:

@@ -16,7 +16,8 @@ class DecoupledAdamW(torch.optim.AdamW):
     torch's AdamW shrinks weights by ``lr * weight_decay`` per step, so retuning ``lr`` silently
     retunes decay. Here the shrink is ``weight_decay * lr / initial_lr``: ``weight_decay`` means the
     same thing at any peak LR (Loshchilov & Hutter's decoupling, as Composer's DecoupledAdamW does).
-    The Adam update itself is torch's (foreach or fused kernels), so speed is unchanged.
+    The Adam update itself is torch's; ``fused=None`` picks the fused kernel when every parameter is
+    on a CUDA device (torch itself would pick the slower foreach one).
     """
 
     def __init__(
@@ -28,6 +29,9 @@ class DecoupledAdamW(torch.optim.AdamW):
         weight_decay: float = 0.0,
         fused: bool | None = None,
     ) -> None:
+        params = [_listed(item) for item in params]
+        if fused is None:
+            fused = _all_on_cuda(params)
         super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0, fused=fused)
         for group in self.param_groups:
             group["lr_relative_weight_decay"] = weight_decay
@@ -44,6 +48,20 @@ class DecoupledAdamW(torch.optim.AdamW):
             if params:
                 torch._foreach_mul_(params, 1.0 - decay * group["lr"] / group["initial_lr"])
         return super().step(closure)
+
+
+def _listed(item: torch.Tensor | dict) -> torch.Tensor | dict:
+    """A param group with its ``params`` as a list (a generator could be read only once)."""
+    if not isinstance(item, dict):
+        return item
+    params = item["params"]
+    return {**item, "params": [params] if isinstance(params, torch.Tensor) else list(params)}
+
+
+def _all_on_cuda(params: list) -> bool:
+    """Whether ``params`` (tensors or param groups) are all floating-point CUDA tensors."""
+    tensors = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
+    return bool(tensors) and all(p.is_cuda and p.is_floating_point() for p in tensors)
 
 
 @registry.optimizers.register("adamw")

@@ -1,0 +1,118 @@
+"""Does the fastest configuration train like the plain eager path? Per-step losses on real text, same seed.
+
+    python benchmarks/loss_parity.py --text input.txt --tokenizer tokenizer.json --steps 200 --out OUT
+
+Trains the YAML's model (default MPT-125M) through the Trainer for ``--steps`` batches of real
+text (tokenized with ``tokenizers``; ``foundry.data`` needs mosaicml-streaming), in the same order
+and from the same seed, as: ``eager`` (the YAML as is, amp_bf16), ``eager_again`` (the same run
+repeated: the GPU's own run-to-run nondeterminism), ``fp32`` (the same without autocast: the bf16
+rounding gap) and ``fast`` (regional compile, compiled loss, SDPA). Reports the max and mean
+absolute per-step loss difference of each against ``eager``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from typing import Any
+
+import torch
+from bench_utils import REPO_ROOT, markdown_table, save_json
+
+from foundry import Callback, registry
+from foundry.builders import build_components, build_model, component_factory
+from foundry.config import load_train_config
+from foundry.trainer import Trainer
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "eager": {},
+    "eager_again": {},
+    "fp32": {"precision": "fp32", "overrides": ["model.attn_config.attn_impl=sdpa"]},  # flash needs bf16
+    "fast": {
+        "algorithms": {"torch_compile": {"compile_loss": True}},
+        "overrides": ["model.attn_config.attn_impl=sdpa"],
+    },
+}
+
+
+class StepLosses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    def batch_end(self, state, logger) -> None:
+        self.losses.append(state.loss.detach().float().clone())
+
+
+def text_batches(text_path: str, tokenizer_path: str, steps: int, batch_size: int, seq_len: int) -> list[dict]:
+    """``steps`` batches of consecutive ``seq_len``-token windows, cycling over the text in order."""
+    from tokenizers import Tokenizer
+
+    with open(text_path, encoding="utf-8") as file:
+        ids = Tokenizer.from_file(tokenizer_path).encode(file.read()).ids
+    windows = torch.tensor(ids[: len(ids) // seq_len * seq_len]).view(-1, seq_len)
+    order = torch.arange(steps * batch_size) % len(windows)
+    return [{"input_ids": windows[order[i : i + batch_size]]} for i in range(0, len(order), batch_size)]
+
+
+def train(config: str, variant: dict[str, Any], batches: list[dict], microbatch: int) -> list[float]:
+    cfg, _ = load_train_config(REPO_ROOT / config, variant.get("overrides", []))
+    torch.manual_seed(cfg.seed)
+    losses = StepLosses()
+    trainer = Trainer(
+        model=build_model(cfg.model),
+        train_dataloader=batches,
+        max_duration=f"{len(batches)}ba",
+        optimizers=component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",)),
+        schedulers=component_factory(registry.schedulers, cfg.scheduler, "scheduler")(),
+        algorithms=build_components(registry.algorithms, {**cfg.algorithms, **variant.get("algorithms", {})}, "x"),
+        callbacks=[losses],
+        precision=variant.get("precision", cfg.precision),
+        device="cuda",
+        device_train_microbatch_size=microbatch,
+        seed=cfg.seed,
+        log_to_console=False,
+        console_log_interval=f"{len(batches) + 1}ba",
+        run_folder=tempfile.mkdtemp(prefix="loss-parity-"),
+    )
+    trainer.fit()
+    torch._dynamo.reset()
+    return [loss.item() for loss in losses.losses]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="yamls/pretrain/mpt-125m.yaml")
+    parser.add_argument("--text", required=True)
+    parser.add_argument("--tokenizer", required=True, help="a tokenizer.json (gpt-neox-20b's)")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--microbatch", type=int, default=8)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    cfg, _ = load_train_config(REPO_ROOT / args.config)
+    batches = text_batches(args.text, args.tokenizer, args.steps, args.batch_size, cfg.max_seq_len)
+    curves = {}
+    for name in args.variants:  # saved after each variant: a failure later keeps the curves so far
+        curves[name] = train(args.config, VARIANTS[name], batches, args.microbatch)
+        save_json(args.out, "loss_parity", [{"curves": curves}])
+    reference = curves["eager"]
+    rows = []
+    for name, curve in curves.items():
+        diffs = [abs(a - b) for a, b in zip(curve, reference)]
+        rows.append({
+            "variant": name,
+            "first_loss": curve[0],
+            "last_loss": curve[-1],
+            "max_abs_diff_vs_eager": max(diffs),
+            "mean_abs_diff_vs_eager": sum(diffs) / len(diffs),
+            "mean_abs_diff_last_50": sum(diffs[-50:]) / len(diffs[-50:]),
+        })  # fmt: skip
+    save_json(args.out, "loss_parity", [*rows, {"curves": curves}])
+    print(markdown_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

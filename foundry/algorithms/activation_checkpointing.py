@@ -1,0 +1,49 @@
+"""Selective activation checkpointing as an algorithm: per block, per module type, or both.
+
+One mechanism with two switches: this algorithm and ``fsdp_config.activation_checkpointing`` both
+call ``foundry.distributed.activation_checkpoint.apply_activation_checkpointing``, with the same
+``target`` syntax (LLM Foundry's ``activation_checkpointing_target``). The algorithm works without
+FSDP (one device) and keeps its choice next to the other algorithms; turning both on is a
+ConfigError, since a module cannot be checkpointed twice.
+
+Examples (``algorithms.activation_checkpointing``)::
+
+    {}                                  # every block
+    {target: {mptblock: first-8}}       # the first 8 blocks whole
+    {target: [attention]}               # only attention, in every block
+    {target: {mlp: [0, 2, 4]}}          # only the MLP of blocks 0, 2 and 4
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from foundry import registry
+from foundry.core.algorithm import Algorithm
+from foundry.core.event import Event
+from foundry.core.logger import Logger
+from foundry.core.state import State
+from foundry.distributed.activation_checkpoint import apply_activation_checkpointing
+from foundry.distributed.parallelize import fsdp_blocks
+
+
+@registry.algorithms.register("activation_checkpointing")
+class ActivationCheckpointing(Algorithm):
+    """Checkpoint the ``target`` modules of the transformer blocks at INIT (before sharding).
+
+    Args:
+        target: ``None`` (every block), a class name or list of names (those modules in every
+            block), or ``{name: blocks}`` with ``blocks`` as ``n``, ``-1``, a list of ids, or
+            ``first-n`` / ``last-n`` / ``middle-n`` / ``range-i-j``.
+        reentrant: torch's reentrant checkpoint (default: the non-reentrant one).
+    """
+
+    def __init__(self, target: Any = None, reentrant: bool = False) -> None:
+        self.target = target
+        self.reentrant = reentrant
+
+    def match(self, event: Event, state: State) -> bool:
+        return event == Event.INIT
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        apply_activation_checkpointing(state.model, fsdp_blocks(state.model), self.target, self.reentrant)

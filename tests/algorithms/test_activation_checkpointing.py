@@ -1,0 +1,41 @@
+"""activation_checkpointing recomputes chosen modules in backward: same losses, chosen modules wrapped."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+from foundry.algorithms import ActivationCheckpointing
+from foundry.distributed.activation_checkpoint import apply_activation_checkpointing
+from foundry.distributed.parallelize import fsdp_blocks
+from foundry.errors import ConfigError
+
+
+def _wrapped(trainer) -> list[str]:
+    model = trainer.state.model
+    return [name for name, module in model.named_modules() if isinstance(module, CheckpointWrapper)]
+
+
+def test_checkpointed_blocks_train_to_the_same_losses(train):
+    _, plain = train()
+    trainer, checkpointed = train([ActivationCheckpointing()])
+    assert checkpointed == pytest.approx(plain, rel=1e-6)
+    assert _wrapped(trainer) == ["transformer.blocks.0", "transformer.blocks.1"]
+
+
+def test_per_module_type_wraps_only_attention(train):
+    trainer, _ = train([ActivationCheckpointing(target=["attention"])], num_batches=1)
+    assert _wrapped(trainer) == ["transformer.blocks.0.attn", "transformer.blocks.1.attn"]
+
+
+def test_per_block_selection_wraps_the_chosen_blocks(train):
+    trainer, _ = train([ActivationCheckpointing(target={"mptblock": "last-1"})], num_batches=1)
+    assert _wrapped(trainer) == ["transformer.blocks.1"]
+
+
+def test_checkpointing_twice_is_a_config_error(train):
+    """What fsdp_config.activation_checkpointing does after the algorithm ran (without a process group here)."""
+    trainer, _ = train([ActivationCheckpointing()], num_batches=1)
+    model = trainer.state.model
+    with pytest.raises(ConfigError, match="both on"):
+        apply_activation_checkpointing(model, fsdp_blocks(model), target=None, reentrant=False)
