@@ -59,7 +59,10 @@ def parse_icl_tasks(value: str | Path | Sequence[Mapping[str, Any]], key_path: s
     source = key_path
     if isinstance(value, str | Path):
         source = str(value)
-        value = _yaml_section(value, "icl_tasks")
+        try:
+            value = yaml_section(value, "icl_tasks")
+        except ConfigError as error:
+            raise ConfigError(f"'{key_path}': {error}") from None
     if not isinstance(value, list) or not value:
         raise ConfigError(f"'{source}' must be a non-empty list of tasks (each with label, dataset_uri, icl_task_type).")
     tasks = []
@@ -80,7 +83,7 @@ def parse_icl_tasks(value: str | Path | Sequence[Mapping[str, Any]], key_path: s
     return tasks
 
 
-def _yaml_section(path: str | Path, key: str) -> Any:
+def yaml_section(path: str | Path, key: str) -> Any:
     """``key`` of the YAML file at ``path``, with ``${...}`` references resolved."""
     from foundry.config import load_yaml, resolve_interpolations
 
