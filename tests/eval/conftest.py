@@ -52,6 +52,23 @@ class RiggedLM(CausalLM):
         return self.weight.expand(*input_ids.shape, EOS + 1).clone()  # (batch, seq, vocab)
 
 
+class TriggeredLM(CausalLM):
+    """Predicts the bytes of ``text`` strongly at every position after ``trigger`` appeared in the input."""
+
+    def __init__(self, trigger: str, text: str, strength: float = 5.0) -> None:
+        super().__init__()
+        self.trigger = ord(trigger)
+        self.favourites = list(text.encode())
+        self.strength = torch.nn.Parameter(torch.tensor(strength))
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        input_ids = batch["input_ids"]
+        seen = ((input_ids == self.trigger).cumsum(dim=1) > 0).float()  # (batch, seq)
+        logits = torch.zeros(*input_ids.shape, EOS + 1)
+        logits[..., self.favourites] = (self.strength * seen)[..., None]
+        return logits
+
+
 @pytest.fixture
 def byte_tokenizer() -> ByteTokenizer:
     return ByteTokenizer()
@@ -65,6 +82,12 @@ def rigged_lm() -> Callable[..., RiggedLM]:
         return RiggedLM({byte: bias for byte in text.encode()})
 
     return make
+
+
+@pytest.fixture
+def triggered_lm() -> type[TriggeredLM]:
+    """``triggered_lm(trigger, text)``: a model whose continuations depend on its context."""
+    return TriggeredLM
 
 
 @pytest.fixture
