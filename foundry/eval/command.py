@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal
@@ -111,7 +112,7 @@ def run_eval(args: argparse.Namespace) -> int:
         print(markdown_table(results, deltas=compare), end="")
         if args.out:
             for path in write_reports(results, args.out, deltas=compare):
-                print(f"foundry: wrote {path}")
+                print(f"foundry: wrote {path}", file=sys.stderr)
     return 0
 
 
@@ -133,7 +134,7 @@ def evaluate_source(source: Any, tasks: list, gauntlet: Any, cfg: EvalConfig, de
     model = loaded.model.to(device)
     show_progress = cfg.progress_bar and distributed.get_rank() == 0
     if show_progress:
-        print(f"foundry: evaluating {loaded.name} on {len(evaluator.names)} ICL subtasks")
+        print(f"foundry: evaluating {loaded.name} on {len(evaluator.names)} ICL subtasks", file=sys.stderr)
     results = evaluator.evaluate(model, cfg.precision, device, progress=show_progress)
     scores = {}
     if gauntlet is not None:

@@ -100,3 +100,32 @@ def write_jsonl(tmp_path: Path) -> Callable[[str, list[Any]], Path]:
         return path
 
     return write
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 300-token byte-level BPE tokenizer (a real transformers tokenizer for end-to-end runs)."""
+    from foundry.data import builtin_corpus_documents, train_bpe_tokenizer
+
+    out_dir = tmp_path_factory.mktemp("tokenizer")
+    train_bpe_tokenizer(builtin_corpus_documents()[:2], vocab_size=300, out_dir=out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, bpe_tokenizer_dir: Path) -> Path:
+    """A save_folder holding one weights-only checkpoint of a random tiny MPT that names its tokenizer."""
+    from foundry.builders import build_model
+    from foundry.convert.checkpoint_io import save_weights_checkpoint
+
+    section = {"name": "mpt_causal_lm", "d_model": 32, "n_heads": 2, "n_layers": 2, "vocab_size": 320, "max_seq_len": 256}
+    torch.manual_seed(0)
+    save_folder = tmp_path_factory.mktemp("run") / "checkpoints"
+    config = {"model": section, "tokenizer": {"name": str(bpe_tokenizer_dir)}}
+    save_weights_checkpoint(build_model(section), save_folder, config, overwrite=True)
+    return save_folder
