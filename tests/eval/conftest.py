@@ -3,34 +3,17 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from helpers import BYTE_EOS as EOS
+from helpers import ByteTokenizer
+
 from foundry.models.base import CausalLM
-
-EOS = 256
-
-
-class ByteTokenizer:
-    """One token per UTF-8 byte plus eos (id 256): predictable ids for hand-checked tests."""
-
-    eos_token_id = EOS
-    pad_token_id = EOS
-    eos_token = pad_token = "<eos>"
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
-        del add_special_tokens
-        return {"input_ids": list(text.encode())}
-
-    def __len__(self) -> int:
-        return EOS + 1
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return bytes(i for i in ids if i < EOS).decode(errors="replace")
 
 
 class RiggedLM(CausalLM):
