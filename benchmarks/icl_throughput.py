@@ -26,7 +26,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(REPO_ROOT / "yamls/pretrain/mpt-1b.yaml"))
     parser.add_argument("--tasks", default=str(REPO_ROOT / "yamls/eval/tasks_light.yaml"))
-    parser.add_argument("--data", default=str(REPO_ROOT.parent / "shared/data/icl"), help="folder of the ICL jsonl files")
+    parser.add_argument(
+        "--data", default=str(REPO_ROOT.parent / "shared/data/icl"), help="folder of the ICL jsonl files"
+    )
     parser.add_argument("--tokenizer", default=str(REPO_ROOT.parent / "shared/data/tokenizers/gpt-neox-20b"))
     parser.add_argument("--limit", type=int, default=200, help="examples per task")
     parser.add_argument("--batch-size", type=int, default=32, help="rows per forward")
@@ -54,15 +56,17 @@ def main() -> None:
     for name, metrics in results.items():
         count, seconds = evaluator.num_examples(name), evaluator.seconds[name]
         subtask = next(s for s in evaluator.subtasks if s.name == name)
-        rows.append({
-            "task": name,
-            "type": subtask.task.icl_task_type,
-            "examples": count,
-            "rows": sum(len(example.requests) for example in subtask.examples),
-            "seconds": round(seconds, 3),
-            "examples_per_s": round(count / seconds, 1),
-            "accuracy (random init)": round(primary_accuracy(metrics) or 0.0, 3),
-        })
+        rows.append(
+            {
+                "task": name,
+                "type": subtask.task.icl_task_type,
+                "examples": count,
+                "rows": sum(len(example.requests) for example in subtask.examples),
+                "seconds": round(seconds, 3),
+                "examples_per_s": round(count / seconds, 1),
+                "accuracy (random init)": round(primary_accuracy(metrics) or 0.0, 3),
+            }
+        )
     total_examples, total_s = sum(r["examples"] for r in rows), sum(r["seconds"] for r in rows)
     rows.append({"task": "all", "examples": total_examples, "seconds": round(total_s, 2),
                  "examples_per_s": round(total_examples / total_s, 1)})  # fmt: skip

@@ -1,4 +1,4 @@
-"""The ``foundry`` command: ``foundry train CFG.yaml [key.path=value ...]``, ``foundry eval``, ``foundry data convert ...``.
+"""The ``foundry`` command: ``foundry train CFG.yaml [key.path=value ...]``, ``foundry eval``, ``foundry data ...``.
 
 Each subcommand is one ``Command`` in ``COMMANDS`` (help, add_arguments, run). Only the chosen
 command's arguments are built and its modules imported, so ``foundry --help`` stays fast. To add

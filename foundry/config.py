@@ -183,7 +183,9 @@ def check_icl(cfg: TrainConfig) -> None:
         parse_icl_tasks(cfg.icl_tasks)
     if cfg.eval_gauntlet is not None:
         if cfg.icl_tasks is None:
-            raise ConfigError("'eval_gauntlet' averages ICL tasks, but 'icl_tasks' is not set; add it or drop the gauntlet.")
+            raise ConfigError(
+                "'eval_gauntlet' averages ICL tasks, but 'icl_tasks' is not set; add it or drop the gauntlet."
+            )
         parse_gauntlet(cfg.eval_gauntlet)
 
 

@@ -64,7 +64,11 @@ class ICLEval(Callback):
     def run(self, state: State, logger: Logger) -> dict[str, dict[str, float]]:
         """Evaluate now; log and return ``{subtask: {metric: value}}``."""
         results = self.evaluator.evaluate(state.model, state.precision, state.device)
-        metrics = {f"metrics/icl/{name}/{metric}": value for name, values in results.items() for metric, value in values.items()}
+        metrics = {
+            f"metrics/icl/{name}/{metric}": value
+            for name, values in results.items()
+            for metric, value in values.items()
+        }
         for name, values in results.items():
             state.eval_metrics[f"icl/{name}"] = values
         if self.gauntlet is not None:

@@ -45,7 +45,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", action="append", default=[], metavar="PATH", help="checkpoint, save_folder or HF directory (repeat)"
     )
-    parser.add_argument("--compare", nargs="+", default=[], metavar="PATH", help="models side by side, deltas vs the first")
+    parser.add_argument(
+        "--compare", nargs="+", default=[], metavar="PATH", help="models side by side, deltas vs the first"
+    )
     parser.add_argument("--tasks", help="tasks YAML holding icl_tasks: (replaces the config's)")
     parser.add_argument("--gauntlet", help="YAML holding eval_gauntlet: (replaces the config's)")
     parser.add_argument("--out", metavar="DIR", help="write results.md/.csv/.json (and compare.png) here")
@@ -78,7 +80,9 @@ def load_eval_config(args: argparse.Namespace) -> EvalConfig:
     }
     cfg = dataclasses.replace(cfg, **{key: value for key, value in flags.items() if value is not None})
     if cfg.icl_tasks is None:
-        raise ConfigError("No ICL tasks: pass --tasks TASKS.yaml (a file with icl_tasks:) or set icl_tasks in the YAML.")
+        raise ConfigError(
+            "No ICL tasks: pass --tasks TASKS.yaml (a file with icl_tasks:) or set icl_tasks in the YAML."
+        )
     if not cfg.models and not args.model and not args.compare:
         raise ConfigError("No model to evaluate: pass --model PATH, --compare A B, or list models: in the YAML.")
     return cfg

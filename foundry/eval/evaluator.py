@@ -73,7 +73,9 @@ class ICLEvaluator:
         self.subtasks = [
             subtask
             for task in tasks
-            for subtask in self._prepare(task, prefix_space, task.max_seq_len or seq_len, task.batch_size or batch_size, limit)
+            for subtask in self._prepare(
+                task, prefix_space, task.max_seq_len or seq_len, task.batch_size or batch_size, limit
+            )
         ]
         self.seconds: dict[str, float] = {}  # wall time of each subtask's last evaluation
 

@@ -35,7 +35,9 @@ def load_model(path: str | Path, name: str | None = None) -> LoadedModel:
     if not isinstance(config.get("tokenizer"), Mapping):
         raise ConfigError(f"Checkpoint {folder} names no tokenizer in its config; it cannot be evaluated on text.")
     model = load_checkpoint_model(folder, config["model"])
-    return LoadedModel(name or _checkpoint_name(path, folder), model, _tokenizer(config["tokenizer"]), _max_seq_len(model))
+    return LoadedModel(
+        name or _checkpoint_name(path, folder), model, _tokenizer(config["tokenizer"]), _max_seq_len(model)
+    )
 
 
 def build_model_entry(entry: Mapping[str, Any], key_path: str) -> LoadedModel:
@@ -76,7 +78,9 @@ def _tokenizer(section: Mapping[str, Any]) -> Any:
 
 def _max_seq_len(model: nn.Module) -> int | None:
     config = getattr(model, "config", None)
-    value = getattr(config, "max_seq_len", None) or getattr(getattr(model, "hf_config", None), "max_position_embeddings", None)
+    value = getattr(config, "max_seq_len", None) or getattr(
+        getattr(model, "hf_config", None), "max_position_embeddings", None
+    )
     return value if isinstance(value, int) else None
 
 

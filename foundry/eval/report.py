@@ -11,7 +11,6 @@ import dataclasses
 import io
 import json
 import math
-from collections.abc import Mapping
 from pathlib import Path
 
 from foundry.eval.gauntlet import primary_accuracy

@@ -54,7 +54,9 @@ class ICLTaskConfig:
             raise ConfigError(f"icl task '{self.label}': num_fewshot {self.num_fewshot} must hold counts >= 0.")
 
 
-def parse_icl_tasks(value: str | Path | Sequence[Mapping[str, Any]], key_path: str = "icl_tasks") -> list[ICLTaskConfig]:
+def parse_icl_tasks(
+    value: str | Path | Sequence[Mapping[str, Any]], key_path: str = "icl_tasks"
+) -> list[ICLTaskConfig]:
     """``icl_tasks`` as typed configs; ``value`` is the list itself or a YAML file holding ``icl_tasks:``."""
     source = key_path
     if isinstance(value, str | Path):
@@ -64,7 +66,9 @@ def parse_icl_tasks(value: str | Path | Sequence[Mapping[str, Any]], key_path: s
         except ConfigError as error:
             raise ConfigError(f"'{key_path}': {error}") from None
     if not isinstance(value, list) or not value:
-        raise ConfigError(f"'{source}' must be a non-empty list of tasks (each with label, dataset_uri, icl_task_type).")
+        raise ConfigError(
+            f"'{source}' must be a non-empty list of tasks (each with label, dataset_uri, icl_task_type)."
+        )
     tasks = []
     for index, entry in enumerate(value):
         where = f"{source}[{index}]"

@@ -27,7 +27,9 @@ def evaluate(data_dir: str, fsdp: bool) -> dict:
     model = MPTCausalLM(d_model=32, n_heads=2, n_layers=2, vocab_size=257, max_seq_len=64)
     if fsdp:
         distributed.parallelize(model, FSDPConfig(), torch.device("cpu"), "fp32")
-    tasks = parse_icl_tasks([{"label": "mc", "dataset_uri": str(path), "icl_task_type": "multiple_choice", "num_fewshot": [0, 2]}])
+    tasks = parse_icl_tasks(
+        [{"label": "mc", "dataset_uri": str(path), "icl_task_type": "multiple_choice", "num_fewshot": [0, 2]}]
+    )
     return ICLEvaluator(tasks, ByteTokenizer(), seq_len=64, batch_size=6).evaluate(model)
 
 

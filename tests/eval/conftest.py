@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from helpers import BYTE_EOS as EOS
 from helpers import ByteTokenizer
 
@@ -106,7 +105,14 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, bpe_tokenizer_dir:
     from foundry.builders import build_model
     from foundry.convert.checkpoint_io import save_weights_checkpoint
 
-    section = {"name": "mpt_causal_lm", "d_model": 32, "n_heads": 2, "n_layers": 2, "vocab_size": 320, "max_seq_len": 256}
+    section = {
+        "name": "mpt_causal_lm",
+        "d_model": 32,
+        "n_heads": 2,
+        "n_layers": 2,
+        "vocab_size": 320,
+        "max_seq_len": 256,
+    }
     torch.manual_seed(0)
     save_folder = tmp_path_factory.mktemp("run") / "checkpoints"
     config = {"model": section, "tokenizer": {"name": str(bpe_tokenizer_dir)}}

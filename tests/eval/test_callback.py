@@ -27,7 +27,9 @@ class Recorder(LoggerDestination):
 
 
 def test_icl_metrics_are_logged_at_the_interval_and_the_end(write_jsonl, byte_tokenizer, tmp_path: Path) -> None:
-    tasks = parse_icl_tasks([{"label": "mc", "dataset_uri": str(write_jsonl("mc.jsonl", ROWS)), "icl_task_type": "multiple_choice"}])
+    tasks = parse_icl_tasks(
+        [{"label": "mc", "dataset_uri": str(write_jsonl("mc.jsonl", ROWS)), "icl_task_type": "multiple_choice"}]
+    )
     callback = ICLEval(ICLEvaluator(tasks, byte_tokenizer, 32, 4), "2ba", parse_gauntlet(GAUNTLET))
     recorder = Recorder()
     trainer = Trainer(
@@ -49,7 +51,7 @@ def test_icl_metrics_are_logged_at_the_interval_and_the_end(write_jsonl, byte_to
 
 def test_train_yaml_icl_tasks_become_the_callback(write_jsonl, tmp_path: Path) -> None:
     from foundry.builders import build_icl_eval
-    from foundry.config import TrainConfig, TokenizerConfig, LoaderConfig
+    from foundry.config import LoaderConfig, TokenizerConfig, TrainConfig
     from foundry.core import Time
 
     path = write_jsonl("mc.jsonl", ROWS)

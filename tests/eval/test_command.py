@@ -19,13 +19,17 @@ MC_ROWS = [{"query": f"Question {i}: pick", "choices": ["yes", "no"], "gold": i 
 def tasks_yaml(tmp_path: Path, write_jsonl) -> Path:
     path = write_jsonl("mc.jsonl", MC_ROWS)
     tasks = tmp_path / "tasks.yaml"
-    tasks.write_text(f"icl_tasks:\n- {{label: mc, dataset_uri: '{path}', icl_task_type: multiple_choice, num_fewshot: [0, 1]}}\n")
+    tasks.write_text(
+        f"icl_tasks:\n- {{label: mc, dataset_uri: '{path}', icl_task_type: multiple_choice, num_fewshot: [0, 1]}}\n"
+    )
     return tasks
 
 
 def test_eval_of_a_save_folder_prints_a_table_and_writes_files(tiny_checkpoint, tasks_yaml, tmp_path, capsys) -> None:
     out = tmp_path / "out"
-    code = main(["eval", "--model", str(tiny_checkpoint), "--tasks", str(tasks_yaml), "--out", str(out), "--precision", "fp32"])
+    code = main(
+        ["eval", "--model", str(tiny_checkpoint), "--tasks", str(tasks_yaml), "--out", str(out), "--precision", "fp32"]
+    )
     printed = capsys.readouterr().out
     assert code == 0
     assert f"| mc/1-shot | {MC_ACCURACY} |" in printed
@@ -51,7 +55,9 @@ def test_eval_without_tasks_says_how_to_give_them(tiny_checkpoint, capsys) -> No
 
 def test_light_suite_runs_end_to_end_on_cpu(shared_data, tiny_checkpoint, repo_root, tmp_path, capsys) -> None:
     tasks = tmp_path / "tasks.yaml"  # the repository's suite, pointed at this machine's shared data
-    tasks.write_text((repo_root / "yamls/eval/tasks_light.yaml").read_text().replace("../shared/data", str(shared_data)))
+    tasks.write_text(
+        (repo_root / "yamls/eval/tasks_light.yaml").read_text().replace("../shared/data", str(shared_data))
+    )
     gauntlet = repo_root / "yamls/eval/eval_gauntlet_light.yaml"
     args = ["eval", "--model", str(tiny_checkpoint), "--tasks", str(tasks), "--gauntlet", str(gauntlet)]
     assert main([*args, "--limit", "4", "--batch-size", "16", "--seq-len", "256", "--precision", "fp32"]) == 0
@@ -61,6 +67,7 @@ def test_light_suite_runs_end_to_end_on_cpu(shared_data, tiny_checkpoint, repo_r
 
 
 def test_importing_the_evaluator_does_not_import_streaming() -> None:
-    code = "import sys, foundry.eval.evaluator, foundry.eval.callback, foundry.eval.report; print('streaming' in sys.modules)"
+    modules = "foundry.eval.evaluator, foundry.eval.callback, foundry.eval.report"
+    code = f"import sys, {modules}; print('streaming' in sys.modules)"
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert output.strip() == "False"

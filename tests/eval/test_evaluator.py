@@ -68,14 +68,10 @@ def test_generation_stops_at_the_stop_string_and_matches_normalised_answers(
     write_jsonl, byte_tokenizer, rigged_lm
 ) -> None:
     rows = [{"context": "Q1", "answer": "A"}, {"context": "Q2", "answer": "b", "aliases": ["the a!"]}]
-    icl = evaluator(
-        write_jsonl, byte_tokenizer, "generation_task_with_answers", rows, early_stopping_criteria=["\n"]
-    )
+    icl = evaluator(write_jsonl, byte_tokenizer, "generation_task_with_answers", rows, early_stopping_criteria=["\n"])
     model = rigged_lm("a")  # writes 'aaaa...'; normalised answers 'a' and 'a' both prefix it
     assert icl.evaluate(model)["t/0-shot"][GENERATION_ACCURACY] == 1.0
-    strict = evaluator(
-        write_jsonl, byte_tokenizer, "generation_task_with_answers", rows, do_normalization=False
-    )
+    strict = evaluator(write_jsonl, byte_tokenizer, "generation_task_with_answers", rows, do_normalization=False)
     assert strict.evaluate(model)["t/0-shot"][GENERATION_ACCURACY] == 0.0
 
 
@@ -101,5 +97,5 @@ def test_choices_of_one_question_share_a_batch_and_rows_are_sorted_longest_first
 def test_long_contexts_are_trimmed_from_the_left_to_fit(write_jsonl, byte_tokenizer) -> None:
     rows = [{"context": "x" * 100 + "END", "continuation": "yes"}]
     icl = evaluator(write_jsonl, byte_tokenizer, "language_modeling", rows)
-    (context, continuation), = icl.subtasks[0].examples[0].requests
+    ((context, continuation),) = icl.subtasks[0].examples[0].requests
     assert len(context) + len(continuation) == 64 and bytes(context).endswith(b"END")

@@ -57,6 +57,10 @@ def test_light_gauntlet_matches_the_light_tasks(repo_root) -> None:
     from foundry.eval.tasks import parse_icl_tasks
 
     gauntlet = parse_gauntlet(repo_root / "yamls/eval/eval_gauntlet_light.yaml")
-    tasks = {(task.label, shots) for task in parse_icl_tasks(repo_root / "yamls/eval/tasks_light.yaml") for shots in task.num_fewshot}
+    tasks = {
+        (task.label, shots)
+        for task in parse_icl_tasks(repo_root / "yamls/eval/tasks_light.yaml")
+        for shots in task.num_fewshot
+    }
     benchmarks = {(b.name, b.num_fewshot) for category in gauntlet.categories for b in category.benchmarks}
     assert benchmarks <= tasks

@@ -36,7 +36,9 @@ def test_missing_dataset_file_says_where_relative_paths_resolve(tmp_path) -> Non
 
 
 def test_misspelt_task_key_suggests_the_right_one(tmp_path) -> None:
-    with pytest.raises(ConfigError, match=r"icl_tasks\[0\].continuation_delimeter.*Did you mean 'continuation_delimiter'"):
+    with pytest.raises(
+        ConfigError, match=r"icl_tasks\[0\].continuation_delimeter.*Did you mean 'continuation_delimiter'"
+    ):
         one_task(tmp_path / "x.jsonl", continuation_delimeter=": ")
 
 
