@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -49,3 +50,24 @@ TINY_LLAMA: dict[str, Any] = {
     "multiple_of": 32, "ffn_dim_multiplier": None, "rope_theta": 10000.0,
 }  # fmt: skip
 TINY_MPT: dict[str, Any] = {"d_model": 64, "n_heads": 4, "n_layers": 2, "vocab_size": 96, "max_seq_len": 32}
+
+
+BYTE_EOS = 256
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte plus eos (id 256): predictable ids for hand-checked tests."""
+
+    eos_token_id = BYTE_EOS
+    pad_token_id = BYTE_EOS
+    eos_token = pad_token = "<eos>"
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        del add_special_tokens
+        return {"input_ids": list(text.encode())}
+
+    def __len__(self) -> int:
+        return BYTE_EOS + 1
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return bytes(i for i in ids if i < BYTE_EOS).decode(errors="replace")

@@ -1,0 +1,73 @@
+"""``foundry eval`` end to end on tiny checkpoints: tables, files, comparisons, the shared light suite."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from foundry.cli import main
+from foundry.eval.metrics import MC_ACCURACY
+
+MC_ROWS = [{"query": f"Question {i}: pick", "choices": ["yes", "no"], "gold": i % 2} for i in range(6)]
+
+
+@pytest.fixture
+def tasks_yaml(tmp_path: Path, write_jsonl) -> Path:
+    path = write_jsonl("mc.jsonl", MC_ROWS)
+    tasks = tmp_path / "tasks.yaml"
+    tasks.write_text(
+        f"icl_tasks:\n- {{label: mc, dataset_uri: '{path}', icl_task_type: multiple_choice, num_fewshot: [0, 1]}}\n"
+    )
+    return tasks
+
+
+def test_eval_of_a_save_folder_prints_a_table_and_writes_files(tiny_checkpoint, tasks_yaml, tmp_path, capsys) -> None:
+    out = tmp_path / "out"
+    code = main(
+        ["eval", "--model", str(tiny_checkpoint), "--tasks", str(tasks_yaml), "--out", str(out), "--precision", "fp32"]
+    )
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert f"| mc/1-shot | {MC_ACCURACY} |" in printed
+    saved = json.loads((out / "results.json").read_text())
+    assert set(saved[0]["results"]) == {"mc/0-shot", "mc/1-shot"}
+    assert (out / "results.csv").read_text().startswith("task,metric,")
+
+
+def test_compare_shows_deltas_and_draws_a_chart(tiny_checkpoint, tasks_yaml, tmp_path, capsys) -> None:
+    out = tmp_path / "cmp"
+    checkpoint = next(tiny_checkpoint.glob("ep*-ba*"))
+    args = ["eval", "--compare", str(tiny_checkpoint), str(checkpoint), "--tasks", str(tasks_yaml), "--out", str(out)]
+    assert main([*args, "--precision", "fp32"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert f"| {checkpoint} - {tiny_checkpoint} |" in header
+    assert (out / "compare.png").stat().st_size > 0
+
+
+def test_eval_without_tasks_says_how_to_give_them(tiny_checkpoint, capsys) -> None:
+    assert main(["eval", "--model", str(tiny_checkpoint)]) == 2
+    assert "pass --tasks" in capsys.readouterr().err
+
+
+def test_light_suite_runs_end_to_end_on_cpu(shared_data, tiny_checkpoint, repo_root, tmp_path, capsys) -> None:
+    tasks = tmp_path / "tasks.yaml"  # the repository's suite, pointed at this machine's shared data
+    tasks.write_text(
+        (repo_root / "yamls/eval/tasks_light.yaml").read_text().replace("../shared/data", str(shared_data))
+    )
+    gauntlet = repo_root / "yamls/eval/eval_gauntlet_light.yaml"
+    args = ["eval", "--model", str(tiny_checkpoint), "--tasks", str(tasks), "--gauntlet", str(gauntlet)]
+    assert main([*args, "--limit", "4", "--batch-size", "16", "--seq-len", "256", "--precision", "fp32"]) == 0
+    printed = capsys.readouterr().out
+    for row in ("arc_challenge/10-shot", "winograd/0-shot", "triviaqa_small/3-shot", "gauntlet/average"):
+        assert f"| {row} |" in printed
+
+
+def test_importing_the_evaluator_does_not_import_streaming() -> None:
+    modules = "foundry.eval.evaluator, foundry.eval.callback, foundry.eval.report"
+    code = f"import sys, {modules}; print('streaming' in sys.modules)"
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert output.strip() == "False"
