@@ -21,7 +21,7 @@ from torch import nn
 from foundry.convert import adapter_for_family
 from foundry.errors import ConfigError
 from foundry.peft.checkpoint import load_adapter_base, model_lora_config
-from foundry.peft.lora import LoraConfig, LoRALinear, lora_modules, merged_state_dict
+from foundry.peft.lora import LoraConfig, is_adapter_key, lora_modules, merged_state_dict
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -46,14 +46,12 @@ def peft_adapter_state(model: nn.Module, family: str) -> tuple[dict[str, torch.T
 
 
 def _hf_target_modules(hf_modules: list[str], model: nn.Module, adapter: Any) -> list[str]:
-    """Short names (``q_proj``) when they pick exactly the adapted modules in PEFT's suffix match, else full names."""
-    every_linear = {name for name, module in model.named_modules() if type(module) in (nn.Linear, LoRALinear)}
-    all_hf = set()
-    for name in every_linear:
-        weight = dict(model.named_parameters())[f"{name}.weight"]
-        all_hf.update(n.removesuffix(".weight") for n in adapter.to_hf_state_dict({f"{name}.weight": weight}, model))
+    """Short names (``q_proj``) when PEFT's suffix match of them picks exactly the adapted modules, else full names."""
+    weights = {name: tensor for name, tensor in model.state_dict().items() if not is_adapter_key(name)}
+    linear_weights = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    hf_linears = adapter.to_hf_state_dict({name: weights[name] for name in linear_weights & set(weights)}, model)
     short = sorted({name.rpartition(".")[2] for name in hf_modules})
-    picked_by_short = {name for name in all_hf if name.rpartition(".")[2] in short}
+    picked_by_short = {name.removesuffix(".weight") for name in hf_linears if name.split(".")[-2] in short}
     return short if picked_by_short == set(hf_modules) else sorted(hf_modules)
 
 
@@ -142,12 +140,13 @@ def run_merge(args: argparse.Namespace) -> int:
 
 
 def load_lora_checkpoint(folder: Path, section: dict[str, Any]) -> nn.Module:
-    """The LoRA model of checkpoint ``folder`` on CPU; its base is read first when the checkpoint holds adapters only."""
-    from foundry.checkpoint import load_checkpoint
+    """The LoRA model of checkpoint ``folder`` on CPU; an adapters-only checkpoint's base is read first."""
+    from foundry.checkpoint import load_checkpoint, resolve_checkpoint_path
     from foundry.convert.checkpoint_io import meta_model
     from foundry.core.state import State
     from foundry.core.time import Time
 
+    folder = resolve_checkpoint_path(folder)
     state = State(model=meta_model(section).to_empty(device="cpu"), max_duration=Time.parse("1ba"))
     load_adapter_base(folder, state)
     load_checkpoint(folder, state, weights_only=True)

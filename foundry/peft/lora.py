@@ -44,7 +44,7 @@ class LoraConfig:
         if self.r <= 0:
             raise ConfigError(f"'model.peft_config.r' is {self.r}; the LoRA rank must be positive (e.g. 8).")
         if not 0.0 <= self.lora_dropout < 1.0:
-            raise ConfigError(f"'model.peft_config.lora_dropout' is {self.lora_dropout}; it is a probability in [0, 1).")
+            raise ConfigError(f"'model.peft_config.lora_dropout' is {self.lora_dropout}; a probability in [0, 1).")
         if self.target_modules is None or self.target_modules == []:
             raise ConfigError(
                 "'model.peft_config.target_modules' is missing: list the linear layers that get adapters, e.g. "
