@@ -122,3 +122,15 @@ def test_adapter_of_another_rank_is_refused(make_mpt):
     other = adapter_state_dict(lora_mpt(make_mpt, r=2))
     with pytest.raises(ConfigError, match="another rank r"):
         adapters.add("r2", other)
+
+
+def test_adapters_only_checkpoints_need_a_base_load_path():
+    from pathlib import Path
+
+    from foundry.builders import build_trainer
+    from foundry.config import load_train_config
+
+    yaml_path = Path(__file__).resolve().parents[2] / "yamls" / "finetune" / "quickstart-lora.yaml"
+    cfg, _ = load_train_config(yaml_path, ["load_path=null"])
+    with pytest.raises(ConfigError, match="save_adapters_only: true .* set load_path"):
+        build_trainer(cfg)
