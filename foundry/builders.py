@@ -46,6 +46,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
     scheduler = component_factory(registry.schedulers, cfg.scheduler, "scheduler")() if cfg.scheduler else None
     optimizer_factory = component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",))
     tokenizer = build_tokenizer(cfg.tokenizer)
+    callbacks += build_icl_eval(cfg, tokenizer)
     train_dataloader = build_dataloader(cfg.train_loader, tokenizer, device_batch_size, "train_loader")
     eval_dataloaders = build_eval_dataloaders(cfg, tokenizer)
     seed_everything(cfg.seed)  # the model's initial weights depend on the seed alone
@@ -158,6 +159,25 @@ def build_eval_dataloaders(cfg: TrainConfig, tokenizer: Any) -> dict[str, Iterab
             raise ConfigError(f"'{key_path}.label' is '{label}', which another eval loader already uses.")
         loaders[label] = build_dataloader(loader, tokenizer, cfg.device_eval_batch_size, key_path)
     return loaders
+
+
+def build_icl_eval(cfg: TrainConfig, tokenizer: Any) -> list:
+    """The ``ICLEval`` callback for ``icl_tasks`` (run at ``eval_interval``), or nothing."""
+    if cfg.icl_tasks is None:
+        return []
+    from foundry.eval.callback import ICLEval
+    from foundry.eval.evaluator import ICLEvaluator
+    from foundry.eval.gauntlet import parse_gauntlet
+    from foundry.eval.tasks import parse_icl_tasks
+
+    seq_len = cfg.icl_seq_len or cfg.max_seq_len or cfg.model.get("max_seq_len")
+    if not isinstance(seq_len, int):
+        raise ConfigError("'icl_tasks' is set but no sequence length is known: set 'icl_seq_len' (e.g. 1024).")
+    if cfg.device_eval_batch_size is None:
+        raise ConfigError("'icl_tasks' is set, so 'device_eval_batch_size' is needed (rows per ICL forward, e.g. 16).")
+    evaluator = ICLEvaluator(parse_icl_tasks(cfg.icl_tasks), tokenizer, seq_len, cfg.device_eval_batch_size)
+    gauntlet = parse_gauntlet(cfg.eval_gauntlet) if cfg.eval_gauntlet is not None else None
+    return [ICLEval(evaluator, cfg.eval_interval, gauntlet, cfg.eval_first)]
 
 
 def build_components(source: Registry, sections: Mapping[str, Mapping[str, Any] | None], key_path: str) -> list:

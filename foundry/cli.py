@@ -1,4 +1,4 @@
-"""The ``foundry`` command: ``foundry train CFG.yaml [key.path=value ...]``, ``foundry data convert ...``.
+"""The ``foundry`` command: ``foundry train CFG.yaml [key.path=value ...]``, ``foundry eval``, ``foundry data convert ...``.
 
 Each subcommand is one ``Command`` in ``COMMANDS`` (help, add_arguments, run). Only the chosen
 command's arguments are built and its modules imported, so ``foundry --help`` stays fast. To add
@@ -202,6 +202,11 @@ COMMANDS: dict[str, Command] = {
         "write a Hugging Face model directory as a foundry checkpoint",
         _lazy("foundry.convert.commands", "add_from_hf_arguments"),
         _lazy("foundry.convert.commands", "run_from_hf"),
+    ),
+    "eval": Command(
+        "evaluate checkpoints or Hugging Face models on ICL tasks (and compare them)",
+        _lazy("foundry.eval.command", "add_eval_arguments"),
+        _lazy("foundry.eval.command", "run_eval"),
     ),
     "plot": Command(
         "plot loss and throughput curves of one or several runs to a PNG",

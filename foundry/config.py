@@ -84,10 +84,6 @@ class FSDPConfig:
     cpu_offload: bool = field(default=False, metadata=doc("keep parameters on the CPU between uses"))
 
 
-# Keys that belong to in-context-learning eval, which `foundry train` does not run yet.
-_ICL_KEYS = ("icl_tasks", "eval_gauntlet")
-
-
 @dataclasses.dataclass(kw_only=True)
 class TrainConfig:
     """Everything ``foundry train`` reads from a YAML; names and meanings follow LLM Foundry."""
@@ -148,17 +144,19 @@ class TrainConfig:
     load_strict_model_weights: bool = field(default=True, metadata=doc("fail on missing or unexpected weight names"))
     autoresume: bool = field(default=False, metadata=doc("resume from the newest checkpoint in save_folder"))
     icl_tasks: str | list[dict[str, Any]] | None = field(
-        default=None, metadata=doc("in-context learning tasks (not supported yet)")
+        default=None, metadata=doc("ICL tasks run at eval_interval: a tasks YAML path or the list (docs/EVAL.md)")
     )
     eval_gauntlet: str | dict[str, Any] | None = field(
-        default=None, metadata=doc("ICL eval gauntlet (not supported yet)")
+        default=None, metadata=doc("averages ICL tasks into categories: a gauntlet YAML path or the mapping")
     )
-    icl_seq_len: int | None = field(default=None, metadata=doc("sequence length of ICL tasks"))
+    icl_seq_len: int | None = field(
+        default=None, metadata=doc("tokens per ICL row (none = max_seq_len, else model.max_seq_len)")
+    )
 
     def __post_init__(self) -> None:
         if self.run_name is None:
             self.run_name = default_run_name()
-        reject_icl({key: getattr(self, key) for key in _ICL_KEYS})
+        check_icl(self)
         for section in ("model", "optimizer", "scheduler"):
             value = getattr(self, section)
             if value is not None and not value.get("name"):
@@ -176,14 +174,17 @@ def default_run_name() -> str:
     )
 
 
-def reject_icl(values: Mapping[str, Any]) -> None:
-    """ICL evaluation is a separate, later feature: say so instead of silently skipping it."""
-    for key in _ICL_KEYS:
-        if values.get(key) is not None:
-            raise ConfigError(
-                f"'{key}' (in-context learning evaluation) is not supported by `foundry train` yet. To train "
-                f"without it, delete '{key}' (and 'eval_gauntlet', 'icl_seq_len') from the YAML or pass {key}=null."
-            )
+def check_icl(cfg: TrainConfig) -> None:
+    """Parse ``icl_tasks`` and ``eval_gauntlet`` now, so a typo fails before training starts."""
+    from foundry.eval.gauntlet import parse_gauntlet
+    from foundry.eval.tasks import parse_icl_tasks
+
+    if cfg.icl_tasks is not None:
+        parse_icl_tasks(cfg.icl_tasks)
+    if cfg.eval_gauntlet is not None:
+        if cfg.icl_tasks is None:
+            raise ConfigError("'eval_gauntlet' averages ICL tasks, but 'icl_tasks' is not set; add it or drop the gauntlet.")
+        parse_gauntlet(cfg.eval_gauntlet)
 
 
 # ------------------------------------------------------------------------------------ loading
@@ -205,7 +206,6 @@ def load_train_config(path: str | Path, overrides: Sequence[str] = ()) -> tuple[
 
 def _prepare(data: dict[str, Any]) -> dict[str, Any]:
     """Top-level checks with better messages than a generic parse, before ``parse_dataclass`` runs."""
-    reject_icl(data)
     hints = typing.get_type_hints(TrainConfig)
     prepared = {}
     for key, value in data.items():

@@ -218,8 +218,8 @@ def test_eval_loader_list_becomes_labelled_eval_loaders(tmp_path: Path) -> None:
     assert cfg.eval_loader is None and [loader.label for loader in cfg.eval_loaders] == ["c4", "code"]
 
 
-def test_icl_tasks_are_rejected_with_how_to_remove_them(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"'icl_tasks'.*not supported.*delete 'icl_tasks'"):
+def test_missing_icl_tasks_file_is_named_under_its_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"'icl_tasks'.*eval/yamls/tasks.yaml.*does not exist"):
         load_train_config(write(tmp_path, MINIMAL + "icl_tasks: eval/yamls/tasks.yaml\n"))
 
 
@@ -250,11 +250,12 @@ def test_python_api_builds_the_same_config_without_yaml() -> None:
 
 # ----------------------------------------------------------------------- LLM Foundry's own YAMLs
 # Reference YAMLs that use what `foundry train` does not support, and the error they must give:
-#   pretrain/gpt-neo-125m_eval.yaml, finetune/mpt-30b-instruct.yaml: icl_tasks (ICL eval comes later)
+#   pretrain/gpt-neo-125m_eval.yaml: icl_tasks names LLM Foundry's tasks file, which is not here
+#   finetune/mpt-30b-instruct.yaml: 'icl_max_seq_len' (LLM Foundry's finetune-only spelling of icl_seq_len)
 #   finetune/1b_local_data_sft.yaml: a top-level 'dataset' key that only holds a YAML anchor
 EXPECTED_ERRORS = {
     "gpt-neo-125m_eval.yaml": "'icl_tasks'",
-    "mpt-30b-instruct.yaml": "'icl_tasks'",
+    "mpt-30b-instruct.yaml": "Unknown top-level key 'icl_max_seq_len'",
     "1b_local_data_sft.yaml": "Unknown top-level key 'dataset'",
 }
 

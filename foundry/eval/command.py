@@ -1,0 +1,149 @@
+"""``foundry eval``: ICL tasks on checkpoints, save_folders and Hugging Face directories, as one table.
+
+    foundry eval --model runs/quickstart/checkpoints --tasks yamls/eval/tasks_light.yaml
+    foundry eval --compare REFERENCE_HF_DIR runs/mine/checkpoints --tasks T.yaml --gauntlet G.yaml --out cmp/
+    foundry eval yamls/eval/eval_quickstart.yaml [key.path=value ...]      # LLM Foundry's eval YAML keys
+
+Under torchrun each rank scores a share of every task; rank 0 prints and writes the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import field
+from pathlib import Path
+from typing import Any, Literal
+
+from foundry.errors import ConfigError
+
+DEFAULT_SEQ_LEN = 2048  # when neither the config nor the model says
+
+
+@dataclasses.dataclass(kw_only=True)
+class EvalConfig:
+    """What ``foundry eval CONFIG.yaml`` reads (LLM Foundry's ``scripts/eval`` keys that apply here)."""
+
+    models: list[dict[str, Any]] = field(default_factory=list)  # each: model_name, model, tokenizer, load_path
+    icl_tasks: str | list[dict[str, Any]] | None = None
+    eval_gauntlet: str | dict[str, Any] | None = None
+    icl_seq_len: int | None = None  # default: max_seq_len, else the model's own
+    max_seq_len: int | None = None
+    device_eval_batch_size: int = 8
+    precision: Literal["fp32", "amp_bf16", "amp_fp16"] = "amp_bf16"
+    device: str | None = None
+    seed: int = 17
+    max_examples: int | None = None  # score only the first N rows of each task (quick checks)
+    progress_bar: bool = True
+    run_name: str | None = None
+
+
+def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="eval YAML (models, icl_tasks, eval_gauntlet, ...)")
+    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="set any key of the YAML")
+    parser.add_argument(
+        "--model", action="append", default=[], metavar="PATH", help="checkpoint, save_folder or HF directory (repeat)"
+    )
+    parser.add_argument("--compare", nargs="+", default=[], metavar="PATH", help="models side by side, deltas vs the first")
+    parser.add_argument("--tasks", help="tasks YAML holding icl_tasks: (replaces the config's)")
+    parser.add_argument("--gauntlet", help="YAML holding eval_gauntlet: (replaces the config's)")
+    parser.add_argument("--out", metavar="DIR", help="write results.md/.csv/.json (and compare.png) here")
+    parser.add_argument("--limit", type=int, metavar="N", help="score only the first N rows of each task")
+    parser.add_argument("--batch-size", type=int, metavar="N", help="rows per forward (device_eval_batch_size)")
+    parser.add_argument("--seq-len", type=int, metavar="N", help="tokens per row (icl_seq_len)")
+    parser.add_argument("--precision", choices=["fp32", "amp_bf16", "amp_fp16"])
+    parser.add_argument("--device", help="cpu, cuda, ... (default: this rank's GPU if any)")
+
+
+def load_eval_config(args: argparse.Namespace) -> EvalConfig:
+    """The YAML (if any) with overrides, then the command-line flags on top."""
+    from foundry.config import apply_overrides, load_yaml, resolve_interpolations
+    from foundry.schema import parse_dataclass
+
+    raw = apply_overrides(load_yaml(args.config), args.overrides) if args.config else {}
+    where = args.config or "foundry eval"
+    try:
+        cfg = parse_dataclass(EvalConfig, resolve_interpolations(raw), "")
+    except ConfigError as error:
+        raise ConfigError(f"{where}: {error}") from None
+    flags = {
+        "icl_tasks": args.tasks,
+        "eval_gauntlet": args.gauntlet,
+        "max_examples": args.limit,
+        "device_eval_batch_size": args.batch_size,
+        "icl_seq_len": args.seq_len,
+        "precision": args.precision,
+        "device": args.device,
+    }
+    cfg = dataclasses.replace(cfg, **{key: value for key, value in flags.items() if value is not None})
+    if cfg.icl_tasks is None:
+        raise ConfigError("No ICL tasks: pass --tasks TASKS.yaml (a file with icl_tasks:) or set icl_tasks in the YAML.")
+    if not cfg.models and not args.model and not args.compare:
+        raise ConfigError("No model to evaluate: pass --model PATH, --compare A B, or list models: in the YAML.")
+    return cfg
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    import torch
+
+    from foundry import distributed
+    from foundry.core.precision import check_precision
+    from foundry.eval.gauntlet import parse_gauntlet
+    from foundry.eval.report import markdown_table, write_reports
+    from foundry.eval.tasks import parse_icl_tasks
+    from foundry.trainer import seed_everything
+
+    cfg = load_eval_config(args)
+    tasks = parse_icl_tasks(cfg.icl_tasks)  # every task key is checked before a model loads
+    gauntlet = parse_gauntlet(cfg.eval_gauntlet) if cfg.eval_gauntlet is not None else None
+    if distributed.launched_by_torchrun():
+        distributed.init_process_group()
+    try:
+        device = torch.device(cfg.device) if cfg.device else distributed.default_device()
+        check_precision(cfg.precision, device)
+        seed_everything(cfg.seed)
+        sources = [*((entry, f"models[{i}]") for i, entry in enumerate(cfg.models)), *args.model, *args.compare]
+        results = [evaluate_source(source, tasks, gauntlet, cfg, device) for source in sources]
+    finally:
+        distributed.destroy_process_group()
+    if distributed.get_rank() == 0:
+        compare = bool(args.compare)
+        print(markdown_table(results, deltas=compare), end="")
+        if args.out:
+            for path in write_reports(results, args.out, deltas=compare):
+                print(f"foundry: wrote {path}")
+    return 0
+
+
+def evaluate_source(source: Any, tasks: list, gauntlet: Any, cfg: EvalConfig, device: Any) -> Any:
+    """Load one model (a path, or a ``(models entry, key path)`` pair), evaluate it, free it."""
+    from foundry import distributed
+    from foundry.eval.evaluator import ICLEvaluator
+    from foundry.eval.gauntlet import gauntlet_scores
+    from foundry.eval.loading import build_model_entry, load_model
+    from foundry.eval.report import ModelResults
+
+    loaded = build_model_entry(*source) if isinstance(source, tuple) else load_model(source)
+    seq_len = cfg.icl_seq_len or cfg.max_seq_len or loaded.max_seq_len or DEFAULT_SEQ_LEN
+    if loaded.max_seq_len is not None and seq_len > loaded.max_seq_len:
+        raise ConfigError(
+            f"icl_seq_len {seq_len} exceeds {loaded.name}'s max_seq_len {loaded.max_seq_len}; lower --seq-len."
+        )
+    evaluator = ICLEvaluator(tasks, loaded.tokenizer, seq_len, cfg.device_eval_batch_size, cfg.max_examples)
+    model = loaded.model.to(device)
+    show_progress = cfg.progress_bar and distributed.get_rank() == 0
+    if show_progress:
+        print(f"foundry: evaluating {loaded.name} on {len(evaluator.names)} ICL subtasks")
+    results = evaluator.evaluate(model, cfg.precision, device, progress=show_progress)
+    scores = {}
+    if gauntlet is not None:
+        scores = gauntlet_scores(gauntlet, results, {name: evaluator.num_examples(name) for name in results})
+    del model, loaded
+    return ModelResults(_display_name(source), results, scores)
+
+
+def _display_name(source: Any) -> str:
+    if isinstance(source, tuple):
+        entry = source[0]
+        return str(entry.get("model_name") or entry["model"].get("name"))
+    return str(Path(source))

@@ -1,0 +1,111 @@
+"""The eval gauntlet: ICL accuracies averaged into categories, as LLM Foundry's ``eval_gauntlet`` YAML says.
+
+Each benchmark's score is its accuracy minus its random baseline, divided by ``1 - baseline``
+(``subtract_random_baseline``, ``rescale_accuracy``); a category is the weighted mean of its
+benchmarks' scores, dropped when any benchmark is missing; ``average`` is the mean of categories,
+and each entry of ``averages`` the mean of the categories it lists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from foundry.errors import ConfigError
+from foundry.eval.metrics import GENERATION_ACCURACY, LM_ACCURACY, MC_ACCURACY
+from foundry.schema import parse_dataclass
+
+PRIMARY_METRICS = (MC_ACCURACY, LM_ACCURACY, GENERATION_ACCURACY)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Benchmark:
+    name: str
+    num_fewshot: int
+    random_baseline: float = 0.0
+
+
+@dataclasses.dataclass(kw_only=True)
+class Category:
+    name: str
+    benchmarks: list[Benchmark]
+
+
+@dataclasses.dataclass(kw_only=True)
+class GauntletConfig:
+    """LLM Foundry's ``eval_gauntlet`` keys."""
+
+    categories: list[Category]
+    weighting: Literal["EQUAL", "SAMPLE_SZ", "LOG_SAMPLE_SZ"] = "EQUAL"
+    subtract_random_baseline: bool = True
+    rescale_accuracy: bool = True
+    averages: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.rescale_accuracy and not self.subtract_random_baseline:
+            raise ConfigError("eval_gauntlet: rescale_accuracy needs subtract_random_baseline: true.")
+        names = {category.name for category in self.categories}
+        for average, members in self.averages.items():
+            unknown = sorted(set(members) - names)
+            if unknown:
+                raise ConfigError(f"eval_gauntlet.averages.{average} names unknown categories: {', '.join(unknown)}.")
+
+
+def parse_gauntlet(value: str | Path | Mapping[str, Any], key_path: str = "eval_gauntlet") -> GauntletConfig:
+    """The gauntlet config itself, or a YAML file holding ``eval_gauntlet:``."""
+    if isinstance(value, str | Path):
+        from foundry.eval.tasks import yaml_section
+
+        key_path, value = str(value), yaml_section(value, "eval_gauntlet")
+    return parse_dataclass(GauntletConfig, value, key_path)
+
+
+def primary_accuracy(metrics: Mapping[str, float]) -> float | None:
+    """The accuracy a subtask is judged by (length-normalised for multiple choice)."""
+    return next((metrics[name] for name in PRIMARY_METRICS if name in metrics), None)
+
+
+def gauntlet_scores(
+    config: GauntletConfig, results: Mapping[str, Mapping[str, float]], sizes: Mapping[str, int] | None = None
+) -> dict[str, float]:
+    """``{category: score, ..., average name: score, "average": score}`` from ``evaluate()`` results.
+
+    A benchmark's accuracy is the mean over its categories when its task has ``has_categories``.
+    ``sizes`` (examples per result key) is needed for the SAMPLE_SZ weightings.
+    """
+    scores: dict[str, float] = {}
+    for category in config.categories:
+        weighted = []
+        for benchmark in category.benchmarks:
+            prefix = f"{benchmark.name}/{benchmark.num_fewshot}-shot"
+            keys = [key for key in results if key == prefix or key.startswith(prefix + "/")]
+            accuracies = [primary_accuracy(results[key]) for key in keys]
+            accuracies = [value for value in accuracies if value is not None]
+            if not accuracies:
+                break
+            score = sum(accuracies) / len(accuracies)
+            if config.subtract_random_baseline:
+                score -= benchmark.random_baseline
+            if config.rescale_accuracy:
+                score /= 1.0 - benchmark.random_baseline
+            weighted.append((score, _weight(config.weighting, sum((sizes or {}).get(key, 0) for key in keys))))
+        else:
+            total = sum(weight for _, weight in weighted)
+            scores[category.name] = sum(score * weight for score, weight in weighted) / total
+    for name, members in config.averages.items():
+        if all(member in scores for member in members):
+            scores[name] = sum(scores[member] for member in members) / len(members)
+    categories = [scores[c.name] for c in config.categories if c.name in scores]
+    scores["average"] = sum(categories) / len(categories) if categories else math.nan
+    return scores
+
+
+def _weight(weighting: str, num_examples: int) -> float:
+    if weighting == "EQUAL":
+        return 1.0
+    if num_examples < 1:
+        raise ConfigError(f"eval_gauntlet.weighting {weighting} needs the benchmarks' sizes; use EQUAL.")
+    return float(num_examples) if weighting == "SAMPLE_SZ" else max(math.log2(num_examples), 1.0)

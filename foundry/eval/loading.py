@@ -1,0 +1,85 @@
+"""Models to evaluate: a foundry checkpoint, a save_folder (its latest checkpoint), or a Hugging Face directory.
+
+A foundry checkpoint's ``meta.json`` holds the resolved train config, which rebuilds the model and
+its tokenizer; a Hugging Face directory (``config.json``) loads through ``hf_causal_lm``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from foundry.errors import ConfigError
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    name: str
+    model: nn.Module
+    tokenizer: Any
+    max_seq_len: int | None  # the model's context length, when it states one
+
+
+def load_model(path: str | Path, name: str | None = None) -> LoadedModel:
+    """The model (on CPU, weights loaded) and tokenizer stored at ``path``."""
+    path = Path(path).expanduser()
+    if (path / "config.json").is_file() and not (path / "meta.json").is_file():
+        return _load_hf_directory(path, name or path.name)
+    from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint
+
+    folder, config = resolve_checkpoint(path)
+    if not isinstance(config.get("tokenizer"), Mapping):
+        raise ConfigError(f"Checkpoint {folder} names no tokenizer in its config; it cannot be evaluated on text.")
+    model = load_checkpoint_model(folder, config["model"])
+    return LoadedModel(name or _checkpoint_name(path, folder), model, _tokenizer(config["tokenizer"]), _max_seq_len(model))
+
+
+def build_model_entry(entry: Mapping[str, Any], key_path: str) -> LoadedModel:
+    """An eval YAML ``models:`` entry (LLM Foundry's: model_name, model, tokenizer, load_path)."""
+    from foundry.builders import build_model
+    from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint_path
+
+    unknown = set(entry) - {"model_name", "model", "tokenizer", "load_path"}
+    if unknown or "model" not in entry or "tokenizer" not in entry:
+        raise ConfigError(
+            f"'{key_path}' needs 'model' and 'tokenizer' (and optionally 'model_name', 'load_path'); "
+            f"got keys {', '.join(map(str, entry))}."
+        )
+    name = entry.get("model_name") or entry["model"].get("name")
+    tokenizer = _tokenizer(entry["tokenizer"])
+    if entry.get("load_path"):
+        model = load_checkpoint_model(resolve_checkpoint_path(entry["load_path"]), entry["model"])
+    else:
+        model = build_model(entry["model"], tokenizer)
+    return LoadedModel(str(name), model, tokenizer, _max_seq_len(model))
+
+
+def _load_hf_directory(path: Path, name: str) -> LoadedModel:
+    from foundry.models.hf import HFCausalLM
+
+    model = HFCausalLM(pretrained_model_name_or_path=str(path))
+    tokenizer = _tokenizer({"name": str(path)})
+    return LoadedModel(name, model, tokenizer, getattr(model.hf_config, "max_position_embeddings", None))
+
+
+def _tokenizer(section: Mapping[str, Any]) -> Any:
+    from foundry.builders import build_tokenizer
+    from foundry.config import TokenizerConfig
+    from foundry.schema import parse_dataclass
+
+    return build_tokenizer(parse_dataclass(TokenizerConfig, section, "tokenizer"))
+
+
+def _max_seq_len(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    value = getattr(config, "max_seq_len", None) or getattr(getattr(model, "hf_config", None), "max_position_embeddings", None)
+    return value if isinstance(value, int) else None
+
+
+def _checkpoint_name(given: Path, folder: Path) -> str:
+    """``run/ep0-ba200`` style: the folder a user recognises."""
+    return f"{given.name}/{folder.name}" if given != folder else f"{folder.parent.name}/{folder.name}"

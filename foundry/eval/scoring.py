@@ -1,0 +1,154 @@
+"""The model's side of ICL eval: one forward that returns logits, continuation scores, greedy generation.
+
+Any ``FoundryModel`` whose ``forward({"input_ids": ...})`` returns logits (MPT, Llama, ``hf_causal_lm``)
+or an object with ``.logits`` works. Under FSDP every rank must run the same number of forwards;
+the evaluator pads the ranks' batch lists and ``greedy_generate`` agrees on when to stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from foundry import distributed
+from foundry.core.precision import autocast
+
+
+@dataclasses.dataclass
+class ContinuationScores:
+    """Per row of a batch: how likely its continuation is, and whether greedy decoding writes it."""
+
+    logprob_sum: torch.Tensor  # (rows,) float32: sum over continuation tokens of log p(token | prefix)
+    num_tokens: torch.Tensor  # (rows,)
+    greedy_match: torch.Tensor  # (rows,) bool: every continuation token is the argmax
+
+
+def logits_of(model: nn.Module, input_ids: torch.Tensor, precision: str) -> torch.Tensor:
+    """(rows, seq, vocab) logits of a right-padded batch (no mask needed: attention is causal)."""
+    with autocast(precision, input_ids.device):
+        outputs = model({"input_ids": input_ids})
+    return outputs.logits if hasattr(outputs, "logits") else outputs
+
+
+@torch.no_grad()
+def score_continuations(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    continuation_starts: torch.Tensor,
+    precision: str = "fp32",
+) -> ContinuationScores:
+    """Log-likelihood and greedy exact match of tokens ``[continuation_starts, lengths)`` of each row.
+
+    Only the continuation positions' logits are turned into (float32) log-probabilities, so memory
+    stays at (continuation tokens, vocab) rather than (rows, seq, vocab).
+    """
+    logits = logits_of(model, input_ids, precision)
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]  # (1, seq)
+    # Position t predicts token t+1: the continuation [start, length) is predicted at [start-1, length-1).
+    predicts = (positions >= continuation_starts[:, None] - 1) & (positions < lengths[:, None] - 1)  # (rows, seq)
+    rows, columns = predicts.nonzero(as_tuple=True)
+    targets = input_ids[rows, columns + 1]
+    log_probs = torch.log_softmax(logits[rows, columns].float(), dim=-1)  # (tokens, vocab)
+    token_logprob = log_probs.gather(1, targets[:, None]).squeeze(1)
+    hit = (log_probs.argmax(dim=-1) == targets).float()
+    num_rows = input_ids.shape[0]
+    zeros = torch.zeros(num_rows, device=input_ids.device)
+    num_tokens = zeros.index_add(0, rows, torch.ones_like(hit))
+    return ContinuationScores(
+        logprob_sum=zeros.index_add(0, rows, token_logprob),
+        num_tokens=num_tokens,
+        greedy_match=zeros.index_add(0, rows, hit) == num_tokens,
+    )
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    tokenizer: Any,
+    stop_strings: Sequence[str] = (),
+    precision: str = "fp32",
+    device: torch.device | str = "cpu",
+) -> list[str]:
+    """Greedy continuations of ``prompts`` (decoded text), each stopped at eos or a stop string.
+
+    Uses the model's own ``generate`` (KV cache) when it wraps a transformers model; otherwise a
+    batched loop that re-runs the forward over the growing sequences (fine for small models).
+    """
+    hf_model = getattr(model, "hf_model", None)
+    if hf_model is not None and hasattr(hf_model, "generate"):
+        return _hf_generate(hf_model, prompts, max_new_tokens, tokenizer, stop_strings, precision, device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
+    tokens = torch.full((len(prompts), int(lengths.max()) + max_new_tokens), pad, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    start = lengths.clone()
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    rows = torch.arange(len(prompts), device=device)
+    for _ in range(max_new_tokens):
+        logits = logits_of(model, tokens[:, : int(lengths.max())], precision)
+        next_token = logits[rows, lengths - 1].argmax(dim=-1)
+        tokens[rows[~done], lengths[~done]] = next_token[~done]
+        lengths = lengths + (~done).long()
+        done |= next_token == tokenizer.eos_token_id
+        done |= _stopped(tokens, start, lengths, tokenizer, stop_strings)
+        if _all_ranks_done(done):
+            break
+    return [_decode(tokens[row, start[row] : lengths[row]], tokenizer) for row in range(len(prompts))]
+
+
+def _stopped(
+    tokens: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, tokenizer: Any, stop_strings: Sequence[str]
+) -> torch.Tensor:
+    if not stop_strings:
+        return torch.zeros(len(tokens), dtype=torch.bool, device=tokens.device)
+    texts = [tokenizer.decode(tokens[row, start[row] : lengths[row]].tolist()) for row in range(len(tokens))]
+    return torch.tensor([any(stop in text for stop in stop_strings) for text in texts], device=tokens.device)
+
+
+def _all_ranks_done(done: torch.Tensor) -> bool:
+    """Whether every row on every rank has stopped (FSDP ranks must keep running forwards together)."""
+    remaining = (~done).sum().float()
+    return distributed.all_reduce_sum(remaining).item() == 0
+
+
+def _decode(tokens: torch.Tensor, tokenizer: Any) -> str:
+    return tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
+
+
+def _hf_generate(
+    hf_model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    tokenizer: Any,
+    stop_strings: Sequence[str],
+    precision: str,
+    device: torch.device | str,
+) -> list[str]:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(len(prompt) for prompt in prompts)
+    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):  # left padding: every prompt ends where generation starts
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, width - len(prompt) :] = 1
+    with autocast(precision, input_ids.device):
+        output = hf_model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=tokenizer.eos_token_id,
+            stop_strings=list(stop_strings) or None,
+            tokenizer=tokenizer if stop_strings else None,
+            synced_gpus=distributed.get_world_size() > 1,
+        )
+    return [_decode(row[width:], tokenizer) for row in output]
