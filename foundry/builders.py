@@ -36,6 +36,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
 
     _reject_unimplemented(cfg)
     _check_hand_over(cfg)
+    _check_adapters_only_base(cfg)
     _apply_cuda_allocator_settings(cfg.expandable_segments)
     device_batch_size = device_train_batch_size(cfg.global_train_batch_size, env.get_world_size())
     # Cheapest first, the model last: a typo or a missing data folder fails before a big model is built.
@@ -225,6 +226,17 @@ def _check_hand_over(cfg: TrainConfig) -> None:
         raise ConfigError(
             "callbacks.hand_over stops the run to be continued elsewhere, from a checkpoint: set save_folder "
             "(a folder every machine reaches) and autoresume: true."
+        )
+
+
+def _check_adapters_only_base(cfg: TrainConfig) -> None:
+    """Adapters-only checkpoints name their base through load_path: without one, the base would be lost."""
+    peft_config = cfg.model.get("peft_config") or {}
+    if peft_config.get("save_adapters_only") and not cfg.load_path:
+        raise ConfigError(
+            "model.peft_config.save_adapters_only: true saves the LoRA adapters without the base weights, which "
+            "checkpoints then find through load_path; set load_path to the base checkpoint (e.g. the output of "
+            "`foundry convert from-hf`), or set save_adapters_only: false."
         )
 
 

@@ -188,6 +188,16 @@ COMMANDS: dict[str, Command] = {
         _lazy("foundry.convert.commands", "add_to_hf_arguments"),
         _lazy("foundry.convert.commands", "run_to_hf"),
     ),
+    "convert export-adapter": Command(
+        "write a LoRA run's adapters in PEFT's format, for the Hugging Face export of its base",
+        _lazy("foundry.peft.export", "add_export_adapter_arguments"),
+        _lazy("foundry.peft.export", "run_export_adapter"),
+    ),
+    "convert merge": Command(
+        "fold a LoRA run's adapters into its weights: a plain foundry checkpoint",
+        _lazy("foundry.peft.export", "add_merge_arguments"),
+        _lazy("foundry.peft.export", "run_merge"),
+    ),
     "convert from-hf": Command(
         "write a Hugging Face model directory as a foundry checkpoint",
         _lazy("foundry.convert.commands", "add_from_hf_arguments"),

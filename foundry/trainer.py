@@ -29,6 +29,7 @@ from foundry.errors import ConfigError, TrainingError
 from foundry.models.base import FoundryModel, ModuleModel, batch_num_samples, batch_num_tokens
 from foundry.optim.optimizers import DecoupledAdamW
 from foundry.optim.schedulers import TimeScheduler
+from foundry.peft.lora import trainable_parameters
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -171,6 +172,7 @@ class Trainer:
 
     def _load(self, load_path: str | None, weights_only: bool, autoresume: bool) -> None:
         from foundry.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint_path
+        from foundry.peft.checkpoint import load_adapter_base
 
         path = None
         if autoresume:
@@ -182,6 +184,7 @@ class Trainer:
             path = resolve_checkpoint_path(load_path)
         if path is None:
             return
+        load_adapter_base(path, self.state)  # an adapters-only LoRA checkpoint needs its base weights first
         load_checkpoint(
             path,
             self.state,
@@ -467,7 +470,7 @@ def _build_optimizers(optimizers: Any, model: nn.Module) -> list[torch.optim.Opt
     if optimizers is None:
         return [DecoupledAdamW(model.parameters(), lr=3e-4)]
     if callable(optimizers) and not isinstance(optimizers, torch.optim.Optimizer):
-        return [optimizers(model.parameters())]
+        return [optimizers(trainable_parameters(model))]  # frozen weights (LoRA's base) get no optimizer state
     return _as_list(optimizers)
 
 

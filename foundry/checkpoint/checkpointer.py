@@ -45,6 +45,7 @@ from foundry.core.redact import scrub_secrets
 from foundry.core.state import State
 from foundry.core.time import Timestamp
 from foundry.errors import CheckpointError
+from foundry.peft.checkpoint import loadable_without, model_state_to_save
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ def save_checkpoint(
         )
     rng_json = json.dumps(get_rng_state())  # first, so nothing below can draw from the generators before
     tensors = _tensor_state(state)
+    tensors["model"] = model_state_to_save(state.model, tensors["model"])  # LoRA: maybe the adapters alone
     meta_json = _meta_json(state, name, callbacks, algorithms, config)
 
     if state.rank == 0:
@@ -371,8 +373,10 @@ def _load_tensors(path: Path, state: State, *, weights_only: bool, strict: bool)
     reader = SafeFileSystemReader(path)
     saved_keys = set(reader.read_metadata().state_dict_metadata)
     wanted = _tensor_state(state, model_only=weights_only)
+    absent: set[str] = set()
     if strict:
-        _check_model_keys(path, set(wanted["model"]), saved_keys)
+        absent = _check_model_keys(path, set(wanted["model"]), saved_keys)
+        wanted["model"] = {key: value for key, value in wanted["model"].items() if key not in absent}
     if "optim" in wanted and not any(key.startswith("optim.") for key in saved_keys):
         raise CheckpointError(
             f"Checkpoint {path} holds no optimizer state. Pass load_weights_only=True to load only its model."
@@ -387,7 +391,7 @@ def _load_tensors(path: Path, state: State, *, weights_only: bool, strict: bool)
         raise CheckpointError(
             f"Cannot load the tensors of checkpoint {path} ({type(cause).__name__}: {cause})."
         ) from exc
-    options = StateDictOptions(strict=strict)
+    options = StateDictOptions(strict=strict and not absent)
     if "optim" in wanted:
         set_state_dict(
             state.model,
@@ -400,9 +404,12 @@ def _load_tensors(path: Path, state: State, *, weights_only: bool, strict: bool)
         set_model_state_dict(state.model, wanted["model"], options=options)
 
 
-def _check_model_keys(path: Path, model_keys: set[str], saved_keys: set[str]) -> None:
+def _check_model_keys(path: Path, model_keys: set[str], saved_keys: set[str]) -> set[str]:
+    """The model keys the checkpoint may lack (LoRA adapters or their base); raises on any other mismatch."""
     saved_model_keys = {key.removeprefix("model.") for key in saved_keys if key.startswith("model.")}
     missing, unexpected = sorted(model_keys - saved_model_keys), sorted(saved_model_keys - model_keys)
+    if not unexpected and loadable_without(missing, saved_model_keys):
+        return set(missing)
     if missing or unexpected:
         raise CheckpointError(
             f"Checkpoint {path} does not match the model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "

@@ -48,6 +48,13 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compare", nargs="+", default=[], metavar="PATH", help="models side by side, deltas vs the first"
     )
+    parser.add_argument(
+        "--adapters",
+        nargs="+",
+        default=[],
+        metavar="CKPT",
+        help="LoRA checkpoints evaluated in turn on the --model base",
+    )
     parser.add_argument("--tasks", help="tasks YAML holding icl_tasks: (replaces the config's)")
     parser.add_argument("--gauntlet", help="YAML holding eval_gauntlet: (replaces the config's)")
     parser.add_argument("--out", metavar="DIR", help="write results.md/.csv/.json (and compare.png) here")
@@ -108,7 +115,12 @@ def run_eval(args: argparse.Namespace) -> int:
         check_precision(cfg.precision, device)
         seed_everything(cfg.seed)
         sources = [*((entry, f"models[{i}]") for i, entry in enumerate(cfg.models)), *args.model, *args.compare]
-        results = [evaluate_source(source, tasks, gauntlet, cfg, device) for source in sources]
+        if args.adapters:  # one base, several LoRA adapters switched in place (foundry.peft.evaluate)
+            from foundry.peft.evaluate import evaluate_adapters
+
+            results = evaluate_adapters(sources, args.adapters, tasks, gauntlet, cfg, device)
+        else:
+            results = [evaluate_source(source, tasks, gauntlet, cfg, device) for source in sources]
     finally:
         distributed.destroy_process_group()
     if distributed.get_rank() == 0:
@@ -122,29 +134,43 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def evaluate_source(source: Any, tasks: list, gauntlet: Any, cfg: EvalConfig, device: Any) -> Any:
     """Load one model (a path, or a ``(models entry, key path)`` pair), evaluate it, free it."""
-    from foundry import distributed
-    from foundry.eval.evaluator import ICLEvaluator
-    from foundry.eval.gauntlet import gauntlet_scores
     from foundry.eval.loading import build_model_entry, load_model
     from foundry.eval.report import ModelResults
 
     loaded = build_model_entry(*source) if isinstance(source, tuple) else load_model(source)
+    evaluator = build_evaluator(loaded, tasks, cfg)
+    model = loaded.model.to(device)
+    results = score(evaluator, model, loaded.name, gauntlet, cfg, device)
+    del model, loaded
+    return ModelResults(_display_name(source), results.results, results.gauntlet)
+
+
+def build_evaluator(loaded: Any, tasks: list, cfg: EvalConfig) -> Any:
+    """The tasks tokenized for ``loaded`` (a ``LoadedModel``) at the configured sequence length."""
+    from foundry.eval.evaluator import ICLEvaluator
+
     seq_len = cfg.icl_seq_len or cfg.max_seq_len or loaded.max_seq_len or DEFAULT_SEQ_LEN
     if loaded.max_seq_len is not None and seq_len > loaded.max_seq_len:
         raise ConfigError(
             f"icl_seq_len {seq_len} exceeds {loaded.name}'s max_seq_len {loaded.max_seq_len}; lower --seq-len."
         )
-    evaluator = ICLEvaluator(tasks, loaded.tokenizer, seq_len, cfg.device_eval_batch_size, cfg.max_examples)
-    model = loaded.model.to(device)
+    return ICLEvaluator(tasks, loaded.tokenizer, seq_len, cfg.device_eval_batch_size, cfg.max_examples)
+
+
+def score(evaluator: Any, model: Any, name: str, gauntlet: Any, cfg: EvalConfig, device: Any) -> Any:
+    """``ModelResults`` of ``model`` (already on ``device``) on every task, and the gauntlet if any."""
+    from foundry import distributed
+    from foundry.eval.gauntlet import gauntlet_scores
+    from foundry.eval.report import ModelResults
+
     show_progress = cfg.progress_bar and distributed.get_rank() == 0
     if show_progress:
-        print(f"foundry: evaluating {loaded.name} on {len(evaluator.names)} ICL subtasks", file=sys.stderr)
+        print(f"foundry: evaluating {name} on {len(evaluator.names)} ICL subtasks", file=sys.stderr)
     results = evaluator.evaluate(model, cfg.precision, device, progress=show_progress)
     scores = {}
     if gauntlet is not None:
-        scores = gauntlet_scores(gauntlet, results, {name: evaluator.num_examples(name) for name in results})
-    del model, loaded
-    return ModelResults(_display_name(source), results, scores)
+        scores = gauntlet_scores(gauntlet, results, {task: evaluator.num_examples(task) for task in results})
+    return ModelResults(name, results, scores)
 
 
 def _display_name(source: Any) -> str:

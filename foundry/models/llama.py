@@ -20,6 +20,7 @@ from foundry.models.attention import AttnConfig, AttnImpl, RopeHFConfig, check_r
 from foundry.models.init import InitConfig
 from foundry.models.layers import ActFnConfig, FFNConfig
 from foundry.models.mpt import MPTCausalLM, MPTConfig
+from foundry.peft.lora import LoraConfig
 from foundry.schema import parse_dataclass
 
 _KEY = "model"
@@ -87,6 +88,7 @@ class LlamaConfig:
     init_std: float = 0.02  # every linear and embedding weight ~ N(0, init_std), as Hugging Face's Llama
     init_device: str = "cpu"
     loss_fn: Literal["torch_crossentropy", "fused_crossentropy"] = "torch_crossentropy"  # as MPT's
+    peft_config: LoraConfig | None = None  # LoRA adapters on the linear layers it names (docs/LORA.md)
 
     def __post_init__(self) -> None:
         for key in ("d_model", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"):
@@ -137,6 +139,7 @@ class LlamaConfig:
                 name="baseline_", init_std=self.init_std, emb_init_std=self.init_std, init_div_is_residual=False
             ),
             init_device=self.init_device,
+            peft_config=self.peft_config,
             no_bias=True,
             norm_type=self.norm_type,
             norm_eps=self.norm_eps,

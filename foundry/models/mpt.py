@@ -28,6 +28,7 @@ from foundry.models.attention import Attention, AttentionInputs, AttnConfig, bui
 from foundry.models.base import CausalLM, LossOutput, shifted_targets
 from foundry.models.init import InitConfig, InitName, init_weights_
 from foundry.models.layers import FFNConfig, NormType, build_ffn, build_norm, ffn_hidden_size
+from foundry.peft.lora import LoraConfig, inject_lora, reset_lora_parameters
 from foundry.schema import parse_dataclass
 
 _KEY = "model"
@@ -68,6 +69,7 @@ class MPTConfig:
     loss_fn: Literal["torch_crossentropy", "fused_crossentropy"] = "torch_crossentropy"
     fc_type: str | dict[str, Any] = "torch"
     use_pad_tok_in_ffn: bool = True
+    peft_config: LoraConfig | None = None  # LoRA adapters on the linear layers it names (docs/LORA.md)
 
     def __post_init__(self) -> None:
         self._check_shapes()
@@ -223,6 +225,8 @@ class MPTCausalLM(CausalLM):
             self.transformer = MPTTransformer(self.config)
             tied = self.config.tie_word_embeddings
             self.lm_head = None if tied else nn.Linear(self.config.d_model, self.config.vocab_size, bias=False)
+        if self.config.peft_config is not None:
+            inject_lora(self, self.config.peft_config)
         device = init_device(self.config.init_device)
         if device.type != "meta":
             self.to_empty(device=device)
@@ -231,6 +235,7 @@ class MPTCausalLM(CausalLM):
     def init_weights(self) -> None:
         """(Re)initialise every parameter in place with ``config.init_config``'s scheme."""
         init_weights_(self, self.config.init_config, self.config.n_layers, self.config.d_model)
+        reset_lora_parameters(self)
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -1,0 +1,9 @@
+"""Parameter-efficient finetuning: LoRA layers (``lora``), adapters-only checkpoints (``checkpoint``),
+switching adapters on one base (``adapters``) and PEFT-format export and merging (``export``).
+
+docs/LORA.md describes ``model.peft_config`` and the commands.
+"""
+
+from foundry.peft.lora import LoraConfig, LoRALinear, adapter_state_dict, inject_lora, is_adapter_key
+
+__all__ = ["LoRALinear", "LoraConfig", "adapter_state_dict", "inject_lora", "is_adapter_key"]

@@ -1,0 +1,56 @@
+"""``foundry eval --model BASE --adapters A B C --tasks T.yaml``: several LoRA adapters on one loaded base.
+
+The base checkpoint is read once into the adapters' LoRA model; each adapter's tensors are kept
+beside it (``AdapterSet``) and copied in before its tasks run, so no switch reloads the base. The
+median switch time is printed with the results.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+from foundry.errors import ConfigError
+
+
+def evaluate_adapters(
+    bases: list[Any], adapter_paths: list[str], tasks: list, gauntlet: Any, cfg: Any, device: Any
+) -> list:
+    """``ModelResults`` per adapter (named by its path), all on the one base in ``bases``."""
+    from foundry.checkpoint import load_checkpoint
+    from foundry.convert.checkpoint_io import meta_model, resolve_checkpoint
+    from foundry.core.state import State
+    from foundry.core.time import Time
+    from foundry.eval.command import build_evaluator, score
+    from foundry.eval.loading import LoadedModel, _max_seq_len, _tokenizer
+    from foundry.peft.adapters import AdapterSet
+
+    if len(bases) != 1 or not isinstance(bases[0], str | Path):
+        raise ConfigError("--adapters needs exactly one base checkpoint: pass it as --model BASE (no --compare).")
+    base_folder, base_config = resolve_checkpoint(bases[0])
+    _, adapter_config = resolve_checkpoint(adapter_paths[0])
+    section = adapter_config["model"]
+    if not section.get("peft_config"):
+        raise ConfigError(f"{adapter_paths[0]} is not a LoRA run (its model section has no peft_config).")
+    model = meta_model(section).to_empty(device="cpu")
+    load_checkpoint(base_folder, State(model=model, max_duration=Time.parse("1ba")), weights_only=True)
+    model = model.to(device).eval()
+    tokenizer_section = base_config.get("tokenizer") or adapter_config.get("tokenizer")
+    if tokenizer_section is None:
+        raise ConfigError(f"Neither {base_folder} nor {adapter_paths[0]} names a tokenizer in its config.")
+    evaluator = build_evaluator(
+        LoadedModel("base", model, _tokenizer(tokenizer_section), _max_seq_len(model)), tasks, cfg
+    )
+    adapters = AdapterSet(model)
+    for path in adapter_paths:
+        adapters.load(path, path)
+    results, switch_s = [], []
+    for name in adapters.names:
+        switch_s.append(adapters.activate(name))
+        results.append(score(evaluator, model, name, gauntlet, cfg, device))
+    print(
+        f"foundry: {len(adapters.names)} adapters on one base ({base_folder}); adapter switch median "
+        f"{statistics.median(switch_s) * 1000:.3f} ms"
+    )
+    return results

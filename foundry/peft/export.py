@@ -1,0 +1,171 @@
+"""LoRA out of foundry: PEFT's adapter format on the Hugging Face export of the base, and merged weights.
+
+``foundry convert export-adapter CKPT OUT_DIR`` writes ``adapter_config.json`` and
+``adapter_model.safetensors`` so that ``peft.PeftModel.from_pretrained(hf_base, OUT_DIR)`` runs the
+adapters on what ``foundry convert to-hf`` wrote for the base. Names go through the family's own
+``to_hf_state_dict``: each ``lora_B`` (out × r) maps like its layer's weight, so Llama's fused
+``Wqkv`` B splits by rows into q/k/v_proj while the shared ``lora_A`` is copied to each (exact).
+``foundry convert merge CKPT OUT_CKPT`` folds ``W + scaling · B A`` into a plain foundry checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from foundry.convert import adapter_for_family
+from foundry.errors import ConfigError
+from foundry.peft.checkpoint import load_adapter_base, model_lora_config
+from foundry.peft.lora import LoraConfig, is_adapter_key, lora_modules, merged_state_dict
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model."
+
+
+def peft_adapter_state(model: nn.Module, family: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """(PEFT's adapter tensors keyed ``base_model.model.<HF module>.lora_A.weight``, target_modules in HF names)."""
+    adapter = adapter_for_family(family)
+    adapter.to_hf_config(model)  # a base that cannot be exported fails here, naming what does not map
+    state: dict[str, torch.Tensor] = {}
+    hf_modules: list[str] = []
+    for name, module in lora_modules(model):
+        # The B rows map exactly as the weight's rows do (e.g. Wqkv -> q, k, v); A is each part's A.
+        b_parts = adapter.to_hf_state_dict({f"{name}.weight": module.lora_B.weight.detach()}, model)
+        for hf_weight_name, b_part in b_parts.items():
+            hf_module = hf_weight_name.removesuffix(".weight")
+            hf_modules.append(hf_module)
+            state[f"{_PEFT_PREFIX}{hf_module}.lora_A.weight"] = module.lora_A.weight.detach().clone().contiguous()
+            state[f"{_PEFT_PREFIX}{hf_module}.lora_B.weight"] = b_part.clone().contiguous()
+    return state, _hf_target_modules(hf_modules, model, adapter)
+
+
+def _hf_target_modules(hf_modules: list[str], model: nn.Module, adapter: Any) -> list[str]:
+    """Short names (``q_proj``) when PEFT's suffix match of them picks exactly the adapted modules, else full names."""
+    weights = {name: tensor for name, tensor in model.state_dict().items() if not is_adapter_key(name)}
+    linear_weights = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    hf_linears = adapter.to_hf_state_dict({name: weights[name] for name in linear_weights & set(weights)}, model)
+    short = sorted({name.rpartition(".")[2] for name in hf_modules})
+    picked_by_short = {name.removesuffix(".weight") for name in hf_linears if name.split(".")[-2] in short}
+    return short if picked_by_short == set(hf_modules) else sorted(hf_modules)
+
+
+def adapter_config(config: LoraConfig, target_modules: list[str], base_model_name_or_path: str) -> dict[str, Any]:
+    """PEFT's ``adapter_config.json`` for ``config``."""
+    return {
+        "peft_type": "LORA",
+        "task_type": config.task_type,
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": config.r,
+        "lora_alpha": config.lora_alpha,
+        "lora_dropout": config.lora_dropout,
+        "target_modules": target_modules,
+        "bias": config.bias,
+        "use_rslora": config.use_rslora,
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+
+
+def write_peft_adapter(model: nn.Module, family: str, out_dir: Path, base_model_name_or_path: str) -> Path:
+    """Write ``model``'s adapters in PEFT's format to ``out_dir``."""
+    from safetensors.torch import save_file
+
+    config = model_lora_config(model)
+    if config is None:
+        raise ConfigError("This model has no LoRA adapters (its model section has no peft_config); nothing to export.")
+    state, target_modules = peft_adapter_state(model, family)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out_dir / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+    payload = adapter_config(config, target_modules, base_model_name_or_path)
+    (out_dir / ADAPTER_CONFIG_FILE).write_text(json.dumps(payload, indent=2) + "\n")
+    return out_dir
+
+
+# ---------------------------------------------------------------------------------- commands
+def add_export_adapter_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a LoRA run's checkpoint folder, or its save_folder (the latest)")
+    parser.add_argument("out_dir", help="the PEFT adapter directory to write")
+    parser.add_argument(
+        "--base-model",
+        help="adapter_config.json's base_model_name_or_path: the `foundry convert to-hf` directory of the base "
+        "(default: the run's load_path)",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
+
+
+def run_export_adapter(args: argparse.Namespace) -> int:
+    from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint
+    from foundry.convert.commands import _check_out_dir, _write_atomically
+
+    out_dir = _check_out_dir(Path(args.out_dir), args.overwrite)
+    folder, config = resolve_checkpoint(args.checkpoint)
+    family = config["model"]["name"]
+    _require_lora(config["model"], folder)
+    model = load_checkpoint_model(folder, config["model"])  # the adapters are all an export reads
+    base = args.base_model or str(config.get("load_path") or "")
+    _write_atomically(out_dir, lambda tmp_dir: write_peft_adapter(model, family, tmp_dir, base))
+    print(f"foundry: wrote the LoRA adapters of {folder} in PEFT's format to {out_dir} (base: {base or 'unset'})")
+    return 0
+
+
+def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a LoRA run's checkpoint folder, or its save_folder (the latest)")
+    parser.add_argument("out_ckpt", help="the save_folder to write the merged checkpoint into")
+    parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already there")
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    from foundry.checkpoint import latest_checkpoint
+    from foundry.convert.checkpoint_io import resolve_checkpoint, save_weights_checkpoint
+
+    out_ckpt = Path(args.out_ckpt).resolve()
+    if latest_checkpoint(out_ckpt) is not None and not args.overwrite:
+        raise ConfigError(f"{out_ckpt} already holds a checkpoint; pass --overwrite to replace it, or choose another.")
+    folder, config = resolve_checkpoint(args.checkpoint)
+    _require_lora(config["model"], folder)
+    model = load_lora_checkpoint(folder, config["model"])
+    merged, section = merged_model(model, config["model"])
+    merged_config = {"model": section, **({"tokenizer": config["tokenizer"]} if "tokenizer" in config else {})}
+    written = save_weights_checkpoint(merged, out_ckpt, merged_config, overwrite=args.overwrite)
+    print(f"foundry: wrote {written}: the weights of {folder} with its LoRA adapters merged in (no peft_config).")
+    return 0
+
+
+def load_lora_checkpoint(folder: Path, section: dict[str, Any]) -> nn.Module:
+    """The LoRA model of checkpoint ``folder`` on CPU; an adapters-only checkpoint's base is read first."""
+    from foundry.checkpoint import load_checkpoint, resolve_checkpoint_path
+    from foundry.convert.checkpoint_io import meta_model
+    from foundry.core.state import State
+    from foundry.core.time import Time
+
+    folder = resolve_checkpoint_path(folder)
+    state = State(model=meta_model(section).to_empty(device="cpu"), max_duration=Time.parse("1ba"))
+    load_adapter_base(folder, state)
+    load_checkpoint(folder, state, weights_only=True)
+    return state.model
+
+
+def merged_model(model: nn.Module, section: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
+    """(the plain model computing ``model``'s function with adapters folded in, its model section)."""
+    from foundry.convert.checkpoint_io import meta_model
+
+    plain_section = {key: value for key, value in section.items() if key != "peft_config"}
+    plain = meta_model(plain_section).to_empty(device="cpu")
+    plain.load_state_dict(merged_state_dict(model))
+    return plain.eval(), plain_section
+
+
+def _require_lora(section: dict[str, Any], folder: Path) -> None:
+    if not section.get("peft_config"):
+        raise ConfigError(
+            f"Checkpoint {folder} is not a LoRA run (its model section has no peft_config); export it whole with "
+            "`foundry convert to-hf`."
+        )

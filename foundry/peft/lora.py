@@ -1,0 +1,177 @@
+"""LoRA: a frozen linear layer plus a trainable low-rank update, ``y = W x + b + scaling · B A dropout(x)``.
+
+``model.peft_config`` (LLM Foundry's key, PEFT's ``LoraConfig`` names) turns it on: ``inject_lora``
+replaces each targeted ``nn.Linear`` by a ``LoRALinear`` that keeps the same ``weight`` and ``bias``
+parameters (so base checkpoints load by name) and adds ``lora_A`` (r × in) and ``lora_B`` (out × r),
+initialised as PEFT does (A kaiming-uniform, B zeros: the model starts as the base). Every other
+parameter is frozen, so the optimizer sees only the adapters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from foundry.errors import ConfigError, did_you_mean
+
+ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
+_ADAPTER_KEY = re.compile(r"\.lora_[AB]\.weight$")
+_OUTPUT_HEADS = ("lm_head",)
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    """``model.peft_config``: PEFT's ``LoraConfig`` keys that foundry implements, plus ``save_adapters_only``."""
+
+    peft_type: Literal["LORA"] = "LORA"
+    task_type: Literal["CAUSAL_LM"] = "CAUSAL_LM"
+    r: int = 8
+    lora_alpha: float = 8.0
+    lora_dropout: float = 0.0
+    target_modules: list[str] | str | None = None  # names (a module matches its last parts), a regex, or all-linear
+    bias: Literal["none"] = "none"
+    use_rslora: bool = False  # scaling alpha / sqrt(r) instead of alpha / r
+    save_adapters_only: bool = False  # checkpoints hold the adapters (and their optimizer state), not the base
+
+    def __post_init__(self) -> None:
+        if self.r <= 0:
+            raise ConfigError(f"'model.peft_config.r' is {self.r}; the LoRA rank must be positive (e.g. 8).")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"'model.peft_config.lora_dropout' is {self.lora_dropout}; a probability in [0, 1).")
+        if self.target_modules is None or self.target_modules == []:
+            raise ConfigError(
+                "'model.peft_config.target_modules' is missing: list the linear layers that get adapters, e.g. "
+                f"[Wqkv, out_proj, up_proj, down_proj], or '{ALL_LINEAR}'."
+            )
+
+    @property
+    def scaling(self) -> float:
+        return self.lora_alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
+
+
+class LoRALinear(nn.Linear):
+    """``base`` (its own weight and bias, frozen) plus ``scaling · lora_B(lora_A(dropout(x)))``."""
+
+    def __init__(self, base: nn.Linear, r: int, scaling: float, dropout: float) -> None:
+        nn.Module.__init__(self)
+        # Same parameters and attributes (in/out_features, init hints such as is_residual_output).
+        self.__dict__.update({key: value for key, value in base.__dict__.items() if not key.startswith("_")})
+        self.weight = base.weight
+        self.register_parameter("bias", base.bias)
+        device = base.weight.device
+        self.lora_A = nn.Linear(base.in_features, r, bias=False, device=device)  # kaiming-uniform(a=sqrt(5))
+        self.lora_B = nn.Linear(r, base.out_features, bias=False, device=device)
+        self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
+        self.scaling = scaling
+        self.reset_lora_parameters()
+
+    @torch.no_grad()
+    def reset_lora_parameters(self) -> None:
+        """PEFT's initialisation: A as ``nn.Linear``'s default, B zeros, so the update starts at 0."""
+        if self.lora_A.weight.is_meta:
+            return
+        self.lora_A.reset_parameters()
+        nn.init.zeros_(self.lora_B.weight)
+
+    def reset_parameters(self) -> None:  # init_config 'default_' resets every module this way
+        if hasattr(self, "lora_A"):
+            super().reset_parameters()
+            self.reset_lora_parameters()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def merged_weight(self) -> torch.Tensor:
+        """``W + scaling · B A``: the plain linear layer that computes the same function (without dropout)."""
+        return self.weight + self.scaling * (self.lora_B.weight @ self.lora_A.weight)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, r={self.lora_A.out_features}, scaling={self.scaling:g}"
+
+
+def is_adapter_key(name: str) -> bool:
+    """Whether a state-dict key is a LoRA tensor (``...lora_A.weight`` / ``...lora_B.weight``)."""
+    return bool(_ADAPTER_KEY.search(name))
+
+
+def inject_lora(model: nn.Module, config: LoraConfig) -> list[str]:
+    """Replace the targeted linear layers of ``model`` by ``LoRALinear`` and freeze everything else.
+
+    Returns:
+        The names of the modules that got adapters.
+
+    Raises:
+        ConfigError: a ``target_modules`` entry matches no linear layer (the message lists them).
+    """
+    linears = {name: module for name, module in model.named_modules() if isinstance(module, nn.Linear)}
+    targets = _matching_modules(linears, config.target_modules)
+    for name in targets:
+        parent_name, _, child_name = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child_name, LoRALinear(linears[name], config.r, config.scaling, config.lora_dropout))
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(is_adapter_key(name))
+    return targets
+
+
+def _matching_modules(linears: dict[str, nn.Linear], target_modules: list[str] | str | None) -> list[str]:
+    """PEFT's matching: a list entry matches a module whose dotted name ends with it; a string is a regex."""
+    if target_modules == ALL_LINEAR:
+        return [name for name in linears if name.rpartition(".")[2] not in _OUTPUT_HEADS]
+    if isinstance(target_modules, str):
+        matches = [name for name in linears if re.fullmatch(target_modules, name)]
+        if not matches:
+            raise _no_match_error(repr(target_modules) + " (a regex over full module names)", linears)
+        return matches
+    matches = []
+    for target in target_modules or []:
+        found = [name for name in linears if name == target or name.endswith("." + target)]
+        if not found:
+            raise _no_match_error(repr(target), linears)
+        matches += [name for name in found if name not in matches]
+    return matches
+
+
+def _no_match_error(target: str, linears: dict[str, nn.Linear]) -> ConfigError:
+    short_names = sorted({name.rpartition(".")[2] for name in linears})
+    hint = did_you_mean(target.strip("'"), short_names) if "regex" not in target else ""
+    return ConfigError(
+        f"'model.peft_config.target_modules' entry {target} matches no linear layer of this model.{hint} Its linear "
+        f"layers are named {', '.join(short_names)} (e.g. {next(iter(linears), 'none')}); or use '{ALL_LINEAR}'."
+    )
+
+
+def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
+    """(name, module) of every LoRA layer of ``model``."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            yield name, module
+
+
+def reset_lora_parameters(model: nn.Module) -> None:
+    """Re-initialise every adapter of ``model`` (after the base init, which also touches lora_A/B)."""
+    for _, module in lora_modules(model):
+        module.reset_lora_parameters()
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter tensors of ``model`` by state-dict key (``...Wqkv.lora_A.weight``)."""
+    return {name: tensor for name, tensor in model.state_dict().items() if is_adapter_key(name)}
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict with each LoRA layer folded into its weight: the base model's keys and shapes."""
+    merged = {f"{name}.weight": module.merged_weight().detach() for name, module in lora_modules(model)}
+    return {name: merged.get(name, tensor) for name, tensor in model.state_dict().items() if not is_adapter_key(name)}
+
+
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters that need gradients: what an optimizer gets, so frozen weights have no optimizer state."""
+    return [parameter for parameter in model.parameters() if parameter.requires_grad]
