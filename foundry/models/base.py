@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 IGNORE_INDEX = -100
@@ -50,6 +51,14 @@ class LossOutput:
     """What a forward returns when it computed the loss itself (the fused linear + cross-entropy): no logits."""
 
     loss: torch.Tensor
+
+
+# FSDP2 hooks the root module's pre-backward all-gather onto the forward's output tensors, found
+# with pytree on torch < 2.14: unregistered, the loss inside would be missed and backward would
+# run on freed parameters.
+pytree.register_pytree_node(
+    LossOutput, lambda output: ([output.loss], None), lambda children, _: LossOutput(children[0])
+)
 
 
 class CausalLM(FoundryModel):

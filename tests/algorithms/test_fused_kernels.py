@@ -114,3 +114,11 @@ def test_fused_crossentropy_key_returns_the_loss_in_training_and_logits_in_eval(
     logits = model(batch)
     assert logits.shape == (2, 16, 96)
     torch.testing.assert_close(model.loss(outputs, batch), model.loss(logits, batch), rtol=1e-5, atol=0)
+
+
+def test_fsdp2_sees_the_fused_loss_as_a_forward_output() -> None:
+    """FSDP2 hooks its pre-backward all-gather onto output tensors found by pytree (torch < 2.14)."""
+    loss = torch.ones((), requires_grad=True)
+    leaves, spec = torch.utils._pytree.tree_flatten(LossOutput(loss))
+    assert leaves == [loss]
+    assert torch.utils._pytree.tree_unflatten(leaves, spec).loss is loss
