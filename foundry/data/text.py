@@ -255,7 +255,7 @@ def build_text_dataloader(
     _reject_sequence_ids(config, key_path)
     streams = _build_streams(config, key_path)
     for local, remote, split in _stream_locations(config):
-        _check_local_split(local, remote, split, f"{key_path}.dataset")
+        check_local_split(local, remote, split, f"{key_path}.dataset")
     text_dataset = StreamingTextDataset(
         tokenizer=tokenizer,
         max_seq_len=config.max_seq_len,
@@ -316,7 +316,7 @@ def _stream_locations(config: TextDatasetConfig) -> list[tuple[str | None, str |
     ]
 
 
-def _check_local_split(local: str | None, remote: str | None, split: str | None, key_path: str) -> None:
+def check_local_split(local: str | None, remote: str | None, split: str | None, key_path: str) -> None:
     """Without a remote, the data must already sit in ``local/split``; say how to get it there."""
     if remote:
         return

@@ -1,0 +1,440 @@
+"""The ``finetuning`` dataloader: prompt/response or chat rows, response-only labels, optional packing.
+
+LLM Foundry's ``train_loader.name: finetuning`` keys. Rows come from a local ``.jsonl`` file (or a
+folder of them per split, or LLM Foundry's ``hf_name: json`` form) or from an MDS dataset
+(``local``/``remote``/``streams``, columns ``prompt``/``response``, ``messages`` or pre-tokenized
+``turns``). Every row is tokenized once when the loader is built; then::
+
+    from foundry.data import build_finetuning_dataloader, load_tokenizer
+
+    loader = build_finetuning_dataloader(
+        tokenizer=load_tokenizer("data/quickstart/tokenizer"),
+        device_batch_size=8,
+        dataset={"hf_name": "data/instructions/train.jsonl", "max_seq_len": 128, "packing_ratio": 3},
+    )
+    loader.counts  # rows read, kept, truncated and dropped (and why)
+    batch = next(iter(loader))  # input_ids, labels (-100 off target), attention_mask, sequence_id, position_ids
+    state = loader.state_dict()  # a fresh loader given load_state_dict(state) resumes after the last batch
+
+See docs/FINETUNING.md for the keys, the labels, truncation and packing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from foundry import registry
+from foundry.data.chat import RowFormatError, chat_renderer, text_turns
+from foundry.data.packing import Row, collate_packed_rows, pack_rows, rank_batches
+from foundry.distributed.env import get_rank, get_world_size
+from foundry.errors import ConfigError, DataError
+from foundry.models.base import IGNORE_INDEX
+from foundry.schema import parse_dataclass
+
+log = logging.getLogger(__name__)
+
+Truncation = Literal["keep_start", "keep_end", "drop"]
+TokenTurn = tuple[list[int], list[int]]  # (prompt ids, response ids)
+JSON_SUFFIXES = (".jsonl", ".json")
+
+
+@dataclass
+class FinetuningDatasetConfig:
+    """The ``<loader>.dataset`` keys of LLM Foundry's ``finetuning`` loader (plus ``truncation``)."""
+
+    max_seq_len: int
+    hf_name: str | None = None  # a local .jsonl file or folder, or 'json' with hf_kwargs (Hub ids are refused)
+    hf_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # 'json': data_files or data_dir
+    preprocessing_fn: str | dict[str, str] | None = None  # 'module:function' or {prompt: column, response: column}
+    local: str | None = None  # MDS dataset
+    remote: str | None = None
+    streams: dict[str, dict[str, Any]] | None = None
+    split: str | None = None
+    shuffle: bool = False
+    shuffle_seed: int = 9176  # mosaicml-streaming's default, as LLM Foundry
+    packing_ratio: float | str | None = None  # examples per row on average; None or 1: no packing
+    target_prompts: str = "none"  # 'none', 'all' or 'length>=N'
+    target_responses: Literal["last", "all"] = "last"
+    truncation: Truncation = "keep_start"  # LLM Foundry keeps the first max_seq_len tokens
+    allow_pad_trimming: bool = False
+    decoder_only_format: bool = True
+    eos_token_id: int | None = None  # ends every response; default: the tokenizer's eos
+    safe_load: bool | None = None  # LLM Foundry's remote-code guard; local files need none
+    token_encoding_type: str = "int64"  # dtype of pre-tokenized MDS columns stored as bytes
+    download_retry: int | None = None
+    download_timeout: float | None = None
+    validate_hash: str | None = None
+    keep_zip: bool | None = None
+    predownload: int | None = None
+    cache_limit: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be a positive number of tokens, got {self.max_seq_len}")
+
+
+@dataclass
+class FinetuningCounts:
+    """What happened to the rows, logged once when the loader is built."""
+
+    rows: int = 0
+    kept: int = 0
+    truncated: int = 0  # kept, cut to max_seq_len by the truncation policy
+    dropped_empty: int = 0  # an empty prompt or response
+    dropped_too_long: int = 0  # longer than max_seq_len with truncation: drop
+    dropped_no_targets: int = 0  # nothing left to train on after truncation (e.g. the prompt alone fills it)
+
+    def __str__(self) -> str:
+        return ", ".join(f"{field.name} {getattr(self, field.name)}" for field in dataclasses.fields(self))
+
+
+@dataclass
+class LabelPolicy:
+    """Which tokens are trained on (LLM Foundry's target_prompts / target_responses)."""
+
+    target_prompts: str
+    target_responses: str
+
+    def prompt_labels(self, prompt: list[int]) -> list[int]:
+        if self.target_prompts == "all":
+            return prompt
+        if self.target_prompts.startswith("length>="):
+            return prompt if len(prompt) >= int(self.target_prompts.removeprefix("length>=")) else _ignored(prompt)
+        return _ignored(prompt)
+
+    def response_labels(self, response: list[int], is_last_turn: bool) -> list[int]:
+        return response if self.target_responses == "all" or is_last_turn else _ignored(response)
+
+
+def _ignored(tokens: list[int]) -> list[int]:
+    return [IGNORE_INDEX] * len(tokens)
+
+
+def build_example(
+    turns: list[TokenTurn], policy: LabelPolicy, max_seq_len: int, truncation: Truncation, counts: FinetuningCounts
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Stitch turns into (input_ids, labels), truncate, and count; None for a dropped example.
+
+    The first label is always -100: nothing in the example predicts its first token, so packed
+    examples never learn to predict across a boundary.
+    """
+    if any(not prompt or not response for prompt, response in turns):
+        counts.dropped_empty += 1
+        return None
+    input_ids: list[int] = []
+    labels: list[int] = []
+    for index, (prompt, response) in enumerate(turns):
+        input_ids += prompt + response
+        labels += policy.prompt_labels(prompt) + policy.response_labels(response, index == len(turns) - 1)
+    is_too_long = len(input_ids) > max_seq_len
+    if is_too_long:
+        if truncation == "drop":
+            counts.dropped_too_long += 1
+            return None
+        keep = slice(None, max_seq_len) if truncation == "keep_start" else slice(-max_seq_len, None)
+        input_ids, labels = input_ids[keep], labels[keep]
+    labels[0] = IGNORE_INDEX
+    if all(label == IGNORE_INDEX for label in labels):
+        counts.dropped_no_targets += 1
+        return None
+    counts.kept += 1
+    counts.truncated += is_too_long
+    return np.asarray(input_ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
+
+
+class FinetuningDataLoader:
+    """Batches of this rank's share of each step, packed or one example per row; resumable mid-epoch.
+
+    Examples are tokenized once at build; each epoch shuffles them with ``(shuffle_seed, epoch)``,
+    plans the rows (``packing.pack_rows``) and deals them out by rank, so the whole epoch is a pure
+    function of the epoch number and a checkpoint's ``{"epoch", "batch_in_epoch"}`` restores it exactly.
+    """
+
+    def __init__(
+        self,
+        examples: list[tuple[np.ndarray, np.ndarray]],
+        config: FinetuningDatasetConfig,
+        counts: FinetuningCounts,
+        device_batch_size: int,
+        pad_token_id: int,
+        drop_last: bool,
+    ) -> None:
+        self.input_ids = [input_ids for input_ids, _ in examples]
+        self.labels = [labels for _, labels in examples]
+        self.config = config
+        self.counts = counts
+        self.device_batch_size = device_batch_size
+        self.pad_token_id = pad_token_id
+        self.drop_last = drop_last
+        self.rank, self.world_size = get_rank(), get_world_size()
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self._resume_at: int | None = None
+        self._plans: dict[int, list[list[Row]]] = {}
+
+    def __len__(self) -> int:
+        return len(self.epoch_batches(self.epoch))
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        epoch, start = self.epoch, self._resume_at or 0
+        self._resume_at = None
+        batches = self.epoch_batches(epoch)
+        for index in range(start, len(batches)):
+            self.batch_in_epoch = index + 1
+            yield self._collate(batches[index])
+        self.epoch, self.batch_in_epoch = epoch + 1, 0  # a finished epoch resumes at the next one
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+        self._resume_at = self.batch_in_epoch
+
+    def epoch_batches(self, epoch: int) -> list[list[Row]]:
+        """This rank's batches of ``epoch``, each a list of rows of example indices."""
+        if epoch not in self._plans:
+            order = list(range(len(self.input_ids)))
+            if self.config.shuffle:
+                order = np.random.default_rng([self.config.shuffle_seed, epoch]).permutation(order).tolist()
+            lengths = [len(input_ids) for input_ids in self.input_ids]
+            rows_per_step = self.device_batch_size * self.world_size
+            rows = pack_rows(lengths, order, _packing_ratio(self.config), rows_per_step, self.config.max_seq_len)
+            batches = rank_batches(rows, self.device_batch_size, self.rank, self.world_size, self.drop_last)
+            self._plans = {epoch: batches}  # keep one epoch's plan
+        return self._plans[epoch]
+
+    def packing_summary(self) -> str:
+        """Examples per row and the share of padding tokens in epoch 0 (to tune packing_ratio)."""
+        rows = [row for batch in self.epoch_batches(0) for row in batch]
+        tokens = sum(len(self.input_ids[index]) for row in rows for index in row)
+        examples = sum(len(row) for row in rows)
+        padding = 1 - tokens / max(1, len(rows) * self.config.max_seq_len)
+        return f"{examples / max(1, len(rows)):.2f} examples per row, {padding:.1%} padding"
+
+    def _collate(self, rows: list[Row]) -> dict[str, torch.Tensor]:
+        trim = 8 if self.config.allow_pad_trimming else None
+        return collate_packed_rows(rows, self.input_ids, self.labels, self.config.max_seq_len, self.pad_token_id, trim)
+
+
+@registry.dataloaders.register("finetuning")
+def build_finetuning_dataloader(
+    *,
+    device_batch_size: int,
+    dataset: dict[str, Any],
+    tokenizer: Any = None,
+    drop_last: bool = False,
+    num_workers: int = 0,
+    pin_memory: bool = True,
+    prefetch_factor: int | None = None,
+    persistent_workers: bool = False,
+    timeout: float = 0,
+    key_path: str = "train_loader",
+) -> FinetuningDataLoader:
+    """Build LLM Foundry's ``finetuning`` loader; rows are read and tokenized here, once.
+
+    The worker keys (``num_workers``, ``pin_memory``, ``prefetch_factor``, ``persistent_workers``,
+    ``timeout``) are accepted for LLM Foundry YAMLs and have no effect: batches are slices of
+    already-tokenized examples, assembled in the training process.
+    """
+    del num_workers, pin_memory, prefetch_factor, persistent_workers, timeout
+    config = parse_dataclass(FinetuningDatasetConfig, dataset, f"{key_path}.dataset")
+    _check_config(config, tokenizer, device_batch_size, f"{key_path}.dataset")
+    policy = LabelPolicy(config.target_prompts, config.target_responses)
+    eos_token_id = tokenizer.eos_token_id if config.eos_token_id is None else config.eos_token_id
+    preprocess = _preprocessing_fn(config.preprocessing_fn, f"{key_path}.dataset.preprocessing_fn")
+    render = chat_renderer(tokenizer)
+    counts = FinetuningCounts()
+    examples = []
+    for location, row in read_rows(config, f"{key_path}.dataset"):
+        counts.rows += 1
+        try:
+            turns = token_turns(preprocess(row) if preprocess else row, tokenizer, render, eos_token_id, config)
+        except RowFormatError as error:
+            raise DataError(f"{location}: {error}. Fix or remove this row.") from None
+        example = build_example(turns, policy, config.max_seq_len, config.truncation, counts)
+        if example is not None:
+            examples.append(example)
+    if not examples:
+        raise DataError(
+            f"'{key_path}.dataset' yields no examples to train on ({counts}). Check the split, max_seq_len "
+            f"and target_prompts/target_responses."
+        )
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_id
+    loader = FinetuningDataLoader(examples, config, counts, device_batch_size, pad_token_id or 0, drop_last)
+    log_level = logging.WARNING if counts.kept < counts.rows or counts.truncated else logging.INFO
+    log.log(log_level, "%s: %s; %s.", key_path, counts, loader.packing_summary())
+    return loader
+
+
+def _check_config(config: FinetuningDatasetConfig, tokenizer: Any, device_batch_size: int, key_path: str) -> None:
+    if tokenizer is None:
+        raise ConfigError(f"'{key_path}' needs a tokenizer: set the run's tokenizer section.")
+    if device_batch_size < 1:
+        raise ConfigError(f"The batch size of '{key_path}' is {device_batch_size}; it must be at least 1.")
+    if not config.decoder_only_format:
+        raise ConfigError(
+            f"'{key_path}.decoder_only_format: false' formats data for encoder-decoder models (T5), which foundry "
+            f"does not train; set it to true."
+        )
+    ratio = config.packing_ratio
+    if ratio == "auto":
+        raise ConfigError(
+            f"'{key_path}.packing_ratio: auto' (profiling) is not implemented. Set a number: the loader logs the "
+            f"examples per row and the padding share it reaches, e.g. start at max_seq_len / mean example length."
+        )
+    if ratio is not None and (isinstance(ratio, str) or ratio < 1):
+        raise ConfigError(f"'{key_path}.packing_ratio' is {ratio!r}; use a number >= 1 (examples per row) or null.")
+    prompts = config.target_prompts
+    valid_length = prompts.startswith("length>=") and prompts.removeprefix("length>=").isdigit()
+    if prompts not in ("none", "all") and not (valid_length and int(prompts.removeprefix("length>=")) > 0):
+        raise ConfigError(f"'{key_path}.target_prompts' is {prompts!r}; use 'none', 'all' or 'length>=N' (N > 0).")
+    sources = [name for name in ("hf_name", "local", "streams") if getattr(config, name)]
+    if len(sources) != 1:
+        raise ConfigError(
+            f"'{key_path}' needs exactly one data source: 'hf_name' (a local .jsonl file or folder) or an MDS "
+            f"dataset ('local' / 'remote' or 'streams'); it has {sources or 'none'}."
+        )
+
+
+def _packing_ratio(config: FinetuningDatasetConfig) -> float | None:
+    ratio = config.packing_ratio
+    return None if ratio is None or float(ratio) == 1 else float(ratio)
+
+
+def _preprocessing_fn(spec: str | dict[str, str] | None, key_path: str) -> Callable[[Any], Any] | None:
+    """LLM Foundry's preprocessing_fn: an import path 'module:function' or a {prompt, response} column map."""
+    if spec is None:
+        return None
+    if isinstance(spec, dict):
+        if set(spec) != {"prompt", "response"}:
+            raise ConfigError(f"'{key_path}' maps columns with exactly the keys prompt and response: {sorted(spec)}.")
+        return lambda row: {target: row.get(column) for target, column in spec.items()}
+    module_name, _, function_name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError, ValueError) as error:
+        message = f"'{key_path}' is {spec!r}, which cannot be imported ({error}); use 'module:function'."
+        raise ConfigError(message) from None
+
+
+def token_turns(
+    row: Any, tokenizer: Any, render: Callable, eos_token_id: int | None, config: FinetuningDatasetConfig
+) -> list[TokenTurn]:
+    """A row's (prompt ids, response ids) turns; the last response ends with eos."""
+    if isinstance(row, Mapping) and "turns" in row:  # pre-tokenized (LLM Foundry's MDS format)
+        turns = [(_token_list(turn["input_ids"], config), _token_list(turn["labels"], config)) for turn in row["turns"]]
+    else:
+        texts, is_chat = text_turns(row, render)
+        turns = [
+            (
+                tokenizer(prompt, add_special_tokens=not is_chat)["input_ids"],  # plain prompts get BOS if any
+                tokenizer(response, add_special_tokens=False)["input_ids"] if response.strip() else [],
+            )
+            for prompt, response in texts
+        ]
+    last_response = turns[-1][1] if turns else []
+    if last_response and eos_token_id is not None and last_response[-1] != eos_token_id:
+        turns[-1] = (turns[-1][0], [*last_response, eos_token_id])
+    return turns
+
+
+def _token_list(value: Any, config: FinetuningDatasetConfig) -> list[int]:
+    if isinstance(value, bytes):
+        value = np.frombuffer(value, dtype=np.dtype(config.token_encoding_type))
+    return [int(token) for token in value]
+
+
+# ----------------------------------------------------------------------------- row sources
+
+
+def read_rows(config: FinetuningDatasetConfig, key_path: str) -> Iterator[tuple[str, Any]]:
+    """(location for errors, row) for every row of the configured source."""
+    if config.hf_name is not None:
+        for path in _jsonl_files(config, key_path):
+            yield from _read_jsonl(path)
+    else:
+        yield from _read_mds(config, key_path)
+
+
+def _jsonl_files(config: FinetuningDatasetConfig, key_path: str) -> list[Path]:
+    """The files ``hf_name`` names: a .jsonl file, a folder's ``<split>.jsonl`` / ``<split>/*.jsonl``, or 'json'."""
+    name, split = config.hf_name, config.split
+    if name == "json":  # LLM Foundry's local form: hf_name json + hf_kwargs data_files or data_dir
+        data_files = config.hf_kwargs.get("data_files")
+        if isinstance(data_files, dict):
+            data_files = data_files.get(split)
+        if data_files:
+            return [Path(path) for path in ([data_files] if isinstance(data_files, str) else data_files)]
+        data_dir = config.hf_kwargs.get("data_dir")
+        if not data_dir:
+            raise ConfigError(f"'{key_path}.hf_name' is 'json'; set '{key_path}.hf_kwargs.data_files' or 'data_dir'.")
+        name = data_dir
+    path = Path(name).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = [path / f"{split}{suffix}" for suffix in JSON_SUFFIXES if (path / f"{split}{suffix}").is_file()]
+        files = files or sorted(f for f in (path / str(split)).glob("*.json*") if f.suffix in JSON_SUFFIXES)
+        if files:
+            return files
+        raise DataError(
+            f"'{key_path}' points at the folder {path}, which has no {split}.jsonl and no {split}/*.jsonl for "
+            f"split '{split}'. Set '{key_path}.split' to the file's name, or hf_name to the file itself."
+        )
+    if name.endswith(JSON_SUFFIXES) or name.startswith(("/", ".", "~")):
+        raise DataError(f"'{key_path}.hf_name' is {name!r}, but no such file or folder exists.")
+    raise ConfigError(
+        f"'{key_path}.hf_name' is {name!r}, a Hugging Face Hub dataset. foundry finetunes from local data: export "
+        f"it once where the Hub is reachable, e.g. python -c \"import datasets; datasets.load_dataset('{name}', "
+        f"split='{split}').to_json('{split}.jsonl')\", then set hf_name to that .jsonl file (or convert it to MDS)."
+    )
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    if not path.is_file():
+        raise DataError(f"Finetuning data file {path} does not exist.")
+    with path.open(encoding="utf-8") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(
+                    f"{path}, line {line_number}: invalid JSON ({error.msg} at column {error.colno}). Each line must "
+                    f'be one JSON object such as {{"prompt": "...", "response": "..."}}.'
+                ) from None
+            yield f"{path}, line {line_number}", row
+
+
+def _read_mds(config: FinetuningDatasetConfig, key_path: str) -> Iterator[tuple[str, Any]]:
+    from streaming import Stream, StreamingDataset
+
+    from foundry.data.text import check_local_split, release_shared_memory
+
+    streams = None
+    if config.streams:
+        streams = [Stream(**kwargs) for kwargs in config.streams.values()]
+    else:
+        check_local_split(config.local, config.remote, config.split, key_path)
+    streaming_keys = ("download_retry", "download_timeout", "validate_hash", "keep_zip", "predownload", "cache_limit")
+    kwargs = {key: getattr(config, key) for key in streaming_keys if getattr(config, key) is not None}
+    dataset = StreamingDataset(
+        streams=streams, local=None if streams else config.local, remote=config.remote, split=config.split, **kwargs
+    )
+    try:
+        for index in range(dataset.num_samples):
+            yield f"{config.local or 'streams'} (split '{config.split}') sample {index}", dict(dataset[index])
+    finally:
+        release_shared_memory(dataset)
