@@ -122,7 +122,7 @@ def test_truncation_keep_end_keeps_the_response_of_a_long_prompt(tmp_path: Path,
     rows = [{"prompt": " word" * 40, "response": " late"}]
     batch = next(iter(build(tiny_tokenizer, write_rows(tmp_path / "train.jsonl", rows), truncation="keep_end")))
     trained = [t for t in batch["labels"][0].tolist() if t != IGNORE_INDEX]
-    assert trained == ids(tiny_tokenizer, " late") + [tiny_tokenizer.eos_token_id]
+    assert trained == [*ids(tiny_tokenizer, " late"), tiny_tokenizer.eos_token_id]
     assert batch["attention_mask"][0].all()
 
 
@@ -130,7 +130,7 @@ def test_truncation_keep_end_keeps_the_response_of_a_long_prompt(tmp_path: Path,
     ("line", "message"),
     [
         ('{"prompt": "a", "response": ', r"line 2: invalid JSON"),
-        ('{"question": "a", "response": "b"}', r"line 2: a row needs 'prompt' and 'response'.*\['question', 'response'\]"),
+        ('{"question": "a", "response": "b"}', r"line 2: a row needs 'prompt' and 'response'.*'question'"),
         ('{"prompt": "a", "response": 3}', r"line 2: 'response' must be a string, got int"),
         ('{"messages": [{"role": "user", "content": "a"}]}', r"line 2: 'messages' must be a list of at least two"),
         ('{"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}', r"line 2:.*role 'bot'"),

@@ -16,11 +16,10 @@ SEQ = 16
 LENGTHS = (5, 7)  # two examples packed into one row of SEQ tokens, the rest padding
 
 ROPE: dict[str, Any] = {"learned_pos_emb": False, "attn_config": {"rope": True, "attn_uses_sequence_id": True}}
+ALIBI: dict[str, Any] = {"learned_pos_emb": False, "attn_config": {"alibi": True, "attn_uses_sequence_id": True}}
 MODELS: dict[str, tuple[type, dict[str, Any]]] = {
     "mpt-rope-sdpa": (MPTCausalLM, {**TINY_MPT, **ROPE}),
-    "mpt-alibi-sdpa": (
-        MPTCausalLM, {**TINY_MPT, "learned_pos_emb": False, "attn_config": {"alibi": True, "attn_uses_sequence_id": True}},
-    ),
+    "mpt-alibi-sdpa": (MPTCausalLM, {**TINY_MPT, **ALIBI}),
     "mpt-learned-pos-torch": (
         MPTCausalLM, {**TINY_MPT, "attn_config": {"attn_impl": "torch", "attn_uses_sequence_id": True}},
     ),
