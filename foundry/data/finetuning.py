@@ -204,23 +204,29 @@ class FinetuningDataLoader:
     def epoch_batches(self, epoch: int) -> list[list[Row]]:
         """This rank's batches of ``epoch``, each a list of rows of example indices."""
         if epoch not in self._plans:
-            order = list(range(len(self.input_ids)))
-            if self.config.shuffle:
-                order = np.random.default_rng([self.config.shuffle_seed, epoch]).permutation(order).tolist()
-            lengths = [len(input_ids) for input_ids in self.input_ids]
-            rows_per_step = self.device_batch_size * self.world_size
-            rows = pack_rows(lengths, order, _packing_ratio(self.config), rows_per_step, self.config.max_seq_len)
+            rows = self.epoch_rows(epoch)
             batches = rank_batches(rows, self.device_batch_size, self.rank, self.world_size, self.drop_last)
             self._plans = {epoch: batches}  # keep one epoch's plan
         return self._plans[epoch]
 
+    def epoch_rows(self, epoch: int) -> list[Row]:
+        """All ranks' rows of ``epoch``, in step order."""
+        order = list(range(len(self.input_ids)))
+        if self.config.shuffle:
+            order = np.random.default_rng([self.config.shuffle_seed, epoch]).permutation(order).tolist()
+        lengths = [len(input_ids) for input_ids in self.input_ids]
+        rows_per_step = self.device_batch_size * self.world_size
+        return pack_rows(lengths, order, _packing_ratio(self.config), rows_per_step, self.config.max_seq_len)
+
     def packing_summary(self) -> str:
-        """Examples per row and the share of padding tokens in epoch 0 (to tune packing_ratio)."""
-        rows = [row for batch in self.epoch_batches(0) for row in batch]
+        """Rows, examples per row and the share of padding tokens in epoch 0 (to tune packing_ratio)."""
+        rows = self.epoch_rows(0)
         tokens = sum(len(self.input_ids[index]) for row in rows for index in row)
-        examples = sum(len(row) for row in rows)
-        padding = 1 - tokens / max(1, len(rows) * self.config.max_seq_len)
-        return f"{examples / max(1, len(rows)):.2f} examples per row, {padding:.1%} padding"
+        padding = 1 - tokens / (len(rows) * self.config.max_seq_len)
+        return (
+            f"epoch 0 has {len(rows)} rows of {len(self.input_ids) / len(rows):.2f} examples on average, "
+            f"{padding:.1%} padding, {len(self)} batches on this rank"
+        )
 
     def _collate(self, rows: list[Row]) -> dict[str, torch.Tensor]:
         trim = 8 if self.config.allow_pad_trimming else None
