@@ -225,7 +225,7 @@ class FinetuningDataLoader:
         padding = 1 - tokens / (len(rows) * self.config.max_seq_len)
         return (
             f"epoch 0 has {len(rows)} rows of {len(self.input_ids) / len(rows):.2f} examples on average, "
-            f"{padding:.1%} padding, {len(self)} batches on this rank"
+            f"{padding:.1%} padding; batches per epoch on this rank: {len(self)}"
         )
 
     def _collate(self, rows: list[Row]) -> dict[str, torch.Tensor]:
