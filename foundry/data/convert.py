@@ -31,6 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from foundry.data.corpus import builtin_corpus_documents
+from foundry.data.jsonl import read_jsonl
 from foundry.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 from foundry.errors import ConfigError, DataError, did_you_mean
 
@@ -248,21 +249,11 @@ def _read_text(path: Path) -> str:
 
 def _read_jsonl(path: Path) -> list[str]:
     texts = []
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(
-                    f"{path}:{line_number}: not valid JSON ({error.msg}). Each line of a .jsonl file must be one "
-                    f'JSON object with a "text" field.'
-                ) from error
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                found = f"keys {sorted(row)}" if isinstance(row, dict) else type(row).__name__
-                raise DataError(f'{path}:{line_number}: expected an object with a string "text" field, got {found}.')
-            texts.append(row["text"])
+    for location, row in read_jsonl(path, 'with a "text" field'):
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            found = f"keys {sorted(row)}" if isinstance(row, dict) else type(row).__name__
+            raise DataError(f'{location}: expected an object with a string "text" field, got {found}.')
+        texts.append(row["text"])
     return texts
 
 

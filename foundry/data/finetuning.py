@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ import torch
 
 from foundry import registry
 from foundry.data.chat import RowFormatError, chat_renderer, text_turns
+from foundry.data.jsonl import read_jsonl
 from foundry.data.packing import Row, collate_packed_rows, pack_rows, rank_batches
 from foundry.distributed.env import get_rank, get_world_size
 from foundry.errors import ConfigError, DataError
@@ -410,18 +410,7 @@ def _jsonl_files(config: FinetuningDatasetConfig, key_path: str) -> list[Path]:
 def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     if not path.is_file():
         raise DataError(f"Finetuning data file {path} does not exist.")
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(
-                    f"{path}, line {line_number}: invalid JSON ({error.msg} at column {error.colno}). Each line must "
-                    f'be one JSON object such as {{"prompt": "...", "response": "..."}}.'
-                ) from None
-            yield f"{path}, line {line_number}", row
+    yield from read_jsonl(path, 'such as {"prompt": "...", "response": "..."}')
 
 
 def _read_mds(config: FinetuningDatasetConfig, key_path: str) -> Iterator[tuple[str, Any]]:

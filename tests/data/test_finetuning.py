@@ -129,17 +129,17 @@ def test_truncation_keep_end_keeps_the_response_of_a_long_prompt(tmp_path: Path,
 @pytest.mark.parametrize(
     ("line", "message"),
     [
-        ('{"prompt": "a", "response": ', r"line 2: invalid JSON"),
-        ('{"question": "a", "response": "b"}', r"line 2: a row needs 'prompt' and 'response'.*'question'"),
-        ('{"prompt": "a", "response": 3}', r"line 2: 'response' must be a string, got int"),
-        ('{"messages": [{"role": "user", "content": "a"}]}', r"line 2: 'messages' must be a list of at least two"),
-        ('{"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}', r"line 2:.*role 'bot'"),
+        ('{"prompt": "a", "response": ', r"not valid JSON"),
+        ('{"question": "a", "response": "b"}', r"a row needs 'prompt' and 'response'.*'question'"),
+        ('{"prompt": "a", "response": 3}', r"'response' must be a string, got int"),
+        ('{"messages": [{"role": "user", "content": "a"}]}', r"'messages' must be a list of at least two"),
+        ('{"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}', r".*role 'bot'"),
     ],
 )  # fmt: skip
 def test_malformed_rows_name_the_file_and_line(tmp_path: Path, tiny_tokenizer: Any, line: str, message: str) -> None:
     path = tmp_path / "train.jsonl"
     path.write_text('{"prompt": "ok", "response": "fine"}\n' + line + "\n", encoding="utf-8")
-    with pytest.raises(DataError, match=rf"{path.name}, {message}"):
+    with pytest.raises(DataError, match=rf"{path.name}:2: {message}"):
         build(tiny_tokenizer, path)
 
 
