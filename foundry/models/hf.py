@@ -78,7 +78,7 @@ class HFCausalLM(CausalLM):
         return self.hf_model.get_input_embeddings().weight.shape[0]
 
     def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
-        _refuse_packed_examples(batch)
+        refuse_packed_examples(batch)
         outputs = self.hf_model(
             input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False
         )
@@ -101,7 +101,7 @@ class HFCausalLM(CausalLM):
         return flops.flops_per_batch(self.n_active_params, n_layers, d_model, batch_size, seq_len)
 
 
-def _refuse_packed_examples(batch: Mapping[str, Any]) -> None:
+def refuse_packed_examples(batch: Mapping[str, Any]) -> None:
     """Hugging Face models take no per-example attention mask here, so packed rows would attend across examples."""
     sequence_id = batch.get("sequence_id")
     if sequence_id is not None and bool((sequence_id > 0).any()):

@@ -11,6 +11,7 @@ from helpers import TINY_LLAMA, TINY_MPT
 from foundry.errors import ConfigError
 from foundry.models import LlamaCausalLM, MPTCausalLM
 from foundry.models.base import IGNORE_INDEX
+from foundry.models.hf import refuse_packed_examples
 
 SEQ = 16
 LENGTHS = (5, 7)  # two examples packed into one row of SEQ tokens, the rest padding
@@ -113,3 +114,10 @@ def test_position_ids_restart_learned_positions() -> None:
 def test_fused_kernels_refuse_sequence_id_masking(attn_impl: str) -> None:
     with pytest.raises(ConfigError, match=rf"'model\.attn_config\.attn_uses_sequence_id'.*{attn_impl}.*'sdpa'"):
         MPTCausalLM(**TINY_MPT, attn_config={"attn_impl": attn_impl, "attn_uses_sequence_id": True})
+
+
+def test_hf_causal_lm_refuses_rows_that_pack_several_examples() -> None:
+    one_example_per_row = {"sequence_id": torch.tensor([[0, 0, -1], [0, 0, 0]])}
+    refuse_packed_examples(one_example_per_row)  # unpacked finetuning batches are fine
+    with pytest.raises(ConfigError, match=r"hf_causal_lm cannot mask attention.*packing_ratio"):
+        refuse_packed_examples({"sequence_id": torch.tensor([[0, 0, 1]])})
