@@ -35,7 +35,7 @@ import torch
 from foundry import registry
 from foundry.data.chat import RowFormatError, chat_renderer, text_turns
 from foundry.data.jsonl import read_jsonl
-from foundry.data.packing import Row, collate_packed_rows, pack_rows, rank_batches
+from foundry.data.packing import Row, collate_packed_rows, pack_rows, profile_packing_ratio, rank_batches
 from foundry.distributed.env import get_rank, get_world_size
 from foundry.errors import ConfigError, DataError
 from foundry.models.base import IGNORE_INDEX
@@ -62,7 +62,7 @@ class FinetuningDatasetConfig:
     split: str | None = None
     shuffle: bool = False
     shuffle_seed: int = 9176  # mosaicml-streaming's default, as LLM Foundry
-    packing_ratio: float | str | None = None  # examples per row on average; None or 1: no packing
+    packing_ratio: float | str | None = None  # examples drawn per row; 'auto' profiles; None or 1: no packing
     target_prompts: str = "none"  # 'none', 'all' or 'length>=N'
     target_responses: Literal["last", "all"] = "last"
     truncation: Truncation = "keep_start"  # LLM Foundry keeps the first max_seq_len tokens
@@ -181,6 +181,7 @@ class FinetuningDataLoader:
         self.batch_in_epoch = 0
         self._resume_at: int | None = None
         self._plans: dict[int, list[list[Row]]] = {}
+        self.packing_ratio = self._resolve_packing_ratio(config.packing_ratio)
 
     def __len__(self) -> int:
         return len(self.epoch_batches(self.epoch))
@@ -211,19 +212,41 @@ class FinetuningDataLoader:
 
     def epoch_rows(self, epoch: int) -> list[Row]:
         """All ranks' rows of ``epoch``, in step order."""
+        return pack_rows(
+            self._lengths(),
+            self._epoch_order(epoch),
+            self.packing_ratio,
+            self._rows_per_step(),
+            self.config.max_seq_len,
+        )
+
+    def _resolve_packing_ratio(self, ratio: float | str | None) -> float | None:
+        """None (one example per row) for null or 1; 'auto' profiles epoch 0 (the same on every rank)."""
+        if ratio == "auto":
+            ratio = profile_packing_ratio(
+                self._lengths(), self._epoch_order(0), self._rows_per_step(), self.config.max_seq_len
+            )
+        return None if ratio is None or float(ratio) == 1 else float(ratio)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self.input_ids)))
-        if self.config.shuffle:
-            order = np.random.default_rng([self.config.shuffle_seed, epoch]).permutation(order).tolist()
-        lengths = [len(input_ids) for input_ids in self.input_ids]
-        rows_per_step = self.device_batch_size * self.world_size
-        return pack_rows(lengths, order, _packing_ratio(self.config), rows_per_step, self.config.max_seq_len)
+        if not self.config.shuffle:
+            return order
+        return np.random.default_rng([self.config.shuffle_seed, epoch]).permutation(order).tolist()
+
+    def _lengths(self) -> list[int]:
+        return [len(input_ids) for input_ids in self.input_ids]
+
+    def _rows_per_step(self) -> int:
+        return self.device_batch_size * self.world_size
 
     def packing_summary(self) -> str:
         """Rows, examples per row and the share of padding tokens in epoch 0 (to tune packing_ratio)."""
         rows = self.epoch_rows(0)
         tokens = sum(len(self.input_ids[index]) for row in rows for index in row)
         padding = 1 - tokens / (len(rows) * self.config.max_seq_len)
-        return (
+        ratio = "" if self.config.packing_ratio != "auto" else f"packing_ratio auto chose {self.packing_ratio or 1}; "
+        return ratio + (
             f"epoch 0 has {len(rows)} rows of {len(self.input_ids) / len(rows):.2f} examples on average, "
             f"{padding:.1%} padding; batches per epoch on this rank: {len(self)}"
         )
@@ -294,13 +317,10 @@ def _check_config(config: FinetuningDatasetConfig, tokenizer: Any, device_batch_
             f"does not train; set it to true."
         )
     ratio = config.packing_ratio
-    if ratio == "auto":
+    if ratio is not None and ratio != "auto" and (isinstance(ratio, str) or ratio < 1):
         raise ConfigError(
-            f"'{key_path}.packing_ratio: auto' (profiling) is not implemented. Set a number: the loader logs the "
-            f"examples per row and the padding share it reaches, e.g. start at max_seq_len / mean example length."
+            f"'{key_path}.packing_ratio' is {ratio!r}; use a number >= 1 (examples per row), 'auto' or null."
         )
-    if ratio is not None and (isinstance(ratio, str) or ratio < 1):
-        raise ConfigError(f"'{key_path}.packing_ratio' is {ratio!r}; use a number >= 1 (examples per row) or null.")
     prompts = config.target_prompts
     valid_length = prompts.startswith("length>=") and prompts.removeprefix("length>=").isdigit()
     if prompts not in ("none", "all") and not (valid_length and int(prompts.removeprefix("length>=")) > 0):
@@ -311,11 +331,6 @@ def _check_config(config: FinetuningDatasetConfig, tokenizer: Any, device_batch_
             f"'{key_path}' needs exactly one data source: 'hf_name' (a local .jsonl file or folder) or an MDS "
             f"dataset ('local' / 'remote' or 'streams'); it has {sources or 'none'}."
         )
-
-
-def _packing_ratio(config: FinetuningDatasetConfig) -> float | None:
-    ratio = config.packing_ratio
-    return None if ratio is None or float(ratio) == 1 else float(ratio)
 
 
 def _preprocessing_fn(spec: str | dict[str, str] | None, key_path: str) -> Callable[[Any], Any] | None:

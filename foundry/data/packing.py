@@ -38,6 +38,34 @@ def pack_rows(
     return rows
 
 
+def profile_packing_ratio(
+    lengths: Sequence[int], order: Sequence[int], rows_per_step: int, max_seq_len: int, max_steps: int = 64
+) -> float:
+    """``packing_ratio: auto``: the highest ratio (1, 1.5, 2, ...) at which no example is carried over.
+
+    Each candidate packs the first ``max_steps`` steps of ``order``; it passes when every step's
+    examples fit in the step's rows. The highest candidate tried is ``max_seq_len`` over the
+    shortest example (no row can hold more), capped at 32.
+    """
+    highest = min(32.0, max_seq_len / max(1, min(lengths)))
+    candidates = [1 + step / 2 for step in range(int((highest - 1) * 2) + 1)]
+    return max(ratio for ratio in candidates if _fits_without_carry_over(
+        lengths, order, ratio, rows_per_step, max_seq_len, max_steps
+    ))  # fmt: skip
+
+
+def _fits_without_carry_over(
+    lengths: Sequence[int], order: Sequence[int], ratio: float, rows_per_step: int, max_seq_len: int, max_steps: int
+) -> bool:
+    examples_per_step = max(rows_per_step, round(ratio * rows_per_step))
+    profiled = min(len(order), examples_per_step * max_steps)
+    for start in range(0, profiled, examples_per_step):
+        step = list(order[start : min(start + examples_per_step, profiled)])
+        if _first_fit_decreasing(step, lengths, rows_per_step, max_seq_len)[1]:
+            return False
+    return True
+
+
 def _first_fit_decreasing(
     pool: list[int], lengths: Sequence[int], num_rows: int, max_seq_len: int
 ) -> tuple[list[Row], list[int]]:

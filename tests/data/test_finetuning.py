@@ -148,10 +148,11 @@ def test_hub_dataset_names_are_refused_with_an_export_recipe(tiny_tokenizer: Any
         build(tiny_tokenizer, Path("mosaicml/dolly_hhrlhf"), split="train")
 
 
-def test_packing_ratio_auto_is_refused_with_what_to_set(tmp_path: Path, tiny_tokenizer: Any) -> None:
+@pytest.mark.parametrize("ratio", [0.5, "fast"])
+def test_packing_ratio_below_one_or_unknown_is_refused(tmp_path: Path, tiny_tokenizer: Any, ratio: Any) -> None:
     path = write_rows(tmp_path / "train.jsonl", [{"prompt": "a", "response": "b"}])
-    with pytest.raises(ConfigError, match=r"packing_ratio: auto.*Set a number"):
-        build(tiny_tokenizer, path, packing_ratio="auto")
+    with pytest.raises(ConfigError, match=r"'train_loader\.dataset\.packing_ratio' is .*a number >= 1.*'auto'"):
+        build(tiny_tokenizer, path, packing_ratio=ratio)
 
 
 def test_llm_foundry_json_form_reads_the_split_file(tmp_path: Path, tiny_tokenizer: Any) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from foundry.cli import main
 from foundry.data import build_finetuning_dataloader
-from foundry.data.packing import pack_rows, rank_batches
+from foundry.data.packing import pack_rows, profile_packing_ratio, rank_batches
 from foundry.models.base import IGNORE_INDEX, shifted_targets
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +60,17 @@ def test_no_token_predicts_the_next_examples_first_token(rows_file: Path, tiny_t
 def test_pack_rows_carries_what_does_not_fit_to_the_next_step() -> None:
     rows = pack_rows(lengths=[6, 6, 6, 2, 2], order=[0, 1, 2, 3, 4], packing_ratio=2, rows_per_step=1, max_seq_len=8)
     assert rows == [[0], [1, 3], [2, 4]]
+
+
+def test_auto_packing_ratio_is_the_highest_that_carries_nothing_over() -> None:
+    lengths = [2, 6] * 20  # 4 examples (2 + 6 + 2 + 6) fill a row of 16 exactly
+    assert profile_packing_ratio(lengths, list(range(40)), rows_per_step=2, max_seq_len=16) == 4.0
+
+
+def test_packing_ratio_auto_packs_the_loader_without_carry_over(rows_file: Path, tiny_tokenizer: Any) -> None:
+    loader = build(tiny_tokenizer, rows_file, packing_ratio="auto")
+    assert loader.packing_ratio is not None and loader.packing_ratio > 1
+    assert sorted(index for row in loader.epoch_rows(0) for index in row) == list(range(len(ROWS)))
 
 
 def test_every_rank_gets_the_same_number_of_disjoint_batches() -> None:
