@@ -155,9 +155,10 @@ def build_example(
 class FinetuningDataLoader:
     """Batches of this rank's share of each step, packed or one example per row; resumable mid-epoch.
 
-    Examples are tokenized once at build; each epoch shuffles them with ``(shuffle_seed, epoch)``,
-    plans the rows (``packing.pack_rows``) and deals them out by rank, so the whole epoch is a pure
-    function of the epoch number and a checkpoint's ``{"epoch", "batch_in_epoch"}`` restores it exactly.
+    Examples are tokenized once at build and packed once into rows (in an order shuffled by
+    ``(shuffle_seed, 0)``); each epoch permutes the rows with ``(shuffle_seed, epoch)`` and deals
+    them out by rank. Every epoch thus has the same number of batches (exact schedules in epochs),
+    and a checkpoint's ``{"epoch", "batch_in_epoch"}`` restores the position exactly.
     """
 
     def __init__(
@@ -180,8 +181,11 @@ class FinetuningDataLoader:
         self.epoch = 0
         self.batch_in_epoch = 0
         self._resume_at: int | None = None
-        self._plans: dict[int, list[list[Row]]] = {}
-        self.packing_ratio = self._resolve_packing_ratio(config.packing_ratio)
+        lengths = [len(input_ids) for input_ids in self.input_ids]
+        example_order = self._shuffled(len(lengths), epoch=0)
+        rows_per_step = device_batch_size * self.world_size
+        self.packing_ratio = _resolve_packing_ratio(config, lengths, example_order, rows_per_step)
+        self.rows = pack_rows(lengths, example_order, self.packing_ratio, rows_per_step, config.max_seq_len)
 
     def __len__(self) -> int:
         return len(self.epoch_batches(self.epoch))
@@ -204,56 +208,38 @@ class FinetuningDataLoader:
 
     def epoch_batches(self, epoch: int) -> list[list[Row]]:
         """This rank's batches of ``epoch``, each a list of rows of example indices."""
-        if epoch not in self._plans:
-            rows = self.epoch_rows(epoch)
-            batches = rank_batches(rows, self.device_batch_size, self.rank, self.world_size, self.drop_last)
-            self._plans = {epoch: batches}  # keep one epoch's plan
-        return self._plans[epoch]
+        rows = [self.rows[index] for index in self._shuffled(len(self.rows), epoch)]
+        return rank_batches(rows, self.device_batch_size, self.rank, self.world_size, self.drop_last)
 
-    def epoch_rows(self, epoch: int) -> list[Row]:
-        """All ranks' rows of ``epoch``, in step order."""
-        return pack_rows(
-            self._lengths(),
-            self._epoch_order(epoch),
-            self.packing_ratio,
-            self._rows_per_step(),
-            self.config.max_seq_len,
-        )
-
-    def _resolve_packing_ratio(self, ratio: float | str | None) -> float | None:
-        """None (one example per row) for null or 1; 'auto' profiles epoch 0 (the same on every rank)."""
-        if ratio == "auto":
-            ratio = profile_packing_ratio(
-                self._lengths(), self._epoch_order(0), self._rows_per_step(), self.config.max_seq_len
-            )
-        return None if ratio is None or float(ratio) == 1 else float(ratio)
-
-    def _epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.input_ids)))
+    def _shuffled(self, count: int, epoch: int) -> list[int]:
+        """``range(count)``, permuted by ``(shuffle_seed, epoch)`` when shuffling."""
         if not self.config.shuffle:
-            return order
-        return np.random.default_rng([self.config.shuffle_seed, epoch]).permutation(order).tolist()
-
-    def _lengths(self) -> list[int]:
-        return [len(input_ids) for input_ids in self.input_ids]
-
-    def _rows_per_step(self) -> int:
-        return self.device_batch_size * self.world_size
+            return list(range(count))
+        return np.random.default_rng([self.config.shuffle_seed, epoch]).permutation(count).tolist()
 
     def packing_summary(self) -> str:
-        """Rows, examples per row and the share of padding tokens in epoch 0 (to tune packing_ratio)."""
-        rows = self.epoch_rows(0)
-        tokens = sum(len(self.input_ids[index]) for row in rows for index in row)
-        padding = 1 - tokens / (len(rows) * self.config.max_seq_len)
+        """Rows, examples per row and the share of padding tokens (to tune packing_ratio)."""
+        tokens = sum(len(self.input_ids[index]) for row in self.rows for index in row)
+        padding = 1 - tokens / (len(self.rows) * self.config.max_seq_len)
         ratio = "" if self.config.packing_ratio != "auto" else f"packing_ratio auto chose {self.packing_ratio or 1}; "
         return ratio + (
-            f"epoch 0 has {len(rows)} rows of {len(self.input_ids) / len(rows):.2f} examples on average, "
+            f"{len(self.rows)} rows of {len(self.input_ids) / len(self.rows):.2f} examples on average, "
             f"{padding:.1%} padding; batches per epoch on this rank: {len(self)}"
         )
 
     def _collate(self, rows: list[Row]) -> dict[str, torch.Tensor]:
         trim = 8 if self.config.allow_pad_trimming else None
         return collate_packed_rows(rows, self.input_ids, self.labels, self.config.max_seq_len, self.pad_token_id, trim)
+
+
+def _resolve_packing_ratio(
+    config: FinetuningDatasetConfig, lengths: list[int], order: list[int], rows_per_step: int
+) -> float | None:
+    """None (one example per row) for null or 1; 'auto' profiles the packing order (the same on every rank)."""
+    ratio = config.packing_ratio
+    if ratio == "auto":
+        ratio = profile_packing_ratio(lengths, order, rows_per_step, config.max_seq_len)
+    return None if ratio is None or float(ratio) == 1 else float(ratio)
 
 
 @registry.dataloaders.register("finetuning")

@@ -42,9 +42,9 @@ def test_packed_rows_hold_several_examples_with_restarting_positions(rows_file: 
 
 def test_an_epoch_packs_every_example_exactly_once(rows_file: Path, tiny_tokenizer: Any) -> None:
     loader = build(tiny_tokenizer, rows_file)
-    packed = sorted(index for row in loader.epoch_rows(0) for index in row)
+    packed = sorted(index for row in loader.rows for index in row)
     assert packed == list(range(len(ROWS)))
-    assert len(loader.epoch_rows(0)) < len(ROWS)
+    assert len(loader.rows) < len(ROWS)
 
 
 def test_no_token_predicts_the_next_examples_first_token(rows_file: Path, tiny_tokenizer: Any) -> None:
@@ -55,6 +55,14 @@ def test_no_token_predicts_the_next_examples_first_token(rows_file: Path, tiny_t
     same_example = ~next_is_new_example & (batch["sequence_id"] >= 0)
     same_example[:, -1] = False
     assert (targets[same_example] != IGNORE_INDEX).all()  # target_prompts: all trains on every other token
+
+
+def test_epochs_reshuffle_the_packed_rows_but_keep_their_batch_count(rows_file: Path, tiny_tokenizer: Any) -> None:
+    loader = build(tiny_tokenizer, rows_file)
+    first, second = loader.epoch_batches(0), loader.epoch_batches(1)
+    assert len(first) == len(second)
+    assert first != second
+    assert sorted(map(sorted, (row for batch in second for row in batch))) == sorted(map(sorted, loader.rows))
 
 
 def test_pack_rows_carries_what_does_not_fit_to_the_next_step() -> None:
@@ -70,7 +78,7 @@ def test_auto_packing_ratio_is_the_highest_that_carries_nothing_over() -> None:
 def test_packing_ratio_auto_packs_the_loader_without_carry_over(rows_file: Path, tiny_tokenizer: Any) -> None:
     loader = build(tiny_tokenizer, rows_file, packing_ratio="auto")
     assert loader.packing_ratio is not None and loader.packing_ratio > 1
-    assert sorted(index for row in loader.epoch_rows(0) for index in row) == list(range(len(ROWS)))
+    assert sorted(index for row in loader.rows for index in row) == list(range(len(ROWS)))
 
 
 def test_every_rank_gets_the_same_number_of_disjoint_batches() -> None:
