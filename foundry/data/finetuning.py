@@ -340,7 +340,12 @@ def token_turns(
 ) -> list[TokenTurn]:
     """A row's (prompt ids, response ids) turns; the last response ends with eos."""
     if isinstance(row, Mapping) and "turns" in row:  # pre-tokenized (LLM Foundry's MDS format)
-        turns = [(_token_list(turn["input_ids"], config), _token_list(turn["labels"], config)) for turn in row["turns"]]
+        try:
+            turns = [
+                (_token_list(turn["input_ids"], config), _token_list(turn["labels"], config)) for turn in row["turns"]
+            ]
+        except (KeyError, TypeError, ValueError) as error:
+            raise RowFormatError(f"'turns' must be a list of {{input_ids, labels}} token lists ({error!r})") from None
     else:
         texts, is_chat = text_turns(row, render)
         turns = [
@@ -415,15 +420,11 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _read_mds(config: FinetuningDatasetConfig, key_path: str) -> Iterator[tuple[str, Any]]:
-    from streaming import Stream, StreamingDataset
+    from streaming import StreamingDataset
 
-    from foundry.data.text import check_local_split, release_shared_memory
+    from foundry.data.text import build_checked_streams, release_shared_memory
 
-    streams = None
-    if config.streams:
-        streams = [Stream(**kwargs) for kwargs in config.streams.values()]
-    else:
-        check_local_split(config.local, config.remote, config.split, key_path)
+    streams = build_checked_streams(config, key_path)
     streaming_keys = ("download_retry", "download_timeout", "validate_hash", "keep_zip", "predownload", "cache_limit")
     kwargs = {key: getattr(config, key) for key in streaming_keys if getattr(config, key) is not None}
     dataset = StreamingDataset(

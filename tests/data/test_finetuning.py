@@ -181,3 +181,21 @@ def test_mds_prompt_response_columns_are_read(tmp_path: Path, tiny_tokenizer: An
     assert [tiny_tokenizer.decode(row[row != IGNORE_INDEX]) for row in batch["labels"]] == [" answer<|endoftext|>"] * 3
     texts = [tiny_tokenizer.decode(row[mask.bool()]) for row, mask in zip(batch["input_ids"], batch["attention_mask"])]
     assert texts == [f"Question {index} answer<|endoftext|>" for index in range(3)]
+
+
+def test_mds_pretokenized_turns_are_read_and_bad_ones_named(tmp_path: Path, tiny_tokenizer: Any) -> None:
+    from streaming import MDSWriter
+
+    with MDSWriter(out=str(tmp_path / "train"), columns={"turns": "json"}) as writer:
+        writer.write({"turns": [{"input_ids": [5, 6, 7], "labels": [8, 9]}]})
+        writer.write({"turns": [{"input_ids": [5, 6]}]})
+    with MDSWriter(out=str(tmp_path / "val"), columns={"turns": "json"}) as writer:
+        writer.write({"turns": [{"input_ids": [5, 6, 7], "labels": [8, 9]}]})
+    dataset = {"local": str(tmp_path), "split": "val", "max_seq_len": SEQ}
+    batch = next(iter(build_finetuning_dataloader(tokenizer=tiny_tokenizer, device_batch_size=1, dataset=dataset)))
+    eos = tiny_tokenizer.eos_token_id
+    assert batch["input_ids"][0, :6].tolist() == [5, 6, 7, 8, 9, eos]
+    assert batch["labels"][0, :6].tolist() == [IGNORE_INDEX] * 3 + [8, 9, eos]
+    dataset["split"] = "train"
+    with pytest.raises(DataError, match=r"\(split 'train'\) sample 1: 'turns' must be a list of \{input_ids, labels\}"):
+        build_finetuning_dataloader(tokenizer=tiny_tokenizer, device_batch_size=1, dataset=dataset)
