@@ -128,7 +128,7 @@ def build_example(
     The first label is always -100: nothing in the example predicts its first token, so packed
     examples never learn to predict across a boundary.
     """
-    if any(not prompt or not response for prompt, response in turns):
+    if not turns or any(not prompt or not response for prompt, response in turns):
         counts.dropped_empty += 1
         return None
     input_ids: list[int] = []
