@@ -355,7 +355,7 @@ def run_convert(args: argparse.Namespace) -> int:
         print(write_builtin_instructions(args.out, args.eval_fraction, args.overwrite))
         return 0
     if args.builtin_corpus == bool(args.inputs):
-        raise ConfigError("Pass either input files/folders or --builtin-corpus (exactly one of them).")
+        raise ConfigError("Pass input files/folders, --builtin-corpus or --builtin-instructions (exactly one of them).")
     summary = convert_to_mds(
         None if args.builtin_corpus else args.inputs,
         args.out,

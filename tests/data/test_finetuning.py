@@ -199,3 +199,25 @@ def test_mds_pretokenized_turns_are_read_and_bad_ones_named(tmp_path: Path, tiny
     dataset["split"] = "train"
     with pytest.raises(DataError, match=r"\(split 'train'\) sample 1: 'turns' must be a list of \{input_ids, labels\}"):
         build_finetuning_dataloader(tokenizer=tiny_tokenizer, device_batch_size=1, dataset=dataset)
+
+
+@pytest.mark.parametrize(
+    ("preprocessing_fn", "row"),
+    [
+        ({"prompt": "question", "response": "answer"}, {"question": "Hi", "answer": " there"}),
+        ("builtins:dict", {"prompt": "Hi", "response": " there"}),  # an import path, called on each row
+    ],
+)
+def test_preprocessing_fn_maps_rows_before_reading_them(
+    tmp_path: Path, tiny_tokenizer: Any, preprocessing_fn: Any, row: dict[str, str]
+) -> None:
+    path = write_rows(tmp_path / "train.jsonl", [row])
+    batch = next(iter(build(tiny_tokenizer, path, preprocessing_fn=preprocessing_fn)))
+    trained = [t for t in batch["labels"][0].tolist() if t != IGNORE_INDEX]
+    assert trained == [*ids(tiny_tokenizer, " there"), tiny_tokenizer.eos_token_id]
+
+
+def test_unimportable_preprocessing_fn_is_named(tmp_path: Path, tiny_tokenizer: Any) -> None:
+    path = write_rows(tmp_path / "train.jsonl", [{"prompt": "a", "response": "b"}])
+    with pytest.raises(ConfigError, match=r"'train_loader\.dataset\.preprocessing_fn' is 'my\.module:fn'.*import"):
+        build(tiny_tokenizer, path, preprocessing_fn="my.module:fn")
