@@ -200,6 +200,9 @@ class FinetuningDataLoader:
         self.epoch, self.batch_in_epoch = epoch + 1, 0  # a finished epoch resumes at the next one
 
     def state_dict(self) -> dict[str, int]:
+        """The position after the last batch yielded; after an epoch's last batch, the next epoch's start."""
+        if self.batch_in_epoch == len(self.epoch_batches(self.epoch)):  # even if the iteration was not finished
+            return {"epoch": self.epoch + 1, "batch_in_epoch": 0}
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:

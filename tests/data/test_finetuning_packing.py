@@ -105,9 +105,13 @@ def test_state_dict_resumes_mid_epoch(rows_file: Path, tiny_tokenizer: Any) -> N
     assert all(torch.equal(a, b) for a, b in zip(rest, full_epoch[1:], strict=True))
 
 
-def test_state_after_a_full_epoch_points_at_the_next_epoch(rows_file: Path, tiny_tokenizer: Any) -> None:
+def test_state_after_an_epochs_last_batch_points_at_the_next_epoch(rows_file: Path, tiny_tokenizer: Any) -> None:
     loader = build(tiny_tokenizer, rows_file)
-    list(loader)
+    batches = iter(loader)
+    for _ in range(len(loader)):  # the Trainer stops here when max_duration ends with the epoch
+        next(batches)
+    assert loader.state_dict() == {"epoch": 1, "batch_in_epoch": 0}
+    list(batches)
     assert loader.state_dict() == {"epoch": 1, "batch_in_epoch": 0}
 
 
