@@ -26,26 +26,21 @@ import importlib
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from foundry import registry
-from foundry.data.chat import RowFormatError, chat_renderer, text_turns
-from foundry.data.jsonl import read_jsonl
+from foundry.data.chat import RowFormatError, chat_renderer
+from foundry.data.finetuning_examples import FinetuningCounts, LabelPolicy, Truncation, build_example, token_turns
+from foundry.data.finetuning_rows import read_rows
 from foundry.data.packing import Row, collate_packed_rows, pack_rows, profile_packing_ratio, rank_batches
 from foundry.distributed.env import get_rank, get_world_size
 from foundry.errors import ConfigError, DataError
-from foundry.models.base import IGNORE_INDEX
 from foundry.schema import parse_dataclass
 
 log = logging.getLogger(__name__)
-
-Truncation = Literal["keep_start", "keep_end", "drop"]
-TokenTurn = tuple[list[int], list[int]]  # (prompt ids, response ids)
-JSON_SUFFIXES = (".jsonl", ".json")
 
 
 @dataclass
@@ -81,75 +76,6 @@ class FinetuningDatasetConfig:
     def __post_init__(self) -> None:
         if self.max_seq_len < 1:
             raise ValueError(f"max_seq_len must be a positive number of tokens, got {self.max_seq_len}")
-
-
-@dataclass
-class FinetuningCounts:
-    """What happened to the rows, logged once when the loader is built."""
-
-    rows: int = 0
-    kept: int = 0
-    truncated: int = 0  # kept, cut to max_seq_len by the truncation policy
-    dropped_empty: int = 0  # an empty prompt or response
-    dropped_too_long: int = 0  # longer than max_seq_len with truncation: drop
-    dropped_no_targets: int = 0  # nothing left to train on after truncation (e.g. the prompt alone fills it)
-
-    def __str__(self) -> str:
-        return ", ".join(f"{field.name} {getattr(self, field.name)}" for field in dataclasses.fields(self))
-
-
-@dataclass
-class LabelPolicy:
-    """Which tokens are trained on (LLM Foundry's target_prompts / target_responses)."""
-
-    target_prompts: str
-    target_responses: str
-
-    def prompt_labels(self, prompt: list[int]) -> list[int]:
-        if self.target_prompts == "all":
-            return prompt
-        if self.target_prompts.startswith("length>="):
-            return prompt if len(prompt) >= int(self.target_prompts.removeprefix("length>=")) else _ignored(prompt)
-        return _ignored(prompt)
-
-    def response_labels(self, response: list[int], is_last_turn: bool) -> list[int]:
-        return response if self.target_responses == "all" or is_last_turn else _ignored(response)
-
-
-def _ignored(tokens: list[int]) -> list[int]:
-    return [IGNORE_INDEX] * len(tokens)
-
-
-def build_example(
-    turns: list[TokenTurn], policy: LabelPolicy, max_seq_len: int, truncation: Truncation, counts: FinetuningCounts
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """Stitch turns into (input_ids, labels), truncate, and count; None for a dropped example.
-
-    The first label is always -100: nothing in the example predicts its first token, so packed
-    examples never learn to predict across a boundary.
-    """
-    if not turns or any(not prompt or not response for prompt, response in turns):
-        counts.dropped_empty += 1
-        return None
-    input_ids: list[int] = []
-    labels: list[int] = []
-    for index, (prompt, response) in enumerate(turns):
-        input_ids += prompt + response
-        labels += policy.prompt_labels(prompt) + policy.response_labels(response, index == len(turns) - 1)
-    is_too_long = len(input_ids) > max_seq_len
-    if is_too_long:
-        if truncation == "drop":
-            counts.dropped_too_long += 1
-            return None
-        keep = slice(None, max_seq_len) if truncation == "keep_start" else slice(-max_seq_len, None)
-        input_ids, labels = input_ids[keep], labels[keep]
-    labels[0] = IGNORE_INDEX
-    if all(label == IGNORE_INDEX for label in labels):
-        counts.dropped_no_targets += 1
-        return None
-    counts.kept += 1
-    counts.truncated += is_too_long
-    return np.asarray(input_ids, dtype=np.int64), np.asarray(labels, dtype=np.int64)
 
 
 class FinetuningDataLoader:
@@ -277,7 +203,8 @@ def build_finetuning_dataloader(
     for location, row in read_rows(config, f"{key_path}.dataset"):
         counts.rows += 1
         try:
-            turns = token_turns(preprocess(row) if preprocess else row, tokenizer, render, eos_token_id, config)
+            row = preprocess(row) if preprocess else row
+            turns = token_turns(row, tokenizer, render, eos_token_id, config.token_encoding_type)
         except RowFormatError as error:
             raise DataError(f"{location}: {error}. Fix or remove this row.") from None
         example = build_example(turns, policy, config.max_seq_len, config.truncation, counts)
@@ -336,105 +263,3 @@ def _preprocessing_fn(spec: str | dict[str, str] | None, key_path: str) -> Calla
     except (ImportError, AttributeError, ValueError) as error:
         message = f"'{key_path}' is {spec!r}, which cannot be imported ({error}); use 'module:function'."
         raise ConfigError(message) from None
-
-
-def token_turns(
-    row: Any, tokenizer: Any, render: Callable, eos_token_id: int | None, config: FinetuningDatasetConfig
-) -> list[TokenTurn]:
-    """A row's (prompt ids, response ids) turns; the last response ends with eos."""
-    if isinstance(row, Mapping) and "turns" in row:  # pre-tokenized (LLM Foundry's MDS format)
-        try:
-            turns = [
-                (_token_list(turn["input_ids"], config), _token_list(turn["labels"], config)) for turn in row["turns"]
-            ]
-        except (KeyError, TypeError, ValueError) as error:
-            raise RowFormatError(f"'turns' must be a list of {{input_ids, labels}} token lists ({error!r})") from None
-    else:
-        texts, is_chat = text_turns(row, render)
-        turns = [
-            (
-                tokenizer(prompt, add_special_tokens=not is_chat)["input_ids"],  # plain prompts get BOS if any
-                tokenizer(response, add_special_tokens=False)["input_ids"] if response.strip() else [],
-            )
-            for prompt, response in texts
-        ]
-    last_response = turns[-1][1] if turns else []
-    if last_response and eos_token_id is not None and last_response[-1] != eos_token_id:
-        turns[-1] = (turns[-1][0], [*last_response, eos_token_id])
-    return turns
-
-
-def _token_list(value: Any, config: FinetuningDatasetConfig) -> list[int]:
-    if isinstance(value, bytes):
-        value = np.frombuffer(value, dtype=np.dtype(config.token_encoding_type))
-    return [int(token) for token in value]
-
-
-# ----------------------------------------------------------------------------- row sources
-
-
-def read_rows(config: FinetuningDatasetConfig, key_path: str) -> Iterator[tuple[str, Any]]:
-    """(location for errors, row) for every row of the configured source."""
-    if config.hf_name is not None:
-        for path in _jsonl_files(config, key_path):
-            yield from _read_jsonl(path)
-    else:
-        yield from _read_mds(config, key_path)
-
-
-def _jsonl_files(config: FinetuningDatasetConfig, key_path: str) -> list[Path]:
-    """The files ``hf_name`` names: a .jsonl file, a folder's ``<split>.jsonl`` / ``<split>/*.jsonl``, or 'json'."""
-    name, split = config.hf_name, config.split
-    if name == "json":  # LLM Foundry's local form: hf_name json + hf_kwargs data_files or data_dir
-        data_files = config.hf_kwargs.get("data_files")
-        if isinstance(data_files, dict):
-            data_files = data_files.get(split)
-        if data_files:
-            return [Path(path) for path in ([data_files] if isinstance(data_files, str) else data_files)]
-        data_dir = config.hf_kwargs.get("data_dir")
-        if not data_dir:
-            raise ConfigError(f"'{key_path}.hf_name' is 'json'; set '{key_path}.hf_kwargs.data_files' or 'data_dir'.")
-        name = data_dir
-    path = Path(name).expanduser()
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        files = [path / f"{split}{suffix}" for suffix in JSON_SUFFIXES if (path / f"{split}{suffix}").is_file()]
-        files = files or sorted(f for f in (path / str(split)).glob("*.json*") if f.suffix in JSON_SUFFIXES)
-        if files:
-            return files
-        raise DataError(
-            f"'{key_path}' points at the folder {path}, which has no {split}.jsonl and no {split}/*.jsonl for "
-            f"split '{split}'. Set '{key_path}.split' to the file's name, or hf_name to the file itself."
-        )
-    if name.endswith(JSON_SUFFIXES) or name.startswith(("/", ".", "~")):
-        raise DataError(f"'{key_path}.hf_name' is {name!r}, but no such file or folder exists.")
-    raise ConfigError(
-        f"'{key_path}.hf_name' is {name!r}, a Hugging Face Hub dataset. foundry finetunes from local data: export "
-        f"it once where the Hub is reachable, e.g. python -c \"import datasets; datasets.load_dataset('{name}', "
-        f"split='{split}').to_json('{split}.jsonl')\", then set hf_name to that .jsonl file (or convert it to MDS)."
-    )
-
-
-def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    if not path.is_file():
-        raise DataError(f"Finetuning data file {path} does not exist.")
-    yield from read_jsonl(path, 'such as {"prompt": "...", "response": "..."}')
-
-
-def _read_mds(config: FinetuningDatasetConfig, key_path: str) -> Iterator[tuple[str, Any]]:
-    from streaming import StreamingDataset
-
-    from foundry.data.text import build_checked_streams, release_shared_memory
-
-    streams = build_checked_streams(config, key_path)
-    streaming_keys = ("download_retry", "download_timeout", "validate_hash", "keep_zip", "predownload", "cache_limit")
-    kwargs = {key: getattr(config, key) for key in streaming_keys if getattr(config, key) is not None}
-    dataset = StreamingDataset(
-        streams=streams, local=None if streams else config.local, remote=config.remote, split=config.split, **kwargs
-    )
-    try:
-        for index in range(dataset.num_samples):
-            yield f"{config.local or 'streams'} (split '{config.split}') sample {index}", dict(dataset[index])
-    finally:
-        release_shared_memory(dataset)
