@@ -31,6 +31,7 @@ import numpy as np
 from tqdm import tqdm
 
 from foundry.data.corpus import builtin_corpus_documents
+from foundry.data.jsonl import read_jsonl
 from foundry.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 from foundry.errors import ConfigError, DataError, did_you_mean
 
@@ -248,21 +249,11 @@ def _read_text(path: Path) -> str:
 
 def _read_jsonl(path: Path) -> list[str]:
     texts = []
-    with path.open(encoding="utf-8") as lines:
-        for line_number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise DataError(
-                    f"{path}:{line_number}: not valid JSON ({error.msg}). Each line of a .jsonl file must be one "
-                    f'JSON object with a "text" field.'
-                ) from error
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                found = f"keys {sorted(row)}" if isinstance(row, dict) else type(row).__name__
-                raise DataError(f'{path}:{line_number}: expected an object with a string "text" field, got {found}.')
-            texts.append(row["text"])
+    for location, row in read_jsonl(path, 'with a "text" field'):
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            found = f"keys {sorted(row)}" if isinstance(row, dict) else type(row).__name__
+            raise DataError(f'{location}: expected an object with a string "text" field, got {found}.')
+        texts.append(row["text"])
     return texts
 
 
@@ -320,6 +311,11 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``foundry data convert`` (LLM Foundry's spellings are accepted too)."""
     parser.add_argument("inputs", nargs="*", type=Path, help=".txt/.jsonl files or folders of them")
     parser.add_argument("--builtin-corpus", action="store_true", help="convert Python's help topics (no download)")
+    parser.add_argument(
+        "--builtin-instructions",
+        action="store_true",
+        help="write prompt/response rows derived from the help topics to <out>/{train,val}.jsonl (for finetuning)",
+    )
     parser.add_argument("--out", "--out-root", "--out_root", dest="out", type=Path, required=True, help="output folder")
     parser.add_argument(
         "--concat-tokens",
@@ -353,8 +349,13 @@ def add_convert_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_convert(args: argparse.Namespace) -> int:
     """Run ``foundry data convert`` from parsed arguments; prints the summary and returns 0."""
+    if args.builtin_instructions:
+        if args.builtin_corpus or args.inputs:
+            raise ConfigError("--builtin-instructions writes its own rows; pass it without inputs or --builtin-corpus.")
+        print(write_builtin_instructions(args.out, args.eval_fraction, args.overwrite))
+        return 0
     if args.builtin_corpus == bool(args.inputs):
-        raise ConfigError("Pass either input files/folders or --builtin-corpus (exactly one of them).")
+        raise ConfigError("Pass input files/folders, --builtin-corpus or --builtin-instructions (exactly one of them).")
     summary = convert_to_mds(
         None if args.builtin_corpus else args.inputs,
         args.out,
@@ -369,3 +370,27 @@ def run_convert(args: argparse.Namespace) -> int:
     )
     print(summary)
     return 0
+
+
+def write_builtin_instructions(out_dir: Path, eval_fraction: float, overwrite: bool) -> str:
+    """``<out>/train.jsonl`` and ``<out>/val.jsonl`` of ``builtin_instruction_rows()``; returns a summary line.
+
+    Every ``round(1 / eval_fraction)``-th topic goes to val with both of its rows (rows come in topic pairs).
+    """
+    from foundry.data.corpus import builtin_instruction_rows
+
+    rows = builtin_instruction_rows()
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise ConfigError(f"{out_dir} already exists and is not empty; pass --overwrite to replace its files.")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    every = round(1 / eval_fraction) if eval_fraction > 0 else len(rows) + 1
+    is_val = [(index // 2 + 1) % every == 0 for index in range(len(rows))]
+    splits = {
+        "train": [row for row, held_out in zip(rows, is_val) if not held_out],
+        "val": [row for row, held_out in zip(rows, is_val) if held_out],
+    }
+    for split, split_rows in splits.items():
+        lines = "".join(json.dumps(row) + "\n" for row in split_rows)
+        (out_dir / f"{split}.jsonl").write_text(lines, encoding="utf-8")
+    return f"Wrote {len(splits['train'])} train and {len(splits['val'])} val prompt/response rows to {out_dir}."

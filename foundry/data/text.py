@@ -253,9 +253,7 @@ def build_text_dataloader(
     if device_batch_size < 1:
         raise ConfigError(f"'{key_path}.device_batch_size' is {device_batch_size}; it must be at least 1.")
     _reject_sequence_ids(config, key_path)
-    streams = _build_streams(config, key_path)
-    for local, remote, split in _stream_locations(config):
-        _check_local_split(local, remote, split, f"{key_path}.dataset")
+    streams = build_checked_streams(config, f"{key_path}.dataset")
     text_dataset = StreamingTextDataset(
         tokenizer=tokenizer,
         max_seq_len=config.max_seq_len,
@@ -293,16 +291,27 @@ def _reject_sequence_ids(config: TextDatasetConfig, key_path: str) -> None:
             )
 
 
-def _build_streams(config: TextDatasetConfig, key_path: str) -> list[Stream] | None:
+def build_checked_streams(config: Any, key_path: str) -> list[Stream] | None:
+    """``config.streams`` as Streams (None without), each local-only one checked to exist on disk.
+
+    ``config`` has the dataset keys ``streams``, ``local``, ``remote`` and ``split``; ``key_path`` names it.
+    """
+    streams = _build_streams(config, key_path)
+    for local, remote, split in _stream_locations(config):
+        _check_local_split(local, remote, split, key_path)
+    return streams
+
+
+def _build_streams(config: Any, key_path: str) -> list[Stream] | None:
     if not config.streams:
         return None
     return [
-        Stream(**check_call_kwargs(Stream, kwargs, f"{key_path}.dataset.streams.{name}"))
+        Stream(**check_call_kwargs(Stream, kwargs, f"{key_path}.streams.{name}"))
         for name, kwargs in config.streams.items()
     ]
 
 
-def _stream_locations(config: TextDatasetConfig) -> list[tuple[str | None, str | None, str | None]]:
+def _stream_locations(config: Any) -> list[tuple[str | None, str | None, str | None]]:
     """(local, remote, split) of each stream, with the dataset-level keys as defaults."""
     if not config.streams:
         return [(config.local, config.remote, config.split)]

@@ -137,8 +137,10 @@ class AttnConfig:
                 f"'{_KEY}.attn_impl' is {self.attn_impl!r}, whose kernel is not in this build (a Triton kernel "
                 f"will register itself in foundry.models.attention.ATTENTION_IMPLS); use 'sdpa'."
             )
-        if self.attn_impl in ("flash", "cudnn") and (self.alibi or self.sliding_window_size != -1):
-            feature = "alibi" if self.alibi else "sliding_window_size"
+        masked = {"alibi": self.alibi, "sliding_window_size": self.sliding_window_size != -1}
+        masked["attn_uses_sequence_id"] = self.attn_uses_sequence_id
+        if self.attn_impl in ("flash", "cudnn") and any(masked.values()):
+            feature = next(key for key, is_set in masked.items() if is_set)
             raise ConfigError(
                 f"'{_KEY}.{feature}' needs an additive attention bias or mask, which SDPA's {self.attn_impl} backend "
                 f"cannot take; set '{_KEY}.attn_impl' to 'sdpa' (or 'torch')."
@@ -147,7 +149,6 @@ class AttnConfig:
     def _check_not_yet_supported(self) -> None:
         """LLM Foundry values foundry does not implement fail here rather than being ignored."""
         unsupported = {
-            "attn_uses_sequence_id": (self.attn_uses_sequence_id, "until sequence packing lands; set it to false"),
             "prefix_lm": (self.prefix_lm, "prefix-LM masking is not implemented; set it to false"),
             "fused_qkv": (not self.fused_qkv, "only the fused Wqkv projection exists; set it to true"),
             "attn_logit_softcapping": (self.attn_logit_softcapping is not None, "is not implemented; remove it"),
@@ -208,12 +209,15 @@ def build_attention_inputs(
     seq_len: int,
     positions: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
+    sequence_id: torch.Tensor | None = None,
 ) -> AttentionInputs:
     """Masks, ALiBi bias and RoPE angles for a batch.
 
     Args:
         positions: (batch or 1, seq) position of each token, used for RoPE.
         key_padding_mask: (batch, seq) bool, True = real token; None when there is no padding.
+        sequence_id: (batch, seq) index of the packed example each token belongs to (-1 = padding);
+            a token then attends only to earlier tokens of its own example (document masking).
     """
     device = positions.device
     inputs = AttentionInputs()
@@ -224,11 +228,13 @@ def build_attention_inputs(
     distance = query_pos - torch.arange(seq_len, device=device)[None, :]  # (seq, seq): i - j
     if config.alibi:
         inputs.bias = (-distance.float() * alibi_slopes(n_heads, config.alibi_bias_max, device)[:, None, None])[None]
-    if config.alibi or config.sliding_window_size >= 0 or key_padding_mask is not None:
+    if config.alibi or config.sliding_window_size >= 0 or key_padding_mask is not None or sequence_id is not None:
         allowed = distance >= 0
         if config.sliding_window_size >= 0:
             allowed &= distance <= config.sliding_window_size
         allowed = allowed[None, None]
+        if sequence_id is not None:  # block-diagonal: (batch, 1, seq, seq); ALiBi's i - j is the same in a block
+            allowed = allowed & (sequence_id[:, None, :, None] == sequence_id[:, None, None, :])
         if key_padding_mask is not None:
             # A padding query may see itself, so no row is all-masked (a NaN that would leak into
             # real tokens through 0 * NaN); its output is never used.
@@ -291,8 +297,8 @@ def _pinned_sdpa(
         )
     if inputs.allowed is not None or inputs.bias is not None:
         raise ConfigError(
-            f"'{_KEY}.attn_impl' is '{impl}', which cannot mask padding, but this batch's attention_mask has "
-            f"padding. Use attn_impl 'sdpa', or feed unpadded (packed) batches."
+            f"'{_KEY}.attn_impl' is '{impl}', which cannot mask padding or packed examples, but this batch's "
+            f"attention_mask has padding. Use attn_impl 'sdpa', or feed unpadded batches."
         )
     if backend == SDPBackend.CUDNN_ATTENTION:  # cuDNN takes equal head counts only
         k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])

@@ -78,6 +78,7 @@ class HFCausalLM(CausalLM):
         return self.hf_model.get_input_embeddings().weight.shape[0]
 
     def forward(self, batch: Mapping[str, Any]) -> torch.Tensor:
+        refuse_packed_examples(batch)
         outputs = self.hf_model(
             input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"), use_cache=False
         )
@@ -98,6 +99,17 @@ class HFCausalLM(CausalLM):
         batch_size, seq_len = batch["input_ids"].shape[:2]
         n_layers, d_model = hf_depth_and_width(self.hf_config)
         return flops.flops_per_batch(self.n_active_params, n_layers, d_model, batch_size, seq_len)
+
+
+def refuse_packed_examples(batch: Mapping[str, Any]) -> None:
+    """Hugging Face models take no per-example attention mask here, so packed rows would attend across examples."""
+    sequence_id = batch.get("sequence_id")
+    if sequence_id is not None and bool((sequence_id > 0).any()):
+        raise ConfigError(
+            "This batch packs several examples per row (the finetuning loader's packing_ratio), but hf_causal_lm "
+            "cannot mask attention between them. Remove 'train_loader.dataset.packing_ratio' (and the eval "
+            "loaders'), or use mpt_causal_lm / llama_causal_lm with attn_config.attn_uses_sequence_id: true."
+        )
 
 
 def load_hf_config(config: HFCausalLMConfig) -> Any:

@@ -84,6 +84,7 @@ class LlamaConfig:
     rope_scaling: RopeScalingConfig | None = None
     attn_impl: AttnImpl = "sdpa"
     attn_pdrop: float = 0.0
+    attn_uses_sequence_id: bool = False  # document masking for packed finetuning batches
     tie_word_embeddings: bool = False
     init_std: float = 0.02  # every linear and embedding weight ~ N(0, init_std), as Hugging Face's Llama
     init_device: str = "cpu"
@@ -155,6 +156,7 @@ class LlamaConfig:
             kv_n_heads=None if is_multihead else kv_n_heads,
             attn_impl=self.attn_impl,
             attn_pdrop=self.attn_pdrop,
+            attn_uses_sequence_id=self.attn_uses_sequence_id,
             rope=True,
             rope_impl="hf",
             rope_theta=self.rope_theta,

@@ -162,7 +162,17 @@ class MPTTransformer(nn.Module):
         self.blocks = nn.ModuleList(MPTBlock(config) for _ in range(config.n_layers))
         self.norm_f = build_norm(config.norm_type, config.d_model, config.norm_eps, not config.no_bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        sequence_id: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``sequence_id`` (batch, seq) masks attention to each packed example (needs
+        ``attn_uses_sequence_id``); ``position_ids`` (batch, seq), e.g. restarting at 0 per packed
+        example, replace the positions derived from ``attention_mask``.
+        """
         config = self.config
         seq_len = input_ids.shape[1]
         if seq_len > config.max_seq_len:
@@ -171,9 +181,12 @@ class MPTTransformer(nn.Module):
                 f"raise max_seq_len or shorten the dataset's max_seq_len."
             )
         padding = _key_padding_mask(attention_mask)
-        positions = torch.arange(seq_len, device=input_ids.device)[None]  # (1, seq)
-        # Left padding shifts each row's positions so its first real token is at 0 (as LLM Foundry).
-        shifted = positions if padding is None else (positions - (~padding).cumsum(dim=1)).clamp(min=0)
+        if position_ids is not None:
+            positions = shifted = position_ids
+        else:
+            positions = torch.arange(seq_len, device=input_ids.device)[None]  # (1, seq)
+            # Left padding shifts each row's positions so its first real token is at 0 (as LLM Foundry).
+            shifted = positions if padding is None else (positions - (~padding).cumsum(dim=1)).clamp(min=0)
         x = self.wte(input_ids)  # (batch, seq, d_model)
         if self.wpe is not None:
             x = x + self.wpe(shifted)
@@ -182,7 +195,11 @@ class MPTTransformer(nn.Module):
         x = self.emb_drop(x)
         attn = config.attn_config
         rope_positions = shifted if attn.rope_impl == "hf" else positions  # DAIL rope ignores padding
-        attn_inputs = build_attention_inputs(attn, config.n_heads, config.head_dim, seq_len, rope_positions, padding)
+        if sequence_id is not None and not attn.attn_uses_sequence_id:
+            sequence_id = None  # as LLM Foundry: packed examples attend to each other unless asked not to
+        attn_inputs = build_attention_inputs(
+            attn, config.n_heads, config.head_dim, seq_len, rope_positions, padding, sequence_id
+        )
         for block in self.blocks:
             x = block(x, attn_inputs)
         return self.norm_f(x)
@@ -244,7 +261,9 @@ class MPTCausalLM(CausalLM):
 
     def forward(self, batch: Mapping[str, Any]) -> torch.Tensor | LossOutput:
         """Logits (batch, seq, vocab); with ``fused_cross_entropy`` in training, the loss itself."""
-        hidden = self.transformer(batch["input_ids"], batch.get("attention_mask"))
+        hidden = self.transformer(
+            batch["input_ids"], batch.get("attention_mask"), batch.get("sequence_id"), batch.get("position_ids")
+        )
         if self.fused_cross_entropy and self.training:
             targets = shifted_targets(batch)
             return LossOutput(linear_cross_entropy(hidden, self.output_weight, targets, self.logit_scale))

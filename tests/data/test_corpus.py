@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from foundry.data import builtin_corpus_documents
+from foundry.data.corpus import builtin_instruction_rows
 
 
 def test_builtin_corpus_is_substantial_english_text() -> None:
@@ -15,3 +16,13 @@ def test_builtin_corpus_is_substantial_english_text() -> None:
 def test_builtin_corpus_order_is_fixed() -> None:
     assert builtin_corpus_documents() == builtin_corpus_documents()
     assert builtin_corpus_documents()[0].startswith('The "assert" statement')
+
+
+def test_builtin_instructions_ask_about_every_topic_with_prose_answers() -> None:
+    rows = builtin_instruction_rows()
+    assert len(rows) == 2 * len(builtin_corpus_documents())
+    explain = rows[0]
+    assert explain["prompt"] == "Explain the Python help topic 'assert'.\n"
+    assert explain["response"].startswith("Assert statements are a convenient way")
+    assert rows[1]["response"] == 'The "assert" statement'
+    assert all(row["response"].strip() and "\n" not in row["response"] for row in rows)

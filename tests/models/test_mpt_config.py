@@ -52,8 +52,8 @@ def test_unknown_attn_impl_suggests_the_closest(parse: Callable[..., MPTConfig])
 
 
 def test_unsupported_llm_foundry_value_is_refused_not_ignored(parse: Callable[..., MPTConfig]) -> None:
-    with pytest.raises(ConfigError, match=r"attn_uses_sequence_id.*set it to false"):
-        parse(attn_config={"attn_uses_sequence_id": True})
+    with pytest.raises(ConfigError, match=r"prefix_lm.*set it to false"):
+        parse(attn_config={"prefix_lm": True})
 
 
 def test_unknown_loss_fn_is_a_config_error(parse: Callable[..., MPTConfig]) -> None:
