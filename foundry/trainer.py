@@ -261,7 +261,8 @@ class Trainer:
         local_weight = torch.as_tensor(sum(weights), dtype=torch.float32, device=state.device)
         total_weight = distributed.all_reduce_sum(local_weight.clone())
         share_of_global_loss = torch.zeros((), device=state.device)
-        for microbatch, weight in zip(microbatches, weights):
+        for index, (microbatch, weight) in enumerate(zip(microbatches, weights)):
+            distributed.set_gradient_sync(state.model, index == len(microbatches) - 1)  # reduce once per batch
             share_of_global_loss += self._train_microbatch(microbatch, weight * state.world_size / total_weight)
         share_of_global_loss /= state.world_size
         state.loss = share_of_global_loss * total_weight / local_weight  # this rank's mean loss

@@ -16,7 +16,7 @@ from foundry.distributed.env import (
     get_world_size,
     is_distributed,
 )
-from foundry.distributed.parallelize import parallelize, prepare_sharding
+from foundry.distributed.parallelize import parallelize, prepare_sharding, set_gradient_sync
 from foundry.distributed.process_group import destroy_process_group, init_process_group, launched_by_torchrun
 
 __all__ = [
@@ -34,4 +34,5 @@ __all__ = [
     "launched_by_torchrun",
     "parallelize",
     "prepare_sharding",
+    "set_gradient_sync",
 ]
