@@ -86,6 +86,7 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     init_std: float = 0.02  # every linear and embedding weight ~ N(0, init_std), as Hugging Face's Llama
     init_device: str = "cpu"
+    activation_checkpointing_target: str | list[Any] | dict[str, Any] | None = None  # as MPTConfig's
 
     def __post_init__(self) -> None:
         for key in ("d_model", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"):
@@ -140,6 +141,7 @@ class LlamaConfig:
             norm_type=self.norm_type,
             norm_eps=self.norm_eps,
             tie_word_embeddings=self.tie_word_embeddings,
+            activation_checkpointing_target=self.activation_checkpointing_target,
         )
 
     def _attn_config(self) -> AttnConfig:

@@ -66,6 +66,9 @@ class MPTConfig:
     loss_fn: Literal["torch_crossentropy", "fused_crossentropy"] = "torch_crossentropy"
     fc_type: str | dict[str, Any] = "torch"
     use_pad_tok_in_ffn: bool = True
+    # With fsdp_config.activation_checkpointing: which modules recompute their activations (null: every
+    # block; a class name, a list, or {name: blocks}); foundry.distributed.activation_checkpoint reads it.
+    activation_checkpointing_target: str | list[Any] | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._check_shapes()
