@@ -45,7 +45,8 @@ class Trainer:
         schedulers: ``TimeScheduler``s (or torch LR schedulers) stepped once per batch.
         eval_dataloader: one loader or ``{label: loader}``, evaluated every ``eval_interval`` and at the end.
         device_train_microbatch_size: samples per forward/backward; batches are split and gradients
-            accumulated exactly (each microbatch weighs its share of loss tokens, not 1/n).
+            accumulated exactly (each microbatch weighs its share of loss tokens, not 1/n). ``"auto"``:
+            the largest size that fits in device memory, found on the first batch (``foundry.distributed``).
         precision: ``"fp32"``, ``"amp_bf16"`` or ``"amp_fp16"``.
         fsdp_config: an ``FSDPConfig`` (or its keys): shard the model with FSDP2 (also on one rank).
             Without it a single process trains the plain module and several ranks replicate it
@@ -91,11 +92,9 @@ class Trainer:
         seed_everything(seed)
         fsdp_config = distributed.prepare_sharding(fsdp_config, optimizers)
         device = torch.device(device) if device is not None else distributed.default_device()
-        if device_train_microbatch_size == "auto":
-            raise ConfigError(
-                "device_train_microbatch_size: auto is not available yet; set an integer number of samples "
-                "(e.g. device_train_microbatch_size: 8)."
-            )
+        self._find_microbatch_size = device_train_microbatch_size == "auto"
+        if self._find_microbatch_size:
+            device_train_microbatch_size = None  # set by the first batch
         model = model if isinstance(model, FoundryModel) else ModuleModel(model)
         run_name = run_name or os.environ.get("RUN_NAME") or f"foundry-{time.strftime('%Y%m%d-%H%M%S')}"
         self.run_folder = Path(run_folder or Path("runs") / run_name)
@@ -254,6 +253,8 @@ class Trainer:
     def _train_batch(self, batch_start_s: float) -> None:
         state, engine = self.state, self.engine
         engine.run_event(Event.BATCH_START)
+        if self._find_microbatch_size:
+            self._choose_microbatch_size()
         microbatches = _split_batch(state.batch, state.device_train_microbatch_size)
         weights = [state.model.loss_weight(mb) for mb in microbatches]
         # Sum of loss units over all microbatches on all ranks: each microbatch's mean loss is scaled
@@ -308,6 +309,23 @@ class Trainer:
         engine.run_event(Event.AFTER_BACKWARD)
         state.outputs = None  # free activations' outputs (logits) before the next microbatch
         return loss.detach()
+
+    def _choose_microbatch_size(self) -> None:
+        """``device_train_microbatch_size: auto``: trial runs on this first batch pick the size for the run."""
+        state = self.state
+
+        def trial(microbatch_size: int) -> None:
+            try:
+                for microbatch in _split_batch(state.batch, microbatch_size):
+                    self._train_microbatch(microbatch, torch.ones((), device=state.device))
+            finally:
+                state.outputs = state.loss = None  # the memory of a failed trial is freed
+
+        size = distributed.find_microbatch_size(state.model, batch_num_samples(state.batch), trial, state.device)
+        state.device_train_microbatch_size = size
+        self._find_microbatch_size = False
+        self.logger.log_text(f"device_train_microbatch_size: auto chose {size} samples per microbatch.")
+        self.logger.log_metrics({"trainer/device_train_microbatch_size": size})
 
     def _optimizer_step(self, skip: bool) -> None:
         """Step every optimizer (unless ``skip``: the batch's gradients are dropped) and clear the grads."""

@@ -5,6 +5,7 @@
 ranks through torchrun (``foundry train --nproc N``).
 """
 
+from foundry.distributed.auto_microbatch import find_microbatch_size
 from foundry.distributed.env import (
     all_reduce_sum,
     barrier,
@@ -25,6 +26,7 @@ __all__ = [
     "broadcast_object",
     "default_device",
     "destroy_process_group",
+    "find_microbatch_size",
     "get_local_rank",
     "get_local_world_size",
     "get_rank",
