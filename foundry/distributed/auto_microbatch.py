@@ -20,6 +20,7 @@ skip a collective its peers wait in); ``dist_timeout`` then ends the run.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 
@@ -54,7 +55,8 @@ def find_microbatch_size(
     agreement = _Agreement(device)
     with agreement.sync_points(model):
         while True:
-            out_of_memory = agreement.try_on_every_rank(lambda: _trial_without_side_effects(model, trial, size, device))
+            attempt = functools.partial(_trial_without_side_effects, model, trial, size, device)
+            out_of_memory = agreement.try_on_every_rank(attempt)
             reset_after_trial(model)
             if not out_of_memory:
                 return size

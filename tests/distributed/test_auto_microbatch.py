@@ -1,4 +1,4 @@
-"""device_train_microbatch_size: auto picks the largest microbatch that fits, on every rank, without changing the math."""
+"""device_train_microbatch_size: auto picks the largest microbatch that fits on every rank, keeping the math."""
 
 from __future__ import annotations
 
