@@ -52,6 +52,8 @@ class Trainer:
             Without it a single process trains the plain module and several ranks replicate it
             (``NO_SHARD``, DDP's layout). See ``foundry.distributed.parallelize``.
         save_folder / save_interval / load_path / autoresume: checkpointing (see ``foundry.checkpoint``).
+        save_async: write checkpoints in a background thread while training goes on; each is published
+            (renamed into place, ``latest`` updated) once written, at the latest by the next save or fit's end.
         run_folder: where ``metrics.jsonl`` goes (default ``runs/<run_name>``).
         config: the resolved YAML, stored in checkpoints and sent to loggers.
     """
@@ -78,6 +80,7 @@ class Trainer:
         save_interval: str | Time | int = "1ep",
         save_num_checkpoints_to_keep: int = -1,
         save_overwrite: bool = False,
+        save_async: bool = False,
         load_path: str | None = None,
         load_weights_only: bool = False,
         autoresume: bool = False,
@@ -126,6 +129,8 @@ class Trainer:
         self.save_interval = Time.parse(save_interval)
         self.save_num_checkpoints_to_keep = save_num_checkpoints_to_keep
         self.save_overwrite = save_overwrite
+        self._async_save_group = distributed.new_gloo_group() if save_async and self.save_folder else None
+        self._pending_save: tuple[Any, Event] | None = None  # (PendingCheckpoint, event to fire when published)
         self.config = config
         self._grad_scaler = _grad_scaler(precision, sharded=fsdp_config is not None)
         self._last_eval_batch: int | None = None
@@ -205,6 +210,9 @@ class Trainer:
                 self._train_epoch()
             self._at_fit_end()
             self.engine.run_event(Event.FIT_END)
+        except BaseException:
+            self._settle_pending_save_after_error()
+            raise
         finally:
             self.engine.close()
 
@@ -384,10 +392,11 @@ class Trainer:
     def _save(self, event: Event) -> None:
         if not self.save_folder:
             return
-        from foundry.checkpoint import save_checkpoint
+        from foundry.checkpoint import start_checkpoint
 
+        self._publish_pending_save()  # one write at a time
         self.engine.run_event(Event.BEFORE_CHECKPOINT)
-        path = save_checkpoint(
+        pending = start_checkpoint(
             self.save_folder,
             self.state,
             callbacks=self.engine.callbacks,
@@ -395,10 +404,32 @@ class Trainer:
             config=self.config,
             overwrite=self.save_overwrite,
             num_to_keep=self.save_num_checkpoints_to_keep,
+            async_process_group=self._async_save_group,
         )
-        self.state.last_checkpoint_path = str(path)
+        self._pending_save = (pending, event)
         self._last_save_batch = self.state.timestamp.batch
+        if self._async_save_group is None:
+            self._publish_pending_save()
+
+    def _publish_pending_save(self) -> None:
+        """Wait for the checkpoint being written, publish it and fire its checkpoint event."""
+        if self._pending_save is None:
+            return
+        pending, event = self._pending_save
+        self._pending_save = None
+        self.state.last_checkpoint_path = str(pending.finish())
         self.engine.run_event(event)
+
+    def _settle_pending_save_after_error(self) -> None:
+        """After an exception, finish this rank's write; publish it only when no other rank must agree."""
+        if self._pending_save is None:
+            return
+        pending, _ = self._pending_save
+        self._pending_save = None
+        if self.state.world_size == 1:
+            self.state.last_checkpoint_path = str(pending.finish())
+        else:
+            pending.wait()  # peers may not reach a barrier: the folder stays temporary, the next save removes it
 
     def _at_fit_end(self) -> None:
         """Evaluate and checkpoint the final model unless the last batch already did."""
@@ -407,6 +438,7 @@ class Trainer:
             self.eval()
         if self.save_folder and self._last_save_batch != state.timestamp.batch:
             self._save(Event.BATCH_CHECKPOINT)
+        self._publish_pending_save()
 
 
 # ------------------------------------------------------------------------------------ helpers

@@ -18,7 +18,12 @@ from foundry.distributed.env import (
     is_distributed,
 )
 from foundry.distributed.parallelize import parallelize, prepare_sharding, set_gradient_sync
-from foundry.distributed.process_group import destroy_process_group, init_process_group, launched_by_torchrun
+from foundry.distributed.process_group import (
+    destroy_process_group,
+    init_process_group,
+    launched_by_torchrun,
+    new_gloo_group,
+)
 
 __all__ = [
     "all_reduce_sum",
@@ -34,6 +39,7 @@ __all__ = [
     "init_process_group",
     "is_distributed",
     "launched_by_torchrun",
+    "new_gloo_group",
     "parallelize",
     "prepare_sharding",
     "set_gradient_sync",
