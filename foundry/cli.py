@@ -193,6 +193,11 @@ COMMANDS: dict[str, Command] = {
         _lazy("foundry.convert.commands", "add_from_hf_arguments"),
         _lazy("foundry.convert.commands", "run_from_hf"),
     ),
+    "convert consolidate": Command(
+        "one file (safetensors, or .pt with the optimizer) from a sharded checkpoint",
+        _lazy("foundry.checkpoint.consolidate", "add_consolidate_arguments"),
+        _lazy("foundry.checkpoint.consolidate", "run_consolidate"),
+    ),
     "plot": Command(
         "plot loss and throughput curves of one or several runs to a PNG",
         _lazy("foundry.plotting", "add_plot_arguments"),

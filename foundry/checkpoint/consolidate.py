@@ -7,6 +7,7 @@ parameter name, as the model's ``state_dict``); with ``--with-optimizer`` a ``to
 
 from __future__ import annotations
 
+import argparse
 import os
 import secrets
 from pathlib import Path
@@ -73,3 +74,19 @@ def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         untied[name] = tensor.clone() if pointer in seen else tensor
         seen.add(pointer)
     return untied
+
+
+def add_consolidate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a checkpoint folder, or a save_folder (its latest checkpoint)")
+    parser.add_argument("out_file", help="the file to write (.safetensors; .pt with --with-optimizer)")
+    parser.add_argument(
+        "--with-optimizer", action="store_true", help="write a torch .pt of the model and optimizer state"
+    )
+
+
+def run_consolidate(args: argparse.Namespace) -> int:
+    folder = resolve_checkpoint_path(args.checkpoint)
+    out_file = consolidate(folder, args.out_file, with_optimizer=args.with_optimizer)
+    what = "model and optimizer state" if args.with_optimizer else "model weights"
+    print(f"foundry: wrote the {what} of {folder} to {out_file}")
+    return 0
