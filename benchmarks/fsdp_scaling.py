@@ -42,7 +42,8 @@ class BatchTimes(Callback):
 
 
 def worker(args: argparse.Namespace) -> None:
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     model, seq_len = model_from_yaml(args.config, args.override)
     seq_len = min(seq_len or model.config.max_seq_len, model.config.max_seq_len)
     batches = [random_batch(args.microbatch, seq_len, model.config.vocab_size, torch.device("cpu")) for _ in range(4)]
