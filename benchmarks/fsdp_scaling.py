@@ -100,7 +100,9 @@ def main() -> int:
     for nproc in args.nproc:
         row_file = Path(tempfile.mkdtemp()) / "row.json"
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-        command += [__file__, *sys.argv[1:], "--row-file", str(row_file)]  # each rank ignores --nproc
+        command += [__file__, args.config, "--microbatch", str(args.microbatch), "--batches", str(args.batches)]
+        command += ["--warmup", str(args.warmup), "--device", args.device, "--row-file", str(row_file)]
+        command += ["--override", *args.override] if args.override else []
         subprocess.run(command, check=True, env={**os.environ, "PYTHONPATH": _pythonpath()})
         rows.append(json.loads(row_file.read_text()))
     one_gpu = rows[0]["tokens_per_s_per_gpu"]
