@@ -49,3 +49,15 @@ TINY_LLAMA: dict[str, Any] = {
     "multiple_of": 32, "ffn_dim_multiplier": None, "rope_theta": 10000.0,
 }  # fmt: skip
 TINY_MPT: dict[str, Any] = {"d_model": 64, "n_heads": 4, "n_layers": 2, "vocab_size": 96, "max_seq_len": 32}
+
+
+def assert_nested_close(got: Any, want: Any, where: str = "", atol: float = 0.0) -> None:
+    """``got`` equals ``want``: nested dicts with the same keys, tensors within ``atol``, other values equal."""
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for key in want:
+            assert_nested_close(got[key], want[key], f"{where}.{key}", atol)
+    elif isinstance(want, torch.Tensor):
+        torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=where)
+    else:
+        assert got == want, where

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TinyLM, token_batches
+from helpers import TinyLM, assert_nested_close, token_batches
 
 from foundry.checkpoint import latest_checkpoint
 from foundry.checkpoint.consolidate import read_checkpoint_tensors
@@ -36,17 +36,6 @@ def _fit(folder, **kwargs) -> Trainer:
     return trainer
 
 
-def _assert_same_tensors(got, want, where: str) -> None:
-    if isinstance(want, dict):
-        assert got.keys() == want.keys(), where
-        for key in want:
-            _assert_same_tensors(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, torch.Tensor):
-        assert torch.equal(got, want), where
-    else:
-        assert got == want, where
-
-
 def test_async_checkpoints_equal_synchronous_ones(tmp_path):
     _fit(tmp_path / "sync")
     _fit(tmp_path / "async", save_async=True)
@@ -54,7 +43,7 @@ def test_async_checkpoints_equal_synchronous_ones(tmp_path):
         name = f"ep0-ba{batch}"
         want = read_checkpoint_tensors(tmp_path / "sync" / "checkpoints" / name)
         got = read_checkpoint_tensors(tmp_path / "async" / "checkpoints" / name)
-        _assert_same_tensors(got, want, name)
+        assert_nested_close(got, want, name)
 
 
 def test_fit_end_publishes_the_pending_async_save(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from helpers import assert_nested_close
 from safetensors.torch import load_file
 
 from distributed.jobs import train
@@ -19,21 +20,10 @@ def _consolidated(ranks, world_size: int, fsdp_config: dict | None, folder) -> t
     return load_file(folder / "model.safetensors"), torch.load(folder / "full.pt", weights_only=True)
 
 
-def _assert_close(got, want, where: str) -> None:
-    if isinstance(want, dict):
-        assert got.keys() == want.keys(), where
-        for key in want:
-            _assert_close(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, torch.Tensor):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=where)
-    else:
-        assert got == want, where
-
-
 def test_two_rank_full_shard_checkpoint_consolidates_like_one_rank(ranks, tmp_path):
     sharded_weights, sharded_full = _consolidated(ranks, 2, {"sharding_strategy": "FULL_SHARD"}, tmp_path / "two")
     weights, full = _consolidated(ranks, 1, None, tmp_path / "one")
     assert "transformer.wte.weight" in weights
-    _assert_close(sharded_weights, weights, "model.safetensors")
-    _assert_close(sharded_full, full, "full.pt")
+    assert_nested_close(sharded_weights, weights, "model.safetensors", atol=1e-5)
+    assert_nested_close(sharded_full, full, "full.pt", atol=1e-5)
     assert full["optim"]["state"]  # the optimizer's moments are there
