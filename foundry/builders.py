@@ -70,6 +70,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
         save_folder=fill_run_name(cfg.save_folder, cfg.run_name),
         save_interval=cfg.save_interval,
         save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
+        save_async=cfg.save_async,
         save_overwrite=cfg.save_overwrite,
         load_path=fill_run_name(cfg.load_path, cfg.run_name),
         load_weights_only=cfg.load_weights_only,

@@ -208,6 +208,11 @@ COMMANDS: dict[str, Command] = {
         _lazy("foundry.eval.command", "add_eval_arguments"),
         _lazy("foundry.eval.command", "run_eval"),
     ),
+    "convert consolidate": Command(
+        "one file (safetensors, or .pt with the optimizer) from a sharded checkpoint",
+        _lazy("foundry.checkpoint.consolidate", "add_consolidate_arguments"),
+        _lazy("foundry.checkpoint.consolidate", "run_consolidate"),
+    ),
     "plot": Command(
         "plot loss and throughput curves of one or several runs to a PNG",
         _lazy("foundry.plotting", "add_plot_arguments"),

@@ -138,6 +138,7 @@ class TrainConfig:
     save_interval: Time = field(default=Time.parse("1000ba"), metadata=doc("how often to checkpoint"))
     save_num_checkpoints_to_keep: int = field(default=-1, metadata=doc("newest checkpoints kept on disk (-1 = all)"))
     save_overwrite: bool = field(default=False, metadata=doc("overwrite existing checkpoints"))
+    save_async: bool = field(default=False, metadata=doc("write checkpoints in the background while training goes on"))
     save_weights_only: bool = field(default=False, metadata=doc("save only model weights"))
     load_path: str | None = field(default=None, metadata=doc("checkpoint to start from"))
     load_weights_only: bool = field(default=False, metadata=doc("load only weights (fresh optimizer and schedule)"))

@@ -46,12 +46,15 @@ class Trainer:
         schedulers: ``TimeScheduler``s (or torch LR schedulers) stepped once per batch.
         eval_dataloader: one loader or ``{label: loader}``, evaluated every ``eval_interval`` and at the end.
         device_train_microbatch_size: samples per forward/backward; batches are split and gradients
-            accumulated exactly (each microbatch weighs its share of loss tokens, not 1/n).
+            accumulated exactly (each microbatch weighs its share of loss tokens, not 1/n). ``"auto"``:
+            the largest size that fits in device memory, found on the first batch (``foundry.distributed``).
         precision: ``"fp32"``, ``"amp_bf16"`` or ``"amp_fp16"``.
         fsdp_config: an ``FSDPConfig`` (or its keys): shard the model with FSDP2 (also on one rank).
             Without it a single process trains the plain module and several ranks replicate it
             (``NO_SHARD``, DDP's layout). See ``foundry.distributed.parallelize``.
         save_folder / save_interval / load_path / autoresume: checkpointing (see ``foundry.checkpoint``).
+        save_async: write checkpoints in a background thread while training goes on; each is published
+            (renamed into place, ``latest`` updated) once written, at the latest by the next save or fit's end.
         run_folder: where ``metrics.jsonl`` goes (default ``runs/<run_name>``).
         config: the resolved YAML, stored in checkpoints and sent to loggers.
     """
@@ -78,6 +81,7 @@ class Trainer:
         save_interval: str | Time | int = "1ep",
         save_num_checkpoints_to_keep: int = -1,
         save_overwrite: bool = False,
+        save_async: bool = False,
         load_path: str | None = None,
         load_weights_only: bool = False,
         autoresume: bool = False,
@@ -92,11 +96,9 @@ class Trainer:
         seed_everything(seed)
         fsdp_config = distributed.prepare_sharding(fsdp_config, optimizers)
         device = torch.device(device) if device is not None else distributed.default_device()
-        if device_train_microbatch_size == "auto":
-            raise ConfigError(
-                "device_train_microbatch_size: auto is not available yet; set an integer number of samples "
-                "(e.g. device_train_microbatch_size: 8)."
-            )
+        self._find_microbatch_size = device_train_microbatch_size == "auto"
+        if self._find_microbatch_size:
+            device_train_microbatch_size = None  # set by the first batch
         model = model if isinstance(model, FoundryModel) else ModuleModel(model)
         run_name = run_name or os.environ.get("RUN_NAME") or f"foundry-{time.strftime('%Y%m%d-%H%M%S')}"
         self.run_folder = Path(run_folder or Path("runs") / run_name)
@@ -128,6 +130,8 @@ class Trainer:
         self.save_interval = Time.parse(save_interval)
         self.save_num_checkpoints_to_keep = save_num_checkpoints_to_keep
         self.save_overwrite = save_overwrite
+        self._async_save_group = distributed.new_gloo_group() if save_async and self.save_folder else None
+        self._pending_save: tuple[Any, Event] | None = None  # (PendingCheckpoint, event to fire when published)
         self.config = config
         self._grad_scaler = _grad_scaler(precision, sharded=fsdp_config is not None)
         self._last_eval_batch: int | None = None
@@ -209,6 +213,9 @@ class Trainer:
                 self._train_epoch()
             self._at_fit_end()
             self.engine.run_event(Event.FIT_END)
+        except BaseException:
+            self._settle_pending_save_after_error()
+            raise
         finally:
             self.engine.close()
 
@@ -257,6 +264,8 @@ class Trainer:
     def _train_batch(self, batch_start_s: float) -> None:
         state, engine = self.state, self.engine
         engine.run_event(Event.BATCH_START)
+        if self._find_microbatch_size:
+            self._choose_microbatch_size()
         microbatches = _split_batch(state.batch, state.device_train_microbatch_size)
         weights = [state.model.loss_weight(mb) for mb in microbatches]
         # Sum of loss units over all microbatches on all ranks: each microbatch's mean loss is scaled
@@ -264,7 +273,8 @@ class Trainer:
         local_weight = torch.as_tensor(sum(weights), dtype=torch.float32, device=state.device)
         total_weight = distributed.all_reduce_sum(local_weight.clone())
         share_of_global_loss = torch.zeros((), device=state.device)
-        for microbatch, weight in zip(microbatches, weights):
+        for index, (microbatch, weight) in enumerate(zip(microbatches, weights)):
+            distributed.set_gradient_sync(state.model, index == len(microbatches) - 1)  # reduce once per batch
             share_of_global_loss += self._train_microbatch(microbatch, weight * state.world_size / total_weight)
         share_of_global_loss /= state.world_size
         state.loss = share_of_global_loss * total_weight / local_weight  # this rank's mean loss
@@ -310,6 +320,23 @@ class Trainer:
         engine.run_event(Event.AFTER_BACKWARD)
         state.outputs = None  # free activations' outputs (logits) before the next microbatch
         return loss.detach()
+
+    def _choose_microbatch_size(self) -> None:
+        """``device_train_microbatch_size: auto``: trial runs on this first batch pick the size for the run."""
+        state = self.state
+
+        def trial(microbatch_size: int) -> None:
+            try:
+                for microbatch in _split_batch(state.batch, microbatch_size):
+                    self._train_microbatch(microbatch, torch.ones((), device=state.device))
+            finally:
+                state.outputs = state.loss = None  # the memory of a failed trial is freed
+
+        size = distributed.find_microbatch_size(state.model, batch_num_samples(state.batch), trial, state.device)
+        state.device_train_microbatch_size = size
+        self._find_microbatch_size = False
+        self.logger.log_text(f"device_train_microbatch_size: auto chose {size} samples per microbatch.")
+        self.logger.log_metrics({"trainer/device_train_microbatch_size": size})
 
     def _optimizer_step(self, skip: bool) -> None:
         """Step every optimizer (unless ``skip``: the batch's gradients are dropped) and clear the grads."""
@@ -368,10 +395,11 @@ class Trainer:
     def _save(self, event: Event) -> None:
         if not self.save_folder:
             return
-        from foundry.checkpoint import save_checkpoint
+        from foundry.checkpoint import start_checkpoint
 
+        self._publish_pending_save()  # one write at a time
         self.engine.run_event(Event.BEFORE_CHECKPOINT)
-        path = save_checkpoint(
+        pending = start_checkpoint(
             self.save_folder,
             self.state,
             callbacks=self.engine.callbacks,
@@ -379,10 +407,32 @@ class Trainer:
             config=self.config,
             overwrite=self.save_overwrite,
             num_to_keep=self.save_num_checkpoints_to_keep,
+            async_process_group=self._async_save_group,
         )
-        self.state.last_checkpoint_path = str(path)
+        self._pending_save = (pending, event)
         self._last_save_batch = self.state.timestamp.batch
+        if self._async_save_group is None:
+            self._publish_pending_save()
+
+    def _publish_pending_save(self) -> None:
+        """Wait for the checkpoint being written, publish it and fire its checkpoint event."""
+        if self._pending_save is None:
+            return
+        pending, event = self._pending_save
+        self._pending_save = None
+        self.state.last_checkpoint_path = str(pending.finish())
         self.engine.run_event(event)
+
+    def _settle_pending_save_after_error(self) -> None:
+        """After an exception, finish this rank's write; publish it only when no other rank must agree."""
+        if self._pending_save is None:
+            return
+        pending, _ = self._pending_save
+        self._pending_save = None
+        if self.state.world_size == 1:
+            self.state.last_checkpoint_path = str(pending.finish())
+        else:
+            pending.wait()  # peers may not reach a barrier: the folder stays temporary, the next save removes it
 
     def _at_fit_end(self) -> None:
         """Evaluate and checkpoint the final model unless the last batch already did."""
@@ -391,6 +441,7 @@ class Trainer:
             self.eval()
         if self.save_folder and self._last_save_batch != state.timestamp.batch:
             self._save(Event.BATCH_CHECKPOINT)
+        self._publish_pending_save()
 
 
 # ------------------------------------------------------------------------------------ helpers

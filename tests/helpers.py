@@ -71,3 +71,15 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return bytes(i for i in ids if i < BYTE_EOS).decode(errors="replace")
+
+
+def assert_nested_close(got: Any, want: Any, where: str = "", atol: float = 0.0) -> None:
+    """``got`` equals ``want``: nested dicts with the same keys, tensors within ``atol``, other values equal."""
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), where
+        for key in want:
+            assert_nested_close(got[key], want[key], f"{where}.{key}", atol)
+    elif isinstance(want, torch.Tensor):
+        torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=where)
+    else:
+        assert got == want, where

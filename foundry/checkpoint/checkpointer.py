@@ -25,6 +25,7 @@ import secrets
 import shutil
 import warnings
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,35 @@ def save_checkpoint(
     Every rank must call this (tensors are gathered collectively). ``num_to_keep=-1`` keeps all.
     Returns the checkpoint folder.
     """
+    pending = start_checkpoint(
+        save_folder,
+        state,
+        callbacks=callbacks,
+        algorithms=algorithms,
+        config=config,
+        overwrite=overwrite,
+        num_to_keep=num_to_keep,
+    )
+    return pending.finish()
+
+
+def start_checkpoint(
+    save_folder: str | Path,
+    state: State,
+    *,
+    callbacks: Sequence = (),
+    algorithms: Sequence = (),
+    config: dict | None = None,
+    overwrite: bool = False,
+    num_to_keep: int = -1,
+    async_process_group: dist.ProcessGroup | None = None,
+) -> PendingCheckpoint:
+    """Begin writing ``state`` as ``save_checkpoint`` does; ``finish()`` on the result publishes it.
+
+    With ``async_process_group`` (a gloo group of every rank, used by nothing else) the tensors are
+    copied to host memory and written by a background thread while training goes on; without it
+    they are written before this returns.
+    """
     save_folder = Path(save_folder)
     name = checkpoint_name(state.timestamp)
     final_dir = save_folder / name
@@ -94,32 +124,76 @@ def save_checkpoint(
         _remove_temporaries(save_folder)
     tmp_dir = save_folder / _same_on_all_ranks(f"{TMP_PREFIX}{name}-{secrets.token_hex(4)}")
     _barrier()
+    pending = PendingCheckpoint(tmp_dir, final_dir, state.rank, num_to_keep)
     try:
-        _write_checkpoint(tmp_dir, tensors, meta_json, rng_json, state.rank)
+        pending.write = _write_checkpoint(tmp_dir, tensors, meta_json, rng_json, state.rank, async_process_group)
     except (Exception, dcp.CheckpointException) as exc:
-        if state.rank == 0:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+        pending.fail(exc)
+    return pending
+
+
+class PendingCheckpoint:
+    """A checkpoint being written into its temporary folder; ``finish()`` publishes it once complete."""
+
+    def __init__(self, tmp_dir: Path, final_dir: Path, rank: int, num_to_keep: int) -> None:
+        self.tmp_dir, self.final_dir, self.rank, self.num_to_keep = tmp_dir, final_dir, rank, num_to_keep
+        self.write: Future | None = None  # the background write of the tensors, if any
+
+    def wait(self) -> None:
+        """Wait until this rank's tensors are written (raises ``CheckpointError`` if that failed)."""
+        write, self.write = self.write, None
+        if write is None:
+            return
+        try:
+            write.result()
+        except (Exception, dcp.CheckpointException) as exc:
+            self.fail(exc)
+
+    def finish(self) -> Path:
+        """Wait for the write, then rename the checkpoint into place, point ``latest`` at it and prune.
+
+        Every rank must call it. Returns the checkpoint folder.
+        """
+        self.wait()
+        _barrier()
+        if self.rank == 0:
+            save_folder = self.final_dir.parent
+            _publish(self.tmp_dir, self.final_dir)
+            latest_tmp_name = f"{TMP_PREFIX}{LATEST_FILE}-{secrets.token_hex(4)}"
+            _write_durably(save_folder / LATEST_FILE, self.final_dir.name, tmp_name=latest_tmp_name)
+            _prune(save_folder, self.num_to_keep, keep_name=self.final_dir.name)
+        _barrier()
+        return self.final_dir
+
+    def fail(self, exc: BaseException) -> None:
+        if self.rank == 0:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
         cause = _root_cause(exc)
         raise CheckpointError(
-            f"Could not write checkpoint {final_dir} ({type(cause).__name__}: {cause}). Check free disk space "
-            f"and write permission in {save_folder}; earlier checkpoints there are untouched."
+            f"Could not write checkpoint {self.final_dir} ({type(cause).__name__}: {cause}). Check free disk space "
+            f"and write permission in {self.final_dir.parent}; earlier checkpoints there are untouched."
         ) from exc
-    _barrier()
-    if state.rank == 0:
-        _publish(tmp_dir, final_dir)
-        _write_durably(save_folder / LATEST_FILE, name, tmp_name=f"{TMP_PREFIX}{LATEST_FILE}-{secrets.token_hex(4)}")
-        _prune(save_folder, num_to_keep, keep_name=name)
-    _barrier()
-    return final_dir
 
 
-def _write_checkpoint(folder: Path, tensors: dict[str, Any], meta_json: str, rng_json: str, rank: int) -> None:
+def _write_checkpoint(
+    folder: Path,
+    tensors: dict[str, Any],
+    meta_json: str,
+    rng_json: str,
+    rank: int,
+    async_process_group: dist.ProcessGroup | None,
+) -> Future | None:
+    """Write the checkpoint's files into ``folder``; the tensors in the background with a process group."""
     folder.mkdir(parents=True, exist_ok=True)
-    with _single_process_quiet():
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(folder))
     _write_durably(folder / rng_file_name(rank), rng_json)
     if rank == 0:
         _write_durably(folder / META_FILE, meta_json)
+    writer = dcp.FileSystemWriter(folder)
+    if async_process_group is not None:
+        return dcp.async_save(tensors, storage_writer=writer, process_group=async_process_group)
+    with _single_process_quiet():
+        dcp.save(tensors, storage_writer=writer)
+    return None
 
 
 def _tensor_state(state: State, model_only: bool = False) -> dict[str, Any]:

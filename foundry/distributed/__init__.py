@@ -5,6 +5,7 @@
 ranks through torchrun (``foundry train --nproc N``).
 """
 
+from foundry.distributed.auto_microbatch import find_microbatch_size
 from foundry.distributed.env import (
     all_reduce_sum,
     barrier,
@@ -16,8 +17,13 @@ from foundry.distributed.env import (
     get_world_size,
     is_distributed,
 )
-from foundry.distributed.parallelize import parallelize, prepare_sharding
-from foundry.distributed.process_group import destroy_process_group, init_process_group, launched_by_torchrun
+from foundry.distributed.parallelize import parallelize, prepare_sharding, set_gradient_sync
+from foundry.distributed.process_group import (
+    destroy_process_group,
+    init_process_group,
+    launched_by_torchrun,
+    new_gloo_group,
+)
 
 __all__ = [
     "all_reduce_sum",
@@ -25,6 +31,7 @@ __all__ = [
     "broadcast_object",
     "default_device",
     "destroy_process_group",
+    "find_microbatch_size",
     "get_local_rank",
     "get_local_world_size",
     "get_rank",
@@ -32,6 +39,8 @@ __all__ = [
     "init_process_group",
     "is_distributed",
     "launched_by_torchrun",
+    "new_gloo_group",
     "parallelize",
     "prepare_sharding",
+    "set_gradient_sync",
 ]

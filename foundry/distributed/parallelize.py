@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from foundry.distributed.activation_checkpoint import apply_activation_checkpointing, apply_activation_offload
 from foundry.distributed.env import all_reduce_sum, get_local_world_size, get_rank, get_world_size
@@ -83,6 +83,16 @@ def parallelize(model: nn.Module, config: FSDPConfig, device: torch.device, prec
     _materialise(model, torch.device("cpu") if offload else device, device, rank0_weights)
     if config.verbose and get_rank() == 0:
         log.info("FSDP2 (%s) on mesh %s: %d blocks, then the root.", config.sharding_strategy, mesh, len(blocks))
+
+
+def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    """Whether the next backward reduces gradients across ranks (a no-op for an unsharded module).
+
+    Gradient accumulation turns it off for all but a batch's last microbatch: FSDP2 then keeps
+    the unsharded gradients and reduce-scatters (or all-reduces) their sum once per batch.
+    """
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
 
 
 def build_mesh(layout: str, device_type: str) -> DeviceMesh:

@@ -49,6 +49,15 @@ def init_process_group(timeout_s: float = 600.0) -> None:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
+def new_gloo_group() -> dist.ProcessGroup:
+    """A gloo group of every rank, for collectives that run beside training's (a background checkpoint write).
+
+    Joins the job's process group first (a group of one for a process started without torchrun).
+    """
+    init_process_group()
+    return dist.new_group(backend="gloo")
+
+
 def destroy_process_group() -> None:
     """Leave the process group (a no-op when there is none)."""
     if is_distributed():

@@ -90,6 +90,7 @@ class LlamaConfig:
     init_device: str = "cpu"
     loss_fn: Literal["torch_crossentropy", "fused_crossentropy"] = "torch_crossentropy"  # as MPT's
     peft_config: LoraConfig | None = None  # LoRA adapters on the linear layers it names (docs/LORA.md)
+    activation_checkpointing_target: str | list[Any] | dict[str, Any] | None = None  # as MPTConfig's
 
     def __post_init__(self) -> None:
         for key in ("d_model", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"):
@@ -146,6 +147,7 @@ class LlamaConfig:
             norm_eps=self.norm_eps,
             tie_word_embeddings=self.tie_word_embeddings,
             loss_fn=self.loss_fn,
+            activation_checkpointing_target=self.activation_checkpointing_target,
         )
 
     def _attn_config(self) -> AttnConfig:

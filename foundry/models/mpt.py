@@ -70,6 +70,9 @@ class MPTConfig:
     fc_type: str | dict[str, Any] = "torch"
     use_pad_tok_in_ffn: bool = True
     peft_config: LoraConfig | None = None  # LoRA adapters on the linear layers it names (docs/LORA.md)
+    # With fsdp_config.activation_checkpointing: which modules recompute their activations (null: every
+    # block; a class name, a list, or {name: blocks}); foundry.distributed.activation_checkpoint reads it.
+    activation_checkpointing_target: str | list[Any] | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._check_shapes()

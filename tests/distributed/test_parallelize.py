@@ -102,3 +102,32 @@ def test_several_ranks_without_a_rendezvous_address_fail_clearly(monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(ConfigError, match="--nproc"):
         init_process_group()
+
+
+def checkpointed_modules(model_section: dict, folder: str) -> list[str]:
+    """Names of the modules that a 1-rank Trainer wrapped for activation checkpointing (run on a rank)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from foundry.builders import build_model
+    from foundry.trainer import Trainer
+
+    trainer = Trainer(
+        model=build_model(model_section),
+        train_dataloader=[],
+        optimizers=lambda params: torch.optim.SGD(params, lr=0.1),
+        fsdp_config={"activation_checkpointing": True},
+        device="cpu",
+        run_folder=folder,
+        log_to_console=False,
+    )
+    modules = trainer.state.model.named_modules()
+    return [name.replace("._checkpoint_wrapped_module", "") for name, m in modules if isinstance(m, CheckpointWrapper)]
+
+
+@pytest.mark.parametrize("family", ["mpt_causal_lm", "llama_causal_lm"])
+def test_activation_checkpointing_target_key_reaches_the_sharded_model(ranks, family, tmp_path):
+    keys = {**TINY, "kv_n_heads": 2} if family == "llama_causal_lm" else dict(TINY)
+    if family == "llama_causal_lm":
+        keys.update(multiple_of=8)
+    section = {"name": family, **keys, "activation_checkpointing_target": {"grouped_query_attention": "last-1"}}
+    assert ranks.run(1, checkpointed_modules, section, str(tmp_path))[0] == ["transformer.blocks.3.attn"]

@@ -55,3 +55,10 @@ def test_sharded_meta_init_gives_the_unsharded_weights(ranks, init_device, tmp_p
 
 def test_two_ranks_without_fsdp_config_replicate_the_model(ranks, one_rank, tmp_path):
     assert_same_run(ranks.run(2, train, NUM_BATCHES, str(tmp_path), None)[0], one_rank)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_gradient_accumulation_over_microbatches_matches_one_rank(ranks, one_rank, strategy, tmp_path):
+    fsdp = {"sharding_strategy": strategy}
+    result = ranks.run(2, train, NUM_BATCHES, str(tmp_path), fsdp, device_train_microbatch_size=1)[0]
+    assert_same_run(result, one_rank)
