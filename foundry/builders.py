@@ -239,8 +239,8 @@ def _check_adapters_only_base(cfg: TrainConfig) -> None:
         raise ConfigError(
             "model.peft_config.save_adapters_only: true saves the LoRA adapters without the base weights, which "
             "checkpoints then find through load_path; set load_path to the base checkpoint (e.g. the output of "
-            "`foundry convert from-hf`), or set save_adapters_only: false. (An hf_causal_lm with pretrained: true needs "
-            "none: its base is pretrained_model_name_or_path.)"
+            "`foundry convert from-hf`), or set save_adapters_only: false. (An hf_causal_lm with pretrained: true "
+            "needs none: its base is pretrained_model_name_or_path.)"
         )
 
 

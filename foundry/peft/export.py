@@ -5,6 +5,7 @@
 adapters on what ``foundry convert to-hf`` wrote for the base. Names go through the family's own
 ``to_hf_state_dict``: each ``lora_B`` (out × r) maps like its layer's weight, so Llama's fused
 ``Wqkv`` B splits by rows into q/k/v_proj while the shared ``lora_A`` is copied to each (exact).
+An ``hf_causal_lm``'s adapters already carry Hugging Face's names and go out as they are.
 ``foundry convert merge CKPT OUT_CKPT`` folds ``W + scaling · B A`` into a plain foundry checkpoint.
 """
 
@@ -110,7 +111,7 @@ def add_export_adapter_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--base-model",
         help="adapter_config.json's base_model_name_or_path: the `foundry convert to-hf` directory of the base "
-        "(default: the run's load_path)",
+        "(default: the run's load_path; for hf_causal_lm without one, its pretrained_model_name_or_path)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
 

@@ -17,8 +17,13 @@ from foundry.convert.checkpoint_io import load_checkpoint_model
 from foundry.errors import ConfigError
 from foundry.optim import DecoupledAdamW
 from foundry.peft.checkpoint import holds_adapters_only, saved_model_keys
-from foundry.peft.export import add_export_adapter_arguments, add_merge_arguments, load_lora_checkpoint
-from foundry.peft.export import run_export_adapter, run_merge
+from foundry.peft.export import (
+    add_export_adapter_arguments,
+    add_merge_arguments,
+    load_lora_checkpoint,
+    run_export_adapter,
+    run_merge,
+)
 from foundry.peft.lora import adapter_state_dict, is_adapter_key
 from foundry.trainer import Trainer
 
