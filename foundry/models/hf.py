@@ -154,8 +154,15 @@ def refill_computed_buffers(hf_model: nn.Module, device: torch.device | str | No
         names = module._non_persistent_buffers_set
         if not names:
             continue
-        with torch.device(device or "cpu"):
-            fresh = type(module)(config=hf_model.config)
+        try:
+            with torch.device(device or "cpu"):
+                fresh = type(module)(config=hf_model.config)
+        except TypeError as error:
+            raise ConfigError(
+                f"{type(module).__name__} holds buffers no checkpoint saves ({', '.join(sorted(names))}) and foundry "
+                f"cannot recompute them from the config ({error}); build this model on the CPU (model.init_device: "
+                "cpu) rather than on the meta device."
+            ) from None
         for name in names:
             module._buffers[name] = fresh._buffers[name]
         for key, value in vars(fresh).items():  # tensors kept beside them (e.g. RoPE's original_inv_freq)
