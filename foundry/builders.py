@@ -232,12 +232,15 @@ def _check_hand_over(cfg: TrainConfig) -> None:
 
 def _check_adapters_only_base(cfg: TrainConfig) -> None:
     """Adapters-only checkpoints name their base through load_path: without one, the base would be lost."""
+    from foundry.peft.checkpoint import has_pretrained_base
+
     peft_config = cfg.model.get("peft_config") or {}
-    if peft_config.get("save_adapters_only") and not cfg.load_path:
+    if peft_config.get("save_adapters_only") and not cfg.load_path and not has_pretrained_base(cfg.model):
         raise ConfigError(
             "model.peft_config.save_adapters_only: true saves the LoRA adapters without the base weights, which "
             "checkpoints then find through load_path; set load_path to the base checkpoint (e.g. the output of "
-            "`foundry convert from-hf`), or set save_adapters_only: false."
+            "`foundry convert from-hf`), or set save_adapters_only: false. (An hf_causal_lm with pretrained: true "
+            "needs none: its base is pretrained_model_name_or_path.)"
         )
 
 

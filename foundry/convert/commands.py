@@ -17,6 +17,7 @@ from foundry.checkpoint import latest_checkpoint
 from foundry.convert import adapter_for_family, adapter_for_hf
 from foundry.convert.checkpoint_io import load_checkpoint_model, meta_model, resolve_checkpoint, save_weights_checkpoint
 from foundry.errors import ConfigError
+from foundry.models.hf import refill_computed_buffers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -140,7 +141,7 @@ def _assign_weights(model: nn.Module, state: dict[str, torch.Tensor], source: st
     result = model.load_state_dict(state, strict=False, assign=True)
     if hasattr(model, "tie_weights"):  # transformers: the output head shares the embedding when tied
         model.tie_weights()
-    _rebuild_computed_buffers(model)
+    refill_computed_buffers(model, "cpu")
     tensors = [*model.named_parameters(), *model.named_buffers()]
     left_on_meta = [name for name, tensor in tensors if tensor.is_meta]
     if result.unexpected_keys or left_on_meta:
@@ -149,14 +150,6 @@ def _assign_weights(model: nn.Module, state: dict[str, torch.Tensor], source: st
             "this is a bug in its foundry/convert adapter."
         )
     return model
-
-
-def _rebuild_computed_buffers(model: nn.Module) -> None:
-    """Re-create transformers modules whose buffers come from the config (RoPE frequencies), left on meta."""
-    for parent in list(model.modules()):
-        for child_name, child in parent.named_children():
-            if any(buffer.is_meta for buffer in child.buffers(recurse=False)):
-                setattr(parent, child_name, type(child)(config=model.config))
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> Path:

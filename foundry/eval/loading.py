@@ -27,7 +27,7 @@ class LoadedModel:
 def load_model(path: str | Path, name: str | None = None) -> LoadedModel:
     """The model (on CPU, weights loaded) and tokenizer stored at ``path``."""
     path = Path(path).expanduser()
-    if (path / "config.json").is_file() and not (path / "meta.json").is_file():
+    if is_hf_directory(path):
         return _load_hf_directory(path, name or path.name)
     from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint
 
@@ -38,6 +38,11 @@ def load_model(path: str | Path, name: str | None = None) -> LoadedModel:
     return LoadedModel(
         name or _checkpoint_name(path, folder), model, _tokenizer(config["tokenizer"]), _max_seq_len(model)
     )
+
+
+def is_hf_directory(path: Path) -> bool:
+    """A Hugging Face model directory (config.json), not a foundry checkpoint (meta.json)."""
+    return (path / "config.json").is_file() and not (path / "meta.json").is_file()
 
 
 def build_model_entry(entry: Mapping[str, Any], key_path: str) -> LoadedModel:

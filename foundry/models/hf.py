@@ -21,6 +21,7 @@ from foundry import registry
 from foundry.errors import ConfigError, did_you_mean
 from foundry.models import flops
 from foundry.models.base import CausalLM
+from foundry.peft.lora import LoraConfig, inject_lora, is_adapter_key, reset_lora_parameters
 from foundry.schema import parse_dataclass
 
 _KEY = "model"
@@ -38,7 +39,7 @@ class HFCausalLMConfig:
     init_device: str = "cpu"
     use_flash_attention_2: bool = False  # LLM Foundry's spelling of attn_implementation: flash_attention_2
     use_auth_token: bool | str | None = None  # a Hub token (or true: the logged-in one) for gated models
-    peft_config: dict[str, Any] | None = None
+    peft_config: LoraConfig | None = None  # LoRA on the HF model's own linear layers (docs/LORA.md)
     pretrained_lora_id_or_path: str | None = None
 
     def __post_init__(self) -> None:
@@ -49,9 +50,11 @@ class HFCausalLMConfig:
                     f"{self.attn_implementation!r}; keep one of them."
                 )
             self.attn_implementation = "flash_attention_2"
-        for key in ("peft_config", "pretrained_lora_id_or_path"):
-            if getattr(self, key) is not None:
-                raise ConfigError(f"'{_KEY}.{key}': LoRA adapters are not supported by hf_causal_lm yet; remove it.")
+        if self.pretrained_lora_id_or_path is not None:
+            raise ConfigError(
+                f"'{_KEY}.pretrained_lora_id_or_path': starting from a trained PEFT adapter is not supported; remove "
+                f"it, and train new adapters with '{_KEY}.peft_config' (or continue a foundry LoRA run with load_path)."
+            )
 
 
 @registry.models.register("hf_causal_lm")
@@ -68,6 +71,35 @@ class HFCausalLM(CausalLM):
         self.config = parse_dataclass(HFCausalLMConfig, config if config is not None else config_keys, _KEY)
         hf_config = load_hf_config(self.config)
         self.hf_model = _build_hf_model(self.config, hf_config)
+        # False once the weights are gone (init_device: meta, to_empty): then load_pretrained_weights() reads them.
+        self.holds_pretrained_weights = self.config.pretrained and self.config.init_device != "meta"
+        if self.config.peft_config is not None:
+            inject_lora(self.hf_model, self.config.peft_config)
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> HFCausalLM:
+        """``nn.Module.to_empty``, then the buffers no state dict holds (RoPE frequencies) are computed again."""
+        super().to_empty(device=device, recurse=recurse)
+        refill_computed_buffers(self.hf_model, device)
+        self.holds_pretrained_weights = False
+        reset_lora_parameters(self)  # the adapters start as PEFT's init until a checkpoint fills them
+        return self
+
+    def load_pretrained_weights(self) -> None:
+        """Read ``pretrained_model_name_or_path``'s weights again (the base of an adapters-only LoRA checkpoint)."""
+        if not self.config.pretrained:
+            raise ConfigError(
+                f"'{_KEY}.pretrained' is false, so {self.config.pretrained_model_name_or_path} holds no base weights "
+                "for this model; load a checkpoint that has them (load_path)."
+            )
+        pretrained = _build_hf_model(dataclasses.replace(self.config, init_device="cpu"), self.hf_config)
+        device = next(self.hf_model.parameters()).device
+        result = self.hf_model.load_state_dict(pretrained.to(device).state_dict(), strict=False)
+        if result.unexpected_keys or any(not is_adapter_key(key) for key in result.missing_keys):
+            raise ConfigError(
+                f"{self.config.pretrained_model_name_or_path} does not fit this model: missing "
+                f"{result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]}."
+            )
+        self.holds_pretrained_weights = True
 
     @property
     def hf_config(self) -> Any:
@@ -110,6 +142,32 @@ def refuse_packed_examples(batch: Mapping[str, Any]) -> None:
             "cannot mask attention between them. Remove 'train_loader.dataset.packing_ratio' (and the eval "
             "loaders'), or use mpt_causal_lm / llama_causal_lm with attn_config.attn_uses_sequence_id: true."
         )
+
+
+def refill_computed_buffers(hf_model: nn.Module, device: torch.device | str | None) -> None:
+    """Recompute the non-persistent buffers of ``hf_model`` (RoPE inverse frequencies) on ``device``.
+
+    No state dict holds them, so a model built on the meta device or emptied by ``to_empty`` would
+    keep garbage there. transformers computes them from the config in the module's constructor.
+    """
+    for module in hf_model.modules():
+        names = module._non_persistent_buffers_set
+        if not names:
+            continue
+        try:
+            with torch.device(device or "cpu"):
+                fresh = type(module)(config=hf_model.config)
+        except TypeError as error:
+            raise ConfigError(
+                f"{type(module).__name__} holds buffers no checkpoint saves ({', '.join(sorted(names))}) and foundry "
+                f"cannot recompute them from the config ({error}); build this model on the CPU (model.init_device: "
+                "cpu) rather than on the meta device."
+            ) from None
+        for name in names:
+            module._buffers[name] = fresh._buffers[name]
+        for key, value in vars(fresh).items():  # tensors kept beside them (e.g. RoPE's original_inv_freq)
+            if isinstance(value, torch.Tensor) and not key.startswith("_"):
+                setattr(module, key, value)
 
 
 def load_hf_config(config: HFCausalLMConfig) -> Any:

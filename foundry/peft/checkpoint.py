@@ -63,13 +63,24 @@ def holds_adapters_only(folder: Path) -> bool:
     return bool(keys) and all(map(is_adapter_key, keys))
 
 
-def base_checkpoint(folder: Path) -> Path:
-    """The checkpoint that holds the base weights of adapters-only checkpoint ``folder`` (its run's load_path)."""
+def has_pretrained_base(model_section: Mapping[str, Any]) -> bool:
+    """Whether a model section loads its base weights itself: ``hf_causal_lm`` with ``pretrained`` (the default)."""
+    return model_section.get("name") == "hf_causal_lm" and model_section.get("pretrained", True) is not False
+
+
+def base_checkpoint(folder: Path) -> Path | None:
+    """The checkpoint that holds the base weights of adapters-only checkpoint ``folder`` (its run's load_path).
+
+    None: the run had no load_path and its model is a pretrained ``hf_causal_lm``, whose base is its
+    ``pretrained_model_name_or_path``.
+    """
     from foundry.checkpoint import resolve_checkpoint_path
     from foundry.checkpoint.checkpointer import META_FILE
 
     config = json.loads((folder / META_FILE).read_text()).get("config") or {}
     load_path = config.get("load_path")
+    if not load_path and has_pretrained_base(config.get("model") or {}):
+        return None
     if not load_path:
         raise CheckpointError(
             f"Checkpoint {folder} holds LoRA adapters only (model.peft_config.save_adapters_only) and its run had no "
@@ -94,6 +105,10 @@ def load_adapter_base(folder: Path, state: State, depth: int = 0) -> None:
     if depth >= _MAX_BASE_DEPTH:
         raise CheckpointError(f"Checkpoint {folder}: its chain of adapters-only bases is longer than {depth}; a loop?")
     base = base_checkpoint(folder)
+    if base is None:  # an hf_causal_lm base: its pretrained weights, read when the model was built (or now)
+        if not state.model.holds_pretrained_weights:
+            state.model.load_pretrained_weights()
+        return
     load_adapter_base(base, state, depth + 1)
     load_checkpoint(base, state, weights_only=True)
 

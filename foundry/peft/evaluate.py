@@ -11,34 +11,56 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from foundry.convert.checkpoint_io import meta_model, resolve_checkpoint
 from foundry.errors import ConfigError
+from foundry.peft.export import HF_FAMILY
+
+
+def _base_model(base: Path, section: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
+    """(the adapters' LoRA model holding ``base``'s weights on CPU, the base's tokenizer section).
+
+    ``base`` is a foundry checkpoint, or for an ``hf_causal_lm`` run a Hugging Face directory.
+    """
+    from foundry.builders import build_model
+    from foundry.checkpoint import load_checkpoint
+    from foundry.core.state import State
+    from foundry.core.time import Time
+    from foundry.eval.loading import is_hf_directory
+
+    if is_hf_directory(base):
+        if section.get("name") != HF_FAMILY:
+            raise ConfigError(
+                f"--model {base} is a Hugging Face directory, but the adapters' run is a {section.get('name')}: "
+                "pass its base as a foundry checkpoint (the run's load_path)."
+            )
+        model = build_model({**section, "pretrained_model_name_or_path": str(base), "pretrained": True})
+        has_tokenizer = any((base / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
+        return model, {"name": str(base)} if has_tokenizer else None
+    base_folder, base_config = resolve_checkpoint(base)
+    model = meta_model(section).to_empty(device="cpu")
+    load_checkpoint(base_folder, State(model=model, max_duration=Time.parse("1ba")), weights_only=True)
+    return model, base_config.get("tokenizer")
 
 
 def evaluate_adapters(
     bases: list[Any], adapter_paths: list[str], tasks: list, gauntlet: Any, cfg: Any, device: Any
 ) -> list:
     """``ModelResults`` per adapter (named by its path), all on the one base in ``bases``."""
-    from foundry.checkpoint import load_checkpoint
-    from foundry.convert.checkpoint_io import meta_model, resolve_checkpoint
-    from foundry.core.state import State
-    from foundry.core.time import Time
     from foundry.eval.command import build_evaluator, score
     from foundry.eval.loading import LoadedModel, _max_seq_len, _tokenizer
     from foundry.peft.adapters import AdapterSet
 
     if len(bases) != 1 or not isinstance(bases[0], str | Path):
         raise ConfigError("--adapters needs exactly one base checkpoint: pass it as --model BASE (no --compare).")
-    base_folder, base_config = resolve_checkpoint(bases[0])
     _, adapter_config = resolve_checkpoint(adapter_paths[0])
     section = adapter_config["model"]
     if not section.get("peft_config"):
         raise ConfigError(f"{adapter_paths[0]} is not a LoRA run (its model section has no peft_config).")
-    model = meta_model(section).to_empty(device="cpu")
-    load_checkpoint(base_folder, State(model=model, max_duration=Time.parse("1ba")), weights_only=True)
+    model, base_tokenizer = _base_model(Path(bases[0]), section)
     model = model.to(device).eval()
-    tokenizer_section = base_config.get("tokenizer") or adapter_config.get("tokenizer")
+    tokenizer_section = base_tokenizer or adapter_config.get("tokenizer")
     if tokenizer_section is None:
-        raise ConfigError(f"Neither {base_folder} nor {adapter_paths[0]} names a tokenizer in its config.")
+        raise ConfigError(f"Neither {bases[0]} nor {adapter_paths[0]} names a tokenizer in its config.")
     evaluator = build_evaluator(
         LoadedModel("base", model, _tokenizer(tokenizer_section), _max_seq_len(model)), tasks, cfg
     )
@@ -50,7 +72,7 @@ def evaluate_adapters(
         switch_s.append(adapters.activate(name))
         results.append(score(evaluator, model, name, gauntlet, cfg, device))
     print(
-        f"foundry: {len(adapters.names)} adapters on one base ({base_folder}); adapter switch median "
+        f"foundry: {len(adapters.names)} adapters on one base ({bases[0]}); adapter switch median "
         f"{statistics.median(switch_s) * 1000:.3f} ms"
     )
     return results

@@ -5,6 +5,7 @@
 adapters on what ``foundry convert to-hf`` wrote for the base. Names go through the family's own
 ``to_hf_state_dict``: each ``lora_B`` (out × r) maps like its layer's weight, so Llama's fused
 ``Wqkv`` B splits by rows into q/k/v_proj while the shared ``lora_A`` is copied to each (exact).
+An ``hf_causal_lm``'s adapters already carry Hugging Face's names and go out as they are.
 ``foundry convert merge CKPT OUT_CKPT`` folds ``W + scaling · B A`` into a plain foundry checkpoint.
 """
 
@@ -20,38 +21,52 @@ from torch import nn
 
 from foundry.convert import adapter_for_family
 from foundry.errors import ConfigError
-from foundry.peft.checkpoint import load_adapter_base, model_lora_config
+from foundry.peft.checkpoint import has_pretrained_base, load_adapter_base, model_lora_config
 from foundry.peft.lora import LoraConfig, is_adapter_key, lora_modules, merged_state_dict
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
+HF_FAMILY = "hf_causal_lm"  # already a transformers model: its adapters keep their names
+LoraPart = tuple[str, torch.Tensor, torch.Tensor]  # (Hugging Face module name, lora_A weight, lora_B weight)
 
 
 def peft_adapter_state(model: nn.Module, family: str) -> tuple[dict[str, torch.Tensor], list[str]]:
     """(PEFT's adapter tensors keyed ``base_model.model.<HF module>.lora_A.weight``, target_modules in HF names)."""
+    parts, hf_linears = _hf_lora_parts(model) if family == HF_FAMILY else _converted_lora_parts(model, family)
+    state: dict[str, torch.Tensor] = {}
+    for hf_module, lora_a, lora_b in parts:
+        state[f"{_PEFT_PREFIX}{hf_module}.lora_A.weight"] = lora_a.detach().clone().contiguous()
+        state[f"{_PEFT_PREFIX}{hf_module}.lora_B.weight"] = lora_b.detach().clone().contiguous()
+    return state, _hf_target_modules([hf_module for hf_module, _, _ in parts], hf_linears)
+
+
+def _hf_lora_parts(model: nn.Module) -> tuple[list[LoraPart], set[str]]:
+    """An ``hf_causal_lm``'s adapters: its module names already are Hugging Face's."""
+    hf_model = model.hf_model
+    parts = [(name, module.lora_A.weight, module.lora_B.weight) for name, module in lora_modules(hf_model)]
+    return parts, {name for name, module in hf_model.named_modules() if isinstance(module, nn.Linear)}
+
+
+def _converted_lora_parts(model: nn.Module, family: str) -> tuple[list[LoraPart], set[str]]:
+    """A native family's adapters under the names ``foundry convert to-hf`` gives their layers."""
     adapter = adapter_for_family(family)
     adapter.to_hf_config(model)  # a base that cannot be exported fails here, naming what does not map
-    state: dict[str, torch.Tensor] = {}
-    hf_modules: list[str] = []
+    parts: list[LoraPart] = []
     for name, module in lora_modules(model):
         # The B rows map exactly as the weight's rows do (e.g. Wqkv -> q, k, v); A is each part's A.
         b_parts = adapter.to_hf_state_dict({f"{name}.weight": module.lora_B.weight.detach()}, model)
-        for hf_weight_name, b_part in b_parts.items():
-            hf_module = hf_weight_name.removesuffix(".weight")
-            hf_modules.append(hf_module)
-            state[f"{_PEFT_PREFIX}{hf_module}.lora_A.weight"] = module.lora_A.weight.detach().clone().contiguous()
-            state[f"{_PEFT_PREFIX}{hf_module}.lora_B.weight"] = b_part.clone().contiguous()
-    return state, _hf_target_modules(hf_modules, model, adapter)
-
-
-def _hf_target_modules(hf_modules: list[str], model: nn.Module, adapter: Any) -> list[str]:
-    """Short names (``q_proj``) when PEFT's suffix match of them picks exactly the adapted modules, else full names."""
+        parts += [(hf_name.removesuffix(".weight"), module.lora_A.weight, b) for hf_name, b in b_parts.items()]
     weights = {name: tensor for name, tensor in model.state_dict().items() if not is_adapter_key(name)}
     linear_weights = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, nn.Linear)}
     hf_linears = adapter.to_hf_state_dict({name: weights[name] for name in linear_weights & set(weights)}, model)
+    return parts, {name.removesuffix(".weight") for name in hf_linears}
+
+
+def _hf_target_modules(hf_modules: list[str], hf_linears: set[str]) -> list[str]:
+    """Short names (``q_proj``) when PEFT's suffix match of them picks exactly the adapted modules, else full names."""
     short = sorted({name.rpartition(".")[2] for name in hf_modules})
-    picked_by_short = {name.removesuffix(".weight") for name in hf_linears if name.split(".")[-2] in short}
+    picked_by_short = {name for name in hf_linears if name.rpartition(".")[2] in short}
     return short if picked_by_short == set(hf_modules) else sorted(hf_modules)
 
 
@@ -96,7 +111,7 @@ def add_export_adapter_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--base-model",
         help="adapter_config.json's base_model_name_or_path: the `foundry convert to-hf` directory of the base "
-        "(default: the run's load_path)",
+        "(default: the run's load_path; for hf_causal_lm without one, its pretrained_model_name_or_path)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
 
@@ -110,10 +125,17 @@ def run_export_adapter(args: argparse.Namespace) -> int:
     family = config["model"]["name"]
     _require_lora(config["model"], folder)
     model = load_checkpoint_model(folder, config["model"])  # the adapters are all an export reads
-    base = args.base_model or str(config.get("load_path") or "")
+    base = args.base_model or default_base_model(config)
     _write_atomically(out_dir, lambda tmp_dir: write_peft_adapter(model, family, tmp_dir, base))
     print(f"foundry: wrote the LoRA adapters of {folder} in PEFT's format to {out_dir} (base: {base or 'unset'})")
     return 0
+
+
+def default_base_model(config: dict[str, Any]) -> str:
+    """The base an exported adapter names: the run's load_path, or an hf_causal_lm's own pretrained model."""
+    if not config.get("load_path") and has_pretrained_base(config["model"]):
+        return str(config["model"]["pretrained_model_name_or_path"])
+    return str(config.get("load_path") or "")
 
 
 def add_merge_arguments(parser: argparse.ArgumentParser) -> None:

@@ -12,6 +12,7 @@ import torch
 from helpers import token_batches
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from foundry.builders import build_model
 from foundry.core import LoggerDestination
 from foundry.distributed import get_rank, get_world_size
 from foundry.models import MPTCausalLM
@@ -48,12 +49,12 @@ def build_trainer(
     max_batches: int,
     folder: str,
     fsdp_config: dict[str, Any] | None = None,
-    model_keys: dict[str, Any] | None = None,
+    model_keys: dict[str, Any] | None = None,  # with a 'name': a whole model section instead of the tiny MPT
     **trainer_kwargs: Any,
 ) -> Trainer:
     torch.manual_seed(SEED)  # as builders.build_trainer seeds before building the model
     return Trainer(
-        model=MPTCausalLM(**MODEL, **(model_keys or {})),
+        model=build_model(model_keys) if "name" in (model_keys or {}) else MPTCausalLM(**MODEL, **(model_keys or {})),
         train_dataloader=rank_batches(max_batches),
         max_duration=f"{max_batches}ba",
         optimizers=lambda params: DecoupledAdamW(params, lr=3e-3),

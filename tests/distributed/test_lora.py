@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -11,10 +13,10 @@ NUM_BATCHES = 4
 LORA_KEYS = {"peft_config": {"r": 4, "lora_alpha": 8, "target_modules": ["Wqkv", "out_proj", "up_proj", "down_proj"]}}
 
 
-def test_lora_on_two_full_shard_ranks_matches_one_rank(ranks, tmp_path):
-    one = ranks.run(1, train, NUM_BATCHES, str(tmp_path / "one"), None, model_keys=LORA_KEYS)[0]
+def assert_two_full_shard_ranks_match_one(ranks, tmp_path, model_keys: dict[str, Any]) -> None:
+    one = ranks.run(1, train, NUM_BATCHES, str(tmp_path / "one"), None, model_keys=model_keys)[0]
     two = ranks.run(
-        2, train, NUM_BATCHES, str(tmp_path / "two"), {"sharding_strategy": "FULL_SHARD"}, model_keys=LORA_KEYS
+        2, train, NUM_BATCHES, str(tmp_path / "two"), {"sharding_strategy": "FULL_SHARD"}, model_keys=model_keys
     )[0]
     assert sorted(two["losses"]) == list(range(1, NUM_BATCHES + 1))
     for step, loss in one["losses"].items():
@@ -23,3 +25,21 @@ def test_lora_on_two_full_shard_ranks_matches_one_rank(ranks, tmp_path):
     for name, weight in one["weights"].items():
         torch.testing.assert_close(two["weights"][name], weight, atol=1e-5, rtol=0, msg=name)
     assert any(not torch.equal(w, 0 * w) for n, w in two["weights"].items() if ".lora_B." in n)  # adapters trained
+
+
+def test_lora_on_two_full_shard_ranks_matches_one_rank(ranks, tmp_path):
+    assert_two_full_shard_ranks_match_one(ranks, tmp_path, LORA_KEYS)
+
+
+def test_hf_causal_lm_lora_on_two_full_shard_ranks_matches_one_rank(ranks, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(hf_config).save_pretrained(tmp_path / "hf")
+    peft_config = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
+    model = {"name": "hf_causal_lm", "pretrained_model_name_or_path": str(tmp_path / "hf"), "peft_config": peft_config}
+    assert_two_full_shard_ranks_match_one(ranks, tmp_path, model)

@@ -1,8 +1,9 @@
-"""Tiny MPT models for CPU tests: d_model 32, 2 layers, vocab 64, seq 16, fp32."""
+"""Tiny models for CPU tests: MPT (d_model 32, 2 layers, vocab 64, seq 16, fp32) and a saved HF Llama."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -40,3 +41,18 @@ def make_mpt() -> Callable[..., MPTCausalLM]:
 @pytest.fixture
 def input_ids() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A saved random LlamaForCausalLM: 32 wide, 2 layers, 4 query / 2 key-value heads, vocab 128, untied."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    out_dir = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(config).save_pretrained(out_dir)
+    return out_dir

@@ -19,21 +19,6 @@ from foundry.trainer import Trainer
 VOCAB = 128
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A saved random LlamaForCausalLM: 32 wide, 2 layers, 4 query / 2 key-value heads, vocab 128, untied."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    out_dir = tmp_path_factory.mktemp("llama")
-    LlamaForCausalLM(config).save_pretrained(out_dir)
-    return out_dir
-
-
 def hf_lm(path: Path, **keys: Any) -> HFCausalLM:
     return build_model({"name": "hf_causal_lm", "pretrained_model_name_or_path": str(path), **keys})
 
@@ -98,9 +83,10 @@ def test_model_without_a_causal_lm_class_is_refused(tmp_path) -> None:
         hf_lm(tmp_path, pretrained=False)
 
 
-def test_llm_foundry_lora_keys_are_refused_naming_the_key() -> None:
-    with pytest.raises(ConfigError, match=r"'model\.peft_config'.*remove it"):
-        parse_dataclass(HFCausalLMConfig, {"pretrained_model_name_or_path": "x", "peft_config": {"r": 8}}, "model")
+def test_pretrained_lora_id_or_path_is_refused_naming_the_key() -> None:
+    keys = {"pretrained_model_name_or_path": "x", "pretrained_lora_id_or_path": "some/adapter"}
+    with pytest.raises(ConfigError, match=r"'model\.pretrained_lora_id_or_path'.*remove"):
+        parse_dataclass(HFCausalLMConfig, keys, "model")
 
 
 def test_use_flash_attention_2_means_attn_implementation_flash_attention_2() -> None:
