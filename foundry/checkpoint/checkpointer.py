@@ -62,31 +62,14 @@ def checkpoint_name(timestamp: Timestamp) -> str:
 
 
 # ------------------------------------------------------------------------------------ save
-def save_checkpoint(
-    save_folder: str | Path,
-    state: State,
-    *,
-    callbacks: Sequence = (),
-    algorithms: Sequence = (),
-    config: dict | None = None,
-    overwrite: bool = False,
-    num_to_keep: int = -1,
-) -> Path:
+def save_checkpoint(save_folder: str | Path, state: State, **options: Any) -> Path:
     """Write ``state`` to ``<save_folder>/ep{epoch}-ba{batch}/``, point ``latest`` at it, prune old ones.
 
-    Every rank must call this (tensors are gathered collectively). ``num_to_keep=-1`` keeps all.
-    Returns the checkpoint folder.
+    ``start_checkpoint`` and its ``finish()`` in one call; ``options`` are ``start_checkpoint``'s
+    (``callbacks``, ``algorithms``, ``config``, ``overwrite``, ``num_to_keep``). Every rank must call
+    this (tensors are gathered collectively). Returns the checkpoint folder.
     """
-    pending = start_checkpoint(
-        save_folder,
-        state,
-        callbacks=callbacks,
-        algorithms=algorithms,
-        config=config,
-        overwrite=overwrite,
-        num_to_keep=num_to_keep,
-    )
-    return pending.finish()
+    return start_checkpoint(save_folder, state, **options).finish()
 
 
 def start_checkpoint(
