@@ -6,7 +6,8 @@ Trains the YAML's model (default MPT-125M) through the Trainer for ``--steps`` b
 text (tokenized with ``tokenizers``; ``foundry.data`` needs mosaicml-streaming), in the same order
 and from the same seed, as: ``eager`` (the YAML as is, amp_bf16), ``eager_again`` (the same run
 repeated: the GPU's own run-to-run nondeterminism), ``fp32`` (the same without autocast: the bf16
-rounding gap) and ``fast`` (regional compile, compiled loss, SDPA). Reports the max and mean
+rounding gap), ``fast`` (regional compile, compiled loss, SDPA) and ``fast_fused_residual`` (regional
+compile, the fused linear + cross-entropy, SDPA, a bf16 residual stream). Reports the max and mean
 absolute per-step loss difference of each against ``eager``.
 """
 
@@ -32,6 +33,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "fast": {
         "algorithms": {"torch_compile": {"compile_loss": True}},
         "overrides": ["model.attn_config.attn_impl=sdpa"],
+    },
+    "fast_fused_residual": {
+        "algorithms": {"torch_compile": {}, "low_precision_residual": {}},
+        "overrides": ["model.attn_config.attn_impl=sdpa", "model.loss_fn=fused_crossentropy"],
     },
 }
 

@@ -58,14 +58,19 @@ SDPA = ("model.attn_config.attn_impl=sdpa",)
 FUSED_CE = ("model.loss_fn=fused_crossentropy",)
 
 
-def fast(config: str, microbatch: int, use_fsdp_config: bool = False, fused_ce: bool = False) -> Row:
+def fast(
+    config: str, microbatch: int, use_fsdp_config: bool = False, fused_ce: bool = False, residual: bool = False
+) -> Row:
     """The YAML with regional compile and SDPA; on one device without its fsdp_config.
 
-    The loss is compiled too, or with ``fused_ce`` computed by the chunked linear + cross-entropy kernel.
+    The loss is compiled too, or with ``fused_ce`` computed by the chunked linear + cross-entropy
+    kernel; ``residual`` adds the ``low_precision_residual`` algorithm (bf16 residual stream, as
+    the YAML's FSDP ``mixed_precision: PURE`` has).
     """
-    if fused_ce:
-        return Row(config, microbatch, {"torch_compile": {}}, SDPA + FUSED_CE, use_fsdp_config)
-    return Row(config, microbatch, algorithms=FAST, overrides=SDPA, use_fsdp_config=use_fsdp_config)
+    algorithms = {"torch_compile": {}} if fused_ce else dict(FAST)
+    if residual:
+        algorithms["low_precision_residual"] = {}
+    return Row(config, microbatch, algorithms, SDPA + FUSED_CE if fused_ce else SDPA, use_fsdp_config)
 
 
 MPT_125M, MPT_1B, LLAMA_1B = (f"yamls/pretrain/{name}.yaml" for name in ("mpt-125m", "mpt-1b", "llama-1b"))
@@ -79,12 +84,17 @@ ROWS: dict[str, Row] = {
         MPT_125M, 32, {"torch_compile": {"compile_loss": True, "mode": "max-autotune-no-cudagraphs"}}, SDPA, False
     ),
     "mpt-125m-fast-fsdp": fast(MPT_125M, microbatch=16, use_fsdp_config=True),
+    "mpt-125m-fast-fsdp-mb32": fast(MPT_125M, microbatch=32, use_fsdp_config=True),
+    "mpt-125m-residual-mb32": fast(MPT_125M, microbatch=32, residual=True),
+    "mpt-125m-fused-residual-mb32": fast(MPT_125M, microbatch=32, fused_ce=True, residual=True),
+    "mpt-125m-fused-residual-mb64": fast(MPT_125M, microbatch=64, fused_ce=True, residual=True),
     "mpt-1b": Row(MPT_1B, microbatch=4),
     "mpt-1b-nofsdp": Row(MPT_1B, microbatch=4, use_fsdp_config=False),
     "mpt-1b-fused-ce": Row(MPT_1B, microbatch=4, overrides=FUSED_CE),
     "mpt-1b-fast": fast(MPT_1B, microbatch=4),
     "mpt-1b-fast-mb6": fast(MPT_1B, microbatch=6),
     "mpt-1b-fast-mb8": fast(MPT_1B, microbatch=8),
+    "mpt-1b-fused-residual-mb8": fast(MPT_1B, microbatch=8, fused_ce=True, residual=True),
     "mpt-1b-fused-mb8": fast(MPT_1B, microbatch=8, fused_ce=True),
     "mpt-1b-fused-mb12": fast(MPT_1B, microbatch=12, fused_ce=True),
     "mpt-1b-fast-fsdp": fast(MPT_1B, microbatch=4, use_fsdp_config=True),
@@ -215,6 +225,27 @@ def measure(name: str, row: Row, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def run_rows(rows: dict[str, Row], args: argparse.Namespace, out_name: str) -> list[dict[str, Any]]:
+    """Measure each row in turn, saving ``<out_name>.json`` after each; prints one table at the end."""
+    results = []
+    for name, row in rows.items():
+        try:
+            results.append(measure(name, row, args))
+        except torch.OutOfMemoryError as error:
+            results.append({"row": name, "error": f"out of memory: {str(error)[:120]}"})
+        except Exception as error:  # one broken row must not lose the others' measurements
+            traceback.print_exc()
+            results.append({"row": name, "error": f"{type(error).__name__}: {str(error)[:200]}"})
+        save_json(args.out, out_name, results)
+        print({key: value for key, value in results[-1].items() if key != "profile"}, flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch._dynamo.reset()
+    details = ("profile", "step_ms_each")
+    print(markdown_table([{key: value for key, value in row.items() if key not in details} for row in results]))
+    return results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
@@ -230,23 +261,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("mfu.py needs a CUDA device.", file=sys.stderr)
         return 2
-    results = []
-    for name in args.rows:
-        try:
-            results.append(measure(name, ROWS[name], args))
-        except torch.OutOfMemoryError as error:
-            results.append({"row": name, "error": f"out of memory: {str(error)[:120]}"})
-        except Exception as error:  # one broken row must not lose the others' measurements
-            traceback.print_exc()
-            results.append({"row": name, "error": f"{type(error).__name__}: {str(error)[:200]}"})
-        save_json(args.out, "mfu", results)
-        print({key: value for key, value in results[-1].items() if key != "profile"}, flush=True)
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch._dynamo.reset()
-    save_json(args.out, "mfu", results)
-    details = ("profile", "step_ms_each")
-    print(markdown_table([{key: value for key, value in row.items() if key not in details} for row in results]))
+    run_rows({name: ROWS[name] for name in args.rows}, args, "mfu")
     return 0
 
 

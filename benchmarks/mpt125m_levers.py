@@ -1,12 +1,16 @@
-"""MPT-125M: what compile options beyond regional compile buy (rows run through ``benchmarks/mfu.py``).
+"""MPT-125M: what each lever beyond regional compile buys (rows run through ``benchmarks/mfu.py``).
 
     python benchmarks/mpt125m_levers.py --out OUT
+    python benchmarks/mpt125m_levers.py --rows regional whole-fused-residual --profile --out OUT
 
-Four rows at microbatch 32 (8 microbatches a batch, 2 warm-up + 3 timed batches, as in the MFU
-table): regional compile as shipped (``torch_compile: {compile_loss: true}``, SDPA), the same
-with inductor's ``coordinate_descent_tuning`` (tunes the launch sizes of the fused elementwise
-and reduction kernels), the whole transformer compiled as one graph (fusions across block
-boundaries), and both. Measurement only: whole-model compile is not an algorithm option.
+Every row is ``yamls/pretrain/mpt-125m.yaml`` on one device with SDPA, microbatch 32 unless named,
+8 microbatches a batch, 2 warm-up + 3 timed batches (as in the MFU table). The levers:
+- ``residual``: the ``low_precision_residual`` algorithm (bf16 residual stream, as FSDP PURE has);
+- ``fused``: ``loss_fn: fused_crossentropy`` (chunked linear + cross-entropy) instead of the
+  compiled loss;
+- ``whole``: ``torch_compile`` ``scope: model`` (fusions across block boundaries);
+- ``cd``: inductor's ``coordinate_descent_tuning`` (tunes the fused kernels' launch sizes);
+- ``fsdp-pure``: the YAML's own fsdp_config (FSDP2 on one rank, ``mixed_precision: PURE``).
 """
 
 from __future__ import annotations
@@ -14,40 +18,40 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 import mfu
 import torch
-import torch._inductor.config as inductor_config
-from bench_utils import save_json
 
-from foundry import registry
-from foundry.core.algorithm import Algorithm
-from foundry.core.event import Event
-
-
-@registry.algorithms.register("whole_model_compile")
-class WholeModelCompile(Algorithm):
-    """Compile the whole transformer (and the loss) as one graph instead of block by block."""
-
-    def match(self, event, state) -> bool:
-        return event == Event.INIT
-
-    def apply(self, event, state, logger) -> None:
-        state.model.transformer.forward = torch.compile(state.model.transformer.forward)
-        state.model.loss = torch.compile(state.model.loss)
+COMPILED_LOSS = {"torch_compile": {"compile_loss": True}}
+REGIONAL = {"torch_compile": {}}
+WHOLE = {"torch_compile": {"scope": "model"}}
+WHOLE_CD = {"torch_compile": {"scope": "model", "options": {"coordinate_descent_tuning": True}}}
+WHOLE_COMPILED_LOSS = {"torch_compile": {"scope": "model", "compile_loss": True}}
+RESIDUAL = {"low_precision_residual": {}}
 
 
-WHOLE = mfu.Row(mfu.MPT_125M, 32, {"whole_model_compile": {}}, mfu.SDPA, use_fsdp_config=False)
-ROWS = {  # name -> (row, coordinate_descent_tuning)
-    "regional": (mfu.fast(mfu.MPT_125M, 32), False),
-    "regional+coordinate-descent": (mfu.fast(mfu.MPT_125M, 32), True),
-    "whole-model": (WHOLE, False),
-    "whole-model+coordinate-descent": (WHOLE, True),
+def row(algorithms: dict[str, Any], fused: bool = False, microbatch: int = 32, fsdp: bool = False) -> mfu.Row:
+    return mfu.Row(mfu.MPT_125M, microbatch, algorithms, mfu.SDPA + (mfu.FUSED_CE if fused else ()), fsdp)
+
+
+ROWS = {
+    "regional": row(COMPILED_LOSS),  # the fast path as shipped before these levers
+    "regional-residual": row({**COMPILED_LOSS, **RESIDUAL}),
+    "fused": row(REGIONAL, fused=True),
+    "fused-residual": row({**REGIONAL, **RESIDUAL}, fused=True),
+    "whole-residual": row({**WHOLE_COMPILED_LOSS, **RESIDUAL}),
+    "whole-fused-residual": row({**WHOLE, **RESIDUAL}, fused=True),
+    "whole-fused-residual-mb64": row({**WHOLE, **RESIDUAL}, fused=True, microbatch=64),
+    "fsdp-pure": row(COMPILED_LOSS, fsdp=True),
+    "whole-fused-residual-cd": row({**WHOLE_CD, **RESIDUAL}, fused=True),
 }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--profile", action="store_true", help="profile 2 more batches per row")
     parser.add_argument("--out", default=None)
     cli = parser.parse_args()
     if not torch.cuda.is_available():
@@ -55,18 +59,10 @@ def main() -> int:
         return 2
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     args = argparse.Namespace(
-        warmup=2, steps=3, accum=8, peak_tflops=mfu.H100_BF16_PEAK_TFLOPS, profile=False, profile_steps=2
-    )
-    results = []
-    for name, (row, coordinate_descent) in ROWS.items():
-        inductor_config.coordinate_descent_tuning = coordinate_descent
-        torch._dynamo.reset()
-        result = mfu.measure(name, row, args)
-        results.append(result)
-        print(
-            f"{name}: MFU {result['mfu']:.1%}, step {result['step_ms']:.0f} ms, peak {result['peak_mem_gib']:.1f} GiB"
-        )
-    save_json(cli.out, "mpt125m_levers", results)
+        warmup=2, steps=3, accum=8, peak_tflops=mfu.H100_BF16_PEAK_TFLOPS, profile=cli.profile, profile_steps=2,
+        out=cli.out,
+    )  # fmt: skip
+    mfu.run_rows({name: ROWS[name] for name in cli.rows}, args, "mpt125m_levers")
     return 0
 
 

@@ -5,6 +5,7 @@ from foundry.algorithms.ema import EMA
 from foundry.algorithms.fused_kernels import FusedKernels
 from foundry.algorithms.gradient_clipping import GradientClipping
 from foundry.algorithms.low_precision_layernorm import LowPrecisionLayerNormAlgorithm
+from foundry.algorithms.low_precision_residual import LowPrecisionResidual
 from foundry.algorithms.torch_compile import TorchCompile
 
 __all__ = [
@@ -13,5 +14,6 @@ __all__ = [
     "FusedKernels",
     "GradientClipping",
     "LowPrecisionLayerNormAlgorithm",
+    "LowPrecisionResidual",
     "TorchCompile",
 ]

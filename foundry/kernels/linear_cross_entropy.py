@@ -4,25 +4,29 @@ For each chunk of tokens: logits = hidden_chunk @ weight.T (a cuBLAS GEMM), then
 d(loss)/d(logits) in place (the Triton kernel of ``cross_entropy.py``, or PyTorch where Triton
 cannot run), then grad_hidden_chunk = dlogits @ weight and grad_weight += dlogits.T @ hidden_chunk.
 The gradients are finished in the forward; the backward only scales them by the incoming gradient.
-A chunk holds about as many logits as the input holds hidden values, which bounds the extra memory
-to the size of ``hidden`` (plus the fp32 weight gradient) instead of tokens x vocab.
+A chunk's logits take at most ``CHUNK_LOGITS_BYTES`` (1 GiB), so the extra memory is bounded by
+that plus the fp32 weight gradient instead of growing with tokens x vocab. Chunks that large keep
+the three GEMMs of a chunk at full speed and the fp32 weight-gradient accumulation a small share of
+the time. With chunks the size of ``hidden`` instead (1,024 tokens for MPT-125M: 64 small GEMM
+triples and 64 accumulations of a 50,368 x 768 fp32 gradient per microbatch) the fused loss ran
+slower than the compiled unfused one (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
 
 from foundry.core.precision import autocast_dtype
 from foundry.kernels.device import kernels_run_on
 
 IGNORE_INDEX = -100
+CHUNK_LOGITS_BYTES = 1 << 30
 
 
-def chunk_tokens_for(n_tokens: int, d_model: int, vocab_size: int) -> int:
-    """Tokens per chunk: a chunk's logits (chunk, vocab) about the size of the hidden input (tokens, d_model)."""
-    chunks = triton.cdiv(vocab_size, d_model)
-    return min(n_tokens, triton.next_power_of_2(triton.cdiv(n_tokens, chunks)))
+def chunk_tokens_for(n_tokens: int, vocab_size: int, element_size: int) -> int:
+    """Tokens per chunk: the largest power of two whose (chunk, vocab) logits fit ``CHUNK_LOGITS_BYTES``."""
+    fitting_tokens = max(1, CHUNK_LOGITS_BYTES // (vocab_size * element_size))
+    return min(n_tokens, 1 << (fitting_tokens.bit_length() - 1))
 
 
 def _cross_entropy_rows_torch_(
@@ -92,6 +96,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
+# A loop of GEMMs around a Triton launch: nothing for inductor to fuse, so a compiled caller
+# (torch_compile scope: model) runs it as is instead of tracing the loop.
+@torch.compiler.disable
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -111,6 +118,7 @@ def linear_cross_entropy(
     """
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if chunk_tokens is None:
-        chunk_tokens = chunk_tokens_for(hidden.shape[0], hidden.shape[1], weight.shape[0])
+        itemsize = _compute_dtype(hidden, weight).itemsize
+        chunk_tokens = chunk_tokens_for(hidden.shape[0], weight.shape[0], itemsize)
     scale = 1.0 if logit_scale is None else float(logit_scale)
     return _LinearCrossEntropy.apply(hidden, weight, targets, scale, ignore_index, chunk_tokens)

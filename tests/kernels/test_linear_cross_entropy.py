@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from foundry.kernels.linear_cross_entropy import chunk_tokens_for, linear_cross_entropy
+from foundry.kernels.linear_cross_entropy import CHUNK_LOGITS_BYTES, chunk_tokens_for, linear_cross_entropy
 
 
 def _problem(tokens: int = 26, d_model: int = 24, vocab: int = 77) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -91,16 +91,22 @@ class _LargestAllocation(TorchDispatchMode):
 def test_never_allocates_tokens_by_vocab(interpret: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", interpret)
     tokens, d_model, vocab = 64, 8, 160
+    fp32_bytes = 4
+    monkeypatch.setattr("foundry.kernels.linear_cross_entropy.CHUNK_LOGITS_BYTES", tokens * vocab * fp32_bytes // 8)
     hidden, weight, targets = _problem(tokens, d_model, vocab)
     with _LargestAllocation() as recorder:
         loss = linear_cross_entropy(hidden, weight, targets)
         loss.backward()
-    # Chunks of ~tokens * d_model / vocab tokens: the largest fp32 tensor is a chunk's logits or the weight.
-    fp32_bytes = 4
-    assert recorder.largest_bytes <= max(chunk_tokens_for(tokens, d_model, vocab) * vocab, vocab * d_model) * fp32_bytes
+    # The largest fp32 tensor is a chunk's logits or the weight (gradient), never the whole logits.
+    assert chunk_tokens_for(tokens, vocab, fp32_bytes) == tokens // 8
+    assert recorder.largest_bytes <= max(tokens // 8 * vocab, vocab * d_model) * fp32_bytes
     assert recorder.largest_bytes < tokens * vocab * fp32_bytes // 4
 
 
-def test_chunk_holds_about_as_many_logits_as_the_input_holds_hidden_values() -> None:
-    assert chunk_tokens_for(16384, 2048, 50368) * 50368 <= 2 * 16384 * 2048
-    assert chunk_tokens_for(10, 64, 32) == 10  # a small vocab: one chunk
+def test_chunks_are_the_largest_power_of_two_of_tokens_within_the_logits_budget() -> None:
+    # MPT's vocabulary in bf16: 10,658 tokens fit in 1 GiB, so chunks of 8,192.
+    assert chunk_tokens_for(65536, 50368, 2) == 8192
+    assert chunk_tokens_for(65536, 50368, 2) * 50368 * 2 <= CHUNK_LOGITS_BYTES
+    assert chunk_tokens_for(65536, 128256, 2) == 4096  # Llama 3's vocabulary
+    assert chunk_tokens_for(1000, 50368, 2) == 1000  # a short input: one chunk
+    assert chunk_tokens_for(10, 2**40, 4) == 1  # a vocabulary past the budget still makes progress
