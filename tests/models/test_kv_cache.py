@@ -32,8 +32,11 @@ def decode_with_cache(model: torch.nn.Module, input_ids: torch.Tensor, attention
     return torch.cat(logits, dim=1)
 
 
-@pytest.mark.parametrize("attn_impl", ["sdpa", "torch"])
-@pytest.mark.parametrize("variant", list(TINY_DECODERS))
+# Every position scheme with sdpa; the torch kernel's own masking path with ALiBi and with GQA.
+KERNEL_CASES = [(variant, "sdpa") for variant in TINY_DECODERS] + [("mpt_alibi", "torch"), ("llama_gqa", "torch")]
+
+
+@pytest.mark.parametrize(("variant", "attn_impl"), KERNEL_CASES)
 @torch.no_grad()
 def test_cached_decoding_gives_the_full_forward_logits(variant, attn_impl, padded_batch) -> None:
     model = build_tiny_decoder(variant, attn_impl)
