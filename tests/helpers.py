@@ -98,6 +98,18 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < BYTE_EOS).decode(errors="replace")
 
 
+class IdsTokenizer:
+    """A generation tokenizer that decodes to the token ids themselves (eos kept): equal text, equal tokens."""
+
+    pad_token_id = 0
+
+    def __init__(self, eos_token_id: int) -> None:
+        self.eos_token_id = eos_token_id
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return " ".join(str(token) for token in ids)
+
+
 def assert_nested_close(got: Any, want: Any, where: str = "", atol: float = 0.0) -> None:
     """``got`` equals ``want``: nested dicts with the same keys, tensors within ``atol``, other values equal."""
     if isinstance(want, dict):

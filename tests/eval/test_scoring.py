@@ -6,24 +6,12 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from helpers import TINY_DECODERS, build_tiny_decoder
+from helpers import TINY_DECODERS, IdsTokenizer, build_tiny_decoder
 
 from foundry.eval.scoring import greedy_generate
 
 PROMPTS = [[5, 17, 3, 9, 40, 2, 11], [8, 1], [60, 61, 62, 63], [33]]  # different lengths: the batch is padded
 MAX_NEW_TOKENS = 6
-
-
-class IdsTokenizer:
-    """Decodes to the token ids themselves (eos included), so equal text means equal tokens."""
-
-    pad_token_id = 0
-
-    def __init__(self, eos_token_id: int) -> None:
-        self.eos_token_id = eos_token_id
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return " ".join(str(token) for token in ids)
 
 
 def generate(model: torch.nn.Module, use_cache: bool, tokenizer: IdsTokenizer, stops: Sequence[str] = ()) -> list:
