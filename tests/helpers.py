@@ -51,6 +51,31 @@ TINY_LLAMA: dict[str, Any] = {
 }  # fmt: skip
 TINY_MPT: dict[str, Any] = {"d_model": 64, "n_heads": 4, "n_layers": 2, "vocab_size": 96, "max_seq_len": 32}
 
+# One tiny decoder per way of encoding positions, plus GQA (Llama): what a KV cache must get right.
+TINY_DECODERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mpt_learned_pos_emb": ("mpt_causal_lm", TINY_MPT),
+    "mpt_alibi": ("mpt_causal_lm", {**TINY_MPT, "learned_pos_emb": False, "attn_config": {"alibi": True}}),
+    "mpt_rope_dail": ("mpt_causal_lm", {**TINY_MPT, "learned_pos_emb": False, "attn_config": {"rope": True}}),
+    "mpt_rope_hf": (
+        "mpt_causal_lm",
+        {**TINY_MPT, "learned_pos_emb": False, "attn_config": {"rope": True, "rope_impl": "hf"}},
+    ),
+    "llama_gqa": ("llama_causal_lm", TINY_LLAMA),
+}
+
+
+def build_tiny_decoder(variant: str, attn_impl: str = "sdpa", seed: int = 0) -> Any:
+    """The ``TINY_DECODERS[variant]`` model, with fixed-seed weights, in eval mode."""
+    from foundry import registry
+
+    name, keys = TINY_DECODERS[variant]
+    if name == "llama_causal_lm":
+        keys = {**keys, "attn_impl": attn_impl}
+    else:
+        keys = {**keys, "attn_config": {**keys.get("attn_config", {}), "attn_impl": attn_impl}}
+    torch.manual_seed(seed)
+    return registry.models.get(name)(**keys).eval()
+
 
 BYTE_EOS = 256
 
@@ -71,6 +96,18 @@ class ByteTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return bytes(i for i in ids if i < BYTE_EOS).decode(errors="replace")
+
+
+class IdsTokenizer:
+    """A generation tokenizer that decodes to the token ids themselves (eos kept): equal text, equal tokens."""
+
+    pad_token_id = 0
+
+    def __init__(self, eos_token_id: int) -> None:
+        self.eos_token_id = eos_token_id
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return " ".join(str(token) for token in ids)
 
 
 def assert_nested_close(got: Any, want: Any, where: str = "", atol: float = 0.0) -> None:

@@ -8,7 +8,7 @@ the evaluator pads the ranks' batch lists and ``greedy_generate`` agrees on when
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -66,6 +66,9 @@ def score_continuations(
     )
 
 
+NextLogits = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 @torch.no_grad()
 def greedy_generate(
     model: nn.Module,
@@ -78,30 +81,106 @@ def greedy_generate(
 ) -> list[str]:
     """Greedy continuations of ``prompts`` (decoded text), each stopped at eos or a stop string.
 
-    Uses the model's own ``generate`` (KV cache) when it wraps a transformers model; otherwise a
-    batched loop that re-runs the forward over the growing sequences (fine for small models).
+    Uses the model's own ``generate`` when it wraps a transformers model; a KV cache when the model
+    offers one (MPT and Llama with ``use_cache``); otherwise a batched loop that re-runs the forward
+    over the growing sequences (fine for small models).
     """
     hf_model = getattr(model, "hf_model", None)
     if hf_model is not None and hasattr(hf_model, "generate"):
         return _hf_generate(hf_model, prompts, max_new_tokens, tokenizer, stop_strings, precision, device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
-    tokens = torch.full((len(prompts), int(lengths.max()) + max_new_tokens), pad, dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-    start = lengths.clone()
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    rows = torch.arange(len(prompts), device=device)
+    if getattr(model, "generates_with_kv_cache", False):
+        tokens, attention_mask = _left_padded(prompts, pad, max_new_tokens, device)
+        start = torch.full((len(prompts),), attention_mask.shape[1], device=device)
+        next_logits = _cached_next_logits(model, attention_mask, tokens.shape[1], precision)
+    else:
+        tokens, start = _right_padded(prompts, pad, max_new_tokens, device)
+        next_logits = _uncached_next_logits(model, precision)
+    lengths = _greedy_loop(tokens, start, next_logits, max_new_tokens, tokenizer, stop_strings)
+    return [_decode(tokens[row, start[row] : lengths[row]], tokenizer) for row in range(len(prompts))]
+
+
+def _greedy_loop(
+    tokens: torch.Tensor,
+    start: torch.Tensor,
+    next_logits: NextLogits,
+    max_new_tokens: int,
+    tokenizer: Any,
+    stop_strings: Sequence[str],
+) -> torch.Tensor:
+    """Append each row's argmax token at its end until it stops; returns each row's end (rows,).
+
+    ``tokens`` (rows, columns) holds each row's prompt in ``[.., start)``; ``next_logits(tokens, lengths)``
+    gives (rows, vocab) logits of every row's next token. Every rank runs the same number of steps.
+    """
+    lengths = start.clone()
+    done = torch.zeros(len(tokens), dtype=torch.bool, device=tokens.device)
+    rows = torch.arange(len(tokens), device=tokens.device)
     for _ in range(max_new_tokens):
-        logits = logits_of(model, tokens[:, : int(lengths.max())], precision)
-        next_token = logits[rows, lengths - 1].argmax(dim=-1)
+        next_token = next_logits(tokens, lengths).argmax(dim=-1)
         tokens[rows[~done], lengths[~done]] = next_token[~done]
         lengths = lengths + (~done).long()
         done |= next_token == tokenizer.eos_token_id
         done |= _stopped(tokens, start, lengths, tokenizer, stop_strings)
         if _all_ranks_done(done):
             break
-    return [_decode(tokens[row, start[row] : lengths[row]], tokenizer) for row in range(len(prompts))]
+    return lengths
+
+
+def _uncached_next_logits(model: nn.Module, precision: str) -> NextLogits:
+    """Next-token logits from a forward over every row's whole prefix (right-padded rows; no mask needed)."""
+
+    def next_logits(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        logits = logits_of(model, tokens[:, : int(lengths.max())], precision)
+        return logits[torch.arange(len(tokens), device=tokens.device), lengths - 1]
+
+    return next_logits
+
+
+def _cached_next_logits(model: nn.Module, attention_mask: torch.Tensor, max_len: int, precision: str) -> NextLogits:
+    """Next-token logits from a KV cache: the left-padded prompts once, then the last column per step.
+
+    Left padding ends every prompt in the same column, so all rows still going append in one column;
+    a finished row's later tokens are computed and ignored.
+    """
+    cache = model.new_kv_cache(max_len)
+
+    def next_logits(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        del lengths  # the cache knows how far the rows got
+        if cache.length == 0:
+            batch = {"input_ids": tokens[:, : attention_mask.shape[1]], "attention_mask": attention_mask}
+        else:
+            batch = {"input_ids": tokens[:, cache.length : cache.length + 1]}
+        with autocast(precision, tokens.device):
+            logits = model(batch, cache=cache)
+        return logits[:, -1]
+
+    return next_logits
+
+
+def _left_padded(
+    prompts: Sequence[Sequence[int]], pad: int, extra_columns: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, width + extra_columns) token ids with every prompt ending at column ``width``, and the
+    (rows, width) attention mask of the prompts (0 = left padding)."""
+    width = max(len(prompt) for prompt in prompts)
+    tokens = torch.full((len(prompts), width + extra_columns), pad, dtype=torch.long, device=device)
+    attention_mask = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        tokens[row, width - len(prompt) : width] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, width - len(prompt) :] = 1
+    return tokens, attention_mask
+
+
+def _right_padded(
+    prompts: Sequence[Sequence[int]], pad: int, extra_columns: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, width + extra_columns) token ids with every prompt starting at column 0, and their lengths."""
+    lengths = torch.tensor([len(prompt) for prompt in prompts], device=device)
+    tokens = torch.full((len(prompts), int(lengths.max()) + extra_columns), pad, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    return tokens, lengths
 
 
 def _stopped(
@@ -133,12 +212,8 @@ def _hf_generate(
     device: torch.device | str,
 ) -> list[str]:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(len(prompt) for prompt in prompts)
-    input_ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, prompt in enumerate(prompts):  # left padding: every prompt ends where generation starts
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        attention_mask[row, width - len(prompt) :] = 1
+    input_ids, attention_mask = _left_padded(prompts, pad, 0, device)  # every prompt ends where generation starts
+    width = input_ids.shape[1]
     with autocast(precision, input_ids.device):
         output = hf_model.generate(
             input_ids=input_ids,

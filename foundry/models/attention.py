@@ -9,8 +9,11 @@ Four kernels compute the same thing, chosen by ``attn_impl``:
 
 Masks and biases that every layer shares (padding, sliding window, ALiBi, RoPE angles) are built
 once per forward by ``build_attention_inputs``. A kernel that cannot apply one of them raises; none
-is ever dropped. To add a kernel (e.g. Triton in ``foundry/kernels``), register a function with the
-signature of ``torch_attention`` in ``ATTENTION_IMPLS`` before building the model.
+is ever dropped. When decoding with a ``KVCache`` (``foundry/models/kv_cache.py``) the queries are
+the new tokens and the keys every cached column, so a mask is always needed: ``torch`` then runs as
+itself and every other kernel as ``sdpa``. To add a kernel (e.g. Triton in ``foundry/kernels``),
+register a function with the signature of ``torch_attention`` in ``ATTENTION_IMPLS`` before building
+the model.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from foundry.errors import ConfigError
+from foundry.models.kv_cache import LayerKVCache
 from foundry.models.layers import (
     NormType,
     alibi_slopes,
@@ -195,6 +199,7 @@ class AttentionInputs:
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin: (batch or 1, seq, 1, head_dim) fp32
     allowed: torch.Tensor | None = None  # (batch or 1, 1, seq, seq) bool, True = may attend; None = causal
     bias: torch.Tensor | None = None  # ALiBi, (1, n_heads, seq, seq) fp32
+    past_len: int = 0  # tokens already in the KV cache: the queries sit at columns past_len ..
 
     def causal_allowed(self, seq_len: int, device: torch.device) -> torch.Tensor:
         if self.allowed is not None:
@@ -210,22 +215,26 @@ def build_attention_inputs(
     positions: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     sequence_id: torch.Tensor | None = None,
+    past_len: int = 0,
 ) -> AttentionInputs:
     """Masks, ALiBi bias and RoPE angles for a batch.
 
     Args:
         positions: (batch or 1, seq) position of each token, used for RoPE.
-        key_padding_mask: (batch, seq) bool, True = real token; None when there is no padding.
+        key_padding_mask: (batch, keys) bool, True = real token; None when there is no padding. The keys
+            are the seq tokens, or with a KV cache all of its columns (the masks are then (seq, keys)).
         sequence_id: (batch, seq) index of the packed example each token belongs to (-1 = padding);
             a token then attends only to earlier tokens of its own example (document masking).
+        past_len: with a KV cache, how many tokens it already holds (the first query's column).
     """
     device = positions.device
-    inputs = AttentionInputs()
+    inputs = AttentionInputs(past_len=past_len)
     if config.rope:
         scaling = config.rope_hf_config if config.rope_impl == "hf" else RopeHFConfig()
         inputs.rope = rope_cos_sin(positions, scaling.inv_freq(head_dim, config.rope_theta, device))
-    query_pos = torch.arange(seq_len, device=device)[:, None]
-    distance = query_pos - torch.arange(seq_len, device=device)[None, :]  # (seq, seq): i - j
+    key_len = seq_len if key_padding_mask is None else key_padding_mask.shape[1]
+    query_pos = torch.arange(past_len, past_len + seq_len, device=device)[:, None]
+    distance = query_pos - torch.arange(key_len, device=device)[None, :]  # (seq, keys): i - j
     if config.alibi:
         inputs.bias = (-distance.float() * alibi_slopes(n_heads, config.alibi_bias_max, device)[:, None, None])[None]
     if config.alibi or config.sliding_window_size >= 0 or key_padding_mask is not None or sequence_id is not None:
@@ -362,6 +371,8 @@ class Attention(nn.Module):
         self.head_dim = d_model // n_heads
         self.softmax_scale = 1 / math.sqrt(self.head_dim) if config.softmax_scale is None else config.softmax_scale
         self.attn_fn = ATTENTION_IMPLS[config.attn_impl]
+        # A KV cache's keys always need a mask (left padding, columns not yet written): only these take one.
+        self.cached_attn_fn = torch_attention if config.attn_impl == "torch" else sdpa_attention
         kv_dim = self.kv_n_heads * self.head_dim
         self.Wqkv = nn.Linear(d_model, d_model + 2 * kv_dim, bias=bias)
         self.Wqkv.init_chunk_rows = self.head_dim  # init.py inits each head's slice as its own matrix
@@ -372,7 +383,8 @@ class Attention(nn.Module):
         self.out_proj.is_residual_output = True  # init.py scales it down by depth
         self.apply_rope = apply_rope  # the fused_kernels algorithm swaps in its Triton kernel
 
-    def forward(self, x: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, inputs: AttentionInputs, cache: LayerKVCache | None = None) -> torch.Tensor:
+        """``cache``: this layer's KV cache; x's keys and values are stored at column ``inputs.past_len``."""
         batch, seq_len, d_model = x.shape
         qkv = self.Wqkv(x)  # (batch, seq, d_model + 2 * kv_dim)
         if self.config.clip_qkv is not None:
@@ -388,7 +400,11 @@ class Attention(nn.Module):
             q, k = self.apply_rope(q, *inputs.rope), self.apply_rope(k, *inputs.rope)
         dropout_p = self.config.attn_pdrop if self.training else 0.0
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (batch, heads, seq, head_dim)
-        out = self.attn_fn(q, k, v, inputs, self.softmax_scale, dropout_p)
+        if cache is None:
+            out = self.attn_fn(q, k, v, inputs, self.softmax_scale, dropout_p)
+        else:
+            k, v = cache.write(k, v, inputs.past_len)  # (batch, kv_heads, max_len, head_dim)
+            out = self.cached_attn_fn(q, k, v, inputs, self.softmax_scale, dropout_p)
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq_len, d_model))
 
     def _qk_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:

@@ -89,6 +89,7 @@ class LlamaConfig:
     init_std: float = 0.02  # every linear and embedding weight ~ N(0, init_std), as Hugging Face's Llama
     init_device: str = "cpu"
     loss_fn: Literal["torch_crossentropy", "fused_crossentropy"] = "torch_crossentropy"  # as MPT's
+    use_cache: bool = True  # as MPT's: greedy generation decodes with a KV cache
     peft_config: LoraConfig | None = None  # LoRA adapters on the linear layers it names (docs/LORA.md)
     activation_checkpointing_target: str | list[Any] | dict[str, Any] | None = None  # as MPTConfig's
 
@@ -147,6 +148,7 @@ class LlamaConfig:
             norm_eps=self.norm_eps,
             tie_word_embeddings=self.tie_word_embeddings,
             loss_fn=self.loss_fn,
+            use_cache=self.use_cache,
             activation_checkpointing_target=self.activation_checkpointing_target,
         )
 

@@ -21,12 +21,13 @@ from torch import nn
 
 from foundry import registry
 from foundry.distributed.env import get_local_rank
-from foundry.errors import ConfigError
+from foundry.errors import ConfigError, FoundryError
 from foundry.kernels.linear_cross_entropy import linear_cross_entropy
 from foundry.models import flops
 from foundry.models.attention import Attention, AttentionInputs, AttnConfig, build_attention_inputs
 from foundry.models.base import CausalLM, LossOutput, shifted_targets
 from foundry.models.init import InitConfig, InitName, init_weights_
+from foundry.models.kv_cache import KVCache, LayerKVCache
 from foundry.models.layers import FFNConfig, NormType, build_ffn, build_norm, ffn_hidden_size
 from foundry.peft.lora import LoraConfig, inject_lora, reset_lora_parameters
 from foundry.schema import parse_dataclass
@@ -38,11 +39,14 @@ _KEY = "model"
 class MPTConfig:
     """The ``model`` section of an LLM Foundry MPT YAML, with LLM Foundry's defaults.
 
-    Two defaults differ on purpose: ``attn_config.attn_impl`` is ``sdpa`` (LLM Foundry: ``flash``,
-    from the flash-attn package) and ``loss_fn`` is ``torch_crossentropy`` (LLM Foundry:
-    ``fused_crossentropy``). ``fused_crossentropy`` here is the chunked output projection +
-    cross-entropy of ``foundry.kernels.linear_cross_entropy``: training never materialises the
-    (tokens, vocab) logits. As in LLM Foundry, ``alibi`` or ``rope`` turns ``learned_pos_emb`` off.
+    Three defaults differ on purpose: ``attn_config.attn_impl`` is ``sdpa`` (LLM Foundry: ``flash``,
+    from the flash-attn package), ``loss_fn`` is ``torch_crossentropy`` (LLM Foundry:
+    ``fused_crossentropy``) and ``use_cache`` is true. ``fused_crossentropy`` here is the chunked
+    output projection + cross-entropy of ``foundry.kernels.linear_cross_entropy``: training never
+    materialises the (tokens, vocab) logits. ``use_cache`` makes greedy generation (ICL eval) decode
+    with a KV cache (``foundry/models/kv_cache.py``): the prompts run once, then one token per row per
+    step; false re-runs the whole prefix for every new token. As in LLM Foundry, ``alibi`` or ``rope``
+    turns ``learned_pos_emb`` off.
     """
 
     d_model: int = 2048
@@ -65,7 +69,7 @@ class MPTConfig:
     norm_type: NormType = "low_precision_layernorm"
     norm_eps: float = 1e-5
     tie_word_embeddings: bool = True
-    use_cache: bool = False  # generation-time KV cache; training ignores it, as in LLM Foundry
+    use_cache: bool = True  # greedy generation decodes with a KV cache; training ignores it
     loss_fn: Literal["torch_crossentropy", "fused_crossentropy"] = "torch_crossentropy"
     fc_type: str | dict[str, Any] = "torch"
     use_pad_tok_in_ffn: bool = True
@@ -148,8 +152,8 @@ class MPTBlock(nn.Module):
         self.resid_attn_dropout = nn.Dropout(config.resid_pdrop)
         self.resid_ffn_dropout = nn.Dropout(config.resid_pdrop)
 
-    def forward(self, x: torch.Tensor, attn_inputs: AttentionInputs) -> torch.Tensor:
-        x = x + self.resid_attn_dropout(self.attn(self.norm_1(x), attn_inputs))
+    def forward(self, x: torch.Tensor, attn_inputs: AttentionInputs, cache: LayerKVCache | None = None) -> torch.Tensor:
+        x = x + self.resid_attn_dropout(self.attn(self.norm_1(x), attn_inputs, cache))
         return x + self.resid_ffn_dropout(self.ffn(self.norm_2(x)))
 
 
@@ -171,31 +175,30 @@ class MPTTransformer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         sequence_id: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """``sequence_id`` (batch, seq) masks attention to each packed example (needs
         ``attn_uses_sequence_id``); ``position_ids`` (batch, seq), e.g. restarting at 0 per packed
-        example, replace the positions derived from ``attention_mask``.
+        example, replace the positions derived from ``attention_mask``. With ``cache``, input_ids
+        continue the tokens already in it (see ``forward_with_cache``).
         """
+        if cache is not None:
+            if sequence_id is not None or position_ids is not None:
+                raise FoundryError(
+                    "A forward with a KV cache takes input_ids and attention_mask only (positions continue "
+                    "the cached tokens); drop sequence_id and position_ids when decoding."
+                )
+            return self.forward_with_cache(input_ids, attention_mask, cache)
         config = self.config
         seq_len = input_ids.shape[1]
-        if seq_len > config.max_seq_len:
-            raise ConfigError(
-                f"A batch has sequences of {seq_len} tokens but 'model.max_seq_len' is {config.max_seq_len}; "
-                f"raise max_seq_len or shorten the dataset's max_seq_len."
-            )
+        self._check_seq_len(seq_len)
         padding = _key_padding_mask(attention_mask)
         if position_ids is not None:
             positions = shifted = position_ids
         else:
             positions = torch.arange(seq_len, device=input_ids.device)[None]  # (1, seq)
-            # Left padding shifts each row's positions so its first real token is at 0 (as LLM Foundry).
-            shifted = positions if padding is None else (positions - (~padding).cumsum(dim=1)).clamp(min=0)
-        x = self.wte(input_ids)  # (batch, seq, d_model)
-        if self.wpe is not None:
-            x = x + self.wpe(shifted)
-        if config.embedding_fraction < 1:
-            x = x * config.embedding_fraction + x.detach() * (1 - config.embedding_fraction)
-        x = self.emb_drop(x)
+            shifted = _positions_after_left_padding(positions, padding)
+        x = self._embed(input_ids, shifted)
         attn = config.attn_config
         rope_positions = shifted if attn.rope_impl == "hf" else positions  # DAIL rope ignores padding
         if sequence_id is not None and not attn.attn_uses_sequence_id:
@@ -206,6 +209,62 @@ class MPTTransformer(nn.Module):
         for block in self.blocks:
             x = block(x, attn_inputs)
         return self.norm_f(x)
+
+    def forward_with_cache(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache: KVCache
+    ) -> torch.Tensor:
+        """Hidden states of input_ids (batch, new) placed after the ``cache.length`` tokens in ``cache``.
+
+        They equal the full forward's over the cached tokens followed by these (same positions, same
+        masks); the tokens' keys and values are added to the cache. ``attention_mask`` (batch, new)
+        marks left padding of the prompts; None means every token is real.
+        """
+        config, attn = self.config, self.config.attn_config
+        past_len, seq_len = cache.length, input_ids.shape[1]
+        self._check_seq_len(past_len + seq_len)
+        padding = cache.add_tokens(input_ids, attention_mask)  # (batch, max_len)
+        columns = torch.arange(past_len, past_len + seq_len, device=input_ids.device)[None]  # (1, new)
+        shifted = _positions_after_left_padding(columns, padding, past_len)
+        x = self._embed(input_ids, shifted)
+        rope_positions = shifted if attn.rope_impl == "hf" else columns
+        attn_inputs = build_attention_inputs(
+            attn, config.n_heads, config.head_dim, seq_len, rope_positions, padding, past_len=past_len
+        )
+        for block, layer_cache in zip(self.blocks, cache.layers, strict=True):
+            x = block(x, attn_inputs, layer_cache)
+        cache.length = past_len + seq_len
+        return self.norm_f(x)
+
+    def _check_seq_len(self, seq_len: int) -> None:
+        if seq_len > self.config.max_seq_len:
+            raise ConfigError(
+                f"A batch has sequences of {seq_len} tokens but 'model.max_seq_len' is {self.config.max_seq_len}; "
+                f"raise max_seq_len or shorten the dataset's max_seq_len."
+            )
+
+    def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token (+ learned position) embeddings, (batch, seq, d_model); positions are each row's own."""
+        config = self.config
+        x = self.wte(input_ids)  # (batch, seq, d_model)
+        if self.wpe is not None:
+            x = x + self.wpe(positions)
+        if config.embedding_fraction < 1:
+            x = x * config.embedding_fraction + x.detach() * (1 - config.embedding_fraction)
+        return self.emb_drop(x)
+
+
+def _positions_after_left_padding(
+    columns: torch.Tensor, padding: torch.Tensor | None, past_len: int = 0
+) -> torch.Tensor:
+    """Each token's position in its row: its column less the padding before it (LLM Foundry's rule).
+
+    Left padding thus starts every row's first real token at 0. ``columns`` (1, seq) start at
+    ``past_len``; ``padding`` (batch, >= past_len + seq) is True for real tokens, None when there is none.
+    """
+    if padding is None:
+        return columns
+    end = past_len + columns.shape[1]
+    return (columns - (~padding[:, :end]).cumsum(dim=1)[:, past_len:]).clamp(min=0)
 
 
 def _key_padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -262,16 +321,29 @@ class MPTCausalLM(CausalLM):
         """The (vocab, d_model) output projection: the token embedding itself when tied."""
         return self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, batch: Mapping[str, Any]) -> torch.Tensor | LossOutput:
-        """Logits (batch, seq, vocab); with ``fused_cross_entropy`` in training, the loss itself."""
+    def forward(self, batch: Mapping[str, Any], cache: KVCache | None = None) -> torch.Tensor | LossOutput:
+        """Logits (batch, seq, vocab); with ``fused_cross_entropy`` in training, the loss itself.
+
+        With ``cache`` (from ``new_kv_cache``), the batch's tokens follow those already cached.
+        """
         hidden = self.transformer(
-            batch["input_ids"], batch.get("attention_mask"), batch.get("sequence_id"), batch.get("position_ids")
-        )
+            batch["input_ids"], batch.get("attention_mask"), batch.get("sequence_id"), batch.get("position_ids"),
+            cache,
+        )  # fmt: skip
         if self.fused_cross_entropy and self.training:
             targets = shifted_targets(batch)
             return LossOutput(linear_cross_entropy(hidden, self.output_weight, targets, self.logit_scale))
         logits = F.linear(hidden, self.output_weight)  # (batch, seq, vocab)
         return logits if self.logit_scale is None else logits * self.logit_scale
+
+    @property
+    def generates_with_kv_cache(self) -> bool:
+        """Whether greedy generation should use ``new_kv_cache`` (``model.use_cache``)."""
+        return self.config.use_cache
+
+    def new_kv_cache(self, max_len: int) -> KVCache:
+        """An empty KV cache for one batch of up to ``max_len`` tokens per row (prompt + generated)."""
+        return KVCache(self.config.n_layers, max_len)
 
     @property
     def num_params(self) -> int:

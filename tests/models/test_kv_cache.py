@@ -1,0 +1,85 @@
+"""The KV cache: decoding a left-padded batch token by token gives the logits of the full forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TINY_DECODERS, build_tiny_decoder
+
+from foundry.errors import FoundryError
+from foundry.models.kv_cache import KVCache
+
+PROMPT_LEN, DECODE_STEPS = 8, 4
+
+
+@pytest.fixture
+def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three rows of 12 tokens; rows 0 and 1 are left-padded by 4 and 1 (attention_mask 0)."""
+    input_ids = torch.randint(0, 96, (3, PROMPT_LEN + DECODE_STEPS), generator=torch.Generator().manual_seed(2))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :4] = 0
+    attention_mask[1, :1] = 0
+    return input_ids, attention_mask
+
+
+def decode_with_cache(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Logits (rows, seq, vocab) from a prefill of PROMPT_LEN tokens, then one token per step."""
+    cache = model.new_kv_cache(input_ids.shape[1])
+    prompt = {"input_ids": input_ids[:, :PROMPT_LEN], "attention_mask": attention_mask[:, :PROMPT_LEN]}
+    logits = [model(prompt, cache=cache)]
+    for column in range(PROMPT_LEN, input_ids.shape[1]):
+        logits.append(model({"input_ids": input_ids[:, column : column + 1]}, cache=cache))
+    return torch.cat(logits, dim=1)
+
+
+# Every position scheme with sdpa; the torch kernel's own masking path with ALiBi and with GQA.
+KERNEL_CASES = [(variant, "sdpa") for variant in TINY_DECODERS] + [("mpt_alibi", "torch"), ("llama_gqa", "torch")]
+
+
+@pytest.mark.parametrize(("variant", "attn_impl"), KERNEL_CASES)
+@torch.no_grad()
+def test_cached_decoding_gives_the_full_forward_logits(variant, attn_impl, padded_batch) -> None:
+    model = build_tiny_decoder(variant, attn_impl)
+    input_ids, attention_mask = padded_batch
+    full = model({"input_ids": input_ids, "attention_mask": attention_mask})
+    cached = decode_with_cache(model, input_ids, attention_mask)
+    real = attention_mask.bool()  # padding positions' outputs are never used
+    torch.testing.assert_close(cached[real], full[real], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_sliding_window_applies_to_cached_keys(padded_batch) -> None:
+    model = build_tiny_decoder("mpt_alibi")
+    model.config.attn_config.sliding_window_size = 2  # one AttnConfig object serves every layer
+    input_ids, attention_mask = padded_batch
+    full = model({"input_ids": input_ids, "attention_mask": attention_mask})
+    unwindowed = build_tiny_decoder("mpt_alibi")({"input_ids": input_ids, "attention_mask": attention_mask})
+    assert not torch.allclose(full, unwindowed)  # the window matters for these logits
+    cached = decode_with_cache(model, input_ids, attention_mask)
+    torch.testing.assert_close(cached[attention_mask.bool()], full[attention_mask.bool()], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_cache_buffers_take_the_dtype_the_keys_are_computed_in() -> None:
+    model = build_tiny_decoder("llama_gqa")
+    cache = model.new_kv_cache(6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model({"input_ids": torch.zeros(2, 4, dtype=torch.long)}, cache=cache)
+    keys = cache.layers[0].keys
+    assert keys.dtype == torch.bfloat16
+    assert keys.shape == (2, model.config.attn_config.kv_n_heads, 6, model.config.head_dim)
+    assert cache.length == 4
+
+
+def test_adding_more_tokens_than_the_cache_holds_fails_naming_max_len() -> None:
+    model = build_tiny_decoder("mpt_learned_pos_emb")
+    cache = model.new_kv_cache(4)
+    with pytest.raises(FoundryError, match="max_len"):
+        model({"input_ids": torch.zeros(1, 5, dtype=torch.long)}, cache=cache)
+
+
+def test_a_cached_forward_rejects_sequence_id() -> None:
+    model = build_tiny_decoder("mpt_learned_pos_emb")
+    batch = {"input_ids": torch.zeros(1, 3, dtype=torch.long), "sequence_id": torch.zeros(1, 3, dtype=torch.long)}
+    with pytest.raises(FoundryError, match="sequence_id"):
+        model(batch, cache=KVCache(n_layers=2, max_len=4))
