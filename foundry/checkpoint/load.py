@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from foundry.checkpoint.layout import (
     FORMAT_VERSION,
     META_FILE,
+    latest_checkpoint,
     resolve_checkpoint_path,
     root_cause,
     single_process_quiet,
@@ -28,10 +29,41 @@ from foundry.checkpoint.rng import load_rng_file, rng_file_for_rank
 from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from foundry.core.state import State
 from foundry.core.time import Timestamp
-from foundry.errors import CheckpointError
-from foundry.peft.checkpoint import loadable_without
+from foundry.errors import CheckpointError, ConfigError
+from foundry.peft.checkpoint import load_adapter_base, loadable_without
 
 log = logging.getLogger(__name__)
+
+
+def resume_or_load(
+    state: State,
+    *,
+    save_folder: str | None,
+    load_path: str | None,
+    weights_only: bool,
+    autoresume: bool,
+    callbacks: Sequence = (),
+    algorithms: Sequence = (),
+) -> Path | None:
+    """Load the checkpoint a run starts from into ``state``; returns its folder, or None to start afresh.
+
+    ``autoresume`` takes the latest checkpoint in ``save_folder`` with all its state (a restarted run
+    continues); without one, ``load_path`` (a checkpoint folder, or a save_folder's latest).
+    """
+    path = None
+    if autoresume:
+        if not save_folder:
+            raise ConfigError("autoresume: true needs save_folder, where the run's checkpoints are found.")
+        path = latest_checkpoint(save_folder)
+        weights_only = weights_only and path is None
+    if path is None and load_path:
+        path = resolve_checkpoint_path(load_path)
+    if path is None:
+        return None
+    load_adapter_base(path, state)  # an adapters-only LoRA checkpoint needs its base weights first
+    load_checkpoint(path, state, callbacks=callbacks, algorithms=algorithms, weights_only=weights_only)
+    state.last_checkpoint_path = str(path)
+    return path
 
 
 def load_checkpoint(
