@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from foundry.errors import DataError, FoundryError
+from foundry.optional import import_optional
 
 METRICS_FILE_NAME = "metrics.jsonl"
 DEFAULT_METRICS = ("loss/train/total", "metrics/eval/loss", "throughput/tokens_per_sec")
@@ -120,14 +121,10 @@ def _is_number_or_null(value: Any) -> bool:
 
 
 def _figure_class() -> type:
-    try:
-        from matplotlib.figure import Figure
-    except ImportError as error:
-        raise FoundryError(
-            f"Plotting needs matplotlib, which cannot be imported ({error}). "
-            "Install it with: pip install 'foundry[plot]'"
-        ) from None
-    return Figure
+    module = import_optional(
+        "matplotlib.figure", needed_for="Plotting", package="matplotlib", install="pip install 'foundry[plot]'"
+    )
+    return module.Figure
 
 
 # ------------------------------------------------------------------------------- foundry plot

@@ -11,25 +11,34 @@ Read ``foundry.core.event`` for where each event fires. Example::
 from __future__ import annotations
 
 import os
-import random
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from foundry import distributed
+from foundry.batches import batch_to_device, split_batch
+from foundry.checkpoint.load import resume_or_load
+from foundry.checkpoint.saver import CheckpointSaver
 from foundry.config import FSDPConfig
 from foundry.core import Algorithm, Callback, Engine, Event, Logger, LoggerDestination, State, Time
 from foundry.core.precision import autocast, check_precision
 from foundry.errors import ConfigError, TrainingError
 from foundry.models.base import FoundryModel, ModuleModel, batch_num_samples, batch_num_tokens
-from foundry.optim.optimizers import DecoupledAdamW
 from foundry.optim.schedulers import TimeScheduler
-from foundry.peft.lora import trainable_parameters
+from foundry.trainer_setup import (
+    build_optimizers,
+    build_schedulers,
+    dataloader_len,
+    default_loggers,
+    eval_loaders,
+    grad_scaler,
+    place_model,
+    seed_everything,
+)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -108,7 +117,7 @@ class Trainer:
             run_name=run_name,
             run_folder=str(self.run_folder),
             train_dataloader=train_dataloader,
-            eval_dataloaders=_as_eval_dict(eval_dataloader),
+            eval_dataloaders=eval_loaders(eval_dataloader),
             precision=check_precision(precision, device),
             device=device,
             rank=distributed.get_rank(),
@@ -116,11 +125,10 @@ class Trainer:
             world_size=distributed.get_world_size(),
             seed=seed,
             device_train_microbatch_size=device_train_microbatch_size,  # type: ignore[arg-type]
-            train_dataloader_len=_safe_len(train_dataloader),
+            train_dataloader_len=dataloader_len(train_dataloader),
         )
-        self.logger = Logger(
-            self.state, [*loggers, *self._default_loggers(loggers, log_to_console, progress_bar, console_log_interval)]
-        )
+        defaults = default_loggers(loggers, self.run_folder, log_to_console, progress_bar, console_log_interval)
+        self.logger = Logger(self.state, [*loggers, *defaults])
         self.engine = Engine(self.state, self.logger, algorithms, callbacks)
         self.eval_interval = Time.parse(eval_interval)
         self.eval_first = eval_first
@@ -128,76 +136,39 @@ class Trainer:
         self.log_interval = Time.parse(console_log_interval)
         self.save_folder = save_folder.replace("{run_name}", run_name) if save_folder else None
         self.save_interval = Time.parse(save_interval)
-        self.save_num_checkpoints_to_keep = save_num_checkpoints_to_keep
-        self.save_overwrite = save_overwrite
-        self._async_save_group = distributed.new_gloo_group() if save_async and self.save_folder else None
-        self._pending_save: tuple[Any, Event] | None = None  # (PendingCheckpoint, event to fire when published)
+        self.checkpoints = CheckpointSaver(
+            self.engine,
+            self.save_folder,
+            overwrite=save_overwrite,
+            num_to_keep=save_num_checkpoints_to_keep,
+            save_async=save_async,
+            config=config,
+        )
         self.config = config
-        self._grad_scaler = _grad_scaler(precision, sharded=fsdp_config is not None)
+        self._grad_scaler = grad_scaler(precision, sharded=fsdp_config is not None)
         self._last_eval_batch: int | None = None
-        self._last_save_batch: int | None = None
 
         self.engine.run_event(Event.INIT)  # before sharding, so that algorithms' model surgery is sharded too
-        self._place_model(model, device, fsdp_config)
-        self.state.optimizers = _build_optimizers(optimizers, self.state.model)
-        self.state.schedulers = [_as_torch_scheduler(s, self.state) for s in _as_list(schedulers)]
+        place_model(model, device, fsdp_config, self.state.precision)
+        self.state.optimizers = build_optimizers(optimizers, self.state.model)
+        self.state.schedulers = build_schedulers(schedulers, self.state)
         if config is not None:
             self.logger.log_hyperparameters(config)
         self._load(load_path, load_weights_only, autoresume)
         self.engine.run_event(Event.AFTER_LOAD)
 
-    # ----------------------------------------------------------------------------------- setup
-    def _default_loggers(
-        self,
-        given: Sequence[LoggerDestination],
-        log_to_console: bool,
-        progress_bar: bool | None,
-        console_log_interval: str | Time | int,
-    ) -> list[LoggerDestination]:
-        from foundry.loggers import ConsoleLogger, JSONLLogger
-
-        defaults: list[LoggerDestination] = []
-        if log_to_console and not any(isinstance(d, ConsoleLogger) for d in given):
-            defaults.append(ConsoleLogger(progress_bar=progress_bar, log_interval=console_log_interval))
-        if not any(isinstance(d, JSONLLogger) for d in given):
-            defaults.append(JSONLLogger(path=str(self.run_folder / "metrics.jsonl")))
-        return defaults
-
-    def _place_model(self, model: FoundryModel, device: torch.device, fsdp_config: FSDPConfig | None) -> None:
-        if fsdp_config is not None:
-            distributed.parallelize(model, fsdp_config, device, self.state.precision)
-        elif any(p.is_meta for p in model.parameters()):
-            if not hasattr(model, "init_weights"):
-                raise ConfigError(f"{type(model).__name__} was built on the meta device but has no init_weights().")
-            model.to_empty(device=device)
-            model.init_weights()
-        else:
-            model.to(device)
-
     def _load(self, load_path: str | None, weights_only: bool, autoresume: bool) -> None:
-        from foundry.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint_path
-        from foundry.peft.checkpoint import load_adapter_base
-
-        path = None
-        if autoresume:
-            if not self.save_folder:
-                raise ConfigError("autoresume: true needs save_folder, where the run's checkpoints are found.")
-            path = latest_checkpoint(self.save_folder)
-            weights_only = weights_only and path is None
-        if path is None and load_path:
-            path = resolve_checkpoint_path(load_path)
-        if path is None:
-            return
-        load_adapter_base(path, self.state)  # an adapters-only LoRA checkpoint needs its base weights first
-        load_checkpoint(
-            path,
+        path = resume_or_load(
             self.state,
+            save_folder=self.save_folder,
+            load_path=load_path,
+            weights_only=weights_only,
+            autoresume=autoresume,
             callbacks=self.engine.callbacks,
             algorithms=self.engine.algorithms,
-            weights_only=weights_only,
         )
-        self.state.last_checkpoint_path = str(path)
-        self.logger.log_text(f"Loaded checkpoint {path} at batch {self.state.timestamp.batch}.")
+        if path is not None:
+            self.logger.log_text(f"Loaded checkpoint {path} at batch {self.state.timestamp.batch}.")
 
     # ------------------------------------------------------------------------------------- fit
     def fit(self) -> None:
@@ -214,7 +185,7 @@ class Trainer:
             self._at_fit_end()
             self.engine.run_event(Event.FIT_END)
         except BaseException:
-            self._settle_pending_save_after_error()
+            self.checkpoints.settle_after_error()
             raise
         finally:
             self.engine.close()
@@ -234,7 +205,7 @@ class Trainer:
             if batch is None:
                 epoch_done = True
                 break
-            state.batch = _to_device(batch, state.device)
+            state.batch = batch_to_device(batch, state.device)
             self.engine.run_event(Event.AFTER_DATALOADER)
             self._train_batch(batch_start_s)
             if self._finished():
@@ -247,7 +218,7 @@ class Trainer:
             state.timestamp = previous.after_epoch()
             self.engine.run_event(Event.EPOCH_END)
             if self._due(self.save_interval, previous, epoch_end=True):
-                self._save(Event.EPOCH_CHECKPOINT)
+                self.checkpoints.save(Event.EPOCH_CHECKPOINT)
             if self._due(self.eval_interval, previous, epoch_end=True) and not self._finished():
                 self.eval()
 
@@ -266,7 +237,7 @@ class Trainer:
         engine.run_event(Event.BATCH_START)
         if self._find_microbatch_size:
             self._choose_microbatch_size()
-        microbatches = _split_batch(state.batch, state.device_train_microbatch_size)
+        microbatches = split_batch(state.batch, state.device_train_microbatch_size)
         weights = [state.model.loss_weight(mb) for mb in microbatches]
         # Sum of loss units over all microbatches on all ranks: each microbatch's mean loss is scaled
         # by its share, so gradients equal those of one big batch however it is split.
@@ -298,7 +269,7 @@ class Trainer:
         if self._due(self.log_interval, previous) or self._finished():
             self.logger.log_metrics({"loss/train/total": distributed.all_reduce_sum(share_of_global_loss)})
         if self._due(self.save_interval, previous):
-            self._save(Event.BATCH_CHECKPOINT)
+            self.checkpoints.save(Event.BATCH_CHECKPOINT)
         if self._due(self.eval_interval, previous) and not self._finished():
             self.eval()
 
@@ -327,7 +298,7 @@ class Trainer:
 
         def trial(microbatch_size: int) -> None:
             try:
-                for microbatch in _split_batch(state.batch, microbatch_size):
+                for microbatch in split_batch(state.batch, microbatch_size):
                     self._train_microbatch(microbatch, torch.ones((), device=state.device))
             finally:
                 state.outputs = state.loss = None  # the memory of a failed trial is freed
@@ -368,7 +339,7 @@ class Trainer:
             for index, batch in enumerate(loader):
                 if 0 <= self.eval_subset_num_batches <= index:
                     break
-                state.batch = _to_device(batch, state.device)
+                state.batch = batch_to_device(batch, state.device)
                 engine.run_event(Event.EVAL_BATCH_START)
                 engine.run_event(Event.EVAL_BEFORE_FORWARD)
                 with autocast(state.precision, state.device):
@@ -391,143 +362,11 @@ class Trainer:
         self._last_eval_batch = state.timestamp.batch
         return dict(state.eval_metrics)
 
-    # ------------------------------------------------------------------------------ checkpoint
-    def _save(self, event: Event) -> None:
-        if not self.save_folder:
-            return
-        from foundry.checkpoint import start_checkpoint
-
-        self._publish_pending_save()  # one write at a time
-        self.engine.run_event(Event.BEFORE_CHECKPOINT)
-        pending = start_checkpoint(
-            self.save_folder,
-            self.state,
-            callbacks=self.engine.callbacks,
-            algorithms=self.engine.algorithms,
-            config=self.config,
-            overwrite=self.save_overwrite,
-            num_to_keep=self.save_num_checkpoints_to_keep,
-            async_process_group=self._async_save_group,
-        )
-        self._pending_save = (pending, event)
-        self._last_save_batch = self.state.timestamp.batch
-        if self._async_save_group is None:
-            self._publish_pending_save()
-
-    def _publish_pending_save(self) -> None:
-        """Wait for the checkpoint being written, publish it and fire its checkpoint event."""
-        if self._pending_save is None:
-            return
-        pending, event = self._pending_save
-        self._pending_save = None
-        self.state.last_checkpoint_path = str(pending.finish())
-        self.engine.run_event(event)
-
-    def _settle_pending_save_after_error(self) -> None:
-        """After an exception, finish this rank's write; publish it only when no other rank must agree."""
-        if self._pending_save is None:
-            return
-        pending, _ = self._pending_save
-        self._pending_save = None
-        if self.state.world_size == 1:
-            self.state.last_checkpoint_path = str(pending.finish())
-        else:
-            pending.wait()  # peers may not reach a barrier: the folder stays temporary, the next save removes it
-
     def _at_fit_end(self) -> None:
         """Evaluate and checkpoint the final model unless the last batch already did."""
         state = self.state
         if state.eval_dataloaders and self._last_eval_batch != state.timestamp.batch:
             self.eval()
-        if self.save_folder and self._last_save_batch != state.timestamp.batch:
-            self._save(Event.BATCH_CHECKPOINT)
-        self._publish_pending_save()
-
-
-# ------------------------------------------------------------------------------------ helpers
-def seed_everything(seed: int) -> None:
-    """Same seed on every rank: identical initial weights everywhere (data order comes from the loader)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def _split_batch(batch: Any, microbatch_size: int | None) -> list[Any]:
-    """Split a batch along dim 0 into microbatches of ``microbatch_size`` samples (the last may be smaller)."""
-    size = batch_num_samples(batch)
-    if not microbatch_size or microbatch_size >= size:
-        return [batch]
-    starts = range(0, size, microbatch_size)
-    return [_slice(batch, start, start + microbatch_size) for start in starts]
-
-
-def _slice(batch: Any, start: int, end: int) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch[start:end]
-    if isinstance(batch, Mapping):
-        return {key: _slice(value, start, end) for key, value in batch.items()}
-    if isinstance(batch, list | tuple):
-        return type(batch)(_slice(value, start, end) for value in batch) if _has_tensor(batch) else batch[start:end]
-    return batch
-
-
-def _has_tensor(values: Sequence[Any]) -> bool:
-    return any(isinstance(value, torch.Tensor | Mapping) for value in values)
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return {key: _to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, list | tuple):
-        return type(batch)(_to_device(value, device) for value in batch)
-    return batch
-
-
-def _as_list(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list | tuple) else [value]
-
-
-def _as_eval_dict(eval_dataloader: Iterable | Mapping[str, Iterable] | None) -> dict[str, Iterable]:
-    if eval_dataloader is None:
-        return {}
-    if isinstance(eval_dataloader, Mapping):
-        return dict(eval_dataloader)
-    return {"eval": eval_dataloader}
-
-
-def _safe_len(loader: Iterable | None) -> int | None:
-    try:
-        return len(loader)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-
-
-def _grad_scaler(precision: str, sharded: bool) -> torch.amp.GradScaler | None:
-    """fp16 needs loss scaling; sharded, every rank must agree on skipping a step with inf gradients."""
-    if precision != "amp_fp16":
-        return None
-    if sharded:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return ShardedGradScaler("cuda")
-    return torch.amp.GradScaler("cuda")
-
-
-def _build_optimizers(optimizers: Any, model: nn.Module) -> list[torch.optim.Optimizer]:
-    if optimizers is None:
-        return [DecoupledAdamW(model.parameters(), lr=3e-4)]
-    if callable(optimizers) and not isinstance(optimizers, torch.optim.Optimizer):
-        return [optimizers(trainable_parameters(model))]  # frozen weights (LoRA's base) get no optimizer state
-    return _as_list(optimizers)
-
-
-def _as_torch_scheduler(scheduler: Any, state: State) -> Any:
-    if isinstance(scheduler, TimeScheduler):
-        if len(state.optimizers) != 1:
-            raise ConfigError("A TimeScheduler needs exactly one optimizer; wrap each optimizer's scheduler yourself.")
-        return scheduler.to_torch(state.optimizers[0], state)
-    return scheduler
+        if self.save_folder and self.checkpoints.last_save_batch != state.timestamp.batch:
+            self.checkpoints.save(Event.BATCH_CHECKPOINT)
+        self.checkpoints.publish_pending()

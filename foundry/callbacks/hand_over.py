@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from foundry import registry
-from foundry.checkpoint.checkpointer import checkpoint_name
+from foundry.checkpoint.layout import checkpoint_name
 from foundry.core.callback import Callback
 from foundry.core.logger import Logger
 from foundry.core.state import State

@@ -1,14 +1,13 @@
-"""Checkpoints that are atomic on disk, safe to load, and resume a run exactly."""
+"""Checkpoints that are atomic on disk, safe to load, and resume a run exactly.
 
-from foundry.checkpoint.checkpointer import (
-    PendingCheckpoint,
-    latest_checkpoint,
-    load_checkpoint,
-    resolve_checkpoint_path,
-    save_checkpoint,
-    start_checkpoint,
-)
+``layout`` (the folder, finding the latest), ``save`` (writing, async, retention), ``load`` (reading,
+resharding, restoring the training state), ``consolidate`` (one file out of a sharded checkpoint).
+"""
+
+from foundry.checkpoint.layout import latest_checkpoint, resolve_checkpoint_path
+from foundry.checkpoint.load import load_checkpoint
 from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
+from foundry.checkpoint.save import PendingCheckpoint, save_checkpoint, start_checkpoint
 
 __all__ = [
     "PendingCheckpoint",

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from foundry.checkpoint.checkpointer import TMP_PREFIX, _fsync_dir, _single_process_quiet, resolve_checkpoint_path
+from foundry.checkpoint.layout import TMP_PREFIX, fsync_dir, resolve_checkpoint_path, single_process_quiet
 from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from foundry.errors import CheckpointError
 
@@ -30,7 +30,7 @@ def read_checkpoint_tensors(path: str | Path) -> dict[str, Any]:
     """``{"model": {name: tensor}, "optim": {...}}`` of a checkpoint folder (or a save_folder's latest)."""
     folder = resolve_checkpoint_path(path)
     state: dict[str, Any] = {}
-    with _single_process_quiet():
+    with single_process_quiet():
         _load_state_dict(
             state, storage_reader=SafeFileSystemReader(folder), planner=_SafeWholeStateLoadPlanner(), no_dist=True
         )
@@ -61,7 +61,7 @@ def consolidate(path: str | Path, out_file: str | Path, with_optimizer: bool = F
         os.replace(tmp_file, out_file)
     finally:
         tmp_file.unlink(missing_ok=True)
-    _fsync_dir(out_file.parent)
+    fsync_dir(out_file.parent)
     return out_file
 
 

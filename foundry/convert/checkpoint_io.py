@@ -11,7 +11,7 @@ from torch import nn
 
 from foundry.builders import build_model
 from foundry.checkpoint import load_checkpoint, resolve_checkpoint_path, save_checkpoint
-from foundry.checkpoint.checkpointer import META_FILE
+from foundry.checkpoint.layout import META_FILE
 from foundry.core.state import State
 from foundry.core.time import Time
 from foundry.errors import CheckpointError

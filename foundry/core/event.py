@@ -5,6 +5,7 @@ The whole loop, with each event in place (``Trainer.fit``)::
     INIT                                  # components built; before the model is placed/sharded and loaded
     AFTER_LOAD                            # load_path / autoresume applied
     FIT_START
+    if eval_first: EVAL_START ... EVAL_END
     for epoch in range(...):
         EPOCH_START
         while True:
@@ -24,9 +25,12 @@ The whole loop, with each event in place (``Trainer.fit``)::
                 AFTER_BACKWARD
             BEFORE_OPTIMIZER_STEP             # grads of the whole batch are ready (clipping lives here)
             optimizer.step()                  # skipped when a callback set state.skip_optimizer_step
-            scheduler.step()
             AFTER_OPTIMIZER_STEP
+            scheduler.step()                  # after the timestamp counts this batch
             BATCH_END                         # timestamp already counts this batch
+            if checkpoint is due:
+                BEFORE_CHECKPOINT
+                BATCH_CHECKPOINT              # fired once the checkpoint is published (save_async: later)
             if eval is due:
                 EVAL_START
                 for eval_batch in eval_dataloader:
@@ -36,14 +40,13 @@ The whole loop, with each event in place (``Trainer.fit``)::
                     EVAL_AFTER_FORWARD
                     EVAL_BATCH_END
                 EVAL_END
-            if checkpoint is due:
-                BEFORE_CHECKPOINT
-                BATCH_CHECKPOINT              # fired after the checkpoint is on disk
             if max_duration reached: break
         EPOCH_END
         if checkpoint is due:
             BEFORE_CHECKPOINT
             EPOCH_CHECKPOINT
+        if eval is due: EVAL_START ... EVAL_END
+    eval and checkpoint (BATCH_CHECKPOINT) the final model unless its last batch did
     FIT_END
 
 ``Trainer.eval()`` outside ``fit`` fires the EVAL_* events alone.

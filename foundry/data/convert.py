@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from foundry.data.corpus import builtin_corpus_documents
 from foundry.data.jsonl import read_jsonl
+from foundry.data.mds import import_streaming
 from foundry.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 from foundry.errors import ConfigError, DataError, did_you_mean
 
@@ -184,11 +185,10 @@ def _write_split(
     max_seq_len: int | None,
     compression: str | None,
 ) -> SplitSummary:
-    from streaming import MDSWriter
-
+    writer_class = import_streaming("foundry data convert").MDSWriter
     column_type = "ndarray:int32" if column == "tokens" else "str"
     num_samples = 0
-    with MDSWriter(out=str(split_dir), columns={column: column_type}, compression=compression) as writer:
+    with writer_class(out=str(split_dir), columns={column: column_type}, compression=compression) as writer:
         for sample in samples:
             writer.write({column: sample})
             num_samples += 1
@@ -267,6 +267,7 @@ def _check_options(
     if not 0 <= eval_fraction < 1:
         raise ConfigError(f"eval_fraction is {eval_fraction}; it must be in [0, 1), e.g. 0.05.")
     if compression is not None:
+        import_streaming("foundry data convert --compression")
         from streaming.base.compression import get_compressions
 
         if compression not in get_compressions():

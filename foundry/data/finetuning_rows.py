@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from foundry.data.jsonl import read_jsonl
+from foundry.data.mds import build_checked_streams, import_streaming, release_shared_memory
 from foundry.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -65,14 +66,11 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _read_mds(config: FinetuningDatasetConfig, key_path: str) -> Iterator[tuple[str, Any]]:
-    from streaming import StreamingDataset
-
-    from foundry.data.text import build_checked_streams, release_shared_memory
-
+    dataset_class = import_streaming(f"The finetuning dataloader '{key_path}'").StreamingDataset
     streams = build_checked_streams(config, key_path)
     streaming_keys = ("download_retry", "download_timeout", "validate_hash", "keep_zip", "predownload", "cache_limit")
     kwargs = {key: getattr(config, key) for key in streaming_keys if getattr(config, key) is not None}
-    dataset = StreamingDataset(
+    dataset = dataset_class(
         streams=streams, local=None if streams else config.local, remote=config.remote, split=config.split, **kwargs
     )
     try:

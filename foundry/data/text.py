@@ -24,25 +24,22 @@ has a ``remote``; ``streaming.base.util.clean_stale_shared_memory()`` at job sta
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
-import os
-from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
 import torch
-from streaming import Stream, StreamingDataset
-from streaming.base.dataloader import StreamingDataLoader
-from transformers import PreTrainedTokenizerBase  # streaming imports transformers anyway
+from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase
 
 from foundry import registry
 from foundry.data.collate import collate_lm_samples
-from foundry.errors import ConfigError, DataError
-from foundry.schema import check_call_kwargs, parse_dataclass
+from foundry.data.mds import build_checked_streams, import_streaming
+from foundry.errors import ConfigError
+from foundry.schema import parse_dataclass
+
+if TYPE_CHECKING:
+    from foundry.data.text_dataset import StreamingTextDataset
 
 TokenEncoding = Literal["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
 
@@ -95,134 +92,6 @@ class TextDatasetConfig:
         }
 
 
-class StreamingTextDataset(StreamingDataset):
-    """Reads ``tokens`` or ``text`` samples as ``{"input_ids": (max_seq_len,)}`` tensors.
-
-    Args:
-        tokenizer: tokenizes ``text`` samples; unused (may be None) for ``tokens`` samples.
-        max_seq_len: tokens per sample; longer samples are truncated, shorter ``text`` padded.
-        token_encoding_type: numpy dtype of ``tokens`` stored as raw bytes (LLM Foundry's old format).
-        **streaming_kwargs: passed to ``StreamingDataset``.
-    """
-
-    def __init__(
-        self,
-        *,
-        tokenizer: PreTrainedTokenizerBase | None,
-        max_seq_len: int,
-        token_encoding_type: str = "int64",
-        **streaming_kwargs: Any,
-    ) -> None:
-        super().__init__(**streaming_kwargs)
-        self.tokenizer = tokenizer
-        self.max_seq_len = max_seq_len
-        self.token_encoding_type = token_encoding_type
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        sample = super().__getitem__(index)
-        if "tokens" in sample:
-            return {"input_ids": self._read_tokens(sample["tokens"])[: self.max_seq_len]}
-        if "text" in sample:
-            return self._tokenize(sample["text"])
-        raise DataError(
-            f"Sample {index} has columns {sorted(sample)}; the text dataloader reads a 'tokens' or a 'text' column "
-            f"(as written by 'foundry data convert' or LLM Foundry's converters)."
-        )
-
-    def stored_format(self) -> tuple[str, int | None]:
-        """The first sample's column, and its token count for a ``tokens`` column (None for text)."""
-        if self.num_samples == 0:
-            raise DataError(f"The dataset at {self.location()} holds no samples. Re-convert it with more data.")
-        sample = super().__getitem__(0)
-        if "tokens" in sample:
-            return "tokens", len(self._read_tokens(sample["tokens"]))
-        if "text" in sample:
-            return "text", None
-        raise DataError(
-            f"The dataset at {self.location()} has columns {sorted(sample)}; the text dataloader reads a 'tokens' "
-            f"or a 'text' column. Re-create it with 'foundry data convert'."
-        )
-
-    def close(self) -> None:
-        """Release this dataset's shared memory and lock files now rather than at process exit."""
-        release_shared_memory(self)
-
-    def _read_tokens(self, stored: np.ndarray | bytes) -> torch.Tensor:
-        if isinstance(stored, bytes):
-            stored = np.frombuffer(stored, dtype=np.dtype(self.token_encoding_type))
-        return torch.tensor(stored, dtype=torch.int64)  # copies: MDS arrays are read-only views
-
-    def _tokenize(self, text: str) -> dict[str, torch.Tensor]:
-        if self.tokenizer is None:
-            raise DataError(
-                f"The dataset at {self.location()} stores raw 'text'; pass a tokenizer to the text dataloader "
-                f"(the run's tokenizer section) or convert it to tokens with 'foundry data convert --concat-tokens N'."
-            )
-        token_ids = self.tokenizer(text, truncation=True, max_length=self.max_seq_len)["input_ids"]
-        pad_id = self.tokenizer.pad_token_id
-        if pad_id is None:  # padding is masked out, so any id works; eos keeps ids inside the vocab
-            pad_id = self.tokenizer.eos_token_id or 0
-        num_pad = self.max_seq_len - len(token_ids)
-        input_ids = torch.tensor(list(token_ids) + [pad_id] * num_pad, dtype=torch.int64)
-        attention_mask = torch.ones(self.max_seq_len, dtype=torch.int64)
-        attention_mask[len(token_ids) :] = 0
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
-
-    def location(self) -> str:
-        """Where the samples come from, for error messages."""
-        return ", ".join(f"{stream.local} (split '{stream.split}')" for stream in self.streams)
-
-
-def release_shared_memory(dataset: StreamingDataset) -> None:
-    """Free a StreamingDataset's shared-memory blocks and temp-folder lock files (it must be idle).
-
-    Streaming frees them only at process exit; this reaches into its private attributes, each
-    looked up defensively so that a streaming version without one skips it.
-    """
-    holders = [
-        getattr(dataset, "_locals_shm", None),
-        getattr(getattr(getattr(dataset, "_shared_barrier", None), "_arr", None), "shm", None),
-        *(getattr(getattr(getattr(dataset, name, None), "arr", None), "shm", None) for name in _SCALARS),
-        *(getattr(getattr(dataset, name, None), "shm", None) for name in _ARRAYS),
-        getattr(dataset, "_resume_shm", None),
-    ]
-    for shared_memory in filter(None, holders):
-        shared_memory.cleanup()
-        atexit.unregister(shared_memory.cleanup)
-    barrier_lock = getattr(getattr(dataset, "_shared_barrier", None), "filelock_path", None)
-    for path in (getattr(dataset, "_cache_filelock_path", None), barrier_lock):
-        if path:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-
-
-_SCALARS = ("_next_epoch", "_cache_usage")
-_ARRAYS = ("_shard_states", "_shard_access_times")
-
-
-class TextDataLoader(StreamingDataLoader):
-    """A StreamingDataLoader whose state, once an epoch is fully read, points at the next epoch.
-
-    Streaming's own state would resume the finished epoch and yield nothing for one pass, so a run
-    checkpointed at an epoch boundary would lose an epoch of its schedule.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.epoch_finished = False
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        self.epoch_finished = False
-        yield from super().__iter__()
-        self.epoch_finished = True
-
-    def state_dict(self) -> dict[str, Any] | None:
-        state = super().state_dict()
-        if state is not None and self.epoch_finished:
-            state = {**state, "epoch": state["epoch"] + 1, "sample_in_epoch": 0}
-        return state
-
-
 @registry.dataloaders.register("text")
 def build_text_dataloader(
     *,
@@ -236,7 +105,7 @@ def build_text_dataloader(
     persistent_workers: bool = False,
     timeout: float = 0,
     key_path: str = "train_loader",
-) -> TextDataLoader:
+) -> DataLoader:
     """Build LLM Foundry's ``text`` loader over a local (or remote) MDS dataset.
 
     Args:
@@ -246,13 +115,16 @@ def build_text_dataloader(
         key_path: where this loader sits in the YAML, for error messages.
 
     Returns:
-        A ``StreamingDataLoader`` whose ``state_dict()``/``load_state_dict()`` resume mid-epoch or at
-        the start of the next epoch.
+        A ``TextDataLoader`` (a ``StreamingDataLoader``) whose ``state_dict()``/``load_state_dict()`` resume
+        mid-epoch or at the start of the next epoch.
     """
     config = parse_dataclass(TextDatasetConfig, dataset, f"{key_path}.dataset")
     if device_batch_size < 1:
         raise ConfigError(f"'{key_path}.device_batch_size' is {device_batch_size}; it must be at least 1.")
     _reject_sequence_ids(config, key_path)
+    import_streaming(f"The text dataloader '{key_path}'")
+    from foundry.data.text_dataset import StreamingTextDataset, TextDataLoader
+
     streams = build_checked_streams(config, f"{key_path}.dataset")
     text_dataset = StreamingTextDataset(
         tokenizer=tokenizer,
@@ -289,63 +161,6 @@ def _reject_sequence_ids(config: TextDatasetConfig, key_path: str) -> None:
                 f"boundaries), which foundry does not build yet. Remove the key: samples then attend across "
                 f"document boundaries, as LLM Foundry does by default."
             )
-
-
-def build_checked_streams(config: Any, key_path: str) -> list[Stream] | None:
-    """``config.streams`` as Streams (None without), each local-only one checked to exist on disk.
-
-    ``config`` has the dataset keys ``streams``, ``local``, ``remote`` and ``split``; ``key_path`` names it.
-    """
-    streams = _build_streams(config, key_path)
-    for local, remote, split in _stream_locations(config):
-        _check_local_split(local, remote, split, key_path)
-    return streams
-
-
-def _build_streams(config: Any, key_path: str) -> list[Stream] | None:
-    if not config.streams:
-        return None
-    return [
-        Stream(**check_call_kwargs(Stream, kwargs, f"{key_path}.streams.{name}"))
-        for name, kwargs in config.streams.items()
-    ]
-
-
-def _stream_locations(config: Any) -> list[tuple[str | None, str | None, str | None]]:
-    """(local, remote, split) of each stream, with the dataset-level keys as defaults."""
-    if not config.streams:
-        return [(config.local, config.remote, config.split)]
-    return [
-        (
-            stream.get("local", config.local),
-            stream.get("remote", config.remote) or None,
-            stream.get("split", config.split),
-        )
-        for stream in config.streams.values()
-    ]
-
-
-def _check_local_split(local: str | None, remote: str | None, split: str | None, key_path: str) -> None:
-    """Without a remote, the data must already sit in ``local/split``; say how to get it there."""
-    if remote:
-        return
-    if local is None:
-        raise ConfigError(f"'{key_path}.local' is not set and there is no remote: set it to an MDS dataset folder.")
-    root = Path(local)
-    split_dir = root / split if split else root
-    if not root.is_dir():
-        raise DataError(
-            f"No dataset at '{local}' (split '{split}'): the folder does not exist and '{key_path}.remote' is empty. "
-            f"Create it with 'foundry data convert <files> --out {local} --concat-tokens <max_seq_len>', "
-            f"or set '{key_path}.remote' to where the dataset is stored."
-        )
-    if not (split_dir / "index.json").is_file():
-        splits = sorted(child.name for child in root.iterdir() if (child / "index.json").is_file())
-        raise DataError(
-            f"No MDS dataset (index.json) at '{split_dir}' for split '{split}'. "
-            f"Splits in '{local}': {', '.join(splits) or 'none'}. Set '{key_path}.split' to one of them, "
-            f"or re-create the dataset with 'foundry data convert ... --out {local}'."
-        )
 
 
 def _check_stored_format(

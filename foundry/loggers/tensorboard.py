@@ -14,6 +14,7 @@ from foundry.core.redact import scrub_secrets
 from foundry.core.state import State
 from foundry.errors import ConfigError
 from foundry.loggers.wandb import run_folder
+from foundry.optional import import_optional
 
 
 @registry.loggers.register("tensorboard")
@@ -67,11 +68,11 @@ class TensorboardLogger(LoggerDestination):
 
 
 def import_summary_writer() -> type:
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as error:
-        raise ConfigError(
-            f"loggers.tensorboard needs the tensorboard package, which cannot be imported ({error}). "
-            "Install it with: pip install 'foundry[tensorboard]'"
-        ) from None
-    return SummaryWriter
+    module = import_optional(
+        "torch.utils.tensorboard",
+        needed_for="loggers.tensorboard",
+        package="the tensorboard package",
+        install="pip install 'foundry[tensorboard]'",
+        error=ConfigError,
+    )
+    return module.SummaryWriter

@@ -10,7 +10,6 @@ value (``WANDB_API_KEY``, ``HF_TOKEN``, ...) with ``'***'``.
 
 from __future__ import annotations
 
-import importlib
 import os
 import re
 from pathlib import Path
@@ -24,6 +23,7 @@ from foundry.core.logger import Logger, LoggerDestination
 from foundry.core.redact import scrub_secrets
 from foundry.core.state import State
 from foundry.errors import ConfigError
+from foundry.optional import import_optional
 
 CONFIG_FILE_NAME = "foundry_config.yaml"
 
@@ -158,13 +158,13 @@ class WandBLogger(LoggerDestination):
 
 
 def import_wandb() -> Any:
-    try:
-        return importlib.import_module("wandb")
-    except ImportError as error:
-        raise ConfigError(
-            f"loggers.wandb needs the wandb package, which cannot be imported ({error}). "
-            "Install it with: pip install 'foundry[wandb]'"
-        ) from None
+    return import_optional(
+        "wandb",
+        needed_for="loggers.wandb",
+        package="the wandb package",
+        install="pip install 'foundry[wandb]'",
+        error=ConfigError,
+    )
 
 
 def run_folder(state: State) -> Path:

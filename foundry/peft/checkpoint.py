@@ -75,7 +75,7 @@ def base_checkpoint(folder: Path) -> Path | None:
     ``pretrained_model_name_or_path``.
     """
     from foundry.checkpoint import resolve_checkpoint_path
-    from foundry.checkpoint.checkpointer import META_FILE
+    from foundry.checkpoint.layout import META_FILE
 
     config = json.loads((folder / META_FILE).read_text()).get("config") or {}
     load_path = config.get("load_path")

@@ -10,9 +10,8 @@ import pytest
 from streaming import StreamingDataset
 
 from foundry.data import convert as convert_module
-from foundry.data import convert_to_mds, load_tokenizer
+from foundry.data import convert_to_mds, load_tokenizer, release_shared_memory
 from foundry.data.convert import add_convert_arguments, read_documents, run_convert, split_documents
-from foundry.data.text import release_shared_memory
 from foundry.errors import ConfigError, DataError
 from tests.data.conftest import DOCUMENTS, write_documents
 

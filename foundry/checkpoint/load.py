@@ -1,0 +1,188 @@
+"""Reading checkpoints: model and optimizer tensors resharded to this run's layout, then the training state.
+
+Tensors load through ``SafeFileSystemReader`` (no unpickling of code) into whatever sharding the
+model has now, so a checkpoint resumes on any world size or device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+from foundry.checkpoint.layout import (
+    FORMAT_VERSION,
+    META_FILE,
+    latest_checkpoint,
+    resolve_checkpoint_path,
+    root_cause,
+    single_process_quiet,
+    stateful_key_pairs,
+    tensor_state,
+)
+from foundry.checkpoint.rng import load_rng_file, rng_file_for_rank
+from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
+from foundry.core.state import State
+from foundry.core.time import Timestamp
+from foundry.errors import CheckpointError, ConfigError
+from foundry.peft.checkpoint import load_adapter_base, loadable_without
+
+log = logging.getLogger(__name__)
+
+
+def resume_or_load(
+    state: State,
+    *,
+    save_folder: str | None,
+    load_path: str | None,
+    weights_only: bool,
+    autoresume: bool,
+    callbacks: Sequence = (),
+    algorithms: Sequence = (),
+) -> Path | None:
+    """Load the checkpoint a run starts from into ``state``; returns its folder, or None to start afresh.
+
+    ``autoresume`` takes the latest checkpoint in ``save_folder`` with all its state (a restarted run
+    continues); without one, ``load_path`` (a checkpoint folder, or a save_folder's latest).
+    """
+    path = None
+    if autoresume:
+        if not save_folder:
+            raise ConfigError("autoresume: true needs save_folder, where the run's checkpoints are found.")
+        path = latest_checkpoint(save_folder)
+        weights_only = weights_only and path is None
+    if path is None and load_path:
+        path = resolve_checkpoint_path(load_path)
+    if path is None:
+        return None
+    load_adapter_base(path, state)  # an adapters-only LoRA checkpoint needs its base weights first
+    load_checkpoint(path, state, callbacks=callbacks, algorithms=algorithms, weights_only=weights_only)
+    state.last_checkpoint_path = str(path)
+    return path
+
+
+def load_checkpoint(
+    path: str | Path,
+    state: State,
+    *,
+    callbacks: Sequence = (),
+    algorithms: Sequence = (),
+    weights_only: bool = False,
+    strict: bool = True,
+) -> dict:
+    """Restore ``state`` (and callbacks, algorithms) in place from a checkpoint; returns its meta.json.
+
+    ``weights_only=True`` loads only the model (fine-tuning from a pretrained run). ``strict=False``
+    tolerates model keys missing on either side.
+    """
+    path = resolve_checkpoint_path(path)
+    meta = _read_meta(path)
+    _load_tensors(path, state, weights_only=weights_only, strict=strict)
+    if not weights_only:
+        _restore_training_state(path, meta, state, callbacks, algorithms)
+    return meta
+
+
+def _read_meta(path: Path) -> dict:
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{path / META_FILE} is not valid JSON ({exc}); load an earlier checkpoint.") from exc
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(
+            f"Checkpoint {path} has format version {meta['format_version']}, newer than this foundry reads "
+            f"({FORMAT_VERSION}). Upgrade foundry."
+        )
+    return meta
+
+
+def _load_tensors(path: Path, state: State, *, weights_only: bool, strict: bool) -> None:
+    reader = SafeFileSystemReader(path)
+    saved_keys = set(reader.read_metadata().state_dict_metadata)
+    wanted = tensor_state(state, model_only=weights_only)
+    absent: set[str] = set()
+    if strict:
+        absent = _check_model_keys(path, set(wanted["model"]), saved_keys)
+        wanted["model"] = {key: value for key, value in wanted["model"].items() if key not in absent}
+    if "optim" in wanted and not any(key.startswith("optim.") for key in saved_keys):
+        raise CheckpointError(
+            f"Checkpoint {path} holds no optimizer state. Pass load_weights_only=True to load only its model."
+        )
+    try:
+        with single_process_quiet():
+            dcp.load(wanted, storage_reader=reader, planner=SafeLoadPlanner(allow_partial_load=not strict))
+    except (Exception, dcp.CheckpointException) as exc:
+        cause = root_cause(exc)
+        if isinstance(cause, CheckpointError):
+            raise cause from exc
+        raise CheckpointError(
+            f"Cannot load the tensors of checkpoint {path} ({type(cause).__name__}: {cause})."
+        ) from exc
+    options = StateDictOptions(strict=strict and not absent)
+    if "optim" in wanted:
+        set_state_dict(
+            state.model,
+            state.optimizers,
+            model_state_dict=wanted["model"],
+            optim_state_dict=wanted["optim"],
+            options=options,
+        )
+    else:
+        set_model_state_dict(state.model, wanted["model"], options=options)
+
+
+def _check_model_keys(path: Path, model_keys: set[str], saved_keys: set[str]) -> set[str]:
+    """The model keys the checkpoint may lack (LoRA adapters or their base); raises on any other mismatch."""
+    saved_model_keys = {key.removeprefix("model.") for key in saved_keys if key.startswith("model.")}
+    missing, unexpected = sorted(model_keys - saved_model_keys), sorted(saved_model_keys - model_keys)
+    if not unexpected and loadable_without(missing, saved_model_keys):
+        return set(missing)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"Checkpoint {path} does not match the model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}. Check that the model config "
+            "matches the run that saved it, or load with strict=False to take only the keys both have."
+        )
+
+
+def _restore_training_state(path: Path, meta: dict, state: State, callbacks: Sequence, algorithms: Sequence) -> None:
+    saved_world_size = meta.get("run", {}).get("world_size", state.world_size)
+    if saved_world_size != state.world_size:
+        log.warning("Checkpoint %s was saved by %d ranks; resuming on %d.", path, saved_world_size, state.world_size)
+    state.timestamp = Timestamp.from_state_dict(meta["timestamp"])
+    _load_schedulers(path, state.schedulers, meta["schedulers"])
+    load_rng_file(rng_file_for_rank(path, state.rank))
+    saved_dataloader = meta.get("dataloader")
+    if saved_dataloader is not None:
+        if hasattr(state.train_dataloader, "load_state_dict"):
+            state.train_dataloader.load_state_dict(saved_dataloader)
+        else:
+            log.warning("Checkpoint %s has dataloader state but this dataloader cannot load it.", path)
+    _load_stateful(path, callbacks, meta.get("callbacks", {}))
+    _load_stateful(path, algorithms, meta.get("algorithms", {}))
+
+
+def _load_schedulers(path: Path, schedulers: Sequence, saved: list[dict]) -> None:
+    if len(schedulers) != len(saved):
+        raise CheckpointError(
+            f"Checkpoint {path} has {len(saved)} LR scheduler(s) but this run has {len(schedulers)}. Use the "
+            "same schedulers as the saved run, or load_weights_only=True to start schedules afresh."
+        )
+    for scheduler, saved_state in zip(schedulers, saved):
+        # Merge over the live state: entries that were not JSON (e.g. lambdas) keep their current value.
+        scheduler.load_state_dict({**scheduler.state_dict(), **saved_state})
+
+
+def _load_stateful(path: Path, objects: Sequence, saved: dict[str, Any]) -> None:
+    restored = set()
+    for key, obj in stateful_key_pairs(objects):
+        if key in saved and hasattr(obj, "load_state_dict"):
+            obj.load_state_dict(saved[key])
+            restored.add(key)
+    if unused := sorted(set(saved) - restored):
+        log.warning("Checkpoint %s has state for %s, which this run does not have.", path, unused)

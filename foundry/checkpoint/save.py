@@ -1,0 +1,301 @@
+"""Writing checkpoints: atomically (a temporary folder renamed into place), optionally in the background.
+
+``start_checkpoint`` gathers the run's state and begins the write; ``PendingCheckpoint.finish()``
+publishes it (rename, ``latest``, retention). ``save_checkpoint`` does both. The folder layout is
+described in ``foundry.checkpoint.layout``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib.metadata
+import json
+import os
+import platform
+import secrets
+import shutil
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from foundry.checkpoint.layout import (
+    FORMAT_VERSION,
+    LATEST_FILE,
+    META_FILE,
+    TMP_PREFIX,
+    checkpoint_name,
+    complete_checkpoints,
+    fsync_dir,
+    root_cause,
+    single_process_quiet,
+    stateful_key_pairs,
+    tensor_state,
+)
+from foundry.checkpoint.rng import get_rng_state, rng_file_name
+from foundry.core.redact import scrub_secrets
+from foundry.core.state import State
+from foundry.errors import CheckpointError
+from foundry.peft.checkpoint import model_state_to_save
+
+
+def save_checkpoint(save_folder: str | Path, state: State, **options: Any) -> Path:
+    """Write ``state`` to ``<save_folder>/ep{epoch}-ba{batch}/``, point ``latest`` at it, prune old ones.
+
+    ``start_checkpoint`` and its ``finish()`` in one call; ``options`` are ``start_checkpoint``'s
+    (``callbacks``, ``algorithms``, ``config``, ``overwrite``, ``num_to_keep``). Every rank must call
+    this (tensors are gathered collectively). Returns the checkpoint folder.
+    """
+    return start_checkpoint(save_folder, state, **options).finish()
+
+
+def start_checkpoint(
+    save_folder: str | Path,
+    state: State,
+    *,
+    callbacks: Sequence = (),
+    algorithms: Sequence = (),
+    config: dict | None = None,
+    overwrite: bool = False,
+    num_to_keep: int = -1,
+    async_process_group: dist.ProcessGroup | None = None,
+) -> PendingCheckpoint:
+    """Begin writing ``state`` as ``save_checkpoint`` does; ``finish()`` on the result publishes it.
+
+    With ``async_process_group`` (a gloo group of every rank, used by nothing else) the tensors are
+    copied to host memory and written by a background thread while training goes on; without it
+    they are written before this returns.
+    """
+    save_folder = Path(save_folder)
+    name = checkpoint_name(state.timestamp)
+    final_dir = save_folder / name
+    if final_dir.exists() and not overwrite:
+        raise CheckpointError(
+            f"Checkpoint {final_dir} already exists. Set save_overwrite: true to replace it, "
+            "or choose another save_folder."
+        )
+    rng_json = json.dumps(get_rng_state())  # first, so nothing below can draw from the generators before
+    tensors = tensor_state(state)
+    tensors["model"] = model_state_to_save(state.model, tensors["model"])  # LoRA: maybe the adapters alone
+    meta_json = _meta_json(state, name, callbacks, algorithms, config)
+
+    if state.rank == 0:
+        save_folder.mkdir(parents=True, exist_ok=True)
+        _remove_temporaries(save_folder)
+    tmp_dir = save_folder / _same_on_all_ranks(f"{TMP_PREFIX}{name}-{secrets.token_hex(4)}")
+    _barrier()
+    pending = PendingCheckpoint(tmp_dir, final_dir, state.rank, num_to_keep)
+    try:
+        pending.write = _write_checkpoint(tmp_dir, tensors, meta_json, rng_json, state.rank, async_process_group)
+    except (Exception, dcp.CheckpointException) as exc:
+        pending.fail(exc)
+    return pending
+
+
+class PendingCheckpoint:
+    """A checkpoint being written into its temporary folder; ``finish()`` publishes it once complete."""
+
+    def __init__(self, tmp_dir: Path, final_dir: Path, rank: int, num_to_keep: int) -> None:
+        self.tmp_dir, self.final_dir, self.rank, self.num_to_keep = tmp_dir, final_dir, rank, num_to_keep
+        self.write: Future | None = None  # the background write of the tensors, if any
+
+    def wait(self) -> None:
+        """Wait until this rank's tensors are written (raises ``CheckpointError`` if that failed)."""
+        write, self.write = self.write, None
+        if write is None:
+            return
+        try:
+            write.result()
+        except (Exception, dcp.CheckpointException) as exc:
+            self.fail(exc)
+
+    def finish(self) -> Path:
+        """Wait for the write, then rename the checkpoint into place, point ``latest`` at it and prune.
+
+        Every rank must call it. Returns the checkpoint folder.
+        """
+        self.wait()
+        _barrier()
+        if self.rank == 0:
+            save_folder = self.final_dir.parent
+            _publish(self.tmp_dir, self.final_dir)
+            latest_tmp_name = f"{TMP_PREFIX}{LATEST_FILE}-{secrets.token_hex(4)}"
+            _write_durably(save_folder / LATEST_FILE, self.final_dir.name, tmp_name=latest_tmp_name)
+            _prune(save_folder, self.num_to_keep, keep_name=self.final_dir.name)
+        _barrier()
+        return self.final_dir
+
+    def fail(self, exc: BaseException) -> None:
+        if self.rank == 0:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        cause = root_cause(exc)
+        raise CheckpointError(
+            f"Could not write checkpoint {self.final_dir} ({type(cause).__name__}: {cause}). Check free disk space "
+            f"and write permission in {self.final_dir.parent}; earlier checkpoints there are untouched."
+        ) from exc
+
+
+def _write_checkpoint(
+    folder: Path,
+    tensors: dict[str, Any],
+    meta_json: str,
+    rng_json: str,
+    rank: int,
+    async_process_group: dist.ProcessGroup | None,
+) -> Future | None:
+    """Write the checkpoint's files into ``folder``; the tensors in the background with a process group."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_durably(folder / rng_file_name(rank), rng_json)
+    if rank == 0:
+        _write_durably(folder / META_FILE, meta_json)
+    writer = dcp.FileSystemWriter(folder)
+    if async_process_group is not None:
+        return dcp.async_save(tensors, storage_writer=writer, process_group=async_process_group)
+    with single_process_quiet():
+        dcp.save(tensors, storage_writer=writer)
+    return None
+
+
+def _meta_json(state: State, name: str, callbacks: Sequence, algorithms: Sequence, config: dict | None) -> str:
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "name": name,
+        "timestamp": state.timestamp.state_dict(),
+        "schedulers": [_json_items(scheduler.state_dict()) for scheduler in state.schedulers],
+        "callbacks": _stateful_states(callbacks),
+        "algorithms": _stateful_states(algorithms),
+        "dataloader": _dataloader_state(state.train_dataloader),
+        "config": scrub_secrets(_checked_json(config, "the run config")),
+        "run": _run_info(state),
+    }
+    return json.dumps(meta, indent=2)
+
+
+def _run_info(state: State) -> dict[str, Any]:
+    device = torch.device(state.device)
+    device_name = platform.processor() or platform.machine()
+    if device.type == "cuda" and torch.cuda.is_available():
+        device_name = torch.cuda.get_device_name(device)
+    return {
+        "run_name": state.run_name,
+        "world_size": state.world_size,
+        "device_type": device.type,
+        "device_name": device_name,
+        "torch_version": torch.__version__,
+        "foundry_version": _foundry_version(),
+        "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _foundry_version() -> str:
+    try:
+        return importlib.metadata.version("foundry")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _stateful_states(objects: Sequence) -> dict[str, Any]:
+    states = {}
+    for key, obj in stateful_key_pairs(objects):
+        object_state = obj.state_dict() if hasattr(obj, "state_dict") else {}
+        if object_state:
+            states[key] = _checked_json(object_state, f"{key}.state_dict()")
+    return states
+
+
+def _dataloader_state(dataloader: Any) -> dict | None:
+    if not hasattr(dataloader, "state_dict"):
+        return None
+    return _checked_json(dataloader.state_dict(), f"{type(dataloader).__name__}.state_dict()")
+
+
+def _checked_json(value: Any, what: str) -> Any:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"Cannot checkpoint {what}: it is not JSON-serialisable ({exc}). It must hold only numbers, "
+            "strings, booleans, None, lists and dicts."
+        ) from exc
+    return value
+
+
+def _json_items(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-serialisable entries of a scheduler's state (LambdaLR's lambdas, for one, are code)."""
+    kept = {}
+    for key, value in state_dict.items():
+        with contextlib.suppress(TypeError, ValueError):
+            json.dumps(value)
+            kept[key] = value
+    return kept
+
+
+# ------------------------------------------------------------------------------- folder upkeep
+def _publish(tmp_dir: Path, final_dir: Path) -> None:
+    """Rename the finished checkpoint into place (replacing an older one of the same name)."""
+    if final_dir.exists():
+        old_dir = final_dir.with_name(f"{TMP_PREFIX}old-{final_dir.name}-{secrets.token_hex(4)}")
+        os.replace(final_dir, old_dir)
+        os.replace(tmp_dir, final_dir)
+        shutil.rmtree(old_dir, ignore_errors=True)
+    else:
+        os.replace(tmp_dir, final_dir)
+    fsync_dir(final_dir.parent)
+
+
+def _prune(save_folder: Path, num_to_keep: int, keep_name: str) -> None:
+    """Delete all but the ``num_to_keep`` newest checkpoints; never ``keep_name``, the one just written."""
+    if num_to_keep < 0:
+        return
+    older = [path for path in complete_checkpoints(save_folder) if path.name != keep_name]
+    num_older_to_keep = max(num_to_keep - 1, 0)
+    for path in older[: len(older) - num_older_to_keep]:
+        # Rename first: a crash mid-delete then leaves a .tmp-* folder, never a half-deleted checkpoint.
+        doomed = path.with_name(f"{TMP_PREFIX}delete-{path.name}-{secrets.token_hex(4)}")
+        os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _remove_temporaries(save_folder: Path) -> None:
+    """Delete what interrupted saves left behind."""
+    for path in save_folder.glob(f"{TMP_PREFIX}*"):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+def _write_durably(path: Path, text: str, tmp_name: str | None = None) -> None:
+    """Write and fsync ``path``; with ``tmp_name``, via a temporary file renamed over it (atomic)."""
+    target = path.with_name(tmp_name) if tmp_name else path
+    with open(target, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    if tmp_name:
+        os.replace(target, path)
+        fsync_dir(path.parent)
+
+
+# --------------------------------------------------------------------------------- distributed
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _same_on_all_ranks(value: str) -> str:
+    """Rank 0's ``value`` on every rank (all ranks must write into the same temporary folder)."""
+    if not _distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -1,0 +1,117 @@
+"""MDS datasets through mosaicml-streaming, which is imported only here and only when a loader reads one.
+
+The GPU image ships without mosaicml-streaming, so ``import foundry.data`` must not need it: the
+``text`` loader, MDS finetuning sources and ``foundry data convert`` call ``import_streaming`` first
+and fail with the install command; jsonl finetuning data, evaluation and custom loaders never do.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+from foundry.errors import ConfigError, DataError
+from foundry.optional import import_optional
+from foundry.schema import check_call_kwargs
+
+if TYPE_CHECKING:
+    from streaming import Stream, StreamingDataset
+
+
+def import_streaming(needed_for: str) -> ModuleType:
+    """The ``streaming`` module, or a FoundryError saying that ``needed_for`` needs it and how to install it."""
+    return import_optional(
+        "streaming",
+        needed_for=f"{needed_for} (MDS data)",
+        package="the mosaicml-streaming package",
+        install="pip install mosaicml-streaming",
+    )
+
+
+def build_checked_streams(config: Any, key_path: str) -> list[Stream] | None:
+    """``config.streams`` as Streams (None without), each local-only one checked to exist on disk.
+
+    ``config`` has the dataset keys ``streams``, ``local``, ``remote`` and ``split``; ``key_path`` names it.
+    """
+    streams = _build_streams(config, key_path)
+    for local, remote, split in _stream_locations(config):
+        _check_local_split(local, remote, split, key_path)
+    return streams
+
+
+def _build_streams(config: Any, key_path: str) -> list[Stream] | None:
+    if not config.streams:
+        return None
+    stream_class = import_streaming(f"'{key_path}.streams'").Stream
+    return [
+        stream_class(**check_call_kwargs(stream_class, kwargs, f"{key_path}.streams.{name}"))
+        for name, kwargs in config.streams.items()
+    ]
+
+
+def _stream_locations(config: Any) -> list[tuple[str | None, str | None, str | None]]:
+    """(local, remote, split) of each stream, with the dataset-level keys as defaults."""
+    if not config.streams:
+        return [(config.local, config.remote, config.split)]
+    return [
+        (
+            stream.get("local", config.local),
+            stream.get("remote", config.remote) or None,
+            stream.get("split", config.split),
+        )
+        for stream in config.streams.values()
+    ]
+
+
+def _check_local_split(local: str | None, remote: str | None, split: str | None, key_path: str) -> None:
+    """Without a remote, the data must already sit in ``local/split``; say how to get it there."""
+    if remote:
+        return
+    if local is None:
+        raise ConfigError(f"'{key_path}.local' is not set and there is no remote: set it to an MDS dataset folder.")
+    root = Path(local)
+    split_dir = root / split if split else root
+    if not root.is_dir():
+        raise DataError(
+            f"No dataset at '{local}' (split '{split}'): the folder does not exist and '{key_path}.remote' is empty. "
+            f"Create it with 'foundry data convert <files> --out {local} --concat-tokens <max_seq_len>', "
+            f"or set '{key_path}.remote' to where the dataset is stored."
+        )
+    if not (split_dir / "index.json").is_file():
+        splits = sorted(child.name for child in root.iterdir() if (child / "index.json").is_file())
+        raise DataError(
+            f"No MDS dataset (index.json) at '{split_dir}' for split '{split}'. "
+            f"Splits in '{local}': {', '.join(splits) or 'none'}. Set '{key_path}.split' to one of them, "
+            f"or re-create the dataset with 'foundry data convert ... --out {local}'."
+        )
+
+
+def release_shared_memory(dataset: StreamingDataset) -> None:
+    """Free a StreamingDataset's shared-memory blocks and temp-folder lock files (it must be idle).
+
+    Streaming frees them only at process exit; this reaches into its private attributes, each
+    looked up defensively so that a streaming version without one skips it.
+    """
+    holders = [
+        getattr(dataset, "_locals_shm", None),
+        getattr(getattr(getattr(dataset, "_shared_barrier", None), "_arr", None), "shm", None),
+        *(getattr(getattr(getattr(dataset, name, None), "arr", None), "shm", None) for name in _SCALARS),
+        *(getattr(getattr(dataset, name, None), "shm", None) for name in _ARRAYS),
+        getattr(dataset, "_resume_shm", None),
+    ]
+    for shared_memory in filter(None, holders):
+        shared_memory.cleanup()
+        atexit.unregister(shared_memory.cleanup)
+    barrier_lock = getattr(getattr(dataset, "_shared_barrier", None), "filelock_path", None)
+    for path in (getattr(dataset, "_cache_filelock_path", None), barrier_lock):
+        if path:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+
+
+_SCALARS = ("_next_epoch", "_cache_usage")
+_ARRAYS = ("_shard_states", "_shard_access_times")

@@ -1,0 +1,120 @@
+"""The classes behind the ``text`` loader, subclasses of mosaicml-streaming's; importing this imports streaming.
+
+``foundry.data.text.build_text_dataloader`` imports this module only after ``import_streaming`` has
+checked that streaming is installed, so ``import foundry.data`` works without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from streaming import StreamingDataset
+from streaming.base.dataloader import StreamingDataLoader
+from transformers import PreTrainedTokenizerBase
+
+from foundry.data.mds import release_shared_memory
+from foundry.errors import DataError
+
+
+class StreamingTextDataset(StreamingDataset):
+    """Reads ``tokens`` or ``text`` samples as ``{"input_ids": (max_seq_len,)}`` tensors.
+
+    Args:
+        tokenizer: tokenizes ``text`` samples; unused (may be None) for ``tokens`` samples.
+        max_seq_len: tokens per sample; longer samples are truncated, shorter ``text`` padded.
+        token_encoding_type: numpy dtype of ``tokens`` stored as raw bytes (LLM Foundry's old format).
+        **streaming_kwargs: passed to ``StreamingDataset``.
+    """
+
+    def __init__(
+        self,
+        *,
+        tokenizer: PreTrainedTokenizerBase | None,
+        max_seq_len: int,
+        token_encoding_type: str = "int64",
+        **streaming_kwargs: Any,
+    ) -> None:
+        super().__init__(**streaming_kwargs)
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+        self.token_encoding_type = token_encoding_type
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        sample = super().__getitem__(index)
+        if "tokens" in sample:
+            return {"input_ids": self._read_tokens(sample["tokens"])[: self.max_seq_len]}
+        if "text" in sample:
+            return self._tokenize(sample["text"])
+        raise DataError(
+            f"Sample {index} has columns {sorted(sample)}; the text dataloader reads a 'tokens' or a 'text' column "
+            f"(as written by 'foundry data convert' or LLM Foundry's converters)."
+        )
+
+    def stored_format(self) -> tuple[str, int | None]:
+        """The first sample's column, and its token count for a ``tokens`` column (None for text)."""
+        if self.num_samples == 0:
+            raise DataError(f"The dataset at {self.location()} holds no samples. Re-convert it with more data.")
+        sample = super().__getitem__(0)
+        if "tokens" in sample:
+            return "tokens", len(self._read_tokens(sample["tokens"]))
+        if "text" in sample:
+            return "text", None
+        raise DataError(
+            f"The dataset at {self.location()} has columns {sorted(sample)}; the text dataloader reads a 'tokens' "
+            f"or a 'text' column. Re-create it with 'foundry data convert'."
+        )
+
+    def close(self) -> None:
+        """Release this dataset's shared memory and lock files now rather than at process exit."""
+        release_shared_memory(self)
+
+    def _read_tokens(self, stored: np.ndarray | bytes) -> torch.Tensor:
+        if isinstance(stored, bytes):
+            stored = np.frombuffer(stored, dtype=np.dtype(self.token_encoding_type))
+        return torch.tensor(stored, dtype=torch.int64)  # copies: MDS arrays are read-only views
+
+    def _tokenize(self, text: str) -> dict[str, torch.Tensor]:
+        if self.tokenizer is None:
+            raise DataError(
+                f"The dataset at {self.location()} stores raw 'text'; pass a tokenizer to the text dataloader "
+                f"(the run's tokenizer section) or convert it to tokens with 'foundry data convert --concat-tokens N'."
+            )
+        token_ids = self.tokenizer(text, truncation=True, max_length=self.max_seq_len)["input_ids"]
+        pad_id = self.tokenizer.pad_token_id
+        if pad_id is None:  # padding is masked out, so any id works; eos keeps ids inside the vocab
+            pad_id = self.tokenizer.eos_token_id or 0
+        num_pad = self.max_seq_len - len(token_ids)
+        input_ids = torch.tensor(list(token_ids) + [pad_id] * num_pad, dtype=torch.int64)
+        attention_mask = torch.ones(self.max_seq_len, dtype=torch.int64)
+        attention_mask[len(token_ids) :] = 0
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+    def location(self) -> str:
+        """Where the samples come from, for error messages."""
+        return ", ".join(f"{stream.local} (split '{stream.split}')" for stream in self.streams)
+
+
+class TextDataLoader(StreamingDataLoader):
+    """A StreamingDataLoader whose state, once an epoch is fully read, points at the next epoch.
+
+    Streaming's own state would resume the finished epoch and yield nothing for one pass, so a run
+    checkpointed at an epoch boundary would lose an epoch of its schedule.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.epoch_finished = False
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        self.epoch_finished = False
+        yield from super().__iter__()
+        self.epoch_finished = True
+
+    def state_dict(self) -> dict[str, Any] | None:
+        state = super().state_dict()
+        if state is not None and self.epoch_finished:
+            state = {**state, "epoch": state["epoch"] + 1, "sample_in_epoch": 0}
+        return state
