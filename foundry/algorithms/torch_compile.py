@@ -10,8 +10,8 @@ the compiled forward.
 
 ``scope: model`` compiles the model's whole forward as one graph instead: fusions across block
 boundaries (one block's residual add with the next block's norm) at the price of compiling every
-block. It is meant for runs without FSDP; under FSDP2 dynamo breaks the graph at each block's
-hooks, which leaves regional compile with extra graph breaks.
+block. It is meant for runs without FSDP: under FSDP2 it trains to the same losses (tested on 2
+ranks) but dynamo has to work around each block's all-gather hooks, and its speed there is unmeasured.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from distributed.jobs import initial_weights, train
+from foundry.algorithms import TorchCompile
 
 NUM_BATCHES = 5
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "NO_SHARD"]
@@ -62,3 +63,9 @@ def test_gradient_accumulation_over_microbatches_matches_one_rank(ranks, one_ran
     fsdp = {"sharding_strategy": strategy}
     result = ranks.run(2, train, NUM_BATCHES, str(tmp_path), fsdp, device_train_microbatch_size=1)[0]
     assert_same_run(result, one_rank)
+
+
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_compiled_model_under_fsdp_keeps_the_losses(ranks, one_rank, scope, tmp_path):
+    compile_ = TorchCompile(backend="aot_eager", scope=scope)
+    assert_same_run(ranks.run(2, train, NUM_BATCHES, str(tmp_path), {}, algorithms=[compile_])[0], one_rank)
