@@ -7,7 +7,8 @@ text (tokenized with ``tokenizers``; ``foundry.data`` needs mosaicml-streaming),
 and from the same seed, as: ``eager`` (the YAML as is, amp_bf16), ``eager_again`` (the same run
 repeated: the GPU's own run-to-run nondeterminism), ``fp32`` (the same without autocast: the bf16
 rounding gap), ``fast`` (regional compile, compiled loss, SDPA) and ``fast_fused_residual`` (regional
-compile, the fused linear + cross-entropy, SDPA, a bf16 residual stream). Reports the max and mean
+compile, the fused linear + cross-entropy, SDPA, a bf16 residual stream), the same with the whole model
+compiled (``fast_whole_fused_residual``). Reports the max and mean
 absolute per-step loss difference of each against ``eager``.
 """
 
@@ -36,6 +37,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
     "fast_fused_residual": {
         "algorithms": {"torch_compile": {}, "low_precision_residual": {}},
+        "overrides": ["model.attn_config.attn_impl=sdpa", "model.loss_fn=fused_crossentropy"],
+    },
+    "fast_whole_fused_residual": {
+        "algorithms": {"torch_compile": {"scope": "model"}, "low_precision_residual": {}},
         "overrides": ["model.attn_config.attn_impl=sdpa", "model.loss_fn=fused_crossentropy"],
     },
 }
