@@ -3,12 +3,12 @@
     python benchmarks/loss_parity.py --text input.txt --tokenizer tokenizer.json --steps 200 --out OUT
 
 Trains the YAML's model (default MPT-125M) through the Trainer for ``--steps`` batches of real
-text (tokenized with ``tokenizers``; ``foundry.data`` needs mosaicml-streaming), in the same order
+text (tokenized with ``tokenizers`` in memory, no MDS conversion), in the same order
 and from the same seed, as: ``eager`` (the YAML as is, amp_bf16), ``eager_again`` (the same run
 repeated: the GPU's own run-to-run nondeterminism), ``fp32`` (the same without autocast: the bf16
-rounding gap), ``fast`` (regional compile, compiled loss, SDPA) and ``fast_fused_residual`` (regional
-compile, the fused linear + cross-entropy, SDPA, a bf16 residual stream), the same with the whole model
-compiled (``fast_whole_fused_residual``). Reports the max and mean
+rounding gap), ``fast`` (regional compile, compiled loss, SDPA), ``fast_fused_residual`` (regional
+compile, the fused linear + cross-entropy, SDPA, a bf16 residual stream) and
+``fast_whole_fused_residual`` (the same with the whole model compiled). Reports the max and mean
 absolute per-step loss difference of each against ``eager``.
 """
 
