@@ -56,6 +56,9 @@ class Row:
 FAST = {"torch_compile": {"compile_loss": True}}
 SDPA = ("model.attn_config.attn_impl=sdpa",)
 FUSED_CE = ("model.loss_fn=fused_crossentropy",)
+WHOLE = {"torch_compile": {"scope": "model"}}
+WHOLE_CD = {"torch_compile": {"scope": "model", "options": {"coordinate_descent_tuning": True}}}
+RESIDUAL = {"low_precision_residual": {}}
 
 
 def fast(
@@ -88,6 +91,10 @@ ROWS: dict[str, Row] = {
     "mpt-125m-residual-mb32": fast(MPT_125M, microbatch=32, residual=True),
     "mpt-125m-fused-residual-mb32": fast(MPT_125M, microbatch=32, fused_ce=True, residual=True),
     "mpt-125m-fused-residual-mb64": fast(MPT_125M, microbatch=64, fused_ce=True, residual=True),
+    # The fastest MPT-125M setup (benchmarks/mpt125m_levers.py): whole-model compile with coordinate
+    # descent, the fused loss, a bf16 residual stream, microbatch 96.
+    "mpt-125m-fastest-mb96": Row(MPT_125M, 96, {**WHOLE_CD, **RESIDUAL}, SDPA + FUSED_CE, use_fsdp_config=False),
+    "mpt-125m-whole-fused-residual-mb96": Row(MPT_125M, 96, {**WHOLE, **RESIDUAL}, SDPA + FUSED_CE, False),
     "mpt-1b": Row(MPT_1B, microbatch=4),
     "mpt-1b-nofsdp": Row(MPT_1B, microbatch=4, use_fsdp_config=False),
     "mpt-1b-fused-ce": Row(MPT_1B, microbatch=4, overrides=FUSED_CE),
@@ -95,6 +102,7 @@ ROWS: dict[str, Row] = {
     "mpt-1b-fast-mb6": fast(MPT_1B, microbatch=6),
     "mpt-1b-fast-mb8": fast(MPT_1B, microbatch=8),
     "mpt-1b-fused-residual-mb8": fast(MPT_1B, microbatch=8, fused_ce=True, residual=True),
+    "mpt-1b-whole-fused-residual-mb8": Row(MPT_1B, 8, {**WHOLE, **RESIDUAL}, SDPA + FUSED_CE, False),
     "mpt-1b-fused-mb8": fast(MPT_1B, microbatch=8, fused_ce=True),
     "mpt-1b-fused-mb12": fast(MPT_1B, microbatch=12, fused_ce=True),
     "mpt-1b-fast-fsdp": fast(MPT_1B, microbatch=4, use_fsdp_config=True),

@@ -29,6 +29,10 @@ WHOLE = {"torch_compile": {"scope": "model"}}
 WHOLE_CD = {"torch_compile": {"scope": "model", "options": {"coordinate_descent_tuning": True}}}
 WHOLE_COMPILED_LOSS = {"torch_compile": {"scope": "model", "compile_loss": True}}
 RESIDUAL = {"low_precision_residual": {}}
+WHOLE_AGGRESSIVE = {"torch_compile": {"scope": "model", "options": {"aggressive_fusion": True}}}
+WHOLE_CD_AGGRESSIVE = {
+    "torch_compile": {"scope": "model", "options": {"coordinate_descent_tuning": True, "aggressive_fusion": True}}
+}
 
 
 def row(algorithms: dict[str, Any], fused: bool = False, microbatch: int = 32, fsdp: bool = False) -> mfu.Row:
@@ -45,6 +49,11 @@ ROWS = {
     "whole-fused-residual-mb64": row({**WHOLE, **RESIDUAL}, fused=True, microbatch=64),
     "fsdp-pure": row(COMPILED_LOSS, fsdp=True),
     "whole-fused-residual-cd": row({**WHOLE_CD, **RESIDUAL}, fused=True),
+    "whole-fused-residual-mb96": row({**WHOLE, **RESIDUAL}, fused=True, microbatch=96),
+    "whole-fused-residual-cd-mb64": row({**WHOLE_CD, **RESIDUAL}, fused=True, microbatch=64),
+    "whole-fused-residual-cd-mb96": row({**WHOLE_CD, **RESIDUAL}, fused=True, microbatch=96),
+    "whole-fused-residual-aggressive-mb96": row({**WHOLE_AGGRESSIVE, **RESIDUAL}, fused=True, microbatch=96),
+    "whole-fused-residual-cd-aggressive-mb96": row({**WHOLE_CD_AGGRESSIVE, **RESIDUAL}, fused=True, microbatch=96),
 }
 
 
