@@ -113,16 +113,26 @@ def _greedy_loop(
     ``tokens`` (rows, columns) holds each row's prompt in ``[.., start)``; ``next_logits(tokens, lengths)``
     gives (rows, vocab) logits of every row's next token. Every rank runs the same number of steps.
     """
+    rows = torch.arange(len(tokens), device=tokens.device)
     lengths = start.clone()
     done = torch.zeros(len(tokens), dtype=torch.bool, device=tokens.device)
-    rows = torch.arange(len(tokens), device=tokens.device)
+    # The stopping checks run on the host, from one copy of the step's tokens: indexing the device
+    # tensors row by row would sync with the GPU for every row of every step.
+    generated: list[list[int]] = [[] for _ in range(len(tokens))]
+    done_rows = [False] * len(tokens)
     for _ in range(max_new_tokens):
         next_token = next_logits(tokens, lengths).argmax(dim=-1)
-        tokens[rows[~done], lengths[~done]] = next_token[~done]
+        current = tokens[rows, lengths]
+        tokens[rows, lengths] = torch.where(done, current, next_token)
         lengths = lengths + (~done).long()
-        done |= next_token == tokenizer.eos_token_id
-        done |= _stopped(tokens, start, lengths, tokenizer, stop_strings)
-        if _all_ranks_done(done):
+        for row, token in enumerate(next_token.tolist()):
+            if done_rows[row]:
+                continue
+            generated[row].append(token)
+            stops = token == tokenizer.eos_token_id or _has_stop_string(generated[row], tokenizer, stop_strings)
+            done_rows[row] = stops
+        done = torch.tensor(done_rows, device=tokens.device)
+        if _all_ranks_done(done_rows, tokens.device):
             break
     return lengths
 
@@ -183,19 +193,19 @@ def _right_padded(
     return tokens, lengths
 
 
-def _stopped(
-    tokens: torch.Tensor, start: torch.Tensor, lengths: torch.Tensor, tokenizer: Any, stop_strings: Sequence[str]
-) -> torch.Tensor:
+def _has_stop_string(token_ids: list[int], tokenizer: Any, stop_strings: Sequence[str]) -> bool:
     if not stop_strings:
-        return torch.zeros(len(tokens), dtype=torch.bool, device=tokens.device)
-    texts = [tokenizer.decode(tokens[row, start[row] : lengths[row]].tolist()) for row in range(len(tokens))]
-    return torch.tensor([any(stop in text for stop in stop_strings) for text in texts], device=tokens.device)
+        return False
+    text = tokenizer.decode(token_ids)
+    return any(stop in text for stop in stop_strings)
 
 
-def _all_ranks_done(done: torch.Tensor) -> bool:
+def _all_ranks_done(done_rows: list[bool], device: torch.device) -> bool:
     """Whether every row on every rank has stopped (FSDP ranks must keep running forwards together)."""
-    remaining = (~done).sum().float()
-    return distributed.all_reduce_sum(remaining).item() == 0
+    remaining = float(done_rows.count(False))
+    if distributed.get_world_size() == 1:
+        return remaining == 0
+    return distributed.all_reduce_sum(torch.tensor(remaining, device=device)).item() == 0
 
 
 def _decode(tokens: torch.Tensor, tokenizer: Any) -> str:
