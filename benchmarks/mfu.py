@@ -72,7 +72,7 @@ def fast(
     """
     algorithms = {"torch_compile": {}} if fused_ce else dict(FAST)
     if residual:
-        algorithms["low_precision_residual"] = {}
+        algorithms.update(RESIDUAL)
     return Row(config, microbatch, algorithms, SDPA + FUSED_CE if fused_ce else SDPA, use_fsdp_config)
 
 

@@ -22,13 +22,11 @@ from typing import Any
 
 import mfu
 import torch
+from mfu import FAST as COMPILED_LOSS
+from mfu import RESIDUAL, WHOLE, WHOLE_CD
 
-COMPILED_LOSS = {"torch_compile": {"compile_loss": True}}
 REGIONAL = {"torch_compile": {}}
-WHOLE = {"torch_compile": {"scope": "model"}}
-WHOLE_CD = {"torch_compile": {"scope": "model", "options": {"coordinate_descent_tuning": True}}}
 WHOLE_COMPILED_LOSS = {"torch_compile": {"scope": "model", "compile_loss": True}}
-RESIDUAL = {"low_precision_residual": {}}
 WHOLE_AGGRESSIVE = {"torch_compile": {"scope": "model", "options": {"aggressive_fusion": True}}}
 WHOLE_CD_AGGRESSIVE = {
     "torch_compile": {"scope": "model", "options": {"coordinate_descent_tuning": True, "aggressive_fusion": True}}

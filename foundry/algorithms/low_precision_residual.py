@@ -45,9 +45,8 @@ def cast_embeddings_to_autocast_dtype(model: nn.Module) -> int:
     hooked = 0
     for module in model.modules():
         if isinstance(module, nn.Embedding):
-            if not getattr(module, "_foundry_low_precision_output", False):
+            if _to_autocast_dtype not in module._forward_hooks.values():
                 module.register_forward_hook(_to_autocast_dtype)
-                module._foundry_low_precision_output = True
             hooked += 1
     return hooked
 

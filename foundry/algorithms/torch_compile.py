@@ -1,4 +1,4 @@
-"""Regional compile: ``torch.compile`` each transformer block, not the whole model (or, asked, the model).
+"""Regional compile: ``torch.compile`` each transformer block (or, with ``scope: model``, the whole model).
 
 Blocks of one model share their code, so dynamo compiles one block and reuses the graph for the
 others: compile time is that of one block, not of the model (torchtitan's ``apply_compile``). It

@@ -96,8 +96,8 @@ def greedy_generate(
     else:
         tokens, start = _right_padded(prompts, pad, max_new_tokens, device)
         next_logits = _uncached_next_logits(model, precision)
-    lengths = _greedy_loop(tokens, start, next_logits, max_new_tokens, tokenizer, stop_strings)
-    return [_decode(tokens[row, start[row] : lengths[row]], tokenizer) for row in range(len(prompts))]
+    generated = _greedy_loop(tokens, start, next_logits, max_new_tokens, tokenizer, stop_strings)
+    return [_decode(token_ids, tokenizer) for token_ids in generated]
 
 
 def _greedy_loop(
@@ -107,8 +107,8 @@ def _greedy_loop(
     max_new_tokens: int,
     tokenizer: Any,
     stop_strings: Sequence[str],
-) -> torch.Tensor:
-    """Append each row's argmax token at its end until it stops; returns each row's end (rows,).
+) -> list[list[int]]:
+    """Append each row's argmax token at its end until it stops; returns each row's new token ids.
 
     ``tokens`` (rows, columns) holds each row's prompt in ``[.., start)``; ``next_logits(tokens, lengths)``
     gives (rows, vocab) logits of every row's next token. Every rank runs the same number of steps.
@@ -116,7 +116,7 @@ def _greedy_loop(
     rows = torch.arange(len(tokens), device=tokens.device)
     lengths = start.clone()
     done = torch.zeros(len(tokens), dtype=torch.bool, device=tokens.device)
-    # The stopping checks run on the host, from one copy of the step's tokens: indexing the device
+    # Stopping is decided on the host from one copy of each step's tokens: indexing the device
     # tensors row by row would sync with the GPU for every row of every step.
     generated: list[list[int]] = [[] for _ in range(len(tokens))]
     done_rows = [False] * len(tokens)
@@ -134,7 +134,7 @@ def _greedy_loop(
         done = torch.tensor(done_rows, device=tokens.device)
         if _all_ranks_done(done_rows, tokens.device):
             break
-    return lengths
+    return generated
 
 
 def _uncached_next_logits(model: nn.Module, precision: str) -> NextLogits:
@@ -208,8 +208,8 @@ def _all_ranks_done(done_rows: list[bool], device: torch.device) -> bool:
     return distributed.all_reduce_sum(torch.tensor(remaining, device=device)).item() == 0
 
 
-def _decode(tokens: torch.Tensor, tokenizer: Any) -> str:
-    return tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
+def _decode(token_ids: Sequence[int], tokenizer: Any) -> str:
+    return tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
 
 def _hf_generate(
@@ -236,4 +236,4 @@ def _hf_generate(
             tokenizer=tokenizer if stop_strings else None,
             synced_gpus=distributed.get_world_size() > 1,
         )
-    return [_decode(row[width:], tokenizer) for row in output]
+    return [_decode(row[width:].tolist(), tokenizer) for row in output]
