@@ -28,6 +28,7 @@ from mfu import RESIDUAL, WHOLE, WHOLE_CD
 REGIONAL = {"torch_compile": {}}
 WHOLE_COMPILED_LOSS = {"torch_compile": {"scope": "model", "compile_loss": True}}
 WHOLE_AGGRESSIVE = {"torch_compile": {"scope": "model", "options": {"aggressive_fusion": True}}}
+WHOLE_AUTOTUNE = {"torch_compile": {"scope": "model", "options": {"max_autotune_gemm": True}}}
 WHOLE_CD_AGGRESSIVE = {
     "torch_compile": {"scope": "model", "options": {"coordinate_descent_tuning": True, "aggressive_fusion": True}}
 }
@@ -50,6 +51,9 @@ ROWS = {
     "whole-fused-residual-mb96": row({**WHOLE, **RESIDUAL}, fused=True, microbatch=96),
     "whole-fused-residual-cd-mb64": row({**WHOLE_CD, **RESIDUAL}, fused=True, microbatch=64),
     "whole-fused-residual-cd-mb96": row({**WHOLE_CD, **RESIDUAL}, fused=True, microbatch=96),
+    "whole-fused-residual-mb112": row({**WHOLE, **RESIDUAL}, fused=True, microbatch=112),
+    "whole-fused-residual-mb128": row({**WHOLE, **RESIDUAL}, fused=True, microbatch=128),
+    "whole-fused-residual-autotune-mb96": row({**WHOLE_AUTOTUNE, **RESIDUAL}, fused=True, microbatch=96),
     "whole-fused-residual-aggressive-mb96": row({**WHOLE_AGGRESSIVE, **RESIDUAL}, fused=True, microbatch=96),
     "whole-fused-residual-cd-aggressive-mb96": row({**WHOLE_CD_AGGRESSIVE, **RESIDUAL}, fused=True, microbatch=96),
 }

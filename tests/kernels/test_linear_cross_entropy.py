@@ -5,7 +5,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from foundry.kernels.linear_cross_entropy import CHUNK_LOGITS_BYTES, chunk_tokens_for, linear_cross_entropy
+from foundry.kernels.linear_cross_entropy import (
+    CHUNK_LOGITS_BYTES,
+    _cross_entropy_rows_torch_,
+    chunk_tokens_for,
+    linear_cross_entropy,
+)
 
 
 def _problem(tokens: int = 26, d_model: int = 24, vocab: int = 77) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -110,3 +115,24 @@ def test_chunks_are_the_largest_power_of_two_of_tokens_within_the_logits_budget(
     assert chunk_tokens_for(65536, 128256, 2) == 4096  # Llama 3's vocabulary
     assert chunk_tokens_for(1000, 50368, 2) == 1000  # a short input: one chunk
     assert chunk_tokens_for(10, 2**40, 4) == 1  # a vocabulary past the budget still makes progress
+
+
+@pytest.mark.parametrize(("programs_per_multiprocessor", "block"), [(1, 16), (3, 128), (64, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_launch_shape_gives_the_same_losses_and_gradients(
+    programs_per_multiprocessor: int, block: int, dtype: torch.dtype, assert_close
+) -> None:
+    """The persistent grid (programs looping over rows, second pass backwards) against PyTorch, at any launch."""
+    from foundry.kernels.cross_entropy import cross_entropy_rows_
+
+    rows, vocab = 11, 77
+    logits = (torch.randn(rows, vocab) * 3).to(dtype)
+    targets = torch.randint(0, vocab, (rows,))
+    targets[4] = -100
+    inv_count = torch.tensor(1.0 / 10)
+    expected_logits = logits.clone()
+    expected_loss = _cross_entropy_rows_torch_(expected_logits, targets, inv_count, 0.5, -100)
+    loss = cross_entropy_rows_(logits, targets, inv_count, 0.5, -100, programs_per_multiprocessor, block)
+    assert_close(loss, expected_loss, torch.float32)
+    assert_close(logits, expected_logits, dtype)
+    assert loss[4] == 0 and (logits[4] == 0).all()  # an ignored row: no loss, no gradient
