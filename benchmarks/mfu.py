@@ -96,6 +96,7 @@ ROWS: dict[str, Row] = {
     "mpt-125m-fastest-mb112": Row(MPT_125M, 112, {**WHOLE_CD, **RESIDUAL}, SDPA + FUSED_CE, use_fsdp_config=False),
     "mpt-125m-fastest-mb96": Row(MPT_125M, 96, {**WHOLE_CD, **RESIDUAL}, SDPA + FUSED_CE, use_fsdp_config=False),
     "mpt-125m-whole-fused-residual-mb96": Row(MPT_125M, 96, {**WHOLE, **RESIDUAL}, SDPA + FUSED_CE, False),
+    "mpt-125m-whole-fused-residual-mb112": Row(MPT_125M, 112, {**WHOLE, **RESIDUAL}, SDPA + FUSED_CE, False),
     "mpt-1b": Row(MPT_1B, microbatch=4),
     "mpt-1b-nofsdp": Row(MPT_1B, microbatch=4, use_fsdp_config=False),
     "mpt-1b-fused-ce": Row(MPT_1B, microbatch=4, overrides=FUSED_CE),
