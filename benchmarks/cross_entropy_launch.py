@@ -1,11 +1,9 @@
-"""The fused loss's cross-entropy kernels on one chunk of logits, at several launch sizes (one GPU).
+"""The fused loss's cross-entropy kernel on one chunk of logits, at several warp counts (one GPU).
 
-The step is bound by memory traffic: the two-pass kernel reads each row twice and writes it once,
-the on-chip kernel (rows up to 65,536 wide) reads it once. For each kernel and warp count: time
-(``triton.testing.do_bench``), bandwidth counted as the unavoidable one read plus one write of the
-chunk, and the largest difference from the PyTorch path. Chunks are the ones
-``linear_cross_entropy`` makes in bf16: 8,192 x 50,368 (MPT) and 4,096 x 128,256 (Llama 3, too wide
-to hold on chip).
+The kernel is bound by memory traffic: it reads each row twice and writes it once. For each warp
+count: time (``triton.testing.do_bench``), bandwidth counted as the unavoidable one read plus one
+write of the chunk, and the largest difference from the PyTorch path. Chunks are the ones
+``linear_cross_entropy`` makes in bf16: 8,192 x 50,368 (MPT) and 4,096 x 128,256 (Llama 3).
 
     python benchmarks/cross_entropy_launch.py --out OUT
 """
@@ -20,14 +18,13 @@ import triton.testing
 from bench_utils import write_results
 
 from foundry.kernels.cross_entropy import cross_entropy_rows_
-from foundry.kernels.device import MAX_ROW_BLOCK
 from foundry.kernels.linear_cross_entropy import _cross_entropy_rows_torch_
 
 CHUNKS = ((8192, 50368), (4096, 128256))
-WARPS = (8, 16, 32)
+WARPS = (4, 8, 16, 32)
 
 
-def launch_row(rows: int, vocab: int, on_chip: bool, warps: int) -> dict:
+def launch_row(rows: int, vocab: int, warps: int) -> dict:
     generator = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16, generator=generator) * 4
     targets = torch.randint(0, vocab, (rows,), device="cuda", generator=generator)
@@ -36,13 +33,12 @@ def launch_row(rows: int, vocab: int, on_chip: bool, warps: int) -> dict:
     expected = logits.clone()
     expected_loss = _cross_entropy_rows_torch_(expected, targets, inv_count, 1.0, -100)
     got = logits.clone()
-    loss = cross_entropy_rows_(got, targets, inv_count, 1.0, -100, on_chip, warps)
+    loss = cross_entropy_rows_(got, targets, inv_count, 1.0, -100, warps)
     error = max((loss - expected_loss).abs().max().item(), (got.float() - expected.float()).abs().max().item())
-    ms = triton.testing.do_bench(lambda: cross_entropy_rows_(logits, targets, inv_count, 1.0, -100, on_chip, warps))
+    ms = triton.testing.do_bench(lambda: cross_entropy_rows_(logits, targets, inv_count, 1.0, -100, warps))
     traffic = 2 * logits.numel() * logits.element_size()
     return {
         "chunk": f"{rows}x{vocab}",
-        "kernel": "on chip (one read)" if on_chip else "two pass",
         "warps": warps,
         "ms": round(ms, 3),
         "read_write_gb_per_s": round(traffic / ms / 1e6),
@@ -59,10 +55,9 @@ def main() -> int:
         return 2
     results = []
     for rows, vocab in CHUNKS:
-        for on_chip in (False, True) if vocab <= MAX_ROW_BLOCK else (False,):
-            for warps in WARPS:
-                results.append(launch_row(rows, vocab, on_chip, warps))
-                print(results[-1], flush=True)
+        for warps in WARPS:
+            results.append(launch_row(rows, vocab, warps))
+            print(results[-1], flush=True)
     write_results(args.out, "cross_entropy_launch", results)
     return 0
 

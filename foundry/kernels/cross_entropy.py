@@ -1,13 +1,13 @@
-"""Cross-entropy over rows of logits that also writes d(loss)/d(logits) in place, as Triton kernels.
+"""Cross-entropy over rows of logits that also writes d(loss)/d(logits) in place, as a Triton kernel.
 
-The per-chunk step of ``linear_cross_entropy``: each row's loss, and each logit overwritten with its
-gradient ``scale * (softmax - one_hot) / count``. No second (rows, vocab) tensor is ever allocated.
-The step is bound by memory traffic. Two kernels:
-- ``_cross_entropy_row_on_chip``: one read of a row that fits ``MAX_ROW_BLOCK`` (MPT's 50,368-token
-  vocabulary), held on chip for the max, the sum of exponentials and the gradient;
-- ``_cross_entropy_rows_two_pass``: rows of any length, read twice block by block (an online
-  log-sum-exp, then the gradient).
-``benchmarks/cross_entropy_launch.py`` times both, and the launch shapes tried (docs/PERFORMANCE.md).
+The per-chunk step of ``linear_cross_entropy``: one program reads its row twice, once for the
+online max and sum of exponentials (log-sum-exp), once to overwrite each logit with its gradient
+``scale * (softmax - one_hot) / count``. No second (rows, vocab) tensor is ever allocated.
+
+The kernel is bound by memory traffic (two reads and one write of the chunk). Two ways to save the
+second read measured slower on an H100 (docs/PERFORMANCE.md): holding a whole row on chip (a
+50,368-wide fp32 row spills registers) and a persistent grid that keeps few rows in flight so that
+the second read hits L2 (too few loads in flight to keep HBM busy).
 """
 
 from __future__ import annotations
@@ -16,35 +16,14 @@ import torch
 import triton
 import triton.language as tl
 
-from foundry.kernels.device import MAX_ROW_BLOCK, lazy_jit, num_warps_for
+from foundry.kernels.device import lazy_jit, num_warps_for
 
-# A block of the vocabulary per loop step of the two-pass kernel.
+# A block of the vocabulary per loop step; rows of any length loop over it.
 _MAX_VOCAB_BLOCK = 4096
 
 
 @lazy_jit
-def _cross_entropy_row_on_chip(
-    logits_ptr, targets_ptr, row_loss_ptr, inv_count_ptr, row_stride, n_cols, ignore_index, logit_scale,
-    BLOCK: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * row_stride
-    target = tl.load(targets_ptr + row).to(tl.int64)
-    is_ignored = target == ignore_index
-    cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(row_ptr + cols, mask=mask, other=float("-inf")).to(tl.float32) * logit_scale
-    row_max = tl.max(x, axis=0)
-    log_sum_exp = row_max + tl.log(tl.sum(tl.exp(x - row_max), axis=0))
-    target_logit = tl.sum(tl.where(cols == target, x, 0.0), axis=0)  # 0 for an ignored or absent target
-    tl.store(row_loss_ptr + row, tl.where(is_ignored, 0.0, log_sum_exp - target_logit))
-    grad_scale = tl.where(is_ignored, 0.0, logit_scale * tl.load(inv_count_ptr))
-    grad = tl.exp(x - log_sum_exp) - tl.where(cols == target, 1.0, 0.0)
-    tl.store(row_ptr + cols, (grad * grad_scale).to(logits_ptr.dtype.element_ty), mask=mask)
-
-
-@lazy_jit
-def _cross_entropy_rows_two_pass(
+def _cross_entropy_rows(
     logits_ptr, targets_ptr, row_loss_ptr, inv_count_ptr, row_stride, n_cols, ignore_index, logit_scale,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -79,27 +58,19 @@ def cross_entropy_rows_(
     inv_count: torch.Tensor,
     logit_scale: float,
     ignore_index: int,
-    on_chip: bool | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """Per-row losses (rows,) in fp32; ``logits`` (rows, vocab) is overwritten with d(mean loss)/d(logits).
 
     ``inv_count`` is 1 / (non-ignored targets in the whole batch), a device scalar, so chunks of one
-    batch share the global denominator without a host sync. ``on_chip`` picks the kernel (None: the
-    one-read kernel when a row fits ``MAX_ROW_BLOCK``); ``num_warps`` overrides the launch's warps.
+    batch share the global denominator without a host sync. ``num_warps`` overrides the launch's
+    warps (``benchmarks/cross_entropy_launch.py`` sweeps them).
     """
     n_rows, n_cols = logits.shape
     row_loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-    whole_row = triton.next_power_of_2(n_cols)
-    if on_chip is None:
-        on_chip = whole_row <= MAX_ROW_BLOCK
-    kernel, block = (
-        (_cross_entropy_row_on_chip, whole_row)
-        if on_chip
-        else (_cross_entropy_rows_two_pass, min(_MAX_VOCAB_BLOCK, whole_row))
-    )
-    kernel[(n_rows,)](
-        logits, targets, row_loss, inv_count, logits.stride(0), n_cols, ignore_index, logit_scale,
-        BLOCK=block, num_warps=num_warps or num_warps_for(block, logits.device),
+    block = min(_MAX_VOCAB_BLOCK, triton.next_power_of_2(n_cols))  # rows loop over blocks: any vocab
+    _cross_entropy_rows[(n_rows,)](
+        logits, targets, row_loss, inv_count, logits.stride(0), n_cols, ignore_index, logit_scale, BLOCK=block,
+        num_warps=num_warps or num_warps_for(block, logits.device),
     )  # fmt: skip
     return row_loss
