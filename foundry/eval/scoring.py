@@ -7,12 +7,14 @@ the evaluator pads the ranks' batch lists and ``greedy_generate`` agrees on when
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from foundry import distributed
 from foundry.core.precision import autocast
@@ -96,8 +98,25 @@ def greedy_generate(
     else:
         tokens, start = _right_padded(prompts, pad, max_new_tokens, device)
         next_logits = _uncached_next_logits(model, precision)
-    generated = _greedy_loop(tokens, start, next_logits, max_new_tokens, tokenizer, stop_strings)
+    with _weights_cast_once(model, precision, torch.device(device)):
+        generated = _greedy_loop(tokens, start, next_logits, max_new_tokens, tokenizer, stop_strings)
     return [_decode(token_ids, tokenizer) for token_ids in generated]
+
+
+@contextlib.contextmanager
+def _weights_cast_once(model: nn.Module, precision: str, device: torch.device) -> Iterator[None]:
+    """One autocast around every decoding step, so each fp32 weight is cast to bf16/fp16 once.
+
+    Autocast caches its casts of parameters until the outermost autocast exits; with a fresh one per
+    step, every step re-cast the whole model, which bounded decoding by host work
+    (docs/PERFORMANCE.md). The cache costs one low-precision copy of the weights while decoding. Not
+    for FSDP-sharded models: it would hold an unsharded copy of every layer at once.
+    """
+    if any(isinstance(parameter, DTensor) for parameter in model.parameters()):
+        yield
+        return
+    with autocast(precision, device):
+        yield
 
 
 def _greedy_loop(

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
 from collections.abc import Sequence
 
 import pytest
 import torch
 from helpers import TINY_DECODERS, IdsTokenizer, build_tiny_decoder
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from foundry.eval.scoring import greedy_generate
 
@@ -43,3 +46,38 @@ def test_cached_generation_stops_at_a_stop_string_as_the_uncached_loop_does() ->
     expected = generate(model, False, tokenizer, [stop])
     assert expected[1].endswith(stop) and len(expected[1].split()) < MAX_NEW_TOKENS
     assert generate(model, True, tokenizer, [stop]) == expected
+
+
+class _WeightCasts(TorchDispatchMode):
+    """Counts the casts of each parameter (by storage) that reach the dispatcher, autocast's included."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.parameters = {parameter.data_ptr() for parameter in model.parameters()}
+        self.counts: Counter[int] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.parameters:
+            self.counts[args[0].data_ptr()] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _generate_counting_casts(model: torch.nn.Module) -> tuple[list[str], Counter[int]]:
+    with _WeightCasts(model) as casts:
+        texts = greedy_generate(model, PROMPTS, MAX_NEW_TOKENS, IdsTokenizer(eos_token_id=-1), precision="amp_bf16")
+    return texts, casts.counts
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_autocast_casts_each_weight_once_per_generation_not_per_step(
+    use_cache: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = build_tiny_decoder("llama_gqa")
+    model.config.use_cache = use_cache
+    texts, counts = _generate_counting_casts(model)
+    assert counts and max(counts.values()) == 1
+    # Without the one autocast around the loop every step re-casts: the same text, MAX_NEW_TOKENS casts.
+    monkeypatch.setattr("foundry.eval.scoring._weights_cast_once", lambda *args: contextlib.nullcontext())
+    per_step_texts, per_step_counts = _generate_counting_casts(model)
+    assert per_step_texts == texts
+    assert max(per_step_counts.values()) == MAX_NEW_TOKENS
