@@ -11,9 +11,9 @@ Masks and biases that every layer shares (padding, sliding window, ALiBi, RoPE a
 once per forward by ``build_attention_inputs``. A kernel that cannot apply one of them raises; none
 is ever dropped. When decoding with a ``KVCache`` (``foundry/models/kv_cache.py``) the queries are
 the new tokens and the keys every cached column, so a mask is always needed: ``torch`` then runs as
-itself and every other kernel as ``sdpa``. To add a kernel (e.g. Triton in ``foundry/kernels``),
-register a function with the signature of ``torch_attention`` in ``ATTENTION_IMPLS`` before building
-the model.
+itself and every other kernel as ``sdpa`` without cuDNN (``cached_sdpa_attention``). To add a
+kernel (e.g. Triton in ``foundry/kernels``), register a function with the signature of
+``torch_attention`` in ``ATTENTION_IMPLS`` before building the model.
 """
 
 from __future__ import annotations
@@ -294,6 +294,20 @@ def sdpa_attention(
     )  # fmt: skip
 
 
+# Decoding calls attention once per layer per new token. cuDNN spends about 0.26 ms of host time
+# setting up each masked call (H100, docs/PERFORMANCE.md), which bounds decoding by the host; the
+# other backends take the mask without that setup.
+_DECODING_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def cached_sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, scale: float, dropout_p: float
+) -> torch.Tensor:
+    """``sdpa_attention`` for KV-cached decoding: any backend but cuDNN."""
+    with sdpa_kernel(_DECODING_BACKENDS):
+        return sdpa_attention(q, k, v, inputs, scale, dropout_p)
+
+
 def _pinned_sdpa(
     backend: SDPBackend, impl: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs,
     scale: float, dropout_p: float,
@@ -372,7 +386,7 @@ class Attention(nn.Module):
         self.softmax_scale = 1 / math.sqrt(self.head_dim) if config.softmax_scale is None else config.softmax_scale
         self.attn_fn = ATTENTION_IMPLS[config.attn_impl]
         # A KV cache's keys always need a mask (left padding, columns not yet written): only these take one.
-        self.cached_attn_fn = torch_attention if config.attn_impl == "torch" else sdpa_attention
+        self.cached_attn_fn = torch_attention if config.attn_impl == "torch" else cached_sdpa_attention
         kv_dim = self.kv_n_heads * self.head_dim
         self.Wqkv = nn.Linear(d_model, d_model + 2 * kv_dim, bias=bias)
         self.Wqkv.init_chunk_rows = self.head_dim  # init.py inits each head's slice as its own matrix

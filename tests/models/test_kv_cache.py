@@ -83,3 +83,25 @@ def test_a_cached_forward_rejects_sequence_id() -> None:
     batch = {"input_ids": torch.zeros(1, 3, dtype=torch.long), "sequence_id": torch.zeros(1, 3, dtype=torch.long)}
     with pytest.raises(FoundryError, match="sequence_id"):
         model(batch, cache=KVCache(n_layers=2, max_len=4))
+
+
+@torch.no_grad()
+def test_cached_attention_keeps_cudnn_off_and_plain_forwards_leave_it_on(
+    padded_batch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cuDNN's per-call setup bounds decoding by the host; training and scoring forwards keep every backend."""
+    cudnn_allowed = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        cudnn_allowed.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    model = build_tiny_decoder("llama_gqa", "sdpa")
+    input_ids, attention_mask = padded_batch
+    model({"input_ids": input_ids})
+    assert cudnn_allowed and all(cudnn_allowed)
+    cudnn_allowed.clear()
+    decode_with_cache(model, input_ids, attention_mask)
+    assert cudnn_allowed and not any(cudnn_allowed)
