@@ -74,6 +74,26 @@ def time_attention(impl: str, shape: tuple[int, int, int, int], microbatch: int,
     return {"attn_ms": step_ms, "attn_tflops": flops / step_ms / 1e9}
 
 
+def time_packed_attention(impl: str, shape: tuple[int, ...], microbatch: int, warmup: int, iters: int) -> dict:
+    """``time_attention`` with q, k, v as the model makes them: strided views of one (batch, seq, qkv) tensor.
+
+    The difference to ``attn_ms`` is what the layout costs: the kernels read strided heads, and the
+    backward concatenates dq, dk and dv into the projection's gradient.
+    """
+    n_heads, kv_heads, head_dim, seq_len = shape
+    widths = [n_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    qkv = torch.randn(microbatch, seq_len, sum(widths), device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    attention, inputs, scale = ATTENTION_IMPLS[impl], AttentionInputs(), 1 / math.sqrt(head_dim)
+    grad = torch.randn(microbatch, n_heads, seq_len, head_dim, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> None:
+        q, k, v = (part.unflatten(-1, (-1, head_dim)).transpose(1, 2) for part in qkv.split(widths, dim=-1))
+        attention(q, k, v, inputs, scale, 0.0).backward(grad)
+
+    step_ms = statistics.median(cuda_time_ms(step, warmup, iters))
+    return {"packed_attn_ms": step_ms}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("configs", nargs="+", help="train YAMLs whose model section is benchmarked")
@@ -95,6 +115,7 @@ def main() -> int:
                 shape = result.pop("_shape")
                 row.update(result)
                 row.update(time_attention(impl, shape, args.microbatch, args.warmup, args.iters))
+                row.update(time_packed_attention(impl, shape, args.microbatch, args.warmup, args.iters))
             except Exception as error:  # a backend that cannot run is a result, not a crash
                 row["error"] = f"{type(error).__name__}: {str(error)[:160]}"
             rows.append(row)

@@ -1,9 +1,12 @@
-"""The fused loss's cross-entropy kernel on one chunk of logits, at several warp counts (one GPU).
+"""The fused loss's per-chunk steps on one GPU: the cross-entropy kernel, and the weight-gradient sum.
 
 The kernel is bound by memory traffic: it reads each row twice and writes it once. For each warp
 count: time (``triton.testing.do_bench``), bandwidth counted as the unavoidable one read plus one
 write of the chunk, and the largest difference from the PyTorch path. Chunks are the ones
 ``linear_cross_entropy`` makes in bf16: 8,192 x 50,368 (MPT) and 4,096 x 128,256 (Llama 3).
+
+Then the chunk's share of the fp32 weight gradient, ``grad_weight += dlogits.T @ hidden``, two ways:
+a bf16 GEMM and an fp32 add, or one GEMM that accumulates into the fp32 sum (``_add_weight_grad_``).
 
     python benchmarks/cross_entropy_launch.py --out OUT
 """
@@ -18,9 +21,10 @@ import triton.testing
 from bench_utils import write_results
 
 from foundry.kernels.cross_entropy import cross_entropy_rows_
-from foundry.kernels.linear_cross_entropy import _cross_entropy_rows_torch_
+from foundry.kernels.linear_cross_entropy import _add_weight_grad_, _cross_entropy_rows_torch_
 
 CHUNKS = ((8192, 50368), (4096, 128256))
+D_MODEL = {50368: 768, 128256: 2048}  # MPT-125M's and Llama-1B's
 WARPS = (4, 8, 16, 32)
 
 
@@ -46,6 +50,23 @@ def launch_row(rows: int, vocab: int, warps: int) -> dict:
     }
 
 
+def accumulation_row(rows: int, vocab: int) -> dict:
+    dlogits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16)
+    hidden = torch.randn(rows, D_MODEL[vocab], device="cuda", dtype=torch.bfloat16)
+    grad_weight = torch.zeros(vocab, D_MODEL[vocab], device="cuda")
+
+    def add_bf16_product() -> None:
+        grad_weight.add_(dlogits.T @ hidden)
+
+    return {
+        "chunk": f"{rows}x{vocab}, d_model {D_MODEL[vocab]}",
+        "bf16_gemm_then_fp32_add_ms": round(triton.testing.do_bench(add_bf16_product), 3),
+        "fp32_accumulating_gemm_ms": round(
+            triton.testing.do_bench(lambda: _add_weight_grad_(grad_weight, dlogits, hidden)), 3
+        ),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
@@ -58,6 +79,9 @@ def main() -> int:
         for warps in WARPS:
             results.append(launch_row(rows, vocab, warps))
             print(results[-1], flush=True)
+    for rows, vocab in CHUNKS:
+        results.append(accumulation_row(rows, vocab))
+        print(results[-1], flush=True)
     write_results(args.out, "cross_entropy_launch", results)
     return 0
 

@@ -40,7 +40,7 @@ def summarize(prof: profile, wall_ms: float) -> dict[str, Any]:
         by_category[category(event.key)] += event.self_device_time_total / 1e3
     busy_ms = sum(by_category.values())
     by_category["idle"] = max(wall_ms - busy_ms, 0.0)
-    top = sorted(kernels, key=lambda event: event.self_device_time_total, reverse=True)[:15]
+    top = sorted(kernels, key=lambda event: event.self_device_time_total, reverse=True)[:40]
     return {
         "wall_ms": wall_ms,
         "ms": by_category,
