@@ -59,15 +59,15 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 @functools.cache
-def _gemm_accumulates_in_fp32(device: torch.device) -> bool:
-    """Whether ``torch.addmm(..., out_dtype=float32)`` of bf16 matrices into an fp32 sum runs on ``device``.
+def _gemm_accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=float32)`` of ``dtype`` matrices into an fp32 sum runs on ``device``.
 
-    CUDA and ROCm builds of recent torch have it; CPU and older builds do not. Asked once per device.
+    CUDA builds of torch 2.11 have it (the GPU test); CPU does not. Asked once per device and dtype.
     """
     total = torch.zeros(2, 2, dtype=torch.float32, device=device)
-    half = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+    ones = torch.ones(2, 2, dtype=dtype, device=device)
     try:
-        torch.addmm(total, half, half, out_dtype=torch.float32, out=total)
+        torch.addmm(total, ones, ones, out_dtype=torch.float32, out=total)
     except (RuntimeError, TypeError, NotImplementedError):
         return False
     return bool((total == 2).all())
@@ -81,7 +81,7 @@ def _add_weight_grad_(grad_weight: torch.Tensor, dlogits: torch.Tensor, hidden_c
     """
     if dlogits.dtype == grad_weight.dtype:
         grad_weight.addmm_(dlogits.T, hidden_chunk)
-    elif _gemm_accumulates_in_fp32(grad_weight.device):
+    elif _gemm_accumulates_in_fp32(grad_weight.device, dlogits.dtype):
         torch.addmm(grad_weight, dlogits.T, hidden_chunk, out_dtype=grad_weight.dtype, out=grad_weight)
     else:
         grad_weight += dlogits.T @ hidden_chunk

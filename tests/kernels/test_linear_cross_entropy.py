@@ -151,7 +151,7 @@ def _accumulated_weight_grad(device: str, chunks: int = 64) -> tuple[torch.Tenso
 
 
 def test_weight_gradient_falls_back_to_adding_bf16_chunks_where_gemms_cannot_accumulate_in_fp32() -> None:
-    assert not _gemm_accumulates_in_fp32(torch.device("cpu"))
+    assert not _gemm_accumulates_in_fp32(torch.device("cpu"), torch.bfloat16)
     weight_grad, exact = _accumulated_weight_grad("cpu")
     torch.testing.assert_close(weight_grad.double(), exact, rtol=2e-2, atol=0.3)  # each chunk rounded to bf16
 
@@ -159,10 +159,10 @@ def test_weight_gradient_falls_back_to_adding_bf16_chunks_where_gemms_cannot_acc
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_gpu_the_weight_gradient_accumulates_in_fp32_inside_the_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fp32-accumulating GEMM keeps the sum of 64 chunks to fp32 precision; adding bf16 products does not."""
-    assert _gemm_accumulates_in_fp32(torch.device("cuda", torch.cuda.current_device()))
+    assert _gemm_accumulates_in_fp32(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
     weight_grad, exact = _accumulated_weight_grad("cuda")
     accumulated = (weight_grad.double() - exact).abs().max().item()
-    monkeypatch.setattr("foundry.kernels.linear_cross_entropy._gemm_accumulates_in_fp32", lambda device: False)
+    monkeypatch.setattr("foundry.kernels.linear_cross_entropy._gemm_accumulates_in_fp32", lambda device, dtype: False)
     weight_grad, _ = _accumulated_weight_grad("cuda")
     rounded_per_chunk = (weight_grad.double() - exact).abs().max().item()
     assert accumulated < 1e-3 < rounded_per_chunk, (accumulated, rounded_per_chunk)
