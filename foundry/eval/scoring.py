@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -80,12 +81,14 @@ def greedy_generate(
     stop_strings: Sequence[str] = (),
     precision: str = "fp32",
     device: torch.device | str = "cpu",
+    cuda_graph: bool | None = None,
 ) -> list[str]:
     """Greedy continuations of ``prompts`` (decoded text), each stopped at eos or a stop string.
 
     Uses the model's own ``generate`` when it wraps a transformers model; a KV cache when the model
     offers one (MPT and Llama with ``use_cache``); otherwise a batched loop that re-runs the forward
-    over the growing sequences (fine for small models).
+    over the growing sequences (fine for small models). With a KV cache, ``cuda_graph`` replays each
+    decode step from a CUDA graph (None: on CUDA devices, for models not sharded by FSDP).
     """
     hf_model = getattr(model, "hf_model", None)
     if hf_model is not None and hasattr(hf_model, "generate"):
@@ -94,13 +97,23 @@ def greedy_generate(
     if getattr(model, "generates_with_kv_cache", False):
         tokens, attention_mask = _left_padded(prompts, pad, max_new_tokens, device)
         start = torch.full((len(prompts),), attention_mask.shape[1], device=device)
-        next_logits = _cached_next_logits(model, attention_mask, tokens.shape[1], precision)
+        use_graph = _decodes_in_cuda_graph(model, torch.device(device)) if cuda_graph is None else cuda_graph
+        next_logits = _CachedDecoder(model, attention_mask, tokens.shape[1], precision, use_graph)
     else:
         tokens, start = _right_padded(prompts, pad, max_new_tokens, device)
         next_logits = _uncached_next_logits(model, precision)
     with _weights_cast_once(model, precision, torch.device(device)):
         generated = _greedy_loop(tokens, start, next_logits, max_new_tokens, tokenizer, stop_strings)
     return [_decode(token_ids, tokenizer) for token_ids in generated]
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    return any(isinstance(parameter, DTensor) for parameter in model.parameters())
+
+
+def _decodes_in_cuda_graph(model: nn.Module, device: torch.device) -> bool:
+    """CUDA graphs for decode steps on CUDA, except for FSDP-sharded models (their steps all-gather)."""
+    return device.type == "cuda" and not _is_sharded(model)
 
 
 @contextlib.contextmanager
@@ -112,7 +125,7 @@ def _weights_cast_once(model: nn.Module, precision: str, device: torch.device) -
     (docs/PERFORMANCE.md). The cache costs one low-precision copy of the weights while decoding. Not
     for FSDP-sharded models: it would hold an unsharded copy of every layer at once.
     """
-    if any(isinstance(parameter, DTensor) for parameter in model.parameters()):
+    if _is_sharded(model):
         yield
         return
     with autocast(precision, device):
@@ -166,25 +179,75 @@ def _uncached_next_logits(model: nn.Module, precision: str) -> NextLogits:
     return next_logits
 
 
-def _cached_next_logits(model: nn.Module, attention_mask: torch.Tensor, max_len: int, precision: str) -> NextLogits:
+class _CachedDecoder:
     """Next-token logits from a KV cache: the left-padded prompts once, then the last column per step.
 
     Left padding ends every prompt in the same column, so all rows still going append in one column;
     a finished row's later tokens are computed and ignored.
-    """
-    cache = model.new_kv_cache(max_len)
 
-    def next_logits(tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    With ``cuda_graph``, the cache's length moves to the device after the prompts, the first decode
+    step runs eagerly on a side stream (lazy initialisation, library workspaces), the second is
+    captured in a CUDA graph, and every later step copies its tokens into the graph's input and
+    replays it: one launch per step instead of a few hundred, which is what bounded decoding by the
+    host (docs/PERFORMANCE.md). If the capture fails, decoding warns once and stays eager.
+    """
+
+    def __init__(
+        self, model: nn.Module, attention_mask: torch.Tensor, max_len: int, precision: str, cuda_graph: bool
+    ) -> None:
+        self.model, self.prompt_mask, self.precision = model, attention_mask, precision
+        self.cache = model.new_kv_cache(max_len)
+        self.filled = 0  # columns in the cache, counted on the host
+        self.cuda_graph = cuda_graph
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph_ids: torch.Tensor | None = None
+        self.graph_logits: torch.Tensor | None = None
+
+    def __call__(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         del lengths  # the cache knows how far the rows got
-        if cache.length == 0:
-            batch = {"input_ids": tokens[:, : attention_mask.shape[1]], "attention_mask": attention_mask}
-        else:
-            batch = {"input_ids": tokens[:, cache.length : cache.length + 1]}
-        with autocast(precision, tokens.device):
-            logits = model(batch, cache=cache)
+        if self.filled == 0:
+            width = self.prompt_mask.shape[1]
+            logits = self._forward({"input_ids": tokens[:, :width], "attention_mask": self.prompt_mask})
+            self.filled = width
+            if self.cuda_graph:
+                self.cache.keep_length_on_device(tokens.device)
+            return logits[:, -1]
+        step_ids = tokens[:, self.filled : self.filled + 1]
+        self.filled += 1
+        logits = self._graphed_step(step_ids) if self.cuda_graph else self._forward({"input_ids": step_ids})
         return logits[:, -1]
 
-    return next_logits
+    def _forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with autocast(self.precision, batch["input_ids"].device):
+            return self.model(batch, cache=self.cache)
+
+    def _graphed_step(self, step_ids: torch.Tensor) -> torch.Tensor:
+        if self.graph is not None and self.graph_ids is not None and self.graph_logits is not None:
+            self.graph_ids.copy_(step_ids)
+            self.graph.replay()
+            return self.graph_logits
+        if self.graph_ids is None:  # the first step: eager, on a side stream, as capture wants
+            side = torch.cuda.Stream(step_ids.device)
+            side.wait_stream(torch.cuda.current_stream(step_ids.device))
+            with torch.cuda.stream(side):
+                logits = self._forward({"input_ids": step_ids})
+            torch.cuda.current_stream(step_ids.device).wait_stream(side)
+            self.graph_ids = step_ids.clone()
+            return logits
+        graph = torch.cuda.CUDAGraph()
+        self.graph_ids.copy_(step_ids)
+        try:
+            with torch.cuda.graph(graph):
+                self.graph_logits = self._forward({"input_ids": self.graph_ids})
+        except RuntimeError as error:  # capture records, it does not run: the cache is as it was
+            warnings.warn(
+                f"Decoding stays eager: capturing a decode step in a CUDA graph failed ({error}).", stacklevel=2
+            )
+            self.cuda_graph = False
+            return self._forward({"input_ids": step_ids})
+        self.graph = graph
+        graph.replay()
+        return self.graph_logits
 
 
 def _left_padded(

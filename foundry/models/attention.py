@@ -199,7 +199,7 @@ class AttentionInputs:
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin: (batch or 1, seq, 1, head_dim) fp32
     allowed: torch.Tensor | None = None  # (batch or 1, 1, seq, seq) bool, True = may attend; None = causal
     bias: torch.Tensor | None = None  # ALiBi, (1, n_heads, seq, seq) fp32
-    past_len: int = 0  # tokens already in the KV cache: the queries sit at columns past_len ..
+    past_len: int | torch.Tensor = 0  # tokens already in the KV cache (an int, or a 0-d device tensor)
 
     def causal_allowed(self, seq_len: int, device: torch.device) -> torch.Tensor:
         if self.allowed is not None:
@@ -215,7 +215,7 @@ def build_attention_inputs(
     positions: torch.Tensor,
     key_padding_mask: torch.Tensor | None,
     sequence_id: torch.Tensor | None = None,
-    past_len: int = 0,
+    past_len: int | torch.Tensor = 0,
 ) -> AttentionInputs:
     """Masks, ALiBi bias and RoPE angles for a batch.
 
@@ -225,7 +225,8 @@ def build_attention_inputs(
             are the seq tokens, or with a KV cache all of its columns (the masks are then (seq, keys)).
         sequence_id: (batch, seq) index of the packed example each token belongs to (-1 = padding);
             a token then attends only to earlier tokens of its own example (document masking).
-        past_len: with a KV cache, how many tokens it already holds (the first query's column).
+        past_len: with a KV cache, how many tokens it already holds (the first query's column); a 0-d
+            device tensor keeps the masks free of host values (a decode step captured in a CUDA graph).
     """
     device = positions.device
     inputs = AttentionInputs(past_len=past_len)
@@ -233,7 +234,7 @@ def build_attention_inputs(
         scaling = config.rope_hf_config if config.rope_impl == "hf" else RopeHFConfig()
         inputs.rope = rope_cos_sin(positions, scaling.inv_freq(head_dim, config.rope_theta, device))
     key_len = seq_len if key_padding_mask is None else key_padding_mask.shape[1]
-    query_pos = torch.arange(past_len, past_len + seq_len, device=device)[:, None]
+    query_pos = (past_len + torch.arange(seq_len, device=device))[:, None]
     distance = query_pos - torch.arange(key_len, device=device)[None, :]  # (seq, keys): i - j
     if config.alibi:
         inputs.bias = (-distance.float() * alibi_slopes(n_heads, config.alibi_bias_max, device)[:, None, None])[None]

@@ -220,11 +220,12 @@ class MPTTransformer(nn.Module):
         marks left padding of the prompts; None means every token is real.
         """
         config, attn = self.config, self.config.attn_config
-        past_len, seq_len = cache.length, input_ids.shape[1]
-        self._check_seq_len(past_len + seq_len)
+        past_len, seq_len = cache.length, input_ids.shape[1]  # past_len: an int, or on the device (kv_cache.py)
+        if isinstance(past_len, int):
+            self._check_seq_len(past_len + seq_len)
         padding = cache.add_tokens(input_ids, attention_mask)  # (batch, max_len)
-        columns = torch.arange(past_len, past_len + seq_len, device=input_ids.device)[None]  # (1, new)
-        shifted = _positions_after_left_padding(columns, padding, past_len)
+        columns = (past_len + torch.arange(seq_len, device=input_ids.device))[None]  # (1, new)
+        shifted = _positions_after_left_padding(columns, padding)
         x = self._embed(input_ids, shifted)
         rope_positions = shifted if attn.rope_impl == "hf" else columns
         attn_inputs = build_attention_inputs(
@@ -232,7 +233,7 @@ class MPTTransformer(nn.Module):
         )
         for block, layer_cache in zip(self.blocks, cache.layers, strict=True):
             x = block(x, attn_inputs, layer_cache)
-        cache.length = past_len + seq_len
+        cache.advance(seq_len)
         return self.norm_f(x)
 
     def _check_seq_len(self, seq_len: int) -> None:
@@ -253,18 +254,18 @@ class MPTTransformer(nn.Module):
         return self.emb_drop(x)
 
 
-def _positions_after_left_padding(
-    columns: torch.Tensor, padding: torch.Tensor | None, past_len: int = 0
-) -> torch.Tensor:
+def _positions_after_left_padding(columns: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
     """Each token's position in its row: its column less the padding before it (LLM Foundry's rule).
 
-    Left padding thus starts every row's first real token at 0. ``columns`` (1, seq) start at
-    ``past_len``; ``padding`` (batch, >= past_len + seq) is True for real tokens, None when there is none.
+    Left padding thus starts every row's first real token at 0. ``columns`` (1, seq) are the tokens'
+    columns in ``padding`` (batch, columns), True for real tokens; None when there is no padding. The
+    padding count is gathered at ``columns`` rather than sliced, so the columns may come from a
+    device-side cache length (a decode step with no host values, for CUDA graphs).
     """
     if padding is None:
         return columns
-    end = past_len + columns.shape[1]
-    return (columns - (~padding[:, :end]).cumsum(dim=1)[:, past_len:]).clamp(min=0)
+    padding_so_far = (~padding).cumsum(dim=1).gather(1, columns.expand(padding.shape[0], -1))
+    return (columns - padding_so_far).clamp(min=0)
 
 
 def _key_padding_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:

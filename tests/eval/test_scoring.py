@@ -81,3 +81,30 @@ def test_autocast_casts_each_weight_once_per_generation_not_per_step(
     per_step_texts, per_step_counts = _generate_counting_casts(model)
     assert per_step_texts == texts
     assert max(per_step_counts.values()) == MAX_NEW_TOKENS
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+def _generate_on_gpu(model: torch.nn.Module, cuda_graph: bool, precision: str = "amp_bf16") -> list[str]:
+    tokenizer = IdsTokenizer(eos_token_id=-1)
+    return greedy_generate(model, PROMPTS, MAX_NEW_TOKENS, tokenizer, precision=precision, device="cuda",
+                           cuda_graph=cuda_graph)  # fmt: skip
+
+
+@needs_gpu
+@pytest.mark.parametrize("variant", list(TINY_DECODERS))
+def test_decode_steps_replayed_from_a_cuda_graph_write_the_eager_tokens(variant) -> None:
+    model = build_tiny_decoder(variant).cuda()
+    for precision in ("fp32", "amp_bf16"):
+        assert _generate_on_gpu(model, True, precision) == _generate_on_gpu(model, False, precision)
+
+
+@needs_gpu
+def test_a_decode_step_that_cannot_be_captured_warns_and_decodes_eagerly() -> None:
+    model = build_tiny_decoder("llama_gqa").cuda()
+    expected = _generate_on_gpu(model, False)
+    # A host read inside the forward (here a hook's .item()) is not allowed while a graph captures.
+    model.register_forward_hook(lambda module, args, output: output.sum().item())
+    with pytest.warns(UserWarning, match="Decoding stays eager"):
+        assert _generate_on_gpu(model, True) == expected

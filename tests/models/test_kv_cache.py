@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import TINY_DECODERS, build_tiny_decoder
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from foundry.errors import FoundryError
 from foundry.models.kv_cache import KVCache
@@ -22,13 +23,36 @@ def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return input_ids, attention_mask
 
 
-def decode_with_cache(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Logits (rows, seq, vocab) from a prefill of PROMPT_LEN tokens, then one token per step."""
+class _HostReads(TorchDispatchMode):
+    """Counts ops that read a tensor value on the host (``.item()``, ``int(tensor)``, ``bool(tensor)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def decode_with_cache(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, length_on_device: bool = False
+) -> torch.Tensor:
+    """Logits (rows, seq, vocab) from a prefill of PROMPT_LEN tokens, then one token per step.
+
+    With ``length_on_device`` the decode steps run as a CUDA graph would capture them: the cache's
+    length a device tensor, and no value read back to the host.
+    """
     cache = model.new_kv_cache(input_ids.shape[1])
     prompt = {"input_ids": input_ids[:, :PROMPT_LEN], "attention_mask": attention_mask[:, :PROMPT_LEN]}
     logits = [model(prompt, cache=cache)]
+    if length_on_device:
+        cache.keep_length_on_device(input_ids.device)
     for column in range(PROMPT_LEN, input_ids.shape[1]):
-        logits.append(model({"input_ids": input_ids[:, column : column + 1]}, cache=cache))
+        with _HostReads() as host_reads:
+            logits.append(model({"input_ids": input_ids[:, column : column + 1]}, cache=cache))
+        assert host_reads.count == 0 or not length_on_device
+    assert int(cache.length) == input_ids.shape[1]
     return torch.cat(logits, dim=1)
 
 
@@ -36,15 +60,29 @@ def decode_with_cache(model: torch.nn.Module, input_ids: torch.Tensor, attention
 KERNEL_CASES = [(variant, "sdpa") for variant in TINY_DECODERS] + [("mpt_alibi", "torch"), ("llama_gqa", "torch")]
 
 
+@pytest.mark.parametrize("length_on_device", [False, True], ids=["host_length", "device_length"])
 @pytest.mark.parametrize(("variant", "attn_impl"), KERNEL_CASES)
 @torch.no_grad()
-def test_cached_decoding_gives_the_full_forward_logits(variant, attn_impl, padded_batch) -> None:
+def test_cached_decoding_gives_the_full_forward_logits(variant, attn_impl, length_on_device, padded_batch) -> None:
     model = build_tiny_decoder(variant, attn_impl)
     input_ids, attention_mask = padded_batch
     full = model({"input_ids": input_ids, "attention_mask": attention_mask})
-    cached = decode_with_cache(model, input_ids, attention_mask)
+    cached = decode_with_cache(model, input_ids, attention_mask, length_on_device)
     real = attention_mask.bool()  # padding positions' outputs are never used
     torch.testing.assert_close(cached[real], full[real], atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
+def test_a_cache_with_its_length_on_the_device_takes_no_more_padded_prompts(padded_batch) -> None:
+    model = build_tiny_decoder("mpt_learned_pos_emb")
+    input_ids, attention_mask = padded_batch
+    cache = model.new_kv_cache(input_ids.shape[1])
+    with pytest.raises(FoundryError, match="keep_length_on_device"):
+        cache.keep_length_on_device(input_ids.device)  # nothing cached yet
+    model({"input_ids": input_ids[:, :PROMPT_LEN], "attention_mask": attention_mask[:, :PROMPT_LEN]}, cache=cache)
+    cache.keep_length_on_device(input_ids.device)
+    with pytest.raises(FoundryError, match="without an attention_mask"):
+        model({"input_ids": input_ids[:, PROMPT_LEN:], "attention_mask": attention_mask[:, PROMPT_LEN:]}, cache=cache)
 
 
 @torch.no_grad()
