@@ -104,7 +104,10 @@ def test_decode_steps_replayed_from_a_cuda_graph_write_the_eager_tokens(variant)
 def test_a_decode_step_that_cannot_be_captured_warns_and_decodes_eagerly() -> None:
     model = build_tiny_decoder("llama_gqa").cuda()
     expected = _generate_on_gpu(model, False)
-    # A host read inside the forward (here a hook's .item()) is not allowed while a graph captures.
-    model.register_forward_hook(lambda module, args, output: output.sum().item())
+
+    def read_on_host(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        output.sum().item()  # a host read: not allowed while a graph captures
+
+    model.register_forward_hook(read_on_host)
     with pytest.warns(UserWarning, match="Decoding stays eager"):
         assert _generate_on_gpu(model, True) == expected
