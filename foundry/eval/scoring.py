@@ -185,11 +185,12 @@ class _CachedDecoder:
     Left padding ends every prompt in the same column, so all rows still going append in one column;
     a finished row's later tokens are computed and ignored.
 
-    With ``cuda_graph``, the cache's length moves to the device after the prompts, the first decode
-    step runs eagerly on a side stream (lazy initialisation, library workspaces), the second is
-    captured in a CUDA graph, and every later step copies its tokens into the graph's input and
-    replays it: one launch per step instead of a few hundred, which is what bounded decoding by the
-    host (docs/PERFORMANCE.md). If the capture fails, decoding warns once and stays eager.
+    With ``cuda_graph``, the cache's length moves to the device after the prompts, the first two
+    decode steps run eagerly on a side stream (lazy initialisation, compiles, library workspaces;
+    the second one checks that the step never syncs with the host), the third is captured in a CUDA
+    graph, and every later step copies its tokens into the graph's input and replays it: one launch
+    per step instead of a few hundred, which is what bounded decoding by the host
+    (docs/PERFORMANCE.md). A step that syncs makes decoding warn once and stay eager.
     """
 
     def __init__(
@@ -202,6 +203,7 @@ class _CachedDecoder:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.graph_ids: torch.Tensor | None = None
         self.graph_logits: torch.Tensor | None = None
+        self.warmed_up = False
 
     def __call__(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         del lengths  # the cache knows how far the rows got
@@ -226,28 +228,58 @@ class _CachedDecoder:
             self.graph_ids.copy_(step_ids)
             self.graph.replay()
             return self.graph_logits
-        if self.graph_ids is None:  # the first step: eager, on a side stream, as capture wants
-            side = torch.cuda.Stream(step_ids.device)
-            side.wait_stream(torch.cuda.current_stream(step_ids.device))
-            with torch.cuda.stream(side):
-                logits = self._forward({"input_ids": step_ids})
-            torch.cuda.current_stream(step_ids.device).wait_stream(side)
+        if self.graph_ids is None:
+            # The first step runs eagerly on the graph's own input tensor: a compiled block compiles
+            # here, for exactly what capture will see.
             self.graph_ids = step_ids.clone()
-            return logits
-        graph = torch.cuda.CUDAGraph()
+            self.warmed_up = False
+            return self._side_stream_forward()
         self.graph_ids.copy_(step_ids)
-        try:
-            with torch.cuda.graph(graph):
-                self.graph_logits = self._forward({"input_ids": self.graph_ids})
-        except RuntimeError as error:  # capture records, it does not run: the cache is as it was
-            warnings.warn(
-                f"Decoding stays eager: capturing a decode step in a CUDA graph failed ({error}).", stacklevel=2
-            )
-            self.cuda_graph = False
-            return self._forward({"input_ids": step_ids})
+        if not self.warmed_up:
+            # The second step runs eagerly with host syncs made errors: a step that syncs cannot be
+            # captured, and a failed capture can leave torch's CUDA state unusable, so it is found
+            # here instead. Such a step is re-run plainly and decoding stays eager.
+            self.warmed_up = True
+            length_before = self.cache.length.clone()
+            try:
+                with _host_syncs_raise():
+                    return self._side_stream_forward()
+            except RuntimeError as error:
+                self.cache.length.copy_(length_before)  # the rerun writes the same columns again
+                self.cuda_graph = False
+                warnings.warn(
+                    f"Decoding stays eager: a decode step synchronizes with the host, so it cannot be "
+                    f"captured in a CUDA graph ({error}).",
+                    stacklevel=3,
+                )
+                return self._forward({"input_ids": self.graph_ids})
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.graph_logits = self._forward({"input_ids": self.graph_ids})
         self.graph = graph
         graph.replay()
         return self.graph_logits
+
+    def _side_stream_forward(self) -> torch.Tensor:
+        """An eager step on a side stream, as CUDA graph capture wants its warm-up steps."""
+        current = torch.cuda.current_stream(self.graph_ids.device)
+        side = torch.cuda.Stream(self.graph_ids.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            logits = self._forward({"input_ids": self.graph_ids})
+        current.wait_stream(side)
+        return logits
+
+
+@contextlib.contextmanager
+def _host_syncs_raise() -> Iterator[None]:
+    """CUDA operations that synchronize with the host raise instead of running (torch's sync debug mode)."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
 
 
 def _left_padded(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 
@@ -11,6 +12,7 @@ import torch
 from helpers import TINY_DECODERS, IdsTokenizer, build_tiny_decoder
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from foundry.algorithms.torch_compile import compile_forward
 from foundry.eval.scoring import greedy_generate
 
 PROMPTS = [[5, 17, 3, 9, 40, 2, 11], [8, 1], [60, 61, 62, 63], [33]]  # different lengths: the batch is padded
@@ -93,6 +95,7 @@ def _generate_on_gpu(model: torch.nn.Module, cuda_graph: bool, precision: str = 
 
 
 @needs_gpu
+@pytest.mark.filterwarnings("error:Decoding stays eager")  # the graph must really be used
 @pytest.mark.parametrize("variant", list(TINY_DECODERS))
 def test_decode_steps_replayed_from_a_cuda_graph_write_the_eager_tokens(variant) -> None:
     model = build_tiny_decoder(variant).cuda()
@@ -101,7 +104,8 @@ def test_decode_steps_replayed_from_a_cuda_graph_write_the_eager_tokens(variant)
 
 
 @needs_gpu
-def test_a_decode_step_that_cannot_be_captured_warns_and_decodes_eagerly() -> None:
+def test_a_decode_step_that_syncs_with_the_host_warns_and_decodes_eagerly() -> None:
+    """Found before any capture: afterwards graphs (and compiles) in the same process still work."""
     model = build_tiny_decoder("llama_gqa").cuda()
     expected = _generate_on_gpu(model, False)
 
@@ -111,3 +115,20 @@ def test_a_decode_step_that_cannot_be_captured_warns_and_decodes_eagerly() -> No
     model.register_forward_hook(read_on_host)
     with pytest.warns(UserWarning, match="Decoding stays eager"):
         assert _generate_on_gpu(model, True) == expected
+    compiled = build_tiny_decoder("mpt_rope_hf").cuda()
+    for block in compiled.transformer.blocks:
+        compile_forward(block, {})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "Decoding stays eager")
+        assert _generate_on_gpu(compiled, True) == _generate_on_gpu(build_tiny_decoder("mpt_rope_hf").cuda(), False)
+
+
+@needs_gpu
+@pytest.mark.filterwarnings("error:Decoding stays eager")
+def test_regionally_compiled_blocks_decode_the_same_tokens_from_a_cuda_graph() -> None:
+    """As during training with the torch_compile algorithm: each block's forward compiled."""
+    model = build_tiny_decoder("mpt_rope_hf").cuda()
+    expected = _generate_on_gpu(model, False)
+    for block in model.transformer.blocks:
+        compile_forward(block, {})
+    assert _generate_on_gpu(model, True) == expected
