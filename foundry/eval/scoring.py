@@ -232,7 +232,6 @@ class _CachedDecoder:
             # The first step runs eagerly on the graph's own input tensor: a compiled block compiles
             # here, for exactly what capture will see.
             self.graph_ids = step_ids.clone()
-            self.warmed_up = False
             return self._side_stream_forward()
         self.graph_ids.copy_(step_ids)
         if not self.warmed_up:
@@ -265,10 +264,11 @@ class _CachedDecoder:
         current = torch.cuda.current_stream(self.graph_ids.device)
         side = torch.cuda.Stream(self.graph_ids.device)
         side.wait_stream(current)
-        with torch.cuda.stream(side):
-            logits = self._forward({"input_ids": self.graph_ids})
-        current.wait_stream(side)
-        return logits
+        try:
+            with torch.cuda.stream(side):
+                return self._forward({"input_ids": self.graph_ids})
+        finally:  # also when the step raised: what it queued runs before anything after it
+            current.wait_stream(side)
 
 
 @contextlib.contextmanager
