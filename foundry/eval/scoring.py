@@ -224,7 +224,7 @@ class _CachedDecoder:
             return self.model(batch, cache=self.cache)
 
     def _graphed_step(self, step_ids: torch.Tensor) -> torch.Tensor:
-        if self.graph is not None and self.graph_ids is not None and self.graph_logits is not None:
+        if self.graph is not None:
             self.graph_ids.copy_(step_ids)
             self.graph.replay()
             return self.graph_logits
