@@ -41,7 +41,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
     device_batch_size = device_train_batch_size(cfg.global_train_batch_size, env.get_world_size())
     # Cheapest first, the model last: a typo or a missing data folder fails before a big model is built.
     callbacks = build_components(registry.callbacks, cfg.callbacks, "callbacks")
-    algorithms = build_components(registry.algorithms, cfg.algorithms, "algorithms")
+    algorithms = build_components(registry.algorithms, cfg.algorithms, "algorithms") + build_compile(cfg)
     loggers = build_components(registry.loggers, cfg.loggers, "loggers")
     scheduler = component_factory(registry.schedulers, cfg.scheduler, "scheduler")() if cfg.scheduler else None
     optimizer_factory = component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",))
@@ -83,6 +83,35 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
         console_log_interval=cfg.console_log_interval,
         config=dict(resolved) if resolved is not None else config_to_dict(cfg),
     )
+
+
+def build_compile(cfg: TrainConfig) -> list:
+    """``compile_config`` as a ``torch_compile`` algorithm (none when off, or when ``algorithms`` has one)."""
+    from foundry.algorithms.torch_compile import from_compile_config
+    from foundry.distributed import env
+    from foundry.distributed.parallelize import shards
+
+    if "torch_compile" in cfg.algorithms:
+        if cfg.compile_config != "auto":
+            raise ConfigError(
+                f"compile_config is {cfg.compile_config!r} and algorithms.torch_compile is set: both configure "
+                "torch.compile. Keep one (compile_config: false with algorithms.torch_compile is a contradiction)."
+            )
+        return []
+    device = torch_device(cfg.device) if cfg.device else env.default_device()
+    sharded = env.get_world_size() > 1 or (cfg.fsdp_config is not None and shards(cfg.fsdp_config, device))
+    algorithm = from_compile_config(cfg.compile_config, device, sharded)
+    return [algorithm] if algorithm is not None else []
+
+
+def torch_device(name: str) -> Any:
+    """``torch.device(name)``, or a ConfigError naming the ``device`` key."""
+    import torch
+
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"'device' is {name!r}, which torch does not know; use cpu, cuda or cuda:N.") from None
 
 
 def fill_run_name(path: str | None, run_name: str | None) -> str | None:

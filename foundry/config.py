@@ -122,7 +122,16 @@ class TrainConfig:
     device_eval_batch_size: int | None = field(default=None, metadata=doc("eval samples per device per batch"))
     precision: Literal["fp32", "amp_bf16", "amp_fp16"] = field(default="amp_bf16", metadata=doc("compute precision"))
     device: str | None = field(default=None, metadata=doc("cpu, cuda, ... (none = this rank's GPU if any)"))
-    fsdp_config: FSDPConfig | None = field(default=None, metadata=doc("FSDP settings for multi-GPU runs"))
+    fsdp_config: FSDPConfig | None = field(
+        default=None, metadata=doc("FSDP2 over several ranks (one rank: only its checkpointing and precision)")
+    )
+    compile_config: bool | Literal["auto"] | dict[str, Any] = field(
+        default="auto",
+        metadata=doc(
+            "torch.compile: auto = on a GPU (whole model on one rank, each block when sharded), never on CPU; "
+            "false = eager; true = everywhere; a mapping = algorithms.torch_compile's keys"
+        ),
+    )
     dist_timeout: float = field(default=600.0, metadata=doc("seconds before a stuck collective fails"))
     expandable_segments: bool = field(
         default=True, metadata=doc("CUDA allocator expandable segments (less fragmentation)")

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from foundry import distributed
 from foundry.batches import batch_to_device, split_batch
@@ -58,9 +59,10 @@ class Trainer:
             accumulated exactly (each microbatch weighs its share of loss tokens, not 1/n). ``"auto"``:
             the largest size that fits in device memory, found on the first batch (``foundry.distributed``).
         precision: ``"fp32"``, ``"amp_bf16"`` or ``"amp_fp16"``.
-        fsdp_config: an ``FSDPConfig`` (or its keys): shard the model with FSDP2 (also on one rank).
-            Without it a single process trains the plain module and several ranks replicate it
-            (``NO_SHARD``, DDP's layout). See ``foundry.distributed.parallelize``.
+        fsdp_config: an ``FSDPConfig`` (or its keys): shard the model with FSDP2 over several ranks. On one
+            rank FSDP is skipped (it would only add copies) but its activation checkpointing and mixed
+            precision still apply. Without it a single process trains the plain module and several ranks
+            replicate it (``NO_SHARD``, DDP's layout). See ``foundry.distributed.parallelize``.
         save_folder / save_interval / load_path / autoresume: checkpointing (see ``foundry.checkpoint``).
         save_async: write checkpoints in a background thread while training goes on; each is published
             (renamed into place, ``latest`` updated) once written, at the latest by the next save or fit's end.
@@ -145,11 +147,11 @@ class Trainer:
             config=config,
         )
         self.config = config
-        self._grad_scaler = grad_scaler(precision, sharded=fsdp_config is not None)
         self._last_eval_batch: int | None = None
 
         self.engine.run_event(Event.INIT)  # before sharding, so that algorithms' model surgery is sharded too
         place_model(model, device, fsdp_config, self.state.precision)
+        self._grad_scaler = grad_scaler(precision, sharded=isinstance(model, FSDPModule))
         self.state.optimizers = build_optimizers(optimizers, self.state.model)
         self.state.schedulers = build_schedulers(schedulers, self.state)
         if config is not None:

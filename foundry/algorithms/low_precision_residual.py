@@ -7,21 +7,18 @@ produce them. With FSDP ``mixed_precision: PURE`` the parameters are bf16 during
 lookup, and with it the whole residual stream, is bf16. This algorithm gives a run without FSDP
 (one device, or CPU runs) the same activation precision: at INIT it hooks every
 ``nn.Embedding`` so its output is cast to the autocast dtype. Parameters, optimizer state and
-gradients stay fp32; outside autocast (fp32 runs) the hook does nothing.
+gradients stay fp32; outside autocast (fp32 runs) the hook does nothing. A YAML's ``fsdp_config`` with
+``mixed_precision: PURE`` or ``DEFAULT`` turns the same hook on by itself when the run has one rank and
+FSDP is skipped (``foundry.distributed.parallelize``).
 """
 
 from __future__ import annotations
-
-from typing import Any
-
-import torch
-from torch import nn
 
 from foundry import registry
 from foundry.core.algorithm import Algorithm
 from foundry.core.event import Event
 from foundry.core.logger import Logger
-from foundry.core.precision import autocast_dtype
+from foundry.core.precision import cast_embeddings_to_autocast_dtype
 from foundry.core.state import State
 
 
@@ -38,19 +35,3 @@ class LowPrecisionResidual(Algorithm):
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         self.num_hooked = cast_embeddings_to_autocast_dtype(state.model)
         logger.log_text(f"low_precision_residual: {self.num_hooked} embeddings return the autocast dtype.")
-
-
-def cast_embeddings_to_autocast_dtype(model: nn.Module) -> int:
-    """Hook every ``nn.Embedding`` in ``model`` (once); returns how many are hooked."""
-    hooked = 0
-    for module in model.modules():
-        if isinstance(module, nn.Embedding):
-            if _to_autocast_dtype not in module._forward_hooks.values():
-                module.register_forward_hook(_to_autocast_dtype)
-            hooked += 1
-    return hooked
-
-
-def _to_autocast_dtype(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-    dtype = autocast_dtype(output.device.type)
-    return output if dtype is None or not output.is_floating_point() else output.to(dtype)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+from torch import nn
 
 from foundry.errors import ConfigError
 
@@ -36,3 +38,24 @@ def autocast(precision: str, device: torch.device) -> Iterator[None]:
 def autocast_dtype(device_type: str) -> torch.dtype | None:
     """The dtype autocast computes in on ``device_type``, or None outside autocast."""
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+def cast_embeddings_to_autocast_dtype(model: nn.Module) -> int:
+    """Hook every ``nn.Embedding`` in ``model`` (once) so its output is in the autocast dtype; returns how many.
+
+    Under autocast with fp32 parameters an embedding lookup returns fp32, so every residual add after
+    it promotes to fp32. FSDP's bf16 ``param_dtype`` makes the lookup, and with it the residual stream,
+    bf16; this hook gives an unsharded model the same activation precision. Outside autocast it does nothing.
+    """
+    hooked = 0
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            if _to_autocast_dtype not in module._forward_hooks.values():
+                module.register_forward_hook(_to_autocast_dtype)
+            hooked += 1
+    return hooked
+
+
+def _to_autocast_dtype(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+    dtype = autocast_dtype(output.device.type)
+    return output if dtype is None or not output.is_floating_point() else output.to(dtype)

@@ -1,10 +1,14 @@
 """Causal self-attention with LLM Foundry's ``attn_config``: MHA/GQA/MQA, RoPE, ALiBi, QK norm, clipping.
 
-Four kernels compute the same thing, chosen by ``attn_impl``:
+Five kernels compute the same thing, chosen by ``attn_impl``:
 
 - ``sdpa``: ``F.scaled_dot_product_attention``; torch picks the fastest backend that can run.
-- ``flash``: the same call restricted to the FlashAttention-2 backend (CUDA, fp16/bf16, no mask).
-- ``cudnn``: the same call restricted to cuDNN's fused attention (CUDA, fp16/bf16, no mask).
+- ``flash``: the same call restricted to SDPA's fused, flash-class backends (cuDNN, FlashAttention-2,
+  memory-efficient; the CPU's flash kernel): the fastest fused kernel for the input, never the
+  unfused math fallback. LLM Foundry YAMLs write ``flash`` to ask for a FlashAttention-class kernel;
+  on an H100 cuDNN's is faster than FlashAttention-2's, so pinning FA2 would lose 3-7% of a step.
+- ``flash2``: exactly FlashAttention-2 (CUDA, fp16/bf16, no mask); fails rather than run another kernel.
+- ``cudnn``: exactly cuDNN's fused attention (CUDA, fp16/bf16, no mask).
 - ``torch``: the explicit math, ``softmax(QK^T * scale + bias + mask) V`` in fp32; the reference.
 
 Masks and biases that every layer shares (padding, sliding window, ALiBi, RoPE angles) are built
@@ -41,7 +45,8 @@ from foundry.models.layers import (
 )
 
 AttnType = Literal["multihead_attention", "grouped_query_attention", "multiquery_attention"]
-AttnImpl = Literal["sdpa", "flash", "cudnn", "torch", "triton"]
+AttnImpl = Literal["sdpa", "flash", "flash2", "cudnn", "torch", "triton"]
+PINNED_IMPLS = ("flash2", "cudnn")  # one SDPA backend each: no mask or bias reaches them
 _KEY = "model.attn_config"
 
 
@@ -143,7 +148,7 @@ class AttnConfig:
             )
         masked = {"alibi": self.alibi, "sliding_window_size": self.sliding_window_size != -1}
         masked["attn_uses_sequence_id"] = self.attn_uses_sequence_id
-        if self.attn_impl in ("flash", "cudnn") and any(masked.values()):
+        if self.attn_impl in PINNED_IMPLS and any(masked.values()):
             feature = next(key for key, is_set in masked.items() if is_set)
             raise ConfigError(
                 f"'{_KEY}.{feature}' needs an additive attention bias or mask, which SDPA's {self.attn_impl} backend "
@@ -295,6 +300,27 @@ def sdpa_attention(
     )  # fmt: skip
 
 
+# SDPA's fused backends: flash-class kernels that never materialise the (seq, seq) scores.
+FUSED_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def fused_sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, scale: float, dropout_p: float
+) -> torch.Tensor:
+    """``sdpa_attention`` on a fused backend only (torch's priority among them), never the math fallback."""
+    try:
+        with sdpa_kernel(FUSED_BACKENDS):
+            return sdpa_attention(q, k, v, inputs, scale, dropout_p)
+    except RuntimeError as error:
+        if not any(text in str(error) for text in ("No available kernel", "No viable backend")):
+            raise
+        raise ConfigError(
+            f"'{_KEY}.attn_impl' is 'flash', but no fused attention kernel of this torch can run this input "
+            f"(q {tuple(q.shape)}, {q.dtype} on {q.device.type}, mask: {inputs.allowed is not None}): {error} "
+            "Use attn_impl 'sdpa', which may fall back to the unfused math."
+        ) from error
+
+
 # Decoding calls attention once per layer per new token. cuDNN spends about 0.26 ms of host time
 # setting up each masked call (H100, docs/PERFORMANCE.md), which bounds decoding by the host; the
 # other backends take the mask without that setup.
@@ -338,11 +364,11 @@ def _pinned_sdpa(
         ) from error
 
 
-def flash_attention(
+def flash2_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, scale: float, dropout_p: float
 ) -> torch.Tensor:
     """SDPA pinned to FlashAttention-2."""
-    return _pinned_sdpa(SDPBackend.FLASH_ATTENTION, "flash", q, k, v, inputs, scale, dropout_p)
+    return _pinned_sdpa(SDPBackend.FLASH_ATTENTION, "flash2", q, k, v, inputs, scale, dropout_p)
 
 
 def cudnn_attention(
@@ -355,7 +381,8 @@ def cudnn_attention(
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionInputs, float, float], torch.Tensor]
 ATTENTION_IMPLS: dict[str, AttentionFn] = {
     "sdpa": sdpa_attention,
-    "flash": flash_attention,
+    "flash": fused_sdpa_attention,
+    "flash2": flash2_attention,
     "cudnn": cudnn_attention,
     "torch": torch_attention,
 }

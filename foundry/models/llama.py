@@ -19,11 +19,12 @@ from foundry.errors import ConfigError
 from foundry.models.attention import AttnConfig, AttnImpl, RopeHFConfig, check_rope_scaling
 from foundry.models.init import InitConfig
 from foundry.models.layers import ActFnConfig, FFNConfig
-from foundry.models.mpt import MPTCausalLM, MPTConfig
+from foundry.models.mpt import LossFn, MPTCausalLM, MPTConfig
 from foundry.peft.lora import LoraConfig
 from foundry.schema import parse_dataclass
 
 _KEY = "model"
+_ATTN_CONFIG_KEYS = ("attn_impl", "attn_pdrop", "attn_uses_sequence_id")
 
 
 @dataclasses.dataclass
@@ -85,15 +86,18 @@ class LlamaConfig:
     attn_impl: AttnImpl = "sdpa"
     attn_pdrop: float = 0.0
     attn_uses_sequence_id: bool = False  # document masking for packed finetuning batches
+    # MPT's spelling of the three keys above ({attn_impl: flash}), so one override serves both families
+    attn_config: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     init_std: float = 0.02  # every linear and embedding weight ~ N(0, init_std), as Hugging Face's Llama
     init_device: str = "cpu"
-    loss_fn: Literal["torch_crossentropy", "fused_crossentropy"] = "torch_crossentropy"  # as MPT's
+    loss_fn: LossFn = "auto"  # as MPT's
     use_cache: bool = True  # as MPT's: greedy generation decodes with a KV cache
     peft_config: LoraConfig | None = None  # LoRA adapters on the linear layers it names (docs/LORA.md)
     activation_checkpointing_target: str | list[Any] | dict[str, Any] | None = None  # as MPTConfig's
 
     def __post_init__(self) -> None:
+        self._take_attn_config()
         for key in ("d_model", "n_layers", "n_heads", "vocab_size", "max_seq_len", "multiple_of"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"'{_KEY}.{key}' is {getattr(self, key)}; it must be positive.")
@@ -111,6 +115,24 @@ class LlamaConfig:
                 f"'{_KEY}.d_model' ({self.d_model}) must be divisible by '{_KEY}.n_heads' ({self.n_heads}): "
                 "each head gets d_model / n_heads dimensions."
             )
+
+    def _take_attn_config(self) -> None:
+        """Move ``attn_config``'s keys to their Llama spelling; a key set both ways must agree."""
+        defaults = {key: LlamaConfig.__dataclass_fields__[key].default for key in _ATTN_CONFIG_KEYS}
+        for key, value in (self.attn_config or {}).items():
+            if key not in _ATTN_CONFIG_KEYS:
+                raise ConfigError(
+                    f"'{_KEY}.attn_config.{key}' is not a Llama key: a Llama's attention is set by its own keys "
+                    f"(kv_n_heads, rope_theta, rope_scaling); attn_config takes {', '.join(_ATTN_CONFIG_KEYS)}. "
+                    "Use model.name: mpt_causal_lm for MPT's attention options."
+                )
+            if getattr(self, key) not in (defaults[key], value):
+                raise ConfigError(
+                    f"'{_KEY}.{key}' is {getattr(self, key)!r} but '{_KEY}.attn_config.{key}' is {value!r}: they "
+                    "are two spellings of one key. Keep one."
+                )
+            setattr(self, key, value)
+        self.attn_config = None
 
     @property
     def hidden_size(self) -> int:

@@ -22,9 +22,10 @@ from torch import nn
 from foundry import registry
 from foundry.distributed.env import get_local_rank
 from foundry.errors import ConfigError, FoundryError
+from foundry.kernels.device import kernels_run_on
 from foundry.kernels.linear_cross_entropy import linear_cross_entropy
 from foundry.models import flops
-from foundry.models.attention import Attention, AttentionInputs, AttnConfig, build_attention_inputs
+from foundry.models.attention import Attention, AttentionInputs, AttnConfig, AttnImpl, build_attention_inputs
 from foundry.models.base import CausalLM, LossOutput, shifted_targets
 from foundry.models.init import InitConfig, InitName, init_weights_
 from foundry.models.kv_cache import KVCache, LayerKVCache
@@ -33,6 +34,14 @@ from foundry.peft.lora import LoraConfig, inject_lora, reset_lora_parameters
 from foundry.schema import parse_dataclass
 
 _KEY = "model"
+LossFn = Literal["auto", "torch_crossentropy", "fused_crossentropy"]
+FUSES_LOSS: dict[str, bool | None] = {"auto": None, "torch_crossentropy": False, "fused_crossentropy": True}
+
+
+@torch.compiler.assume_constant_result
+def fused_loss_runs_on(device: torch.device) -> bool:
+    """``loss_fn: auto``: the fused loss on a GPU where its Triton kernel runs (not the CPU interpreter)."""
+    return device.type == "cuda" and kernels_run_on(device)
 
 
 @dataclasses.dataclass
@@ -40,10 +49,13 @@ class MPTConfig:
     """The ``model`` section of an LLM Foundry MPT YAML, with LLM Foundry's defaults.
 
     Three defaults differ on purpose: ``attn_config.attn_impl`` is ``sdpa`` (LLM Foundry: ``flash``,
-    from the flash-attn package), ``loss_fn`` is ``torch_crossentropy`` (LLM Foundry:
-    ``fused_crossentropy``) and ``use_cache`` is true. ``fused_crossentropy`` here is the chunked
-    output projection + cross-entropy of ``foundry.kernels.linear_cross_entropy``: training never
-    materialises the (tokens, vocab) logits. ``use_cache`` makes greedy generation (ICL eval) decode
+    from the flash-attn package), ``loss_fn`` is ``auto`` (LLM Foundry: ``fused_crossentropy``) and
+    ``use_cache`` is true. ``fused_crossentropy`` here is the chunked output projection +
+    cross-entropy of ``foundry.kernels.linear_cross_entropy``: training never materialises the
+    (tokens, vocab) logits, and on an H100 it is faster than the compiled unfused loss at both MPT's
+    and Llama 3's vocabularies (docs/PERFORMANCE.md). ``auto`` uses it wherever its Triton kernel
+    runs (a GPU) and ``torch_crossentropy`` elsewhere. ``attn_impl`` beside ``attn_config`` is
+    accepted as Llama's spelling of ``attn_config.attn_impl``. ``use_cache`` makes greedy generation (ICL eval) decode
     with a KV cache (``foundry/models/kv_cache.py``): the prompts run once, then one token per row per
     step; false re-runs the whole prefix for every new token. As in LLM Foundry, ``alibi`` or ``rope``
     turns ``learned_pos_emb`` off.
@@ -70,7 +82,8 @@ class MPTConfig:
     norm_eps: float = 1e-5
     tie_word_embeddings: bool = True
     use_cache: bool = True  # greedy generation decodes with a KV cache; training ignores it
-    loss_fn: Literal["torch_crossentropy", "fused_crossentropy"] = "torch_crossentropy"
+    loss_fn: LossFn = "auto"
+    attn_impl: AttnImpl | None = None  # Llama's spelling of attn_config.attn_impl
     fc_type: str | dict[str, Any] = "torch"
     use_pad_tok_in_ffn: bool = True
     peft_config: LoraConfig | None = None  # LoRA adapters on the linear layers it names (docs/LORA.md)
@@ -79,6 +92,8 @@ class MPTConfig:
     activation_checkpointing_target: str | list[Any] | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if self.attn_impl is not None:
+            self.attn_config = with_attn_impl(self.attn_config, self.attn_impl, f"{_KEY}.attn_config.attn_impl")
         self._check_shapes()
         self._check_not_yet_supported()
         for key in ("resid_pdrop", "emb_pdrop"):
@@ -127,6 +142,16 @@ class MPTConfig:
         if self.logit_scale == "inv_sqrt_d_model":
             return 1 / math.sqrt(self.d_model)
         return self.logit_scale
+
+
+def with_attn_impl(config: AttnConfig, attn_impl: str, nested_key: str) -> AttnConfig:
+    """``config`` with ``attn_impl`` given in the other spelling (``model.attn_impl``); both set must agree."""
+    if config.attn_impl not in (AttnConfig.attn_impl, attn_impl):
+        raise ConfigError(
+            f"'{_KEY}.attn_impl' is {attn_impl!r} but '{nested_key}' is {config.attn_impl!r}: they are two "
+            "spellings of one key. Keep one."
+        )
+    return dataclasses.replace(config, attn_impl=attn_impl)
 
 
 def init_device(name: str) -> torch.device:
@@ -299,8 +324,9 @@ class MPTCausalLM(CausalLM):
             raise ConfigError("Pass MPTCausalLM either an MPTConfig or its keys as keyword arguments, not both.")
         self.config = parse_dataclass(MPTConfig, config if config is not None else config_keys, _KEY)
         self.logit_scale = self.config.resolved_logit_scale
-        # Training forwards return the loss of the chunked output projection + cross-entropy (no logits).
-        self.fused_cross_entropy = self.config.loss_fn == "fused_crossentropy"
+        # Training forwards return the loss of the chunked output projection + cross-entropy (no logits):
+        # always (True), never (False), or (None, loss_fn: auto) where its Triton kernel runs on a GPU.
+        self.fused_cross_entropy: bool | None = FUSES_LOSS[self.config.loss_fn]
         with torch.device("meta"):
             self.transformer = MPTTransformer(self.config)
             tied = self.config.tie_word_embeddings
@@ -331,11 +357,16 @@ class MPTCausalLM(CausalLM):
             batch["input_ids"], batch.get("attention_mask"), batch.get("sequence_id"), batch.get("position_ids"),
             cache,
         )  # fmt: skip
-        if self.fused_cross_entropy and self.training:
+        if self.training and self._fuses_loss(hidden.device):
             targets = shifted_targets(batch)
             return LossOutput(linear_cross_entropy(hidden, self.output_weight, targets, self.logit_scale))
         logits = F.linear(hidden, self.output_weight)  # (batch, seq, vocab)
         return logits if self.logit_scale is None else logits * self.logit_scale
+
+    def _fuses_loss(self, device: torch.device) -> bool:
+        if self.fused_cross_entropy is None:
+            return fused_loss_runs_on(device)
+        return self.fused_cross_entropy
 
     @property
     def generates_with_kv_cache(self) -> bool:

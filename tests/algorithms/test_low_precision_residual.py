@@ -7,7 +7,7 @@ import torch
 from helpers import TINY_MPT
 
 from foundry.algorithms import LowPrecisionResidual
-from foundry.algorithms.low_precision_residual import cast_embeddings_to_autocast_dtype
+from foundry.core.precision import cast_embeddings_to_autocast_dtype
 from foundry.models import MPTCausalLM
 
 

@@ -6,12 +6,31 @@ does, without inductor's C++/Triton code generation, which takes minutes on a 2-
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
+from torch._dynamo.backends.common import aot_autograd
 
 from foundry.algorithms import TorchCompile
+from foundry.algorithms.torch_compile import from_compile_config
+from foundry.core import LoggerDestination
 from foundry.errors import ConfigError
 from foundry.trainer import Trainer
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def _broken_compiler(graph, example_inputs):
+    raise RuntimeError("this compiler is broken")
+
+
+def _eager_compiler(graph, example_inputs):
+    return graph
+
+
+BROKEN_FORWARD = _broken_compiler
+BROKEN_BACKWARD = aot_autograd(fw_compiler=_eager_compiler, bw_compiler=_broken_compiler)
 
 
 @pytest.fixture(autouse=True)
@@ -81,4 +100,75 @@ def test_options_and_scope_reach_torch_compile(train, monkeypatch):
     options = {"coordinate_descent_tuning": True}
     trainer, _ = train([TorchCompile(scope="model", options=options)], num_batches=1)
     ((compiled, kwargs),) = calls
-    assert compiled == trainer.state.model.forward and kwargs["options"] == options
+    assert compiled.__func__ is type(trainer.state.model).forward and kwargs["options"] == options
+
+
+@pytest.mark.parametrize("backend", [BROKEN_FORWARD, BROKEN_BACKWARD], ids=["forward", "backward"])
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_a_compiler_error_falls_back_to_eager_with_one_warning(train, backend, scope):
+    _, eager = train()
+    with pytest.warns(UserWarning, match="torch.compile failed.*continues with the eager model") as caught:
+        trainer, losses = train([TorchCompile(backend=backend, scope=scope, compile_loss=True)])
+    assert len([w for w in caught if "torch.compile failed" in str(w.message)]) == 1
+    assert losses == pytest.approx(eager, rel=1e-6)
+    assert trainer.state.timestamp.batch == 3
+
+
+def test_whole_model_compile_runs_eval_forwards_eagerly(train):
+    calls = []
+
+    def counting_backend(graph, example_inputs):
+        calls.append(graph)
+        return graph
+
+    trainer, _ = train([TorchCompile(backend=counting_backend, scope="model")], num_batches=1)
+    compiled_graphs = len(calls)
+    trainer.state.model.eval()
+    with torch.no_grad():
+        trainer.state.model({"input_ids": torch.zeros(2, 16, dtype=torch.long)})
+    assert compiled_graphs > 0 and len(calls) == compiled_graphs
+
+
+def test_compile_time_is_logged_once(train):
+    class Recorder(LoggerDestination):
+        def __init__(self):
+            self.metrics, self.texts = [], []
+
+        def log_metrics(self, metrics, step):
+            self.metrics.append(metrics)
+
+        def log_text(self, text):
+            self.texts.append(text)
+
+    recorder = Recorder()
+    train([TorchCompile(backend="aot_eager")], num_batches=3, loggers=[recorder])
+    compile_times = [m["time/compile_s"] for m in recorder.metrics if "time/compile_s" in m]
+    assert len(compile_times) == 1 and compile_times[0] > 0
+    assert sum("the first forward took" in text for text in recorder.texts) == 1
+
+
+def test_compile_config_auto_compiles_only_on_a_gpu():
+    assert from_compile_config("auto", CPU, sharded=False) is None
+    assert from_compile_config("auto", CUDA, sharded=False).scope == "model"
+    assert from_compile_config("auto", CUDA, sharded=True).scope == "blocks"
+
+
+def test_compile_config_false_never_compiles_and_true_compiles_everywhere():
+    assert from_compile_config(False, CUDA, sharded=False) is None
+    assert from_compile_config(True, CPU, sharded=True).scope == "blocks"
+
+
+def test_compile_config_mapping_sets_the_algorithm_keys():
+    algorithm = from_compile_config({"scope": "blocks", "backend": "aot_eager"}, CPU, sharded=False)
+    assert algorithm.scope == "blocks" and algorithm.compile_kwargs["backend"] == "aot_eager"
+
+
+def test_compile_config_typo_names_the_key():
+    with pytest.raises(ConfigError, match=r"'compile_config\.scop'.*Did you mean 'scope'"):
+        from_compile_config({"scop": "model"}, CUDA, sharded=False)
+
+
+def test_compiled_training_warns_about_nothing(train):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "torch.compile failed")
+        train([TorchCompile(backend="aot_eager", scope="model")], num_batches=1)

@@ -208,12 +208,29 @@ def test_sdpa_matches_torch_in_bf16(x: torch.Tensor, features: dict[str, Any]) -
     torch.testing.assert_close(run(sdpa_attention, x), run(torch_attention, x), atol=2e-2, rtol=2e-2)
 
 
-def test_flash_on_cpu_raises_a_config_error_naming_sdpa(x: torch.Tensor) -> None:
-    attention = make_attention(attn_impl="flash")
-    with pytest.raises(ConfigError, match="attn_impl.*flash.*CUDA.*sdpa"):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
+def test_flash2_on_cpu_raises_a_config_error_naming_sdpa(x: torch.Tensor) -> None:
+    attention = make_attention(attn_impl="flash2")
+    with pytest.raises(ConfigError, match="attn_impl.*flash2.*CUDA.*sdpa"):
         run(attention, x)
 
 
-def test_flash_with_alibi_is_rejected_at_config_time() -> None:
+def test_flash2_with_alibi_is_rejected_at_config_time() -> None:
     with pytest.raises(ConfigError, match="alibi.*'sdpa'"):
-        AttnConfig(attn_impl="flash", alibi=True)
+        AttnConfig(attn_impl="flash2", alibi=True)
+
+
+@pytest.mark.parametrize("features", [{}, {"alibi": True}, {"sliding_window_size": 3}], ids=["plain", "alibi", "window"])
+def test_flash_runs_masks_and_biases_on_a_fused_kernel(x: torch.Tensor, features: dict[str, Any]) -> None:
+    reference = make_attention(**features)
+    flash = make_attention(**features, attn_impl="flash")
+    flash.load_state_dict(reference.state_dict())
+    torch.testing.assert_close(run(flash, x), run(reference, x), atol=1e-5, rtol=1e-5)
+
+
+def test_flash_with_no_fused_kernel_for_the_input_names_sdpa(x: torch.Tensor, monkeypatch) -> None:
+    from foundry.models import attention as attention_module
+
+    monkeypatch.setattr(attention_module, "FUSED_BACKENDS", [])  # as if no fused kernel took this input
+    with pytest.raises(ConfigError, match="attn_impl' is 'flash', but no fused attention kernel.*'sdpa'"):
+        run(make_attention(attn_impl="flash"), x)

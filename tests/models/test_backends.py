@@ -23,7 +23,7 @@ FAMILIES = {
     "llama": (LlamaCausalLM, {**TINY_LLAMA, "init_std": 0.2,
                               "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 8}}),
 }  # fmt: skip
-FUSED_IMPLS = ("flash", "cudnn")
+PINNED_IMPLS = ("flash2", "cudnn")  # exactly one SDPA backend each: CUDA and bf16 only
 
 
 def build(family: str, attn_impl: str, device: str = "cpu") -> torch.nn.Module:
@@ -61,23 +61,33 @@ def test_sdpa_matches_torch_in_bf16(family: str) -> None:
     assert_close_in_bf16(logits(build(family, "sdpa"), torch.bfloat16), reference)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash and cudnn run on CUDA GPUs only")
-@pytest.mark.parametrize("attn_impl", FUSED_IMPLS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_flash_runs_a_fused_kernel_matching_torch_in_fp32_and_bf16(family: str) -> None:
+    """``flash`` is SDPA on its fused backends only: on a CPU its flash kernel, ALiBi and GQA included."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    reference = logits(build(family, "torch", device))
+    if device == "cpu":  # fused GPU kernels take bf16 only; the CPU's flash kernel also takes fp32
+        torch.testing.assert_close(logits(build(family, "flash")), reference, atol=1e-5, rtol=1e-5)
+    assert_close_in_bf16(logits(build(family, "flash", device), torch.bfloat16), reference)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash2 and cudnn run on CUDA GPUs only")
+@pytest.mark.parametrize("attn_impl", PINNED_IMPLS)
 @pytest.mark.parametrize("family", ["mpt_rope_gqa_qkln_clip", "llama"])
-def test_fused_backends_match_torch_in_bf16_on_gpu(family: str, attn_impl: str) -> None:
+def test_pinned_backends_match_torch_in_bf16_on_gpu(family: str, attn_impl: str) -> None:
     reference = logits(build(family, "torch", "cuda"), torch.bfloat16)
     assert_close_in_bf16(logits(build(family, attn_impl, "cuda"), torch.bfloat16), reference)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU error")
-@pytest.mark.parametrize("attn_impl", FUSED_IMPLS)
-def test_fused_backends_on_cpu_raise_a_config_error_naming_sdpa(attn_impl: str) -> None:
+@pytest.mark.parametrize("attn_impl", PINNED_IMPLS)
+def test_pinned_backends_on_cpu_raise_a_config_error_naming_sdpa(attn_impl: str) -> None:
     with pytest.raises(ConfigError, match=rf"'{attn_impl}'.*CUDA.*'sdpa'"):
         logits(build("llama", attn_impl))
 
 
-@pytest.mark.parametrize("attn_impl", FUSED_IMPLS)
-def test_fused_backends_refuse_alibi_at_config_time(attn_impl: str) -> None:
+@pytest.mark.parametrize("attn_impl", PINNED_IMPLS)
+def test_pinned_backends_refuse_alibi_at_config_time(attn_impl: str) -> None:
     with pytest.raises(ConfigError, match=r"alibi.*'sdpa'"):
         MPTCausalLM(**{**TINY_MPT, "attn_config": {"alibi": True, "attn_impl": attn_impl}})
 

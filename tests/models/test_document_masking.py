@@ -110,8 +110,8 @@ def test_position_ids_restart_learned_positions() -> None:
     assert not torch.allclose(restarted[:, second], counted_on[:, second], atol=1e-4)
 
 
-@pytest.mark.parametrize("attn_impl", ["flash", "cudnn"])
-def test_fused_kernels_refuse_sequence_id_masking(attn_impl: str) -> None:
+@pytest.mark.parametrize("attn_impl", ["flash2", "cudnn"])
+def test_pinned_kernels_refuse_sequence_id_masking(attn_impl: str) -> None:
     with pytest.raises(ConfigError, match=rf"'model\.attn_config\.attn_uses_sequence_id'.*{attn_impl}.*'sdpa'"):
         MPTCausalLM(**TINY_MPT, attn_config={"attn_impl": attn_impl, "attn_uses_sequence_id": True})
 
