@@ -13,6 +13,7 @@ from helpers import TinyLM, token_batches
 import foundry.data
 from foundry import registry
 from foundry.builders import (
+    build_compile,
     build_components,
     build_eval_dataloaders,
     build_model,
@@ -213,3 +214,33 @@ def test_resolved_config_is_handed_to_the_trainer(tmp_path: Path) -> None:
 def test_unimplemented_setting_is_rejected_not_ignored(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="save_weights_only"):
         build_trainer(make_config(tmp_path, save_weights_only=True))
+
+
+# -------------------------------------------------------------------------------------- compile_config
+def test_compile_config_auto_compiles_nothing_on_a_cpu(tmp_path: Path) -> None:
+    assert build_compile(make_config(tmp_path)) == []
+
+
+def test_compile_config_auto_compiles_the_whole_model_on_one_gpu_and_blocks_when_sharded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (one_gpu,) = build_compile(make_config(tmp_path, device="cuda"))
+    assert one_gpu.scope == "model"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    (sharded,) = build_compile(make_config(tmp_path, device="cuda"))
+    assert sharded.scope == "blocks"
+
+
+def test_compile_config_false_turns_compile_off_on_a_gpu(tmp_path: Path) -> None:
+    assert build_compile(make_config(tmp_path, device="cuda", compile_config=False)) == []
+
+
+def test_compile_config_auto_yields_to_an_explicit_torch_compile_algorithm(tmp_path: Path) -> None:
+    assert build_compile(make_config(tmp_path, device="cuda", algorithms={"torch_compile": {}})) == []
+
+
+@pytest.mark.parametrize("setting", [False, True, {"scope": "blocks"}])
+def test_compile_config_and_torch_compile_algorithm_together_is_an_error(tmp_path: Path, setting: Any) -> None:
+    cfg = make_config(tmp_path, compile_config=setting, algorithms={"torch_compile": {}})
+    with pytest.raises(ConfigError, match="compile_config is .* and algorithms.torch_compile is set.*Keep one"):
+        build_trainer(cfg)

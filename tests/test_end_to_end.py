@@ -147,3 +147,22 @@ def test_mpt_small_cpu_yaml_runs_with_only_data_and_tokenizer_changed(tmp_path, 
     rows = (tmp_path / "runs" / "mpt_causal_lm_cpu" / "metrics.jsonl").read_text().splitlines()
     losses = [json.loads(r)["loss/train/total"] for r in rows if "loss/train/total" in r]
     assert len(losses) == 10 and all(loss == loss for loss in losses)
+
+
+FEW_BATCHES = ["max_duration=6ba", "console_log_interval=1ba", "eval_first=false", "eval_interval=100ba"]
+# What `foundry train` picks by itself on one GPU, forced here on the CPU: the whole model compiled (dynamo's
+# aot_eager backend: inductor's code generation would take minutes on a CPU runner), the fused loss, and the
+# YAML's fsdp_config applied without FSDP on one rank (its PURE precision: a bf16 residual stream).
+FAST_PATH = ["compile_config={backend: aot_eager}", "model.loss_fn=fused_crossentropy", "fsdp_config={mixed_precision: PURE}"]
+EAGER_PATH = ["compile_config=false", "model.loss_fn=torch_crossentropy"]
+
+
+@pytest.mark.parametrize(("precision", "tolerance"), [("fp32", 1e-5), ("amp_bf16", 2e-3)])
+def test_the_fast_path_trains_to_the_eager_losses(tmp_path, quickstart_data, precision, tolerance):
+    losses = {}
+    for name, settings in (("eager", EAGER_PATH), ("fast", FAST_PATH)):
+        run = tmp_path / name
+        assert _train(run, quickstart_data, *FEW_BATCHES, f"precision={precision}", *settings) == 0
+        losses[name] = _metrics(run / "run", "loss/train/total")
+    assert len(losses["fast"]) == 6
+    assert losses["fast"] == pytest.approx(losses["eager"], rel=tolerance)

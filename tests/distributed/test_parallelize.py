@@ -131,3 +131,49 @@ def test_activation_checkpointing_target_key_reaches_the_sharded_model(ranks, fa
         keys.update(multiple_of=8)
     section = {"name": family, **keys, "activation_checkpointing_target": {"grouped_query_attention": "last-1"}}
     assert ranks.run(1, checkpointed_modules, section, str(tmp_path))[0] == ["transformer.blocks.3.attn"]
+
+
+def placement(fsdp_config: dict, precision: str, folder: str, model_section: dict | None = None) -> dict | None:
+    """How a Trainer placed the model (run on each rank): sharded or not, and the residual stream's dtype."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from foundry.builders import build_model
+    from foundry.core.precision import autocast
+    from foundry.distributed import get_rank
+    from foundry.trainer import Trainer
+
+    trainer = Trainer(
+        model=build_model(model_section or {"name": "mpt_causal_lm", **TINY}),
+        train_dataloader=[],
+        optimizers=lambda params: torch.optim.SGD(params, lr=0.1),
+        fsdp_config=fsdp_config,
+        precision=precision,
+        device="cpu",
+        run_folder=folder,
+        log_to_console=False,
+    )
+    model = trainer.state.model
+    if isinstance(model, FSDPModule):  # its embedding runs only inside the root's forward
+        return {"sharded": True} if get_rank() == 0 else None
+    with autocast(precision, torch.device("cpu")):
+        embedded = model.transformer.wte(torch.zeros(1, 4, dtype=torch.long))
+    return {"sharded": False, "residual_dtype": embedded.dtype}
+
+
+@pytest.mark.parametrize(
+    ("mixed_precision", "precision", "residual_dtype"),
+    [("PURE", "amp_bf16", torch.bfloat16), ("DEFAULT", "amp_bf16", torch.bfloat16), ("FULL", "amp_bf16", None),
+     ("PURE", "fp32", torch.float32)],
+)  # fmt: skip
+def test_one_rank_skips_fsdp_but_keeps_its_activation_precision(
+    ranks, mixed_precision, precision, residual_dtype, tmp_path
+):
+    fsdp = {"mixed_precision": mixed_precision, "cpu_offload": True}  # offload needs a GPU: ignored on a CPU
+    result = ranks.run(1, placement, fsdp, precision, str(tmp_path))[0]
+    assert not result["sharded"]
+    # FULL keeps fp32 parameters: the embedding's output stays fp32 under autocast, as it does under FSDP
+    assert result["residual_dtype"] == (residual_dtype or torch.float32)
+
+
+def test_two_ranks_are_sharded(ranks, tmp_path):
+    assert ranks.run(2, placement, {}, "amp_bf16", str(tmp_path))[0]["sharded"]

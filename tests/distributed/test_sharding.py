@@ -69,3 +69,18 @@ def test_gradient_accumulation_over_microbatches_matches_one_rank(ranks, one_ran
 def test_compiled_model_under_fsdp_keeps_the_losses(ranks, one_rank, scope, tmp_path):
     compile_ = TorchCompile(backend="aot_eager", scope=scope)
     assert_same_run(ranks.run(2, train, NUM_BATCHES, str(tmp_path), {}, algorithms=[compile_])[0], one_rank)
+
+
+def test_compiled_model_with_the_fused_loss_under_full_shard_keeps_the_losses(ranks, one_rank, tmp_path):
+    """What compile_config and loss_fn: auto give a sharded GPU run: block compile and the fused loss, on 2 ranks."""
+    compile_ = TorchCompile(backend="aot_eager", scope="blocks", compile_loss=True)
+    fused = {"loss_fn": "fused_crossentropy"}
+    result = ranks.run(2, train, NUM_BATCHES, str(tmp_path), {}, algorithms=[compile_], model_keys=fused)[0]
+    assert_same_run(result, one_rank)
+
+
+def test_one_rank_with_fsdp_config_and_meta_init_gets_the_unsharded_weights(ranks, tmp_path):
+    unsharded = ranks.run(1, initial_weights, str(tmp_path / "cpu"))[0]
+    one_rank = ranks.run(1, initial_weights, str(tmp_path / "meta"), {}, model_keys={"init_device": "meta"})[0]
+    for name, weight in unsharded.items():
+        assert torch.equal(one_rank[name], weight), name
