@@ -129,6 +129,13 @@ class SpeedMonitor(Callback):
     Every BATCH_END also logs ``time/train`` and every EVAL_END ``time/eval``, both in HOURS; eval and
     checkpoint time never count as train time.
 
+    At FIT_END it logs the averages of the run's steady part, every batch after the first
+    ``warmup_batches`` of the fit (which pay for compiling, autotuning and the allocator's first
+    growth): ``throughput/run/tokens_per_sec``, ``throughput/run/device/tokens_per_sec``,
+    ``throughput/run/device/mfu`` (with a known peak), ``throughput/run/batches`` (how many were
+    averaged) and ``time/first_batch_s``. The console's run summary prints them. A fit of no more
+    than ``warmup_batches`` batches averages all of them.
+
     With the throughput, ``time/phase/<phase>_s`` gives the MEAN SECONDS PER BATCH over the window
     spent in each phase: ``data`` (waiting for the loader), ``forward_backward``, ``optimizer`` (the
     step), ``other`` (the rest of train time: BATCH_END callbacks, logging), and, amortised over the
@@ -141,6 +148,7 @@ class SpeedMonitor(Callback):
         window_size: Batches averaged over; the first values appear after this many batches.
         gpu_flops_available: Dense peak FLOP/s of one device, or a map from matmul dtype ('bf16', 'fp16',
             'fp8', 'tf32', 'fp32') to it; what it does not give is looked up from the device name.
+        warmup_batches: Batches at the start of each fit left out of the run averages logged at FIT_END.
         clock: Seconds from an arbitrary origin; injectable for tests.
     """
 
@@ -148,10 +156,14 @@ class SpeedMonitor(Callback):
         self,
         window_size: int = 100,
         gpu_flops_available: float | dict[str, float] | None = None,
+        warmup_batches: int = 2,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if window_size < 1:
             raise ConfigError(f"callbacks.speed_monitor.window_size is {window_size}; it must be at least 1.")
+        if warmup_batches < 0:
+            raise ConfigError(f"callbacks.speed_monitor.warmup_batches is {warmup_batches}; it must be at least 0.")
+        self.warmup_batches = warmup_batches
         check_peak_override(gpu_flops_available, "callbacks.speed_monitor.gpu_flops_available")
         self.window_size = window_size
         self.gpu_flops_available = gpu_flops_available
@@ -161,6 +173,7 @@ class SpeedMonitor(Callback):
         self._phase_window: deque[dict[str, float]] = deque(maxlen=window_size)
         self._train_s_at_last_batch = 0.0
         self._peak_flops_per_sec: float | None = None
+        self._fit_batches: list[_BatchRecord] = []  # this fit's batches, for the run averages
 
     def run_event(self, event: Event, state: State, logger: Logger) -> None:
         self.train_clock.observe(event)
@@ -173,19 +186,20 @@ class SpeedMonitor(Callback):
         self.phase_clock.take()  # an eval before fit is not this window's
         self._train_s_at_last_batch = self.train_clock.train_s
         self._peak_flops_per_sec = device_peak_flops_per_sec(state.device, state.precision, self.gpu_flops_available)
+        self._fit_batches.clear()
 
     def batch_end(self, state: State, logger: Logger) -> None:
         model_flops = model_flops_per_batch(state)
         train_s = self.train_clock.train_s
-        self._window.append(
-            _BatchRecord(
-                duration_s=train_s - self._train_s_at_last_batch,
-                samples=state.batch_num_samples,
-                tokens=state.batch_num_tokens,
-                model_flops=model_flops,
-                hardware_flops=model_flops + state.extra_flops_per_batch,
-            )
+        record = _BatchRecord(
+            duration_s=train_s - self._train_s_at_last_batch,
+            samples=state.batch_num_samples,
+            tokens=state.batch_num_tokens,
+            model_flops=model_flops,
+            hardware_flops=model_flops + state.extra_flops_per_batch,
         )
+        self._window.append(record)
+        self._fit_batches.append(record)
         self._phase_window.append(self.phase_clock.take())
         self._train_s_at_last_batch = train_s
         metrics = {"time/train": train_s / SECONDS_PER_HOUR}
@@ -196,6 +210,25 @@ class SpeedMonitor(Callback):
 
     def eval_end(self, state: State, logger: Logger) -> None:
         logger.log_metrics({"time/eval": self.train_clock.eval_s / SECONDS_PER_HOUR})
+
+    def fit_end(self, state: State, logger: Logger) -> None:
+        if self._fit_batches:
+            logger.log_metrics(self.run_averages(state.world_size))
+
+    def run_averages(self, world_size: int) -> dict[str, float]:
+        """Tokens/s and MFU over this fit's batches after the first ``warmup_batches`` (all, if no more ran)."""
+        steady = self._fit_batches[self.warmup_batches :] or self._fit_batches
+        duration_s = sum(record.duration_s for record in steady)
+        metrics = {"throughput/run/batches": len(steady), "time/first_batch_s": self._fit_batches[0].duration_s}
+        if duration_s <= 0:
+            return metrics
+        tokens = sum(record.tokens for record in steady)
+        metrics["throughput/run/tokens_per_sec"] = tokens / duration_s
+        metrics["throughput/run/device/tokens_per_sec"] = tokens / world_size / duration_s
+        model_flops = sum(record.model_flops for record in steady)
+        if model_flops > 0 and self._peak_flops_per_sec:
+            metrics["throughput/run/device/mfu"] = model_flops / duration_s / self._peak_flops_per_sec
+        return metrics
 
     def _throughput(self, world_size: int) -> dict[str, float]:
         duration_s, samples, tokens, model_flops, hardware_flops = (sum(column) for column in zip(*self._window))

@@ -130,6 +130,8 @@ class ConsoleLogger(LoggerDestination):
             ("tokens", f"{state.timestamp.token:,}"),
             ("wall time", format_duration(wall_s)),
         ]
+        if "throughput/run/tokens_per_sec" in self._latest:
+            rows.append(("throughput", self._run_throughput()))
         for key in sorted(self._first, key=lambda k: (k != TRAIN_LOSS_KEY, k)):
             rows.append((key, f"{self._first[key]:.4f} (first) -> {self._latest[key]:.4f} (last)"))
         checkpoint = getattr(state, "last_checkpoint_path", None)
@@ -137,6 +139,17 @@ class ConsoleLogger(LoggerDestination):
             rows.append(("checkpoint", str(checkpoint)))
         width = max(len(name) for name, _ in rows)
         return "\n".join(["Run summary"] + [f"  {name:<{width}}  {value}" for name, value in rows])
+
+    def _run_throughput(self) -> str:
+        """The speed monitor's steady-state averages: '61,230 tokens/s, MFU 57.6% (batches 3-40; first 48.2s)'."""
+        latest = self._latest
+        text = f"{latest['throughput/run/tokens_per_sec']:,.0f} tokens/s"
+        if "throughput/run/device/mfu" in latest:
+            text += f", MFU {latest['throughput/run/device/mfu']:.1%}"
+        batches = int(latest.get("throughput/run/batches", 0))
+        first_s = latest.get("time/first_batch_s")
+        first = f"; the first took {format_duration(first_s)}" if first_s is not None else ""
+        return f"{text} (average over the last {batches:,} batches{first})"
 
     def _on_interval(self, state: State) -> None:
         previous, self._last_check = self._last_check, state.timestamp

@@ -210,3 +210,34 @@ def test_yaml_kwargs_are_checked_against_the_signature():
     assert check_call_kwargs(cls, {"window_size": 10}, "callbacks.speed_monitor") == {"window_size": 10}
     with pytest.raises(ConfigError, match="window_size"):
         check_call_kwargs(cls, {"window_sise": 10}, "callbacks.speed_monitor")
+
+
+def test_run_averages_leave_out_the_warmup_batches(state, recorder, clock, fire, train_batch, flops_model):
+    state.model = flops_model(flops_per_batch=100)
+    monitor = SpeedMonitor(window_size=2, gpu_flops_available=1000.0, warmup_batches=2, clock=clock)
+    fire(monitor, Event.FIT_START)
+    for second in (30.0, 32.0, 33.0, 34.0, 36.0):  # a 30 s first batch (compile), a 2 s second, then 1, 1, 2
+        clock.now = second
+        train_batch(monitor, samples=4, tokens=40)
+    fire(monitor, Event.FIT_END)
+    metrics, _ = recorder.calls[-1]
+    assert metrics["throughput/run/batches"] == 3
+    assert metrics["time/first_batch_s"] == 30.0
+    assert metrics["throughput/run/tokens_per_sec"] == 30.0  # 3 batches of 40 tokens in 4 s
+    assert metrics["throughput/run/device/mfu"] == 0.075  # 300 FLOPs / 4 s / 1000
+
+
+def test_run_averages_of_a_fit_shorter_than_the_warmup_cover_every_batch(recorder, clock, fire, train_batch):
+    monitor = SpeedMonitor(window_size=5, warmup_batches=2, clock=clock)
+    fire(monitor, Event.FIT_START)
+    clock.now = 4.0
+    train_batch(monitor, samples=4, tokens=40)
+    fire(monitor, Event.FIT_END)
+    metrics, _ = recorder.calls[-1]
+    assert metrics["throughput/run/batches"] == 1 and metrics["throughput/run/tokens_per_sec"] == 10.0
+    assert "throughput/run/device/mfu" not in metrics  # no peak on a CPU
+
+
+def test_negative_warmup_batches_is_a_config_error(clock):
+    with pytest.raises(ConfigError, match="warmup_batches is -1"):
+        SpeedMonitor(warmup_batches=-1, clock=clock)

@@ -107,6 +107,18 @@ def test_summary_shows_first_and_last_losses_and_checkpoint(state, fire, advance
     ]
 
 
+def test_summary_states_the_steady_throughput_and_mfu(state, fire, advance, clock, capsys):
+    console = ConsoleLogger(log_interval="100ba", progress_bar=False, clock=clock)
+    fire(console, Event.FIT_START)
+    _train_to(console, state, fire, advance, 3)
+    run_averages = {"throughput/run/tokens_per_sec": 61234.5, "throughput/run/device/mfu": 0.5763}
+    console.log_metrics({**run_averages, "throughput/run/batches": 38, "time/first_batch_s": 48.2}, step=3)
+    fire(console, Event.FIT_END)
+    summary = capsys.readouterr().out.split("Run summary\n")[1]
+    expected = "61,234 tokens/s, MFU 57.6% (average over the last 38 batches; the first took 48.2s)"
+    assert f"  throughput        {expected}" in summary.splitlines()
+
+
 def test_other_ranks_print_nothing(state, fire, advance, capsys):
     state.rank = 1
     console = ConsoleLogger(progress_bar=False)
