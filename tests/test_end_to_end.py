@@ -153,7 +153,11 @@ FEW_BATCHES = ["max_duration=6ba", "console_log_interval=1ba", "eval_first=false
 # What `foundry train` picks by itself on one GPU, forced here on the CPU: the whole model compiled (dynamo's
 # aot_eager backend: inductor's code generation would take minutes on a CPU runner), the fused loss, and the
 # YAML's fsdp_config applied without FSDP on one rank (its PURE precision: a bf16 residual stream).
-FAST_PATH = ["compile_config={backend: aot_eager}", "model.loss_fn=fused_crossentropy", "fsdp_config={mixed_precision: PURE}"]
+FAST_PATH = [
+    "compile_config={backend: aot_eager}",
+    "model.loss_fn=fused_crossentropy",
+    "fsdp_config={mixed_precision: PURE}",
+]
 EAGER_PATH = ["compile_config=false", "model.loss_fn=torch_crossentropy"]
 
 

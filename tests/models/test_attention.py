@@ -220,7 +220,9 @@ def test_flash2_with_alibi_is_rejected_at_config_time() -> None:
         AttnConfig(attn_impl="flash2", alibi=True)
 
 
-@pytest.mark.parametrize("features", [{}, {"alibi": True}, {"sliding_window_size": 3}], ids=["plain", "alibi", "window"])
+@pytest.mark.parametrize(
+    "features", [{}, {"alibi": True}, {"sliding_window_size": 3}], ids=["plain", "alibi", "window"]
+)
 def test_flash_runs_masks_and_biases_on_a_fused_kernel(x: torch.Tensor, features: dict[str, Any]) -> None:
     reference = make_attention(**features)
     flash = make_attention(**features, attn_impl="flash")

@@ -136,3 +136,19 @@ def test_typo_names_the_key() -> None:
 def test_kv_n_heads_must_divide_n_heads() -> None:
     with pytest.raises(ConfigError, match=r"model\.kv_n_heads"):
         LlamaCausalLM(**{**TINY_LLAMA, "kv_n_heads": 3})
+
+
+def test_mpts_attn_config_spelling_sets_the_llama_keys() -> None:
+    model = tiny_llama(attn_config={"attn_impl": "flash", "attn_uses_sequence_id": True})
+    assert model.llama_config.attn_impl == "flash" and model.config.attn_config.attn_impl == "flash"
+    assert model.config.attn_config.attn_uses_sequence_id
+
+
+def test_attn_config_keys_that_llama_does_not_have_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"'model\.attn_config\.alibi' is not a Llama key.*mpt_causal_lm"):
+        tiny_llama(attn_config={"alibi": True})
+
+
+def test_both_attn_impl_spellings_must_agree_for_llama() -> None:
+    with pytest.raises(ConfigError, match=r"'model\.attn_impl' is 'torch' but 'model\.attn_config\.attn_impl'"):
+        tiny_llama(attn_impl="torch", attn_config={"attn_impl": "flash"})

@@ -93,3 +93,29 @@ def test_registry_builds_from_yaml_keys_and_rejects_typos(mpt_keys: Callable[...
     assert build(**mpt_keys()).config.d_model == 32
     with pytest.raises(ConfigError, match=r"'model\.expansion_rato'.*Did you mean 'expansion_ratio'"):
         build(**mpt_keys(expansion_rato=4))
+
+
+def test_llamas_attn_impl_spelling_sets_attn_config(parse) -> None:
+    assert parse(attn_impl="flash", attn_config={}).attn_config.attn_impl == "flash"
+
+
+def test_both_attn_impl_spellings_must_agree(parse) -> None:
+    assert parse(attn_impl="flash", attn_config={"attn_impl": "flash"}).attn_config.attn_impl == "flash"
+    with pytest.raises(ConfigError, match=r"'model\.attn_impl' is 'flash' but 'model\.attn_config\.attn_impl' is"):
+        parse(attn_impl="flash", attn_config={"attn_impl": "torch"})
+
+
+def test_loss_fn_auto_fuses_the_loss_only_where_the_kernel_runs_on_a_gpu(monkeypatch) -> None:
+    import torch
+
+    from foundry.models import MPTCausalLM
+    from foundry.models import mpt as mpt_module
+    from foundry.models.base import LossOutput
+
+    model = MPTCausalLM(d_model=32, n_heads=2, n_layers=1, max_seq_len=8, vocab_size=64)
+    batch = {"input_ids": torch.randint(0, 64, (2, 8))}
+    assert model.config.loss_fn == "auto" and isinstance(model(batch), torch.Tensor)  # on a CPU: logits
+    monkeypatch.setattr(mpt_module, "fused_loss_runs_on", lambda device: True)
+    assert isinstance(model(batch), LossOutput)
+    model.eval()
+    assert isinstance(model(batch), torch.Tensor)  # eval forwards always return logits
