@@ -95,8 +95,9 @@ def test_registry_builds_from_yaml_keys_and_rejects_typos(mpt_keys: Callable[...
         build(**mpt_keys(expansion_rato=4))
 
 
-def test_llamas_attn_impl_spelling_sets_attn_config(parse) -> None:
-    assert parse(attn_impl="flash", attn_config={}).attn_config.attn_impl == "flash"
+def test_llamas_attn_impl_spelling_sets_attn_config() -> None:
+    section = {"d_model": 32, "n_heads": 4, "n_layers": 2, "attn_impl": "flash"}
+    assert parse_dataclass(MPTConfig, section, "model").attn_config.attn_impl == "flash"
 
 
 def test_both_attn_impl_spellings_must_agree(parse) -> None:
