@@ -149,7 +149,7 @@ class ConsoleLogger(LoggerDestination):
         batches = int(latest.get("throughput/run/batches", 0))
         first_s = latest.get("time/first_batch_s")
         first = f"; the first took {format_duration(first_s)}" if first_s is not None else ""
-        return f"{text} (average over the last {batches:,} batches{first})"
+        return f"{text} (average over the last {batches:,} batch{'es' if batches != 1 else ''}{first})"
 
     def _on_interval(self, state: State) -> None:
         previous, self._last_check = self._last_check, state.timestamp

@@ -1,0 +1,169 @@
+"""MFU of the shipped YAMLs through the path a user takes: `foundry train` on MDS data read by StreamingDataset.
+
+    python benchmarks/default_path.py --corpus a.txt b.txt --tokenizer DIR --out OUT \\
+        --rows mpt-125m mpt-1b llama-1b llm-foundry-mpt-1b hf-llama hf-llama-compiled
+
+1. ``foundry data convert`` tokenizes the corpus into 2048-token MDS samples, repeating the text until
+   there are ``--samples`` of them (so no row crosses an epoch boundary while it is timed).
+2. Each foundry row runs ``foundry train <yaml>`` in a fresh process with only paths and the run's length
+   changed: ``variables.data_local``, ``tokenizer.name``, ``max_duration``, ``run_folder`` and no eval loader
+   (eval time is not train time, and costs device time here). Everything that sets speed (compile,
+   loss, attention, sharding, microbatch, the global batch, logging every batch) is the YAML's own.
+   The row's MFU and tokens/s are the speed monitor's averages over the steady part of the run
+   (``throughput/run/*`` in metrics.jsonl: every batch after its ``warmup_batches``), the same
+   numbers the run summary prints.
+3. The baseline is ``benchmarks/mfu.py``'s plain PyTorch loop over Hugging Face's ``LlamaForCausalLM``
+   (~1.4B parameters), eager and ``torch.compile``d, in the same call.
+
+``--set 'ROW:key=value;key=value'`` adds a row: ROW's YAML with more overrides (e.g. a microbatch sweep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_utils import REPO_ROOT, markdown_table, save_json
+
+# name -> (YAML, batches to train). The 1B rows take ~17 s a batch (512 x 2048 tokens); the first batch compiles.
+ROWS: dict[str, tuple[str, int]] = {
+    "mpt-125m": ("yamls/pretrain/mpt-125m.yaml", 10),
+    "mpt-1b": ("yamls/pretrain/mpt-1b.yaml", 4),
+    "llama-1b": ("yamls/pretrain/llama-1b.yaml", 4),
+    "llm-foundry-mpt-1b": ("llm-foundry-yamls/pretrain/mpt-1b.yaml", 4),  # under --reference-yamls
+    "llm-foundry-mpt-125m": ("llm-foundry-yamls/pretrain/mpt-125m.yaml", 10),
+}
+BASELINES = ("hf-llama", "hf-llama-compiled")
+SEQ_LEN = 2048
+
+
+def build_data(corpus: list[str], tokenizer: str, samples: int, out: Path) -> Path:
+    """MDS shards of ``samples`` 2048-token samples (the corpus repeated as often as needed) under ``out``."""
+    if (out / "train" / "index.json").exists():
+        return out
+    text = "\n\n".join(Path(path).read_text() for path in corpus)
+    # About 4 characters a token for English BPE; one spare copy so the train split surely holds enough.
+    copies = max(1, samples * SEQ_LEN * 4 // len(text) + 1)
+    source = out.parent / "corpus-copies"
+    source.mkdir(parents=True, exist_ok=True)
+    for copy in range(copies):
+        (source / f"copy{copy:03d}.txt").write_text(text)
+    command = ["data", "convert", str(source), "--out", str(out), "--tokenizer", tokenizer]
+    command += ["--concat-tokens", str(SEQ_LEN), "--eval-fraction", "0.01", "--no-progress"]
+    subprocess.run([sys.executable, "-m", "foundry.cli", *command], check=True, cwd=REPO_ROOT)
+    shutil.rmtree(source)
+    return out
+
+
+def run_foundry_row(name: str, yaml_path: Path, batches: int, extra: list[str], args: argparse.Namespace) -> dict:
+    """``foundry train`` as a user runs it; returns the run averages and peak memory from metrics.jsonl."""
+    run_folder = Path(args.work) / "runs" / name.replace("/", "_").replace("=", "-")
+    overrides = [
+        f"variables.data_local={args.data}",
+        f"tokenizer.name={args.tokenizer}",
+        f"max_duration={batches}ba",
+        "eval_loader=null",
+        f"run_folder={run_folder}",
+        *extra,
+    ]
+    started_s = time.perf_counter()
+    process = subprocess.run(
+        [sys.executable, "-m", "foundry.cli", "train", str(yaml_path), *overrides],
+        cwd=REPO_ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    wall_s = time.perf_counter() - started_s
+    log = process.stdout + process.stderr
+    (Path(args.out) / f"{run_folder.name}.log").write_text(log) if args.out else None
+    result: dict[str, Any] = {"row": name, "yaml": str(yaml_path), "overrides": " ".join(extra), "wall_s": wall_s}
+    if process.returncode != 0:
+        return {**result, "error": f"exit {process.returncode}: {log.strip().splitlines()[-1][:300]}"}
+    rows = [json.loads(line) for line in (run_folder / "metrics.jsonl").read_text().splitlines()]
+    latest = {key: value for row in rows for key, value in row.items()}
+    result.update(
+        mfu=latest.get("throughput/run/device/mfu"),
+        tokens_per_s=latest.get("throughput/run/tokens_per_sec"),
+        steady_batches=latest.get("throughput/run/batches"),
+        first_batch_s=latest.get("time/first_batch_s"),
+        compile_s=latest.get("time/compile_s"),
+        peak_gib=latest.get("memory/peak_allocated_mem"),
+        microbatch=latest.get("trainer/device_train_microbatch_size"),
+        summary=log[log.find("Run summary") :].strip() if "Run summary" in log else None,
+    )
+    return result
+
+
+def run_baselines(args: argparse.Namespace) -> list[dict]:
+    """mfu.py's HF Llama rows (plain loop, eager and compiled) in a fresh process."""
+    out = Path(args.work) / "baselines"
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "mfu.py"), "--rows", *BASELINES]
+    command += ["--warmup", "2", "--steps", "3", "--out", str(out)]
+    process = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
+    if process.returncode != 0:
+        return [{"row": "hf-llama", "error": (process.stdout + process.stderr).strip()[-300:]}]
+    results = json.loads((out / "mfu.json").read_text())
+    rows = results["rows"] if isinstance(results, dict) else results
+    return [{"row": r["row"], "mfu": r.get("mfu"), "tokens_per_s": r.get("tokens_per_s"),
+             "peak_gib": r.get("peak_mem_gib"), "error": r.get("error")} for r in rows]  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", nargs="+", default=[*ROWS, *BASELINES], choices=[*ROWS, *BASELINES])
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="ROW:key=value", help="extra rows: ROW plus an override"
+    )
+    parser.add_argument("--corpus", nargs="+", required=True, help="text files for the MDS data")
+    parser.add_argument("--tokenizer", required=True, help="tokenizer directory (gpt-neox-20b)")
+    parser.add_argument("--reference-yamls", default=str(REPO_ROOT.parent / "shared" / "data" / "reference"))
+    parser.add_argument("--samples", type=int, default=3000, help="2048-token samples in the train split")
+    parser.add_argument("--work", default="/tmp/foundry-default-path")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    args.data = build_data(args.corpus, args.tokenizer, args.samples, Path(args.work) / "data")
+    os.makedirs(args.out, exist_ok=True) if args.out else None
+    jobs = [(name, [], name) for name in args.rows if name in ROWS]
+    for spec in args.set:
+        row, _, overrides = spec.partition(":")
+        jobs.append((row, overrides.split(";"), f"{row}[{overrides}]"))
+    results = []
+    for row, extra, label in jobs:
+        yaml_path, batches = ROWS[row]
+        base = Path(args.reference_yamls) if row.startswith("llm-foundry") else REPO_ROOT
+        results.append(run_foundry_row(label, base / yaml_path, batches, extra, args))
+        print({key: value for key, value in results[-1].items() if key != "summary"}, flush=True)
+        save_json(args.out, "default_path", results)
+    if any(name in BASELINES for name in args.rows):
+        results += run_baselines(args)
+        save_json(args.out, "default_path", results)
+    compiled_baseline = next((r.get("mfu") for r in results if r["row"] == "hf-llama-compiled"), None)
+    for row in results:
+        if compiled_baseline and row.get("mfu"):
+            row["vs_hf_compiled"] = row["mfu"] / compiled_baseline
+    save_json(args.out, "default_path", results)
+    shown = (
+        "row",
+        "mfu",
+        "vs_hf_compiled",
+        "tokens_per_s",
+        "peak_gib",
+        "first_batch_s",
+        "compile_s",
+        "wall_s",
+        "error",
+    )
+    print(markdown_table([{key: row.get(key) for key in shown} for row in results]))
+    for row in results:
+        if row.get("summary"):
+            print(f"\n{row['row']}:\n{row['summary']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
