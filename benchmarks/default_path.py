@@ -115,7 +115,7 @@ def run_baselines(args: argparse.Namespace) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", nargs="+", default=[*ROWS, *BASELINES], choices=[*ROWS, *BASELINES])
+    parser.add_argument("--rows", nargs="*", default=[*ROWS, *BASELINES], choices=[*ROWS, *BASELINES])
     parser.add_argument(
         "--set", nargs="*", default=[], metavar="ROW:key=value", help="extra rows: ROW plus an override"
     )
