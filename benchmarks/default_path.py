@@ -23,22 +23,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from bench_utils import REPO_ROOT, markdown_table, save_json
 
-# name -> (YAML, batches to train). The 1B rows take ~17 s a batch (512 x 2048 tokens); the first batch compiles.
-ROWS: dict[str, tuple[str, int]] = {
-    "mpt-125m": ("yamls/pretrain/mpt-125m.yaml", 10),
-    "mpt-1b": ("yamls/pretrain/mpt-1b.yaml", 4),
-    "llama-1b": ("yamls/pretrain/llama-1b.yaml", 4),
-    "llm-foundry-mpt-1b": ("llm-foundry-yamls/pretrain/mpt-1b.yaml", 4),  # under --reference-yamls
-    "llm-foundry-mpt-125m": ("llm-foundry-yamls/pretrain/mpt-125m.yaml", 10),
+# name -> (YAML, batches to train, batches left out of the averages). A 1B batch is 512 x 2048 tokens (~17 s on
+# an H100), so one warm-up batch (compile included) and two timed ones; MPT-125M's batch is 256 x 2048 (~1 s).
+ROWS: dict[str, tuple[str, int, int]] = {
+    "mpt-125m": ("yamls/pretrain/mpt-125m.yaml", 10, 2),
+    "mpt-1b": ("yamls/pretrain/mpt-1b.yaml", 3, 1),
+    "llama-1b": ("yamls/pretrain/llama-1b.yaml", 3, 1),
+    "llm-foundry-mpt-1b": ("llm-foundry-yamls/pretrain/mpt-1b.yaml", 3, 1),  # under --reference-yamls
+    "llm-foundry-mpt-125m": ("llm-foundry-yamls/pretrain/mpt-125m.yaml", 10, 2),
 }
 BASELINES = ("hf-llama", "hf-llama-compiled")
 SEQ_LEN = 2048
@@ -62,13 +65,17 @@ def build_data(corpus: list[str], tokenizer: str, samples: int, out: Path) -> Pa
     return out
 
 
-def run_foundry_row(name: str, yaml_path: Path, batches: int, extra: list[str], args: argparse.Namespace) -> dict:
+def run_foundry_row(
+    name: str, yaml_path: Path, batches: Sequence[int], extra: list[str], args: argparse.Namespace
+) -> dict:
     """``foundry train`` as a user runs it; returns the run averages and peak memory from metrics.jsonl."""
-    run_folder = Path(args.work) / "runs" / name.replace("/", "_").replace("=", "-")
+    run_folder = Path(args.work) / "runs" / re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
+    total_batches, warmup_batches = batches
     overrides = [
         f"variables.data_local={args.data}",
         f"tokenizer.name={args.tokenizer}",
-        f"max_duration={batches}ba",
+        f"max_duration={total_batches}ba",
+        f"callbacks.speed_monitor.warmup_batches={warmup_batches}",
         "eval_loader=null",
         f"run_folder={run_folder}",
         *extra,
@@ -80,7 +87,8 @@ def run_foundry_row(name: str, yaml_path: Path, batches: int, extra: list[str], 
     )  # fmt: skip
     wall_s = time.perf_counter() - started_s
     log = process.stdout + process.stderr
-    (Path(args.out) / f"{run_folder.name}.log").write_text(log) if args.out else None
+    if args.out:
+        (Path(args.out) / f"{run_folder.name}.log").write_text(log)
     result: dict[str, Any] = {"row": name, "yaml": str(yaml_path), "overrides": " ".join(extra), "wall_s": wall_s}
     if process.returncode != 0:
         return {**result, "error": f"exit {process.returncode}: {log.strip().splitlines()[-1][:300]}"}
@@ -99,18 +107,17 @@ def run_foundry_row(name: str, yaml_path: Path, batches: int, extra: list[str], 
     return result
 
 
-def run_baselines(args: argparse.Namespace) -> list[dict]:
-    """mfu.py's HF Llama rows (plain loop, eager and compiled) in a fresh process."""
-    out = Path(args.work) / "baselines"
-    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "mfu.py"), "--rows", *BASELINES]
+def run_baseline(name: str, args: argparse.Namespace) -> dict:
+    """One of mfu.py's HF Llama rows (the plain loop, eager or compiled) in a fresh process."""
+    out = Path(args.work) / name
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / "mfu.py"), "--rows", name]
     command += ["--warmup", "2", "--steps", "3", "--out", str(out)]
     process = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
     if process.returncode != 0:
-        return [{"row": "hf-llama", "error": (process.stdout + process.stderr).strip()[-300:]}]
-    results = json.loads((out / "mfu.json").read_text())
-    rows = results["rows"] if isinstance(results, dict) else results
-    return [{"row": r["row"], "mfu": r.get("mfu"), "tokens_per_s": r.get("tokens_per_s"),
-             "peak_gib": r.get("peak_mem_gib"), "error": r.get("error")} for r in rows]  # fmt: skip
+        return {"row": name, "error": (process.stdout + process.stderr).strip()[-300:]}
+    (row,) = json.loads((out / "mfu.json").read_text())["rows"]
+    return {"row": name, "mfu": row.get("mfu"), "tokens_per_s": row.get("tokens_per_s"),
+            "peak_gib": row.get("peak_mem_gib"), "error": row.get("error")}  # fmt: skip
 
 
 def main() -> int:
@@ -119,28 +126,30 @@ def main() -> int:
     parser.add_argument(
         "--set", nargs="*", default=[], metavar="ROW:key=value", help="extra rows: ROW plus an override"
     )
-    parser.add_argument("--corpus", nargs="+", required=True, help="text files for the MDS data")
+    parser.add_argument("--corpus", nargs="+", help="text files for the MDS data (unless --data is given)")
+    parser.add_argument("--data", default=None, help="MDS data already converted (train split of 2048-token samples)")
     parser.add_argument("--tokenizer", required=True, help="tokenizer directory (gpt-neox-20b)")
     parser.add_argument("--reference-yamls", default=str(REPO_ROOT.parent / "shared" / "data" / "reference"))
     parser.add_argument("--samples", type=int, default=3000, help="2048-token samples in the train split")
     parser.add_argument("--work", default="/tmp/foundry-default-path")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    args.data = build_data(args.corpus, args.tokenizer, args.samples, Path(args.work) / "data")
+    if args.data is None:
+        args.data = build_data(args.corpus, args.tokenizer, args.samples, Path(args.work) / "data")
     os.makedirs(args.out, exist_ok=True) if args.out else None
-    jobs = [(name, [], name) for name in args.rows if name in ROWS]
+    jobs = [(name, [], name) for name in args.rows]
     for spec in args.set:
         row, _, overrides = spec.partition(":")
         jobs.append((row, overrides.split(";"), f"{row}[{overrides}]"))
     results = []
-    for row, extra, label in jobs:
-        yaml_path, batches = ROWS[row]
-        base = Path(args.reference_yamls) if row.startswith("llm-foundry") else REPO_ROOT
-        results.append(run_foundry_row(label, base / yaml_path, batches, extra, args))
+    for row, extra, label in jobs:  # in the order given; results are saved after each
+        if row in BASELINES:
+            results.append(run_baseline(row, args))
+        else:
+            yaml_path, *batches = ROWS[row]
+            base = Path(args.reference_yamls) if row.startswith("llm-foundry") else REPO_ROOT
+            results.append(run_foundry_row(label, base / yaml_path, batches, extra, args))
         print({key: value for key, value in results[-1].items() if key != "summary"}, flush=True)
-        save_json(args.out, "default_path", results)
-    if any(name in BASELINES for name in args.rows):
-        results += run_baselines(args)
         save_json(args.out, "default_path", results)
     compiled_baseline = next((r.get("mfu") for r in results if r["row"] == "hf-llama-compiled"), None)
     for row in results:
