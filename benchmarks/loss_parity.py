@@ -3,13 +3,13 @@
     python benchmarks/loss_parity.py --text input.txt --tokenizer tokenizer.json --steps 200 --out OUT
 
 Trains the YAML's model (default MPT-125M) through the Trainer for ``--steps`` batches of real
-text (tokenized with ``tokenizers`` in memory, no MDS conversion), in the same order
-and from the same seed, as: ``eager`` (the YAML as is, amp_bf16), ``eager_again`` (the same run
-repeated: the GPU's own run-to-run nondeterminism), ``fp32`` (the same without autocast: the bf16
-rounding gap), ``fast`` (regional compile, compiled loss, SDPA), ``fast_fused_residual`` (regional
-compile, the fused linear + cross-entropy, SDPA, a bf16 residual stream) and
-``fast_whole_fused_residual`` (the same with the whole model compiled). Reports the max and mean
-absolute per-step loss difference of each against ``eager``.
+text (tokenized with ``tokenizers`` in memory, no MDS conversion), in the same order and from the
+same seed, as: ``default`` (the YAML as shipped, with what ``foundry train`` picks on the device: the
+compile_config default, loss_fn auto, its fsdp_config on one rank, attn_impl flash), ``eager`` (the
+plain path: no compile, the unfused loss, no fsdp_config so an fp32 residual stream, SDPA, amp_bf16),
+``eager_again`` (the same run repeated: the GPU's own run-to-run nondeterminism) and ``fp32`` (eager
+without autocast: the bf16 rounding gap). Reports the max and mean absolute per-step loss difference
+of each against ``eager``.
 """
 
 from __future__ import annotations
@@ -23,26 +23,21 @@ import torch
 from bench_utils import REPO_ROOT, markdown_table, save_json
 
 from foundry import Callback, registry
-from foundry.builders import build_components, build_model, component_factory
+from foundry.builders import build_compile, build_components, build_model, component_factory
 from foundry.config import load_train_config
 from foundry.trainer import Trainer
 
+PLAIN = [
+    "compile_config=false",
+    "model.loss_fn=torch_crossentropy",
+    "model.attn_config.attn_impl=sdpa",
+    "fsdp_config=null",
+]
 VARIANTS: dict[str, dict[str, Any]] = {
-    "eager": {},
-    "eager_again": {},
-    "fp32": {"precision": "fp32", "overrides": ["model.attn_config.attn_impl=sdpa"]},  # flash needs bf16
-    "fast": {
-        "algorithms": {"torch_compile": {"compile_loss": True}},
-        "overrides": ["model.attn_config.attn_impl=sdpa"],
-    },
-    "fast_fused_residual": {
-        "algorithms": {"torch_compile": {}, "low_precision_residual": {}},
-        "overrides": ["model.attn_config.attn_impl=sdpa", "model.loss_fn=fused_crossentropy"],
-    },
-    "fast_whole_fused_residual": {
-        "algorithms": {"torch_compile": {"scope": "model"}, "low_precision_residual": {}},
-        "overrides": ["model.attn_config.attn_impl=sdpa", "model.loss_fn=fused_crossentropy"],
-    },
+    "default": {},
+    "eager": {"overrides": PLAIN},
+    "eager_again": {"overrides": PLAIN},
+    "fp32": {"precision": "fp32", "overrides": PLAIN},
 }
 
 
@@ -75,7 +70,8 @@ def train(config: str, variant: dict[str, Any], batches: list[dict], microbatch:
         max_duration=f"{len(batches)}ba",
         optimizers=component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",)),
         schedulers=component_factory(registry.schedulers, cfg.scheduler, "scheduler")(),
-        algorithms=build_components(registry.algorithms, {**cfg.algorithms, **variant.get("algorithms", {})}, "x"),
+        algorithms=build_components(registry.algorithms, cfg.algorithms, "algorithms") + build_compile(cfg),
+        fsdp_config=cfg.fsdp_config,
         callbacks=[losses],
         precision=variant.get("precision", cfg.precision),
         device="cuda",
