@@ -17,6 +17,7 @@ from torch import nn
 from foundry import distributed
 from foundry.config import FSDPConfig
 from foundry.core import LoggerDestination, State, Time
+from foundry.distributed.parallelize import init_on_cpu
 from foundry.errors import ConfigError
 from foundry.models.base import FoundryModel
 from foundry.optim.optimizers import DecoupledAdamW
@@ -50,15 +51,12 @@ def default_loggers(
 
 
 def place_model(model: FoundryModel, device: torch.device, fsdp_config: FSDPConfig | None, precision: str) -> None:
-    """Shard ``model`` onto ``device`` with FSDP2, or materialise a meta-device model there, or move it."""
+    """Shard ``model`` onto ``device`` with FSDP2, or move it there (a meta-device model initialised on the CPU)."""
     if fsdp_config is not None:
         distributed.parallelize(model, fsdp_config, device, precision)
-    elif any(p.is_meta for p in model.parameters()):
-        if not hasattr(model, "init_weights"):
-            raise ConfigError(f"{type(model).__name__} was built on the meta device but has no init_weights().")
-        model.to_empty(device=device)
-        model.init_weights()
     else:
+        if any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()]):
+            init_on_cpu(model)  # the weights a sharded run of the same seed starts from
         model.to(device)
 
 

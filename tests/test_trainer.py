@@ -255,3 +255,20 @@ def test_amp_bf16_trains_on_cpu(tmp_path):
     trainer = _trainer(tmp_path, precision="amp_bf16")
     trainer.fit()
     assert torch.isfinite(trainer.state.loss)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA generator differs from the CPU one")
+def test_a_meta_model_placed_on_a_gpu_starts_from_the_cpu_init_weights(tmp_path):
+    from helpers import TINY_MPT
+
+    from foundry.models import MPTCausalLM
+
+    torch.manual_seed(0)
+    expected = MPTCausalLM(**TINY_MPT, init_device="cpu").state_dict()
+    torch.manual_seed(0)
+    trainer = Trainer(
+        model=MPTCausalLM(**TINY_MPT, init_device="meta"), device="cuda", run_folder=str(tmp_path), log_to_console=False
+    )
+    placed = trainer.state.model.state_dict()
+    for name, weight in expected.items():
+        assert torch.equal(placed[name].cpu(), weight), name

@@ -108,7 +108,7 @@ def _wrap_blocks(model: nn.Module, config: FSDPConfig, device: torch.device) -> 
 def _place_unsharded(model: nn.Module, config: FSDPConfig, device: torch.device, precision: str) -> None:
     """One rank: the weights a sharded run starts from, on ``device``, with the block wrappers and precision."""
     if any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()]):
-        _init_on_cpu(model)  # as rank 0 does for a sharded run: the same initial weights at any world size
+        init_on_cpu(model)  # as rank 0 does for a sharded run: the same initial weights at any world size
     model.to(device)
     _wrap_blocks(model, config, device)
     if precision != "fp32" and config.mixed_precision in ("PURE", "DEFAULT"):
@@ -187,12 +187,16 @@ def _rank0_weights(model: nn.Module, sync_module_states: bool, device: torch.dev
     if get_rank() != 0:
         return {}
     if on_meta:
-        _init_on_cpu(model)
+        init_on_cpu(model)
     return model.state_dict()
 
 
-def _init_on_cpu(model: nn.Module) -> None:
-    """Materialise a meta-device model on the CPU and initialise it, leaving the random generators as they were."""
+def init_on_cpu(model: nn.Module) -> None:
+    """Materialise a meta-device model on the CPU and initialise it, leaving the random generators as they were.
+
+    Every placement of a meta-device model goes through here, so the same seed gives the same initial
+    weights on any device and at any world size (CPU and CUDA generators draw different numbers).
+    """
     if not hasattr(model, "init_weights"):
         raise ConfigError(
             f"{type(model).__name__} was built on the meta device but has no init_weights(), so its weights "

@@ -79,8 +79,11 @@ def test_compiled_model_with_the_fused_loss_under_full_shard_keeps_the_losses(ra
     assert_same_run(result, one_rank)
 
 
-def test_one_rank_with_fsdp_config_and_meta_init_gets_the_unsharded_weights(ranks, tmp_path):
+@pytest.mark.parametrize("fsdp_config", [{}, None], ids=["fsdp_config", "plain"])
+def test_one_rank_meta_init_gets_the_weights_of_a_cpu_init(ranks, fsdp_config, tmp_path):
+    """With or without fsdp_config: the same seed gives the same weights on any device and world size."""
     unsharded = ranks.run(1, initial_weights, str(tmp_path / "cpu"))[0]
-    one_rank = ranks.run(1, initial_weights, str(tmp_path / "meta"), {}, model_keys={"init_device": "meta"})[0]
+    keys = {"init_device": "meta"}
+    one_rank = ranks.run(1, initial_weights, str(tmp_path / "meta"), fsdp_config, model_keys=keys)[0]
     for name, weight in unsharded.items():
         assert torch.equal(one_rank[name], weight), name
