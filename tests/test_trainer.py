@@ -257,18 +257,20 @@ def test_amp_bf16_trains_on_cpu(tmp_path):
     assert torch.isfinite(trainer.state.loss)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA generator differs from the CPU one")
-def test_a_meta_model_placed_on_a_gpu_starts_from_the_cpu_init_weights(tmp_path):
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))],
+)
+def test_a_meta_model_starts_from_the_cpu_init_weights_on_any_device(tmp_path, device):
+    """The CUDA generator draws other numbers than the CPU's: placement initialises on the CPU, then moves."""
     from helpers import TINY_MPT
 
     from foundry.models import MPTCausalLM
 
     torch.manual_seed(0)
     expected = MPTCausalLM(**TINY_MPT, init_device="cpu").state_dict()
-    torch.manual_seed(0)
-    trainer = Trainer(
-        model=MPTCausalLM(**TINY_MPT, init_device="meta"), device="cuda", run_folder=str(tmp_path), log_to_console=False
-    )
+    model = MPTCausalLM(**TINY_MPT, init_device="meta")
+    trainer = Trainer(model=model, device=device, seed=0, run_folder=str(tmp_path), log_to_console=False)
     placed = trainer.state.model.state_dict()
     for name, weight in expected.items():
         assert torch.equal(placed[name].cpu(), weight), name
