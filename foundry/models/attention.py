@@ -1,29 +1,36 @@
 """Causal self-attention with LLM Foundry's ``attn_config``: MHA/GQA/MQA, RoPE, ALiBi, QK norm, clipping.
 
-Five kernels compute the same thing, chosen by ``attn_impl``:
+Six kernels compute the same thing, chosen by ``attn_impl``:
 
 - ``sdpa``: ``F.scaled_dot_product_attention``; torch picks the fastest backend that can run.
-- ``flash``: the same call restricted to SDPA's fused, flash-class backends (cuDNN, FlashAttention-2,
-  memory-efficient; the CPU's flash kernel): the fastest fused kernel for the input, never the
-  unfused math fallback. LLM Foundry YAMLs write ``flash`` to ask for a FlashAttention-class kernel;
-  on an H100 cuDNN's is faster than FlashAttention-2's, so pinning FA2 would lose 3-7% of a step.
+- ``flash``: the fastest fused, flash-class kernel for the input: on a GPU, FlexAttention when a mask
+  or bias is needed (document masking, ALiBi, sliding window, padding) and otherwise SDPA restricted to
+  its fused backends (cuDNN, FlashAttention-2, memory-efficient); on a CPU, SDPA's fused backends (its
+  flash kernel). Never the unfused math fallback. LLM Foundry YAMLs write ``flash`` to ask for a
+  FlashAttention-class kernel; on an H100 cuDNN's is faster than FlashAttention-2's, so pinning FA2
+  would lose 3-7% of a step.
+- ``flex``: FlexAttention (``foundry/models/flex_attention.py``) for every forward on a GPU, masked or
+  not; on a CPU, where it has no backward, SDPA with the same masks (with a warning).
 - ``flash2``: exactly FlashAttention-2 (CUDA, fp16/bf16, no mask); fails rather than run another kernel.
 - ``cudnn``: exactly cuDNN's fused attention (CUDA, fp16/bf16, no mask).
 - ``torch``: the explicit math, ``softmax(QK^T * scale + bias + mask) V`` in fp32; the reference.
 
 Masks and biases that every layer shares (padding, sliding window, ALiBi, RoPE angles) are built
-once per forward by ``build_attention_inputs``. A kernel that cannot apply one of them raises; none
+once per forward by ``build_attention_inputs``: dense for SDPA and the reference, as a FlexAttention
+``BlockMask`` and score modifier where FlexAttention runs. A kernel that cannot apply one of them raises; none
 is ever dropped. When decoding with a ``KVCache`` (``foundry/models/kv_cache.py``) the queries are
 the new tokens and the keys every cached column, so a mask is always needed: ``torch`` then runs as
 itself and every other kernel as ``sdpa`` without cuDNN (``cached_sdpa_attention``). To add a
 kernel (e.g. Triton in ``foundry/kernels``), register a function with the signature of
-``torch_attention`` in ``ATTENTION_IMPLS`` before building the model.
+``torch_attention`` in ``ATTENTION_IMPLS`` under a new name before building the model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Literal
 
@@ -31,8 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask
 
-from foundry.errors import ConfigError
+from foundry.errors import ConfigError, did_you_mean
+from foundry.models.flex_attention import ScoreMod, alibi_score_mod, block_mask, flex_attention_fn, flex_runs_on
 from foundry.models.kv_cache import LayerKVCache
 from foundry.models.layers import (
     NormType,
@@ -45,7 +54,7 @@ from foundry.models.layers import (
 )
 
 AttnType = Literal["multihead_attention", "grouped_query_attention", "multiquery_attention"]
-AttnImpl = Literal["sdpa", "flash", "flash2", "cudnn", "torch", "triton"]
+AttnImpl = str  # a key of ATTENTION_IMPLS: sdpa, flash, flash2, cudnn, flex, torch, or a registered kernel
 PINNED_IMPLS = ("flash2", "cudnn")  # one SDPA backend each: no mask or bias reaches them
 _KEY = "model.attn_config"
 
@@ -143,8 +152,14 @@ class AttnConfig:
             raise ConfigError(f"'{_KEY}.sliding_window_size' is {self.sliding_window_size}; use -1 (off) or >= 0.")
         if self.attn_impl not in ATTENTION_IMPLS:
             raise ConfigError(
-                f"'{_KEY}.attn_impl' is {self.attn_impl!r}, whose kernel is not in this build (a Triton kernel "
-                f"will register itself in foundry.models.attention.ATTENTION_IMPLS); use 'sdpa'."
+                f"'{_KEY}.attn_impl' is {self.attn_impl!r}; it must be one of {', '.join(map(repr, ATTENTION_IMPLS))} "
+                "(or a kernel registered in foundry.models.attention.ATTENTION_IMPLS)."
+                + did_you_mean(self.attn_impl, ATTENTION_IMPLS)
+            )
+        if self.attn_impl == "flex" and self.attn_pdrop > 0:
+            raise ConfigError(
+                f"'{_KEY}.attn_pdrop' is {self.attn_pdrop}, but FlexAttention (attn_impl 'flex') has no attention "
+                "dropout. Set attn_pdrop: 0, or use attn_impl 'sdpa'."
             )
         masked = {"alibi": self.alibi, "sliding_window_size": self.sliding_window_size != -1}
         masked["attn_uses_sequence_id"] = self.attn_uses_sequence_id
@@ -205,6 +220,9 @@ class AttentionInputs:
     allowed: torch.Tensor | None = None  # (batch or 1, 1, seq, seq) bool, True = may attend; None = causal
     bias: torch.Tensor | None = None  # ALiBi, (1, n_heads, seq, seq) fp32
     past_len: int | torch.Tensor = 0  # tokens already in the KV cache (an int, or a 0-d device tensor)
+    # Where FlexAttention runs, the masks above stay None and these say the same without seq² tensors:
+    block_mask: BlockMask | None = None
+    score_mod: ScoreMod | None = None  # ALiBi
 
     def causal_allowed(self, seq_len: int, device: torch.device) -> torch.Tensor:
         if self.allowed is not None:
@@ -238,7 +256,14 @@ def build_attention_inputs(
     if config.rope:
         scaling = config.rope_hf_config if config.rope_impl == "hf" else RopeHFConfig()
         inputs.rope = rope_cos_sin(positions, scaling.inv_freq(head_dim, config.rope_theta, device))
-    key_len = seq_len if key_padding_mask is None else key_padding_mask.shape[1]
+    masked = config.alibi or config.sliding_window_size >= 0 or key_padding_mask is not None or sequence_id is not None
+    cached = not isinstance(past_len, int) or past_len != 0 or key_len_of(key_padding_mask, seq_len) != seq_len
+    if _runs_flex(config, masked, device, cached):
+        inputs.block_mask = block_mask(seq_len, config.sliding_window_size, sequence_id, key_padding_mask, device)
+        if config.alibi:
+            inputs.score_mod = alibi_score_mod(alibi_slopes(n_heads, config.alibi_bias_max, device))
+        return inputs
+    key_len = key_len_of(key_padding_mask, seq_len)
     query_pos = (past_len + torch.arange(seq_len, device=device))[:, None]
     distance = query_pos - torch.arange(key_len, device=device)[None, :]  # (seq, keys): i - j
     if config.alibi:
@@ -262,6 +287,31 @@ def build_attention_inputs(
 # ----------------------------------------------------------------------------- kernels
 # Each takes q (batch, n_heads, seq, head_dim), k and v (batch, kv_n_heads, seq, head_dim)
 # and returns (batch, n_heads, seq, head_dim) in q's dtype.
+
+
+def key_len_of(key_padding_mask: torch.Tensor | None, seq_len: int) -> int:
+    """How many keys attention sees: the seq tokens, or with a KV cache every column of the cache."""
+    return seq_len if key_padding_mask is None else key_padding_mask.shape[1]
+
+
+def _runs_flex(config: AttnConfig, masked: bool, device: torch.device, cached: bool) -> bool:
+    """FlexAttention for ``flex``, and for ``flash`` when a mask or bias is needed; on a GPU, without a KV cache."""
+    wants_flex = config.attn_impl == "flex" or (config.attn_impl == "flash" and masked and config.attn_pdrop == 0)
+    if not wants_flex or cached:
+        return False
+    if flex_runs_on(device):
+        return True
+    if config.attn_impl == "flex":
+        _warn_once(
+            f"'{_KEY}.attn_impl' is 'flex', but FlexAttention has no backward on {device.type}; attention runs on "
+            "SDPA with dense masks here (the same function, slower and O(seq²) in memory)."
+        )
+    return False
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, stacklevel=4)
 
 
 def repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -307,7 +357,9 @@ FUSED_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBac
 def fused_sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, scale: float, dropout_p: float
 ) -> torch.Tensor:
-    """``sdpa_attention`` on a fused backend only (torch's priority among them), never the math fallback."""
+    """FlexAttention where the inputs carry a block mask, else ``sdpa_attention`` on a fused backend only."""
+    if inputs.block_mask is not None:
+        return flex_attention_fn(q, k, v, inputs.block_mask, inputs.score_mod, scale)
     try:
         with sdpa_kernel(FUSED_BACKENDS):
             return sdpa_attention(q, k, v, inputs, scale, dropout_p)
@@ -319,6 +371,15 @@ def fused_sdpa_attention(
             f"(q {tuple(q.shape)}, {q.dtype} on {q.device.type}, mask: {inputs.allowed is not None}): {error} "
             "Use attn_impl 'sdpa', which may fall back to the unfused math."
         ) from error
+
+
+def flex_or_sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, scale: float, dropout_p: float
+) -> torch.Tensor:
+    """``flex``: FlexAttention (block mask from ``build_attention_inputs``), or SDPA where it cannot run."""
+    if inputs.block_mask is not None:
+        return flex_attention_fn(q, k, v, inputs.block_mask, inputs.score_mod, scale)
+    return sdpa_attention(q, k, v, inputs, scale, dropout_p)
 
 
 # Decoding calls attention once per layer per new token. cuDNN spends about 0.26 ms of host time
@@ -384,6 +445,7 @@ ATTENTION_IMPLS: dict[str, AttentionFn] = {
     "flash": fused_sdpa_attention,
     "flash2": flash2_attention,
     "cudnn": cudnn_attention,
+    "flex": flex_or_sdpa_attention,
     "torch": torch_attention,
 }
 
