@@ -25,9 +25,9 @@ from torch import nn
 from foundry import distributed
 from foundry.eval.batching import Batch, TokenizedExample, make_batches, needs_prefix_space, tokenize_examples
 from foundry.eval.metrics import GenerationAccuracy, LanguageModelingAccuracy, MultipleChoiceAccuracy
-from foundry.eval.prompts import build_prompts, max_answer_text
+from foundry.eval.prompts import answer_texts, build_prompts
 from foundry.eval.scoring import greedy_generate, score_continuations
-from foundry.eval.tasks import ICLTaskConfig, read_rows, split_by_category
+from foundry.eval.tasks import ICLTaskConfig, check_dataset_uris, read_rows, split_by_category
 
 # Generated chains of thought may run a little longer than the longest one in the data (LLM Foundry's margin).
 _COT_EXTRA_TOKENS = 10
@@ -70,6 +70,7 @@ class ICLEvaluator:
         if self.pad_token_id is None:
             raise ValueError("The ICL tokenizer needs a pad or eos token to pad batches.")
         prefix_space = needs_prefix_space(tokenizer)
+        check_dataset_uris(tasks)  # a wrong path fails now, not after the tasks before it are tokenized
         self.subtasks = [
             subtask
             for task in tasks
@@ -89,17 +90,20 @@ class ICLEvaluator:
             for category, group in groups.items():
                 name = f"{task.label}/{num_fewshot}-shot" + (f"/{category}" if category else "")
                 prompts = build_prompts(task, group, num_fewshot, prefix_space, limit)
-                new_tokens = self._max_new_tokens(task, group[:limit])
+                new_tokens = self._max_new_tokens(task, group)
                 examples = tokenize_examples(prompts, self.tokenizer, seq_len, new_tokens, where=f"icl task '{name}'")
                 batches = make_batches(examples, batch_size, self.pad_token_id)
                 subtasks.append(Subtask(name, task, examples, batches, new_tokens))
         return subtasks
 
     def _max_new_tokens(self, task: ICLTaskConfig, rows: list[dict[str, Any]]) -> int:
+        """Tokens a generation task may write: its longest answer over all rows, counted as LLM Foundry
+        counts it (special tokens included), plus a margin for chains of thought. The contexts are
+        trimmed to leave this room, so it also decides where long prompts are cut."""
         if task.icl_task_type != "generation_task_with_answers":
             return 0
-        texts = [text for row in rows for text in max_answer_text(task, row)]
-        longest = max(len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts)
+        texts = sorted(set(answer_texts(task, rows)))
+        longest = max(map(len, self.tokenizer(texts)["input_ids"]))  # one batched call
         return max(longest + (_COT_EXTRA_TOKENS if task.cot_delimiter else 0), 1)
 
     @property
