@@ -188,6 +188,7 @@ class Trainer:
             self.checkpoints.settle_after_error()
             raise
         finally:
+            self.logger.flush()  # queued metrics reach the loggers before they close
             self.engine.close()
 
     def _finished(self) -> bool:
@@ -216,6 +217,7 @@ class Trainer:
         if epoch_done:
             previous = state.timestamp
             state.timestamp = previous.after_epoch()
+            self.logger.flush()  # epoch-unit console intervals print at EPOCH_END with the epoch's last loss
             self.engine.run_event(Event.EPOCH_END)
             if self._due(self.save_interval, previous, epoch_end=True):
                 self.checkpoints.save(Event.EPOCH_CHECKPOINT)
@@ -266,8 +268,11 @@ class Trainer:
         for scheduler in state.schedulers:  # after the timestamp moves: batch k+1 trains at LR(k)
             scheduler.step()
         engine.run_event(Event.BATCH_END)
+        # Every batch's loss reaches the loggers; as a device tensor it waits in the Logger's queue
+        # (no host sync) until the flush at the console interval converts the queue at once.
+        self.logger.log_metrics({"loss/train/total": distributed.all_reduce_sum(share_of_global_loss)})
         if self._due(self.log_interval, previous) or self._finished():
-            self.logger.log_metrics({"loss/train/total": distributed.all_reduce_sum(share_of_global_loss)})
+            self.logger.flush()
         if self._due(self.save_interval, previous):
             self.checkpoints.save(Event.BATCH_CHECKPOINT)
         if self._due(self.eval_interval, previous) and not self._finished():
@@ -331,6 +336,7 @@ class Trainer:
     def eval(self) -> dict[str, dict[str, float]]:
         """Evaluate every eval loader; returns and logs ``{label: {metric: value}}``."""
         state, engine = self.state, self.engine
+        self.logger.flush()  # train metrics come out before the eval lines
         state.model.eval()
         for label, loader in state.eval_dataloaders.items():
             engine.run_event(Event.EVAL_START)
