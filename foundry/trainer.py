@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from foundry import distributed
-from foundry.batches import batch_to_device, split_batch
+from foundry.batches import RepeatedSampleMask, batch_to_device, split_batch
 from foundry.checkpoint.load import resume_or_load
 from foundry.checkpoint.saver import CheckpointSaver
 from foundry.config import FSDPConfig
@@ -342,10 +342,11 @@ class Trainer:
             engine.run_event(Event.EVAL_START)
             loss_sum = torch.zeros((), dtype=torch.float64, device=state.device)
             weight_sum = torch.zeros((), dtype=torch.float64, device=state.device)
+            count_once = RepeatedSampleMask()  # samples the ranks' shares repeat add to the loss once
             for index, batch in enumerate(loader):
                 if 0 <= self.eval_subset_num_batches <= index:
                     break
-                state.batch = batch_to_device(batch, state.device)
+                state.batch = batch_to_device(count_once(batch), state.device)
                 engine.run_event(Event.EVAL_BATCH_START)
                 engine.run_event(Event.EVAL_BEFORE_FORWARD)
                 with autocast(state.precision, state.device):
@@ -353,7 +354,8 @@ class Trainer:
                     loss = state.model.loss(state.outputs, state.batch)
                 engine.run_event(Event.EVAL_AFTER_FORWARD)
                 weight = state.model.loss_weight(state.batch)
-                loss_sum += loss.double() * weight
+                # A batch of repeated samples only has no weight (and a NaN mean loss): it adds nothing.
+                loss_sum += torch.where(torch.as_tensor(weight) > 0, loss.double() * weight, 0.0)
                 weight_sum += weight
                 engine.run_event(Event.EVAL_BATCH_END)
             distributed.all_reduce_sum(loss_sum)
