@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import ByteTokenizer
 
-from foundry.errors import DataError
+from foundry.errors import DataError, TrainingError
 from foundry.eval.evaluator import ICLEvaluator
 from foundry.eval.metrics import GENERATION_ACCURACY, LM_ACCURACY, MC_ACCURACY, MC_ACCURACY_RAW, GenerationAccuracy
 from foundry.eval.tasks import parse_icl_tasks
@@ -128,3 +129,12 @@ def test_every_dataset_uri_is_checked_before_any_task_is_tokenized(write_jsonl) 
     with pytest.raises(DataError, match="'lost'.*lost.jsonl"):
         ICLEvaluator(tasks, tokenizer, seq_len=64, batch_size=4)
     assert CountingTokenizer.calls == 1  # needs_prefix_space's probe only
+
+
+def test_a_model_that_computes_nan_is_never_scored(write_jsonl, byte_tokenizer, rigged_lm) -> None:
+    icl = evaluator(write_jsonl, byte_tokenizer, "multiple_choice", MC_ROWS)
+    model = rigged_lm("xyz")
+    with torch.no_grad():
+        model.weight.fill_(float("nan"))  # what uninitialised (or never loaded) weights compute
+    with pytest.raises(TrainingError, match="NaN for 9 requests.*not reported"):
+        icl.evaluate(model)
