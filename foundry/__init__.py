@@ -26,6 +26,8 @@ _EXPORTS = {
     "DataError": "foundry.errors",
     "FoundryError": "foundry.errors",
     "TrainingError": "foundry.errors",
+    "generate": "foundry.inference",
+    "load_model": "foundry.inference",
     "registry": "foundry.registry",
 }
 

@@ -1,4 +1,5 @@
-"""Batches of any nesting (tensors, mappings, lists/tuples of them): moved to the device, split into microbatches."""
+"""Batches of any nesting (tensors, mappings, lists/tuples of them): moved to the device, split into microbatches;
+eval samples that several ranks hold counted once."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from typing import Any
 
 import torch
 
-from foundry.models.base import batch_num_samples
+from foundry.models.base import IGNORE_INDEX, batch_num_samples
+
+SAMPLE_INDEX_KEY = "sample_index"  # (batch,) each sample's index in its dataset, from loaders that tag them
 
 
 def split_batch(batch: Any, microbatch_size: int | None) -> list[Any]:
@@ -42,3 +45,50 @@ def batch_to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, list | tuple):
         return type(batch)(batch_to_device(value, device) for value in batch)
     return batch
+
+
+class RepeatedSampleMask:
+    """Evaluation counts each sample once, whatever the number of ranks.
+
+    A loader that spreads N samples over W ranks gives every rank the same number, repeating a few
+    samples when W does not divide N (mosaicml-streaming does); counted twice, they would make the
+    eval loss depend on the world size. For batches that carry ``SAMPLE_INDEX_KEY`` (the ``text``
+    loader's eval loaders), the ranks share the batch's indices (one small all-gather) and a sample
+    that an earlier batch, a lower rank or an earlier row already holds gets its labels set to
+    ``IGNORE_INDEX``: it still runs, so every rank runs the same forwards, but adds no loss and no
+    weight. Every rank calls it once per eval batch, the same number of times.
+    """
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+
+    def __call__(self, batch: Any) -> Any:
+        """``batch`` without ``SAMPLE_INDEX_KEY``, its repeated samples' labels ignored."""
+        from foundry import distributed
+
+        if not isinstance(batch, Mapping) or SAMPLE_INDEX_KEY not in batch:
+            return batch
+        batch = dict(batch)
+        indices = batch.pop(SAMPLE_INDEX_KEY).tolist()
+        every_rank = distributed.all_gather_object(indices)
+        counted = set(self.seen)
+        for lower_rank in every_rank[: distributed.get_rank()]:
+            counted.update(lower_rank)
+        repeated = []
+        for row, index in enumerate(indices):
+            if index in counted:
+                repeated.append(row)
+            counted.add(index)
+        self.seen.update(index for rank_indices in every_rank for index in rank_indices)
+        if repeated:
+            batch["labels"] = _labels(batch).index_fill(0, torch.tensor(repeated), IGNORE_INDEX)
+        return batch
+
+
+def _labels(batch: Mapping[str, Any]) -> torch.Tensor:
+    """The batch's labels: given ones, or its input ids with padding (attention_mask 0) ignored."""
+    if batch.get("labels") is not None:
+        return batch["labels"]
+    labels = batch["input_ids"]
+    attention_mask = batch.get("attention_mask")
+    return labels.masked_fill(attention_mask == 0, IGNORE_INDEX) if attention_mask is not None else labels.clone()

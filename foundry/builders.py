@@ -162,13 +162,22 @@ _LOADER_ARGUMENTS = (
 )
 
 
-def build_dataloader(cfg: LoaderConfig, tokenizer: Any, device_batch_size: int, key_path: str) -> Iterable:
-    """The registered dataloader ``cfg.name`` for this process's share of each batch."""
+def build_dataloader(
+    cfg: LoaderConfig, tokenizer: Any, device_batch_size: int, key_path: str, for_eval: bool = False
+) -> Iterable:
+    """The registered dataloader ``cfg.name`` for this process's share of each batch.
+
+    ``for_eval``: a loader that can tag each sample with its index in the dataset (``sample_indices``)
+    does, so that evaluation counts a sample once when the ranks' shares repeat it.
+    """
     settings = {field: getattr(cfg, field) for field in _LOADER_ARGUMENTS}
     factory = _factory(registry.dataloaders, cfg.name, settings, key_path, f"{key_path}.name")
+    parameters = inspect.signature(factory.func).parameters
     # A loader that takes key_path names its own keys in errors (e.g. 'eval_loader.dataset.split').
-    where = {"key_path": key_path} if "key_path" in inspect.signature(factory.func).parameters else {}
-    return factory(tokenizer=tokenizer, device_batch_size=device_batch_size, **where)
+    extra: dict[str, Any] = {"key_path": key_path} if "key_path" in parameters else {}
+    if for_eval and "sample_indices" in parameters:
+        extra["sample_indices"] = True
+    return factory(tokenizer=tokenizer, device_batch_size=device_batch_size, **extra)
 
 
 def build_eval_dataloaders(cfg: TrainConfig, tokenizer: Any) -> dict[str, Iterable]:
@@ -187,7 +196,7 @@ def build_eval_dataloaders(cfg: TrainConfig, tokenizer: Any) -> dict[str, Iterab
             raise ConfigError(f"'{key_path}.label' is missing: each of several eval loaders needs a label.")
         if label in loaders:
             raise ConfigError(f"'{key_path}.label' is '{label}', which another eval loader already uses.")
-        loaders[label] = build_dataloader(loader, tokenizer, cfg.device_eval_batch_size, key_path)
+        loaders[label] = build_dataloader(loader, tokenizer, cfg.device_eval_batch_size, key_path, for_eval=True)
     return loaders
 
 

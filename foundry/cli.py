@@ -116,7 +116,13 @@ def train_epilog() -> str:
         lines.append(f"      {field.metadata.get('doc', '')}")
     lines += ["", "sections:"]
     for section, owners in _sections(TrainConfig).items():
-        keys = ", ".join(f"{f.name}: {_field_signature(section, f)}" for f in dataclasses.fields(section))
+        fields = dataclasses.fields(section)
+        if all("doc" in f.metadata for f in fields):  # one key a line, with what it does (fsdp_config)
+            lines.append(f"  {', '.join(owners)} ({section.__name__}):")
+            for f in fields:
+                lines += [f"    {f.name}: {_field_signature(section, f)}", f"        {f.metadata['doc']}"]
+            continue
+        keys = ", ".join(f"{f.name}: {_field_signature(section, f)}" for f in fields)
         text = f"{', '.join(owners)} ({section.__name__}): {keys}"
         lines += textwrap.wrap(text, width=110, initial_indent="  ", subsequent_indent="      ")
     return "\n".join(lines)

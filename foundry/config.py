@@ -65,23 +65,33 @@ class FSDPConfig:
         field(default="FULL_SHARD", metadata=doc("how parameters, gradients and optimizer state are sharded"))
     )
     mixed_precision: Literal["DEFAULT", "PURE", "FULL"] = field(
-        default="DEFAULT", metadata=doc("FSDP parameter/reduce dtypes")
+        default="DEFAULT", metadata=doc("with amp precisions: PURE/DEFAULT/FULL compute and reduce dtypes")
     )
     activation_checkpointing: bool = field(default=False, metadata=doc("recompute block activations in backward"))
     activation_checkpointing_reentrant: bool = field(
         default=True, metadata=doc("use reentrant activation checkpointing")
     )
-    activation_cpu_offload: bool = field(default=False, metadata=doc("offload saved activations to the CPU"))
-    limit_all_gathers: bool = field(default=True, metadata=doc("rate-limit all-gathers to bound memory"))
+    activation_cpu_offload: bool = field(
+        default=False, metadata=doc("offload saved activations to the CPU (CUDA only)")
+    )
+    limit_all_gathers: bool = field(
+        default=True, metadata=doc("no effect (accepted for LLM Foundry YAMLs): FSDP2 bounds in-flight all-gathers")
+    )
     sync_module_states: bool = field(default=False, metadata=doc("broadcast rank 0's weights at wrap time"))
-    use_orig_params: bool = field(default=True, metadata=doc("keep original parameters visible to the optimizer"))
-    state_dict_type: Literal["full", "sharded", "local"] = field(default="full", metadata=doc("checkpoint layout"))
+    use_orig_params: bool = field(
+        default=True, metadata=doc("no effect (accepted for LLM Foundry YAMLs): FSDP2 always uses the parameters")
+    )
+    state_dict_type: Literal["full", "sharded", "local"] = field(
+        default="full",
+        metadata=doc("no effect (accepted for LLM Foundry YAMLs): checkpoints are always sharded DCP folders"),
+    )
     forward_prefetch: bool = field(default=False, metadata=doc("prefetch the next all-gather in forward"))
     backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"] = field(
-        default="BACKWARD_POST", metadata=doc("in backward")
+        default="BACKWARD_POST",
+        metadata=doc("no effect (accepted for LLM Foundry YAMLs): FSDP2 always prefetches the next block in backward"),
     )
     verbose: bool = field(default=False, metadata=doc("log how modules are wrapped"))
-    cpu_offload: bool = field(default=False, metadata=doc("keep parameters on the CPU between uses"))
+    cpu_offload: bool = field(default=False, metadata=doc("keep shards and the optimizer step on the CPU (CUDA only)"))
 
 
 @dataclasses.dataclass(kw_only=True)

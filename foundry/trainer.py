@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from foundry import distributed
-from foundry.batches import batch_to_device, split_batch
+from foundry.batches import RepeatedSampleMask, batch_to_device, split_batch
 from foundry.checkpoint.load import resume_or_load
 from foundry.checkpoint.saver import CheckpointSaver
 from foundry.config import FSDPConfig
@@ -190,6 +190,7 @@ class Trainer:
             self.checkpoints.settle_after_error()
             raise
         finally:
+            self.logger.flush()  # queued metrics reach the loggers before they close
             self.engine.close()
 
     def _finished(self) -> bool:
@@ -218,6 +219,7 @@ class Trainer:
         if epoch_done:
             previous = state.timestamp
             state.timestamp = previous.after_epoch()
+            self.logger.flush()  # epoch-unit console intervals print at EPOCH_END with the epoch's last loss
             self.engine.run_event(Event.EPOCH_END)
             if self._due(self.save_interval, previous, epoch_end=True):
                 self.checkpoints.save(Event.EPOCH_CHECKPOINT)
@@ -268,8 +270,11 @@ class Trainer:
         for scheduler in state.schedulers:  # after the timestamp moves: batch k+1 trains at LR(k)
             scheduler.step()
         engine.run_event(Event.BATCH_END)
+        # Every batch's loss reaches the loggers; as a device tensor it waits in the Logger's queue
+        # (no host sync) until the flush at the console interval converts the queue at once.
+        self.logger.log_metrics({"loss/train/total": distributed.all_reduce_sum(share_of_global_loss)})
         if self._due(self.log_interval, previous) or self._finished():
-            self.logger.log_metrics({"loss/train/total": distributed.all_reduce_sum(share_of_global_loss)})
+            self.logger.flush()
         if self._due(self.save_interval, previous):
             self.checkpoints.save(Event.BATCH_CHECKPOINT)
         if self._due(self.eval_interval, previous) and not self._finished():
@@ -333,15 +338,17 @@ class Trainer:
     def eval(self) -> dict[str, dict[str, float]]:
         """Evaluate every eval loader; returns and logs ``{label: {metric: value}}``."""
         state, engine = self.state, self.engine
+        self.logger.flush()  # train metrics come out before the eval lines
         state.model.eval()
         for label, loader in state.eval_dataloaders.items():
             engine.run_event(Event.EVAL_START)
             loss_sum = torch.zeros((), dtype=torch.float64, device=state.device)
             weight_sum = torch.zeros((), dtype=torch.float64, device=state.device)
+            count_once = RepeatedSampleMask()  # samples the ranks' shares repeat add to the loss once
             for index, batch in enumerate(loader):
                 if 0 <= self.eval_subset_num_batches <= index:
                     break
-                state.batch = batch_to_device(batch, state.device)
+                state.batch = batch_to_device(count_once(batch), state.device)
                 engine.run_event(Event.EVAL_BATCH_START)
                 engine.run_event(Event.EVAL_BEFORE_FORWARD)
                 with autocast(state.precision, state.device):
@@ -349,7 +356,8 @@ class Trainer:
                     loss = state.model.loss(state.outputs, state.batch)
                 engine.run_event(Event.EVAL_AFTER_FORWARD)
                 weight = state.model.loss_weight(state.batch)
-                loss_sum += loss.double() * weight
+                # A batch of repeated samples only has no weight (and a NaN mean loss): it adds nothing.
+                loss_sum += torch.where(torch.as_tensor(weight) > 0, loss.double() * weight, 0.0)
                 weight_sum += weight
                 engine.run_event(Event.EVAL_BATCH_END)
             distributed.all_reduce_sum(loss_sum)

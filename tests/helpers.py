@@ -87,8 +87,11 @@ class ByteTokenizer:
     pad_token_id = BYTE_EOS
     eos_token = pad_token = "<eos>"
 
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict[str, list]:
+        """Like a transformers tokenizer: one text gives a list of ids, a list of texts a list of lists."""
         del add_special_tokens
+        if isinstance(text, list):
+            return {"input_ids": [list(item.encode()) for item in text]}
         return {"input_ids": list(text.encode())}
 
     def __len__(self) -> int:

@@ -46,7 +46,8 @@ def test_train_help_explains_overrides_and_lists_keys_with_defaults(capsys: pyte
     assert "optimizer.lr=3e-4" in out
     assert "global_train_batch_size: int (required)" in out
     assert "save_interval: Time = 1000ba" in out
-    assert "fsdp_config (FSDPConfig): sharding_strategy" in out
+    assert "fsdp_config (FSDPConfig):\n    sharding_strategy" in out  # one key a line, with what it does
+    assert "limit_all_gathers: bool = True\n        no effect" in out
 
 
 def test_bad_key_prints_one_paragraph_error_and_exits_2(config_path: Path, capsys: pytest.CaptureFixture) -> None:

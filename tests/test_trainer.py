@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import TinyLM, token_batches
 
-from foundry import Algorithm, Callback, Event
+from foundry import Algorithm, Callback, Event, LoggerDestination
 from foundry.errors import ConfigError
 from foundry.optim import CosineWithWarmupScheduler, DecoupledAdamW
 from foundry.trainer import Trainer
@@ -274,3 +274,34 @@ def test_a_meta_model_starts_from_the_cpu_init_weights_on_any_device(tmp_path, d
     placed = trainer.state.model.state_dict()
     for name, weight in expected.items():
         assert torch.equal(placed[name].cpu(), weight), name
+
+
+class RecordLosses(LoggerDestination):
+    """Each ``loss/train/total`` as it reaches a destination: (step, value, the batch the run was at)."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[int, float, int]] = []
+        self.batch = 0
+
+    def batch_end(self, state, logger) -> None:
+        self.batch = state.timestamp.batch
+
+    def log_metrics(self, metrics, step) -> None:
+        if "loss/train/total" in metrics:
+            self.received.append((step, metrics["loss/train/total"], self.batch))
+
+
+def test_train_loss_reaches_metric_loggers_every_batch_not_only_at_the_console_interval(tmp_path):
+    recorder = RecordLosses()
+    _trainer(tmp_path, console_log_interval="2ba", loggers=[recorder]).fit()
+    assert [step for step, _, _ in recorder.received] == [1, 2, 3, 4]
+
+
+def test_device_losses_wait_on_the_device_until_the_interval_then_arrive_in_order(tmp_path, monkeypatch):
+    # CPU tensors convert for free; treat them as on an accelerator to see the queue a GPU run uses.
+    monkeypatch.setattr("foundry.core.logger._on_accelerator", lambda value: isinstance(value, torch.Tensor))
+    recorder = RecordLosses()
+    trainer = _trainer(tmp_path, console_log_interval="2ba", loggers=[recorder])
+    trainer.fit()
+    assert [(step, at_batch) for step, _, at_batch in recorder.received] == [(1, 2), (2, 2), (3, 4), (4, 4)]
+    assert all(isinstance(value, float) for _, value, _ in recorder.received)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from foundry.builders import build_model
@@ -15,6 +16,7 @@ from foundry.checkpoint.layout import META_FILE
 from foundry.core.state import State
 from foundry.core.time import Time
 from foundry.errors import CheckpointError
+from foundry.peft.checkpoint import load_adapter_base
 
 
 def checkpoint_config(folder: Path) -> dict[str, Any]:
@@ -36,11 +38,52 @@ def meta_model(model_section: Mapping[str, Any]) -> nn.Module:
     return build_model({**model_section, "init_device": "meta"})
 
 
-def load_checkpoint_model(folder: Path, model_section: Mapping[str, Any]) -> nn.Module:
-    """``model_section``'s model on CPU holding the weights of checkpoint ``folder`` (nothing else is read)."""
-    model = meta_model(model_section).to_empty(device="cpu")
-    load_checkpoint(folder, State(model=model, max_duration=Time.parse("1ba")), weights_only=True)
+def load_checkpoint_model(folder: Path, model_section: Mapping[str, Any], *, with_base: bool = True) -> nn.Module:
+    """``model_section``'s model on CPU holding the weights of checkpoint ``folder`` (nothing else is read).
+
+    An adapters-only LoRA checkpoint holds no base weights: its base is loaded first, from where its
+    run loaded it (``foundry.peft.checkpoint.load_adapter_base``). ``with_base=False`` reads the
+    adapters alone (exporting them needs nothing else); every other weight is then NaN. Otherwise a
+    weight that no checkpoint filled is an error (``check_weights_loaded``), never a model with
+    uninitialised memory for weights.
+    """
+    model = unloaded_model(model_section)
+    state = State(model=model, max_duration=Time.parse("1ba"))
+    if with_base:
+        load_adapter_base(folder, state)
+    load_checkpoint(folder, state, weights_only=True)
+    if with_base:
+        check_weights_loaded(model, f"Checkpoint {folder}")
     return model
+
+
+def unloaded_model(model_section: Mapping[str, Any]) -> nn.Module:
+    """``model_section``'s model on CPU, every weight NaN until something loads it (``check_weights_loaded``)."""
+    model = meta_model(model_section).to_empty(device="cpu")
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.fill_(float("nan"))
+    return model
+
+
+def check_weights_loaded(model: nn.Module, source: str, ignore: Callable[[str], bool] = lambda name: False) -> None:
+    """Raise if a weight of ``model`` (built by ``unloaded_model``) is still all NaN: nothing loaded it.
+
+    ``ignore(name)``: weights that something else fills later (e.g. adapters switched in).
+    """
+    unloaded = [
+        name
+        for name, tensor in model.state_dict().items()
+        if not ignore(name) and tensor.is_floating_point() and tensor.numel() and bool(torch.isnan(tensor).all())
+    ]
+    if unloaded:
+        raise CheckpointError(
+            f"{source} left {len(unloaded)} weights of the model unloaded ({', '.join(unloaded[:3])}"
+            f"{', ...' if len(unloaded) > 3 else ''}), so it would compute with no weights. For a LoRA checkpoint "
+            "saved with save_adapters_only, its base must load too: evaluate it as "
+            "`foundry eval --model BASE --adapters CHECKPOINT`."
+        )
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any]]:

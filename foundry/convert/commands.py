@@ -35,6 +35,7 @@ def run_to_hf(args: argparse.Namespace) -> int:
     out_dir = _check_out_dir(Path(args.out_dir), args.overwrite)
     folder, config = resolve_checkpoint(args.checkpoint)
     family = config["model"]["name"]
+    _refuse_lora(config["model"], folder)
     adapter_for_family(family)  # an unexportable family fails before any weight is read
     tokenizer = _checkpoint_tokenizer(args.tokenizer, config, folder)
     model = load_checkpoint_model(folder, config["model"])
@@ -46,6 +47,9 @@ def run_to_hf(args: argparse.Namespace) -> int:
             "Pass --tokenizer with the tokenizer the model was trained with."
         )
 
+    set_special_token_ids(hf_model, tokenizer)
+    tokenizer.model_input_names = [name for name in tokenizer.model_input_names if name != "token_type_ids"]
+
     def write(tmp_dir: Path) -> None:
         hf_model.save_pretrained(tmp_dir)  # safetensors (the only format transformers 5 writes)
         tokenizer.save_pretrained(tmp_dir)
@@ -53,6 +57,36 @@ def run_to_hf(args: argparse.Namespace) -> int:
     _write_atomically(out_dir, write)
     print(f"foundry: wrote {type(hf_model).__name__} ({args.dtype}) and its tokenizer to {out_dir} (from {folder})")
     return 0
+
+
+def set_special_token_ids(hf_model: nn.Module, tokenizer: Any) -> None:
+    """The tokenizer's BOS/EOS/PAD ids in the model's config.json and generation_config.json.
+
+    transformers' config classes carry their own defaults (LlamaConfig: bos 1, eos 2; MptConfig: none),
+    which ``generate`` would use: with another tokenizer it would stop at the wrong token or never.
+    A tokenizer without BOS or EOS writes ``null`` rather than another id.
+    """
+    from transformers import GenerationConfig
+
+    ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    for key, value in ids.items():
+        setattr(hf_model.config, key, value)
+    hf_model.generation_config = GenerationConfig(**ids)
+
+
+def _refuse_lora(section: dict[str, Any], folder: Path) -> None:
+    """A LoRA run's model is not a transformers architecture: its adapters go out merged or in PEFT's format."""
+    if section.get("peft_config"):
+        raise ConfigError(
+            f"Checkpoint {folder} is a LoRA run (its model section has model.peft_config), which to-hf does not "
+            f"export as it is. Fold the adapters into the weights first: `foundry convert merge {folder} MERGED` "
+            "then `foundry convert to-hf MERGED OUT_DIR`; or export the adapters in PEFT's format with "
+            f"`foundry convert export-adapter {folder} OUT_DIR` (docs/LORA.md)."
+        )
 
 
 def to_hf_model(model: nn.Module, family: str) -> nn.Module:

@@ -105,6 +105,7 @@ def build_text_dataloader(
     persistent_workers: bool = False,
     timeout: float = 0,
     key_path: str = "train_loader",
+    sample_indices: bool = False,
 ) -> DataLoader:
     """Build LLM Foundry's ``text`` loader over a local (or remote) MDS dataset.
 
@@ -113,6 +114,9 @@ def build_text_dataloader(
         device_batch_size: samples per batch on this device.
         dataset: the ``TextDatasetConfig`` keys (LLM Foundry's ``<loader>.dataset`` section).
         key_path: where this loader sits in the YAML, for error messages.
+        sample_indices: add each sample's index in the dataset as ``batch["sample_index"]`` (eval
+            loaders: streaming pads the ranks' shares with repeated samples, which evaluation then
+            counts once; ``foundry.batches.drop_repeated_samples``).
 
     Returns:
         A ``TextDataLoader`` (a ``StreamingDataLoader``) whose ``state_dict()``/``load_state_dict()`` resume
@@ -132,6 +136,7 @@ def build_text_dataloader(
         token_encoding_type=config.token_encoding_type,
         streams=streams,
         batch_size=device_batch_size,
+        sample_indices=sample_indices,
         **config.streaming_kwargs(),
     )
     try:

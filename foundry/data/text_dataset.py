@@ -15,6 +15,7 @@ from streaming import StreamingDataset
 from streaming.base.dataloader import StreamingDataLoader
 from transformers import PreTrainedTokenizerBase
 
+from foundry.batches import SAMPLE_INDEX_KEY
 from foundry.data.mds import release_shared_memory
 from foundry.errors import DataError
 
@@ -26,6 +27,7 @@ class StreamingTextDataset(StreamingDataset):
         tokenizer: tokenizes ``text`` samples; unused (may be None) for ``tokens`` samples.
         max_seq_len: tokens per sample; longer samples are truncated, shorter ``text`` padded.
         token_encoding_type: numpy dtype of ``tokens`` stored as raw bytes (LLM Foundry's old format).
+        sample_indices: add ``sample_index``, the sample's index in the dataset, to each sample.
         **streaming_kwargs: passed to ``StreamingDataset``.
     """
 
@@ -35,14 +37,22 @@ class StreamingTextDataset(StreamingDataset):
         tokenizer: PreTrainedTokenizerBase | None,
         max_seq_len: int,
         token_encoding_type: str = "int64",
+        sample_indices: bool = False,
         **streaming_kwargs: Any,
     ) -> None:
         super().__init__(**streaming_kwargs)
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self.token_encoding_type = token_encoding_type
+        self.sample_indices = sample_indices
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        sample = self._read(index)
+        if self.sample_indices:
+            sample[SAMPLE_INDEX_KEY] = torch.tensor(index, dtype=torch.int64)
+        return sample
+
+    def _read(self, index: int) -> dict[str, torch.Tensor]:
         sample = super().__getitem__(index)
         if "tokens" in sample:
             return {"input_ids": self._read_tokens(sample["tokens"])[: self.max_seq_len]}

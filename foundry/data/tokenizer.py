@@ -49,6 +49,9 @@ def load_tokenizer(name: str, **kwargs: Any) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+MODEL_INPUT_NAMES = ("input_ids", "attention_mask")  # what a causal LM's tokenizer should return
+
+
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer and save it as a transformers tokenizer directory.
 
@@ -83,6 +86,8 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: Path) ->
         unk_token=END_OF_TEXT,
         pad_token=END_OF_TEXT,
         clean_up_tokenization_spaces=False,  # decode(encode(text)) == text
+        # No token_type_ids: causal LMs take none, and transformers' generate() rejects them.
+        model_input_names=list(MODEL_INPUT_NAMES),
     )
     out_dir = Path(out_dir)
     tokenizer.save_pretrained(str(out_dir))

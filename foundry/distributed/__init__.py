@@ -7,6 +7,7 @@ ranks through torchrun (``foundry train --nproc N``).
 
 from foundry.distributed.auto_microbatch import find_microbatch_size
 from foundry.distributed.env import (
+    all_gather_object,
     all_reduce_sum,
     barrier,
     broadcast_object,
@@ -26,6 +27,7 @@ from foundry.distributed.process_group import (
 )
 
 __all__ = [
+    "all_gather_object",
     "all_reduce_sum",
     "barrier",
     "broadcast_object",

@@ -46,6 +46,15 @@ def broadcast_object(value: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def all_gather_object(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order (picklable objects; ``[value]`` in one process)."""
+    if not is_distributed() or get_world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def barrier() -> None:
     if is_distributed():
         dist.barrier()

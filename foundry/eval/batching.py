@@ -54,12 +54,14 @@ def tokenize_examples(
     """Token ids of every request, contexts trimmed from the left to fit ``max_seq_len``.
 
     Preamble, context and continuation are tokenized separately (LLM Foundry's convention), so a
-    continuation's tokens do not depend on the text before it. ``reserve_tokens`` keeps room for
-    generated tokens.
+    continuation's tokens do not depend on the text before it. The preamble, even an empty one, is
+    tokenized with the tokenizer's special tokens, so every prompt starts with BOS when the tokenizer
+    adds one (a trailing EOS is dropped); contexts and continuations never get special tokens.
+    ``reserve_tokens`` keeps room for generated tokens.
     """
     examples = []
     for prompt in prompts:
-        preamble = _encode(tokenizer, prompt.preamble, special_tokens=True) if prompt.preamble else []
+        preamble = _encode(tokenizer, prompt.preamble, special_tokens=True)
         contexts = [preamble + _encode(tokenizer, context) for context in prompt.contexts]
         continuations = [_encode(tokenizer, continuation) for continuation in prompt.continuations] or [[]]
         if len(contexts) == 1:
@@ -72,10 +74,10 @@ def tokenize_examples(
 
 
 def _encode(tokenizer: Any, text: str, special_tokens: bool = False) -> list[int]:
-    ids = tokenizer(text, add_special_tokens=special_tokens)["input_ids"]
+    ids = list(tokenizer(text, add_special_tokens=special_tokens)["input_ids"])
     eos = tokenizer.eos_token_id
     if special_tokens and eos is not None and len(ids) > 1 and ids[-1] == eos:
-        ids = ids[:-1]  # tokenizers that append eos would put it mid-prompt
+        ids = ids[:-1]  # tokenizers that append eos would put it mid-prompt (a lone one stays, as in LLM Foundry)
     return ids
 
 

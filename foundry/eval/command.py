@@ -37,6 +37,7 @@ class EvalConfig:
     max_examples: int | None = None  # score only the first N rows of each task (quick checks)
     progress_bar: bool = True
     run_name: str | None = None
+    attn_implementation: str | None = None  # Hugging Face directories; None: sdpa where implemented, else eager
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +64,12 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, metavar="N", help="tokens per row (icl_seq_len)")
     parser.add_argument("--precision", choices=["fp32", "amp_bf16", "amp_fp16"])
     parser.add_argument("--device", help="cpu, cuda, ... (default: this rank's GPU if any)")
+    parser.add_argument(
+        "--attn-impl",
+        metavar="NAME",
+        help="attention of Hugging Face directories: transformers' name (sdpa, eager, flash_attention_2, ...); "
+        "default: sdpa where the model implements it, else eager",
+    )
 
 
 def load_eval_config(args: argparse.Namespace) -> EvalConfig:
@@ -84,6 +91,7 @@ def load_eval_config(args: argparse.Namespace) -> EvalConfig:
         "icl_seq_len": args.seq_len,
         "precision": args.precision,
         "device": args.device,
+        "attn_implementation": args.attn_impl,
     }
     cfg = dataclasses.replace(cfg, **{key: value for key, value in flags.items() if value is not None})
     if cfg.icl_tasks is None:
@@ -102,11 +110,12 @@ def run_eval(args: argparse.Namespace) -> int:
     from foundry.core.precision import check_precision
     from foundry.eval.gauntlet import parse_gauntlet
     from foundry.eval.report import markdown_table, write_reports
-    from foundry.eval.tasks import parse_icl_tasks
+    from foundry.eval.tasks import check_dataset_uris, parse_icl_tasks
     from foundry.trainer import seed_everything
 
     cfg = load_eval_config(args)
-    tasks = parse_icl_tasks(cfg.icl_tasks)  # every task key is checked before a model loads
+    tasks = parse_icl_tasks(cfg.icl_tasks)  # every task key and file is checked before a model loads
+    check_dataset_uris(tasks)
     gauntlet = parse_gauntlet(cfg.eval_gauntlet) if cfg.eval_gauntlet is not None else None
     if distributed.launched_by_torchrun():
         distributed.init_process_group()
@@ -137,7 +146,10 @@ def evaluate_source(source: Any, tasks: list, gauntlet: Any, cfg: EvalConfig, de
     from foundry.eval.loading import build_model_entry, load_model
     from foundry.eval.report import ModelResults
 
-    loaded = build_model_entry(*source) if isinstance(source, tuple) else load_model(source)
+    if isinstance(source, tuple):
+        loaded = build_model_entry(*source)
+    else:
+        loaded = load_model(source, attn_implementation=cfg.attn_implementation)
     evaluator = build_evaluator(loaded, tasks, cfg)
     model = loaded.model.to(device)
     results = score(evaluator, model, loaded.name, gauntlet, cfg, device)

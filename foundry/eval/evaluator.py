@@ -23,11 +23,12 @@ import torch
 from torch import nn
 
 from foundry import distributed
+from foundry.errors import TrainingError
 from foundry.eval.batching import Batch, TokenizedExample, make_batches, needs_prefix_space, tokenize_examples
 from foundry.eval.metrics import GenerationAccuracy, LanguageModelingAccuracy, MultipleChoiceAccuracy
-from foundry.eval.prompts import build_prompts, max_answer_text
-from foundry.eval.scoring import greedy_generate, score_continuations
-from foundry.eval.tasks import ICLTaskConfig, read_rows, split_by_category
+from foundry.eval.prompts import answer_texts, build_prompts
+from foundry.eval.scoring import ContinuationScores, greedy_generate, score_continuations
+from foundry.eval.tasks import ICLTaskConfig, check_dataset_uris, read_rows, split_by_category
 
 # Generated chains of thought may run a little longer than the longest one in the data (LLM Foundry's margin).
 _COT_EXTRA_TOKENS = 10
@@ -70,6 +71,7 @@ class ICLEvaluator:
         if self.pad_token_id is None:
             raise ValueError("The ICL tokenizer needs a pad or eos token to pad batches.")
         prefix_space = needs_prefix_space(tokenizer)
+        check_dataset_uris(tasks)  # a wrong path fails now, not after the tasks before it are tokenized
         self.subtasks = [
             subtask
             for task in tasks
@@ -89,17 +91,20 @@ class ICLEvaluator:
             for category, group in groups.items():
                 name = f"{task.label}/{num_fewshot}-shot" + (f"/{category}" if category else "")
                 prompts = build_prompts(task, group, num_fewshot, prefix_space, limit)
-                new_tokens = self._max_new_tokens(task, group[:limit])
+                new_tokens = self._max_new_tokens(task, group)
                 examples = tokenize_examples(prompts, self.tokenizer, seq_len, new_tokens, where=f"icl task '{name}'")
                 batches = make_batches(examples, batch_size, self.pad_token_id)
                 subtasks.append(Subtask(name, task, examples, batches, new_tokens))
         return subtasks
 
     def _max_new_tokens(self, task: ICLTaskConfig, rows: list[dict[str, Any]]) -> int:
+        """Tokens a generation task may write: its longest answer over all rows, counted as LLM Foundry
+        counts it (special tokens included), plus a margin for chains of thought. The contexts are
+        trimmed to leave this room, so it also decides where long prompts are cut."""
         if task.icl_task_type != "generation_task_with_answers":
             return 0
-        texts = [text for row in rows for text in max_answer_text(task, row)]
-        longest = max(len(self.tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts)
+        texts = sorted(set(answer_texts(task, rows)))
+        longest = max(map(len, self.tokenizer(texts)["input_ids"]))  # one batched call
         return max(longest + (_COT_EXTRA_TOKENS if task.cot_delimiter else 0), 1)
 
     @property
@@ -123,9 +128,13 @@ class ICLEvaluator:
             for subtask in self.subtasks:
                 start_s = time.perf_counter()
                 metric = self._metric(subtask.task).to(device)
+                nan_scores = torch.zeros((), device=device)  # requests whose log-likelihood is NaN, on the device
                 for batch, counted in _my_share(subtask.batches):
-                    self._score_batch(model, subtask, batch, metric if counted else None, precision, device)
+                    scores = self._score_batch(model, subtask, batch, metric if counted else None, precision, device)
+                    if scores is not None and counted:
+                        nan_scores += scores.logprob_sum.isnan().sum()
                     bar.update(1)
+                _refuse_nan_scores(subtask.name, distributed.all_reduce_sum(nan_scores))
                 results[subtask.name] = {name: float(value) for name, value in metric.compute().items()}
                 self.seconds[subtask.name] = time.perf_counter() - start_s
         finally:
@@ -143,8 +152,10 @@ class ICLEvaluator:
 
     def _score_batch(
         self, model: nn.Module, subtask: Subtask, batch: Batch, metric: Any, precision: str, device: torch.device
-    ) -> None:
-        """Run ``batch`` through the model; update ``metric`` unless it is None (a rank's padding batch)."""
+    ) -> ContinuationScores | None:
+        """Run ``batch`` through the model; update ``metric`` unless it is None (a rank's padding batch).
+
+        Returns the continuation scores (None for generation)."""
         examples = [subtask.examples[index] for index in batch.example_ids]
         if subtask.task.icl_task_type == "generation_task_with_answers":
             prompts = [example.requests[0][0] for example in examples]
@@ -152,7 +163,7 @@ class ICLEvaluator:
             texts = greedy_generate(model, prompts, subtask.max_new_tokens, self.tokenizer, stops, precision, device)
             if metric is not None:
                 metric.update(texts, [example.answers for example in examples])
-            return
+            return None
         scores = score_continuations(
             model,
             batch.input_ids.to(device),
@@ -161,13 +172,26 @@ class ICLEvaluator:
             precision,
         )
         if metric is None:
-            return
+            return scores
         if subtask.task.icl_task_type == "language_modeling":
             metric.update(scores.greedy_match)
-            return
+            return scores
         logprobs = scores.logprob_sum.split(batch.rows_per_example)
         counts = scores.num_tokens.split(batch.rows_per_example)
         metric.update(logprobs, counts, [example.gold for example in examples])
+        return scores
+
+
+def _refuse_nan_scores(name: str, nan_scores: torch.Tensor) -> None:
+    """No accuracy from NaN log-likelihoods: they come from a model that computes nothing meaningful."""
+    count = int(nan_scores.item())  # one sync per subtask (computing the metric syncs anyway)
+    if count:
+        raise TrainingError(
+            f"icl task '{name}': the model's log-likelihood is NaN for {count} requests, so its score would mean "
+            "nothing and is not reported. Its weights may never have been loaded or may have diverged, or "
+            "amp_fp16 overflowed: check the checkpoint (for a LoRA adapters-only one, pass its base with "
+            "--model BASE --adapters CKPT) or evaluate with --precision amp_bf16 or fp32."
+        )
 
 
 def _my_share(batches: list[Batch]) -> list[tuple[Batch, bool]]:

@@ -24,11 +24,17 @@ class LoadedModel:
     max_seq_len: int | None  # the model's context length, when it states one
 
 
-def load_model(path: str | Path, name: str | None = None) -> LoadedModel:
-    """The model (on CPU, weights loaded) and tokenizer stored at ``path``."""
+def load_model(path: str | Path, name: str | None = None, attn_implementation: str | None = None) -> LoadedModel:
+    """The model (on CPU, weights loaded) and tokenizer stored at ``path``.
+
+    ``attn_implementation`` applies to Hugging Face directories (transformers' names: ``sdpa``, ``eager``,
+    ...; None picks ``sdpa`` where the model's class implements it, else ``eager``); a foundry
+    checkpoint's attention is its config's.
+    """
     path = Path(path).expanduser()
     if is_hf_directory(path):
-        return _load_hf_directory(path, name or path.name)
+        return _load_hf_directory(path, name or path.name, attn_implementation)
+
     from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint
 
     folder, config = resolve_checkpoint(path)
@@ -65,12 +71,29 @@ def build_model_entry(entry: Mapping[str, Any], key_path: str) -> LoadedModel:
     return LoadedModel(str(name), model, tokenizer, _max_seq_len(model))
 
 
-def _load_hf_directory(path: Path, name: str) -> LoadedModel:
+def _load_hf_directory(path: Path, name: str, attn_implementation: str | None) -> LoadedModel:
     from foundry.models.hf import HFCausalLM
 
-    model = HFCausalLM(pretrained_model_name_or_path=str(path))
+    attn_implementation = attn_implementation or default_attn_implementation(path)
+    model = HFCausalLM(pretrained_model_name_or_path=str(path), attn_implementation=attn_implementation)
     tokenizer = _tokenizer({"name": str(path)})
     return LoadedModel(name, model, tokenizer, getattr(model.hf_config, "max_position_embeddings", None))
+
+
+def default_attn_implementation(path: Path) -> str:
+    """``sdpa`` when transformers' class for the checkpoint at ``path`` implements it, else ``eager``.
+
+    Some built-in classes (``MptForCausalLM``, which ``foundry convert to-hf`` writes for MPT) have no
+    SDPA path, and transformers refuses to build them with it.
+    """
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(path))]
+    except (KeyError, ValueError, OSError):
+        return "sdpa"  # not a built-in causal LM: HFCausalLM reports what is wrong with it
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
 def _tokenizer(section: Mapping[str, Any]) -> Any:

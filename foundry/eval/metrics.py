@@ -81,7 +81,8 @@ class GenerationAccuracy(_CountingMetric):
             generation = re.split("|".join(map(re.escape, self.stop_strings)), generation)[0]
         if self.cot_delimiter:
             generation = generation.split(self.cot_delimiter)[-1]
-        clean = normalize_answer if self.normalize else (lambda text: text)
+        # Without normalisation, LLM Foundry still strips whitespace on both sides of both texts.
+        clean = normalize_answer if self.normalize else str.strip
         return any(clean(generation).startswith(clean(answer)) for answer in answers)
 
 

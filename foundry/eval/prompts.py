@@ -1,14 +1,22 @@
-"""Prompt text of each ICL example: LLM Foundry's layout, few-shot sampling with a fixed seed.
+"""Prompt text of each ICL example, built as LLM Foundry 0.22 builds it, shots in the same order.
 
-Every prompt is ``preamble + context + continuation`` where the preamble is ``prompt_string``
-followed by ``num_fewshot`` solved examples drawn (without the example itself) from the same rows::
+Every prompt is ``preamble + context + continuation``. The preamble is ``prompt_string`` followed by
+``num_fewshot`` solved examples drawn (without the example itself) from the same rows; each piece
+is preceded by ``example_delimiter`` when text comes before it::
 
-    {prompt_string}{prelimiter}{ctx_1}{continuation_delimiter}{answer_1}{example_delimiter}...
-    {example_delimiter}{prelimiter}{ctx}{continuation_delimiter.rstrip()}   <- scored context
-    {" " if the tokenizer needs it}{continuation}                          <- scored continuation
+    {prompt_string}{delim}{prelimiter}{ctx_1}{continuation_delimiter}{answer_1}{delim}...   <- preamble
+    {delim}{prelimiter}{ctx}{continuation_delimiter}, right-stripped                      <- scored context
+    {" " if the tokenizer needs it}{continuation}                                       <- scored continuation
 
-Multiple choice has one context and a continuation per choice; schema has a context per option and
-one continuation; generation has one context and no continuation (the model writes it).
+Multiple choice has one context and a continuation per choice; generation has one context and no
+continuation (the model writes it). Schema rows have a context per option and one continuation, in
+LLM Foundry's own layout, which differs from the others in two places: a solved schema shot puts
+``question_prelimiter`` before the example delimiter, and a scored 0-shot schema context has no
+continuation delimiter (``{prelimiter}{option}``); with a preamble it is
+``{prelimiter}{delim}{option}{continuation_delimiter.rstrip()}``.
+
+The shots come in LLM Foundry's order, which is neither the sampled order nor sorted: it collects
+the sampled row indices in a Python ``set`` and iterates that set (``fewshot_indices``).
 """
 
 from __future__ import annotations
@@ -32,16 +40,25 @@ class PromptedExample:
 
 
 def fewshot_indices(num_rows: int, num_fewshot: int, example_index: int, rng: random.Random) -> list[int]:
-    """``num_fewshot`` distinct row indices other than ``example_index`` (LLM Foundry's sampling), sorted."""
+    """``num_fewshot`` distinct row indices other than ``example_index``, in the order the shots appear.
+
+    The draws are LLM Foundry's (``get_fewshot_sample_idxs``): ``rng.sample`` of the rows, and when the
+    example itself was drawn, ``rng.choice`` until another row comes up. LLM Foundry keeps the indices
+    in a ``set`` and writes the shots in the set's iteration order; that order depends on how the set
+    was built (its table size and the insertions), so the same set is built here with the same
+    operations in the same order and iterated as it is. For ints, CPython's set order is a function
+    of those operations alone (an int hashes to itself; no hash randomisation).
+    """
     num_fewshot = min(num_rows - 1, num_fewshot)
     chosen = set(rng.sample(range(num_rows), num_fewshot))
     if example_index in chosen:
         chosen.remove(example_index)
-        replacement = rng.choice(range(num_rows))
-        while replacement in chosen or replacement == example_index:
+        if len(chosen) < num_rows - 1:
             replacement = rng.choice(range(num_rows))
-        chosen.add(replacement)
-    return sorted(chosen)
+            while replacement in chosen or replacement == example_index:
+                replacement = rng.choice(range(num_rows))
+            chosen.add(replacement)
+    return list(chosen)  # the set's iteration order, deliberately
 
 
 def build_prompts(
@@ -52,19 +69,18 @@ def build_prompts(
     Args:
         prefix_space: whether continuations need a leading space to tokenize as they would mid-text
             (GPT-2 style BPE tokenizers do; SentencePiece ones do not).
-        limit: prompt only the first ``limit`` rows (shots are still drawn from all rows, so these
-            prompts are exactly the first ones of a full run).
+        limit: prompt only the first ``limit`` rows (shots are still drawn from all rows, with the
+            same random draws, so these prompts are exactly the first ones of a full run).
     """
-    layout = _LAYOUTS[task.icl_task_type](task)
+    layout = _LAYOUTS[task.icl_task_type](task, rows)
     rng = random.Random(task.fewshot_random_seed)
     prompts = []
     for index, row in enumerate(rows[:limit]):
         preamble = task.prompt_string
         if num_fewshot > 0:
             for shot in fewshot_indices(len(rows), num_fewshot, index, rng):
-                preamble += (task.example_delimiter if preamble else "") + layout.solved(rows[shot])
-        delimiter = task.example_delimiter if preamble else ""
-        contexts = [f"{delimiter}{context}".rstrip() for context in layout.contexts(row)]
+                preamble += layout.solved(rows[shot], follows_text=bool(preamble))
+        contexts = layout.contexts(row, follows_text=bool(preamble))
         continuations = [_with_prefix_space(text, prefix_space) for text in layout.continuations(row)]
         prompts.append(PromptedExample(preamble, contexts, continuations, row.get("gold"), layout.answers(row)))
     return prompts
@@ -77,17 +93,18 @@ def _with_prefix_space(text: str, prefix_space: bool) -> str:
 class _Layout:
     """How one task type writes a row: as a solved few-shot example, as contexts, as continuations."""
 
-    def __init__(self, task: ICLTaskConfig) -> None:
+    def __init__(self, task: ICLTaskConfig, rows: list[dict[str, Any]]) -> None:
         self.task = task
 
-    def context(self, text: str) -> str:
-        return f"{self.task.question_prelimiter}{text}{self.task.continuation_delimiter}"
+    def context(self, text: str, follows_text: bool) -> str:
+        delimiter = self.task.example_delimiter if follows_text else ""
+        return f"{delimiter}{self.task.question_prelimiter}{text}{self.task.continuation_delimiter}"
 
-    def solved(self, row: dict[str, Any]) -> str:
-        return self.context(row["context"]) + row["continuation"]
+    def solved(self, row: dict[str, Any], follows_text: bool) -> str:
+        return self.context(row["context"], follows_text) + row["continuation"]
 
-    def contexts(self, row: dict[str, Any]) -> list[str]:
-        return [self.context(row["context"])]
+    def contexts(self, row: dict[str, Any], follows_text: bool) -> list[str]:
+        return [self.context(row["context"], follows_text).rstrip()]
 
     def continuations(self, row: dict[str, Any]) -> list[str]:
         return [row["continuation"]]
@@ -98,33 +115,45 @@ class _Layout:
 
 
 class _MultipleChoice(_Layout):
-    def solved(self, row: dict[str, Any]) -> str:
-        return self.context(row["query"]) + row["choices"][row["gold"]]
+    def solved(self, row: dict[str, Any], follows_text: bool) -> str:
+        return self.context(row["query"], follows_text) + row["choices"][row["gold"]]
 
-    def contexts(self, row: dict[str, Any]) -> list[str]:
-        return [self.context(row["query"])]
+    def contexts(self, row: dict[str, Any], follows_text: bool) -> list[str]:
+        return [self.context(row["query"], follows_text).rstrip()]
 
     def continuations(self, row: dict[str, Any]) -> list[str]:
         return list(row["choices"])
 
 
 class _Schema(_Layout):
-    def solved(self, row: dict[str, Any]) -> str:
-        return self.context(row["context_options"][row["gold"]]) + row["continuation"]
+    def solved(self, row: dict[str, Any], follows_text: bool) -> str:
+        delimiter = self.task.example_delimiter if follows_text else ""
+        option = row["context_options"][row["gold"]]
+        prelimiter, continuation_delimiter = self.task.question_prelimiter, self.task.continuation_delimiter
+        return f"{prelimiter}{delimiter}{option}{continuation_delimiter}{row['continuation']}"
 
-    def contexts(self, row: dict[str, Any]) -> list[str]:
-        return [self.context(option) for option in row["context_options"]]
+    def contexts(self, row: dict[str, Any], follows_text: bool) -> list[str]:
+        prelimiter = self.task.question_prelimiter
+        if not follows_text:
+            return [f"{prelimiter}{option}" for option in row["context_options"]]
+        delimiters = (self.task.example_delimiter, self.task.continuation_delimiter.rstrip())
+        return [f"{prelimiter}{delimiters[0]}{option}{delimiters[1]}" for option in row["context_options"]]
 
 
 class _Generation(_Layout):
-    def solved(self, row: dict[str, Any]) -> str:
-        return self.context(row["context"]) + self.target(row)
+    def __init__(self, task: ICLTaskConfig, rows: list[dict[str, Any]]) -> None:
+        super().__init__(task, rows)
+        # As LLM Foundry: when any row has a chain of thought, every answer is written after one ('' if absent).
+        self.has_chain_of_thought = any("chain_of_thought" in row for row in rows)
 
-    def target(self, row: dict[str, Any]) -> str:
-        """The answer as the model should write it: after its chain of thought when the rows have one."""
-        if "chain_of_thought" in row:
-            return f"{row['chain_of_thought']}{self.task.cot_delimiter}{row['answer']}"
-        return row["answer"]
+    def solved(self, row: dict[str, Any], follows_text: bool) -> str:
+        return self.context(row["context"], follows_text) + self.target(row, row["answer"])
+
+    def target(self, row: dict[str, Any], answer: str) -> str:
+        """``answer`` as the model should write it: after the row's chain of thought when the task has them."""
+        if self.has_chain_of_thought:
+            return f"{row.get('chain_of_thought', '')}{self.task.cot_delimiter}{answer}"
+        return answer
 
     def continuations(self, row: dict[str, Any]) -> list[str]:
         del row
@@ -142,7 +171,7 @@ _LAYOUTS: dict[str, type[_Layout]] = {
 }
 
 
-def max_answer_text(task: ICLTaskConfig, row: dict[str, Any]) -> list[str]:
+def answer_texts(task: ICLTaskConfig, rows: list[dict[str, Any]]) -> list[str]:
     """Every text a generation row may be answered with, as the model writes it (for max_new_tokens)."""
-    layout = _Generation(task)
-    return [layout.target({**row, "answer": answer}) for answer in layout.answers(row)]
+    layout = _Generation(task, rows)
+    return [layout.target(row, answer) for row in rows for answer in layout.answers(row)]

@@ -97,19 +97,27 @@ def yaml_section(path: str | Path, key: str) -> Any:
     return data[key]
 
 
+def check_dataset_uris(tasks: Sequence[ICLTaskConfig]) -> None:
+    """Fail, naming every task whose ``dataset_uri`` is remote or missing, before any task is read."""
+    remote = [task for task in tasks if "://" in task.dataset_uri]
+    if remote:
+        raise ConfigError(
+            f"icl task '{remote[0].label}': dataset_uri {remote[0].dataset_uri!r} is remote; foundry eval reads "
+            "local jsonl files. Download it and give the local path."
+        )
+    missing = [task for task in tasks if not Path(task.dataset_uri).expanduser().is_file()]
+    if missing:
+        listed = "; ".join(f"'{task.label}': {Path(task.dataset_uri).expanduser()}" for task in missing)
+        raise DataError(
+            f"{len(missing)} of {len(tasks)} icl tasks name a dataset_uri that does not exist ({listed}); relative "
+            f"paths resolve against {Path.cwd()}. Fix the paths in the tasks YAML."
+        )
+
+
 def read_rows(task: ICLTaskConfig) -> list[dict[str, Any]]:
     """The task's jsonl rows, whitespace-stripped as LLM Foundry does; a bad row names the file and line."""
+    check_dataset_uris([task])
     path = Path(task.dataset_uri).expanduser()
-    if "://" in task.dataset_uri:
-        raise ConfigError(
-            f"icl task '{task.label}': dataset_uri {task.dataset_uri!r} is remote; foundry eval reads local jsonl "
-            "files. Download it and give the local path."
-        )
-    if not path.is_file():
-        raise DataError(
-            f"icl task '{task.label}': dataset_uri {path} does not exist (relative paths resolve against "
-            f"{Path.cwd()}). Fix the path in the tasks YAML."
-        )
     required = REQUIRED_FIELDS[task.icl_task_type]
     rows = []
     with path.open(encoding="utf-8") as lines:

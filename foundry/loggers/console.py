@@ -67,6 +67,7 @@ class ConsoleLogger(LoggerDestination):
         self._loss_step = -1
         self._bar: tqdm | None = None
         self._fit_start_s = 0.0
+        self._saved_checkpoint: str | None = None  # the newest checkpoint this run wrote (not one it loaded)
 
     @property
     def stream(self) -> TextIO:
@@ -116,6 +117,12 @@ class ConsoleLogger(LoggerDestination):
     def epoch_end(self, state: State, logger: Logger) -> None:
         self._on_interval(state)  # epoch-unit intervals are crossed here, not at BATCH_END
 
+    def batch_checkpoint(self, state: State, logger: Logger) -> None:
+        self._saved_checkpoint = state.last_checkpoint_path  # fired once the checkpoint is published
+
+    def epoch_checkpoint(self, state: State, logger: Logger) -> None:
+        self._saved_checkpoint = state.last_checkpoint_path
+
     def fit_end(self, state: State, logger: Logger) -> None:
         self._close_bar()
         self._write(self.summary(state, self.clock() - self._fit_start_s))
@@ -134,9 +141,8 @@ class ConsoleLogger(LoggerDestination):
             rows.append(("throughput", self._run_throughput()))
         for key in sorted(self._first, key=lambda k: (k != TRAIN_LOSS_KEY, k)):
             rows.append((key, f"{self._first[key]:.4f} (first) -> {self._latest[key]:.4f} (last)"))
-        checkpoint = getattr(state, "last_checkpoint_path", None)
-        if checkpoint:
-            rows.append(("checkpoint", str(checkpoint)))
+        if self._saved_checkpoint:  # a checkpoint the run started from is not one it produced
+            rows.append(("checkpoint", self._saved_checkpoint))
         width = max(len(name) for name, _ in rows)
         return "\n".join(["Run summary"] + [f"  {name:<{width}}  {value}" for name, value in rows])
 
@@ -166,7 +172,8 @@ class ConsoleLogger(LoggerDestination):
             return
         values = self._progress_values()
         if self._bar is not None:
-            self._bar.set_postfix(ordered_dict={_BAR_NAMES.get(k, k): v for k, v in values.items()}, refresh=False)
+            # Redrawn now: the bar last drew at BATCH_END, before this batch's loss arrived.
+            self._bar.set_postfix(ordered_dict={_BAR_NAMES.get(k, k): v for k, v in values.items()}, refresh=True)
         else:
             self._write(f"[batch {self._due_position}] {_join(values)}")
         self._due_position, self._due_step = None, -1

@@ -84,7 +84,8 @@ def base_checkpoint(folder: Path) -> Path | None:
     if not load_path:
         raise CheckpointError(
             f"Checkpoint {folder} holds LoRA adapters only (model.peft_config.save_adapters_only) and its run had no "
-            "load_path, so the base weights it was trained on are unknown. Load a checkpoint saved with "
+            "load_path, so the base weights it was trained on are unknown. Name the base yourself: "
+            f"`foundry eval --model BASE --adapters {folder}`, or load a checkpoint saved with "
             "save_adapters_only: false."
         )
     try:
@@ -92,7 +93,8 @@ def base_checkpoint(folder: Path) -> Path | None:
     except CheckpointError as error:
         raise CheckpointError(
             f"Checkpoint {folder} holds LoRA adapters only; its base is its run's load_path '{load_path}', which "
-            f"cannot be read: {error}"
+            f"cannot be read ({error}). Restore the base there, or name it yourself: "
+            f"`foundry eval --model BASE --adapters {folder}`."
         ) from None
 
 

@@ -11,9 +11,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from foundry.convert.checkpoint_io import meta_model, resolve_checkpoint
+from foundry.convert.checkpoint_io import check_weights_loaded, resolve_checkpoint, unloaded_model
 from foundry.errors import ConfigError
 from foundry.peft.export import HF_FAMILY
+from foundry.peft.lora import is_adapter_key
 
 
 def _base_model(base: Path, section: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
@@ -37,8 +38,9 @@ def _base_model(base: Path, section: dict[str, Any]) -> tuple[Any, dict[str, Any
         has_tokenizer = any((base / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
         return model, {"name": str(base)} if has_tokenizer else None
     base_folder, base_config = resolve_checkpoint(base)
-    model = meta_model(section).to_empty(device="cpu")
+    model = unloaded_model(section)
     load_checkpoint(base_folder, State(model=model, max_duration=Time.parse("1ba")), weights_only=True)
+    check_weights_loaded(model, f"Base checkpoint {base_folder}", ignore=is_adapter_key)  # adapters: switched in
     return model, base_config.get("tokenizer")
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from foundry.convert import adapter_for_family
 from foundry.errors import ConfigError
-from foundry.peft.checkpoint import has_pretrained_base, load_adapter_base, model_lora_config
+from foundry.peft.checkpoint import has_pretrained_base, model_lora_config
 from foundry.peft.lora import LoraConfig, is_adapter_key, lora_modules, merged_state_dict
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -124,7 +124,7 @@ def run_export_adapter(args: argparse.Namespace) -> int:
     folder, config = resolve_checkpoint(args.checkpoint)
     family = config["model"]["name"]
     _require_lora(config["model"], folder)
-    model = load_checkpoint_model(folder, config["model"])  # the adapters are all an export reads
+    model = load_checkpoint_model(folder, config["model"], with_base=False)  # the adapters are all an export reads
     base = args.base_model or default_base_model(config)
     _write_atomically(out_dir, lambda tmp_dir: write_peft_adapter(model, family, tmp_dir, base))
     print(f"foundry: wrote the LoRA adapters of {folder} in PEFT's format to {out_dir} (base: {base or 'unset'})")
@@ -163,16 +163,10 @@ def run_merge(args: argparse.Namespace) -> int:
 
 def load_lora_checkpoint(folder: Path, section: dict[str, Any]) -> nn.Module:
     """The LoRA model of checkpoint ``folder`` on CPU; an adapters-only checkpoint's base is read first."""
-    from foundry.checkpoint import load_checkpoint, resolve_checkpoint_path
-    from foundry.convert.checkpoint_io import meta_model
-    from foundry.core.state import State
-    from foundry.core.time import Time
+    from foundry.checkpoint import resolve_checkpoint_path
+    from foundry.convert.checkpoint_io import load_checkpoint_model
 
-    folder = resolve_checkpoint_path(folder)
-    state = State(model=meta_model(section).to_empty(device="cpu"), max_duration=Time.parse("1ba"))
-    load_adapter_base(folder, state)
-    load_checkpoint(folder, state, weights_only=True)
-    return state.model
+    return load_checkpoint_model(resolve_checkpoint_path(folder), section)
 
 
 def merged_model(model: nn.Module, section: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:

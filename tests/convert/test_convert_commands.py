@@ -165,3 +165,48 @@ def test_from_hf_refuses_a_checkpoint_that_needs_its_own_code_without_running_it
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "x_custom", "auto_map": auto_map}))
     with pytest.raises(ConfigError, match="built-in classes.*hf_causal_lm"):
         from_hf(tmp_path / "hf", tmp_path / "ckpt")
+
+
+def test_export_configs_carry_the_tokenizers_special_token_ids(exported, tokenizer_dir) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    expected = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    expected["pad_token_id"] = tokenizer.pad_token_id
+    for name in ("config.json", "generation_config.json"):
+        written = json.loads((exported / name).read_text())
+        assert {key: written.get(key) for key in expected} == expected, name
+
+
+def test_export_generates_with_the_docs_snippet_and_stops_at_the_tokenizers_eos(exported) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(exported), AutoTokenizer.from_pretrained(exported)
+    inputs = tokenizer("Once upon", return_tensors="pt")
+    assert "token_type_ids" not in inputs
+    output = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert output.shape[1] > inputs["input_ids"].shape[1]
+    assert model.generation_config.eos_token_id == tokenizer.eos_token_id
+
+
+def test_mpt_export_names_the_eos_token_and_evaluates_through_load_model(tmp_path, tokenizer_dir) -> None:
+    import foundry
+
+    section = {"name": "mpt_causal_lm", "d_model": 32, "n_heads": 4, "n_layers": 2, "vocab_size": 320,
+               "max_seq_len": 16, "no_bias": True, "learned_pos_emb": False,
+               "attn_config": {"alibi": True}}  # fmt: skip
+    torch.manual_seed(0)
+    save_weights_checkpoint(build_model(section), tmp_path / "ckpt", {"model": section}, overwrite=False)
+    to_hf(tmp_path / "ckpt", tmp_path / "hf", "--tokenizer", tokenizer_dir)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 0
+    model, tokenizer = foundry.load_model(tmp_path / "hf")  # MptForCausalLM has no SDPA: eager is chosen
+    assert model.config.attn_implementation == "eager"
+    assert isinstance(foundry.generate(model, tokenizer, "def", max_new_tokens=3), str)
+
+
+def test_to_hf_on_a_lora_checkpoint_points_to_merge_and_export_adapter(tmp_path, tokenizer_dir) -> None:
+    section = {**LLAMA_SECTION, "peft_config": {"r": 2, "target_modules": ["Wqkv"]}}
+    config = {"model": section, "tokenizer": {"name": str(tokenizer_dir)}}
+    save_weights_checkpoint(build_model(section), tmp_path / "ckpt", config, overwrite=False)
+    with pytest.raises(ConfigError, match="convert merge.*export-adapter"):
+        to_hf(tmp_path / "ckpt", tmp_path / "hf")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from helpers import ByteTokenizer
 
+from foundry.errors import DataError, TrainingError
 from foundry.eval.evaluator import ICLEvaluator
-from foundry.eval.metrics import GENERATION_ACCURACY, LM_ACCURACY, MC_ACCURACY, MC_ACCURACY_RAW
+from foundry.eval.metrics import GENERATION_ACCURACY, LM_ACCURACY, MC_ACCURACY, MC_ACCURACY_RAW, GenerationAccuracy
 from foundry.eval.tasks import parse_icl_tasks
 
 MC_ROWS = [
@@ -99,3 +102,39 @@ def test_long_contexts_are_trimmed_from_the_left_to_fit(write_jsonl, byte_tokeni
     icl = evaluator(write_jsonl, byte_tokenizer, "language_modeling", rows)
     ((context, continuation),) = icl.subtasks[0].examples[0].requests
     assert len(context) + len(continuation) == 64 and bytes(context).endswith(b"END")
+
+
+def test_without_normalisation_answers_match_with_surrounding_whitespace_stripped() -> None:
+    metric = GenerationAccuracy(normalize=False)
+    assert metric.is_correct(" Paris is the capital", [" Paris"]) and metric.is_correct("Paris\n", ["Paris "])
+    assert not metric.is_correct(" paris", ["Paris"])  # case still counts without normalisation
+
+
+def test_every_dataset_uri_is_checked_before_any_task_is_tokenized(write_jsonl) -> None:
+    class CountingTokenizer(ByteTokenizer):
+        calls = 0
+
+        def __call__(self, text, add_special_tokens=True):
+            CountingTokenizer.calls += 1
+            return super().__call__(text, add_special_tokens)
+
+    good = write_jsonl("good.jsonl", [{"context": "a", "continuation": "b"}] * 3)
+    tasks = parse_icl_tasks(
+        [
+            {"label": "good", "dataset_uri": str(good), "icl_task_type": "language_modeling"},
+            {"label": "lost", "dataset_uri": str(good.parent / "lost.jsonl"), "icl_task_type": "language_modeling"},
+        ]
+    )
+    tokenizer = CountingTokenizer()
+    with pytest.raises(DataError, match="'lost'.*lost.jsonl"):
+        ICLEvaluator(tasks, tokenizer, seq_len=64, batch_size=4)
+    assert CountingTokenizer.calls == 1  # needs_prefix_space's probe only
+
+
+def test_a_model_that_computes_nan_is_never_scored(write_jsonl, byte_tokenizer, rigged_lm) -> None:
+    icl = evaluator(write_jsonl, byte_tokenizer, "multiple_choice", MC_ROWS)
+    model = rigged_lm("xyz")
+    with torch.no_grad():
+        model.weight.fill_(float("nan"))  # what uninitialised (or never loaded) weights compute
+    with pytest.raises(TrainingError, match="NaN for 9 requests.*not reported"):
+        icl.evaluate(model)

@@ -91,3 +91,30 @@ def test_limit_keeps_the_first_prompts_of_a_full_run() -> None:
     full = build_prompts(task("language_modeling"), rows, 3, prefix_space=False)
     limited = build_prompts(task("language_modeling"), rows, 3, prefix_space=False, limit=5)
     assert limited == full[:5]
+
+
+def test_shots_come_in_llm_foundrys_set_order_not_sorted() -> None:
+    # LLM Foundry iterates its sampled indices as a Python set; for these draws that order is not sorted.
+    rng = random.Random(1234)
+    shots = [fewshot_indices(100, 5, index, rng) for index in range(3)]
+    assert shots == [[99, 74, 11, 14, 56], [4, 10, 12, 85, 88], [98, 3, 44, 45, 30]]
+
+
+def test_schema_few_shot_puts_the_prelimiter_before_the_delimiter_as_llm_foundry() -> None:
+    schema = task("schema", question_prelimiter="Q: ", example_delimiter="\n\n", continuation_delimiter=" -> ")
+    prompt = build_prompts(schema, SCHEMA_ROWS, 1, prefix_space=True, limit=1)[0]
+    assert prompt.preamble == "Q: Cy fed Di because Di -> was hungry."
+    assert prompt.contexts == ["Q: \n\nAnn hit Bo because Ann ->", "Q: \n\nAnn hit Bo because Bo ->"]
+
+
+def test_schema_zero_shot_context_has_no_continuation_delimiter() -> None:
+    schema = task("schema", question_prelimiter="Q: ", continuation_delimiter=" -> ")
+    prompt = build_prompts(schema, SCHEMA_ROWS, 0, prefix_space=True, limit=1)[0]
+    assert prompt.contexts == ["Q: Ann hit Bo because Ann", "Q: Ann hit Bo because Bo"]
+
+
+def test_every_answer_follows_a_chain_of_thought_when_any_row_has_one() -> None:
+    rows = [{"context": "1+1?", "answer": "2", "chain_of_thought": "One and one."}, {"context": "2+1?", "answer": "3"}]
+    qa = task("generation_task_with_answers", cot_delimiter=" So: ")
+    prompt = build_prompts(qa, rows, 1, prefix_space=True, limit=1)[0]
+    assert prompt.preamble == "2+1?  So: 3"  # the row without one writes '' before the delimiter

@@ -94,6 +94,7 @@ def test_summary_shows_first_and_last_losses_and_checkpoint(state, fire, advance
         _train_to(console, state, fire, advance, 1, loss=train_loss)
         console.log_metrics({"metrics/eval/loss": eval_loss}, step=state.timestamp.batch)
     state.last_checkpoint_path = "runs/demo/checkpoints/ba3.pt"
+    fire(console, Event.BATCH_CHECKPOINT)
     clock.now = 133.0
     fire(console, Event.FIT_END)
     summary = capsys.readouterr().out.split("Run summary\n")[1]
@@ -119,6 +120,15 @@ def test_summary_states_the_steady_throughput_and_mfu(state, fire, advance, cloc
     assert f"  throughput        {expected}" in summary.splitlines()
 
 
+def test_summary_does_not_show_the_checkpoint_the_run_loaded_as_its_checkpoint(state, fire, advance, clock, capsys):
+    state.last_checkpoint_path = "runs/base/checkpoints/ep0-ba100"  # loaded before FIT_START; nothing saved
+    console = ConsoleLogger(progress_bar=False, clock=clock)
+    fire(console, Event.FIT_START)
+    _train_to(console, state, fire, advance, 1)
+    fire(console, Event.FIT_END)
+    assert "checkpoint" not in capsys.readouterr().out.split("Run summary\n")[1]
+
+
 def test_other_ranks_print_nothing(state, fire, advance, capsys):
     state.rank = 1
     console = ConsoleLogger(progress_bar=False)
@@ -139,6 +149,17 @@ def test_progress_bar_counts_batches_and_carries_the_loss(state, fire, advance):
     output = stream.getvalue()
     assert "3/3" in output
     assert "loss=2.5000" in output
+
+
+def test_progress_bar_shows_the_loss_of_the_batch_it_counts(state, fire, advance):
+    state.max_duration = Time.parse("3ba")
+    stream = io.StringIO()
+    console = ConsoleLogger(progress_bar=True, stream=stream)
+    fire(console, Event.FIT_START)
+    _train_to(console, state, fire, advance, 1, loss=5.0)
+    _train_to(console, state, fire, advance, 1, loss=4.0)
+    shown = stream.getvalue().split("\r")[-1]  # what the terminal shows now
+    assert "2/3" in shown and "loss=4.0000" in shown
 
 
 def test_registered_as_console():

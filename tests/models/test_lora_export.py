@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +13,14 @@ import torch
 from helpers import TINY_LLAMA, TINY_MPT, token_batches
 
 from foundry.builders import build_model
-from foundry.convert.checkpoint_io import load_checkpoint_model, save_weights_checkpoint
+from foundry.convert.checkpoint_io import (
+    check_weights_loaded,
+    load_checkpoint_model,
+    save_weights_checkpoint,
+    unloaded_model,
+)
 from foundry.convert.commands import to_hf_model
+from foundry.errors import CheckpointError
 from foundry.optim import DecoupledAdamW
 from foundry.peft.checkpoint import holds_adapters_only, saved_model_keys
 from foundry.peft.export import (
@@ -137,3 +144,28 @@ def test_merge_command_writes_weights_that_give_the_lora_logits(adapters_run, tm
     merged = load_checkpoint_model(tmp_path / "merged", LLAMA).eval()
     assert not any(is_adapter_key(name) for name in merged.state_dict())
     torch.testing.assert_close(logits(merged, input_ids), logits(model, input_ids), atol=1e-5, rtol=0)
+
+
+def test_adapters_only_checkpoint_loads_its_base_wherever_a_model_is_read(adapters_run, input_ids):
+    # foundry eval --model and foundry.load_model read checkpoints through load_checkpoint_model.
+    folder, model = adapters_run
+    loaded = load_checkpoint_model(folder / "ep0-ba2", {**LLAMA, "peft_config": PEFT_CONFIG}).eval()
+    torch.testing.assert_close(logits(loaded, input_ids), logits(model, input_ids), atol=0, rtol=0)
+
+
+def test_adapters_only_checkpoint_whose_base_is_gone_is_refused_naming_adapters(adapters_run, tmp_path):
+    folder = tmp_path / "ep0-ba2"
+    shutil.copytree(adapters_run[0] / "ep0-ba2", folder)
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["config"]["load_path"] = str(tmp_path / "deleted-base")
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="--adapters"):
+        load_checkpoint_model(folder, {**LLAMA, "peft_config": PEFT_CONFIG})
+
+
+def test_a_model_whose_weights_were_never_loaded_is_refused(adapters_run):
+    section = {**LLAMA, "peft_config": PEFT_CONFIG}
+    adapters_alone = load_checkpoint_model(adapters_run[0] / "ep0-ba2", section, with_base=False)
+    with pytest.raises(CheckpointError, match="unloaded.*--adapters"):
+        check_weights_loaded(adapters_alone, "this model")
+    check_weights_loaded(unloaded_model(section), "", ignore=lambda name: True)  # nothing left to check: fine

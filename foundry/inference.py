@@ -1,0 +1,74 @@
+"""A trained model from Python: ``foundry.load_model`` and ``foundry.generate``.
+
+    import foundry
+
+    model, tokenizer = foundry.load_model("runs/quickstart/checkpoints")   # or a checkpoint folder, or an HF dir
+    print(foundry.generate(model, tokenizer, "The meaning of", max_new_tokens=20))
+
+``load_model`` reads what ``foundry eval --model`` reads: a checkpoint folder (its config rebuilds the
+model and names the tokenizer), a save_folder (its latest checkpoint) or a Hugging Face directory.
+An adapters-only LoRA checkpoint loads its base first, from where its run loaded it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def load_model(
+    path: str | Path, device: str | torch.device = "cpu", attn_implementation: str | None = None
+) -> tuple[nn.Module, Any]:
+    """``(model, tokenizer)`` stored at ``path``, the model in eval mode on ``device``.
+
+    Args:
+        path: a foundry checkpoint folder, a save_folder (its latest checkpoint) or a Hugging Face
+            model directory (``config.json``; loaded as ``hf_causal_lm``, its tokenizer from beside it).
+        device: where the model's weights go.
+        attn_implementation: for Hugging Face directories, transformers' attention name; None picks
+            ``sdpa`` where the model implements it, else ``eager``.
+    """
+    from foundry.eval.loading import load_model as load_source
+
+    loaded = load_source(path, attn_implementation=attn_implementation)
+    return loaded.model.to(device).eval(), loaded.tokenizer
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    tokenizer: Any,
+    prompts: str | Sequence[str],
+    max_new_tokens: int = 64,
+    stop: Sequence[str] = (),
+    precision: str = "fp32",
+) -> str | list[str]:
+    """Greedy continuations of ``prompts`` (one string, or a list of them), as text.
+
+    Each prompt is tokenized with the tokenizer's special tokens (BOS where it adds one), all prompts
+    run as one batch, and each stops at EOS, after ``max_new_tokens``, or at the first of the ``stop``
+    strings, which is cut off with whatever followed it. Decoding is greedy (the most likely token
+    each step): the same text every time. ``precision``: ``fp32``, ``amp_bf16`` or ``amp_fp16``.
+    """
+    from foundry.eval.scoring import greedy_generate
+
+    texts = [prompts] if isinstance(prompts, str) else list(prompts)
+    token_ids = [list(tokenizer(text)["input_ids"]) for text in texts]
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        outputs = greedy_generate(model, token_ids, max_new_tokens, tokenizer, stop, precision, device)
+    finally:
+        model.train(was_training)
+    outputs = [_cut_at_stop(text, stop) for text in outputs]
+    return outputs[0] if isinstance(prompts, str) else outputs
+
+
+def _cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    positions = [text.find(string) for string in stop if string and string in text]
+    return text[: min(positions)] if positions else text
