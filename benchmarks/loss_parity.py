@@ -8,7 +8,8 @@ same seed, as: ``default`` (the YAML as shipped, with what ``foundry train`` pic
 compile_config default, loss_fn auto, its fsdp_config on one rank, attn_impl flash), ``eager`` (the
 plain path: no compile, the unfused loss, no fsdp_config so an fp32 residual stream, SDPA, amp_bf16),
 ``eager_again`` (the same run repeated: the GPU's own run-to-run nondeterminism) and ``fp32`` (eager
-without autocast: the bf16 rounding gap). Reports the max and mean absolute per-step loss difference
+without autocast: the bf16 rounding gap); ``float8`` (the default path with ``algorithms.float8``, on a GPU
+with float8 matrix units) is there to be asked for. Reports the max and mean absolute per-step loss difference
 of each against ``eager``.
 """
 
@@ -35,6 +36,7 @@ PLAIN = [
 ]
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
+    "float8": {"overrides": ["algorithms.float8={}"]},  # the default path with float8 linear layers (Hopper)
     "eager": {"overrides": PLAIN},
     "eager_again": {"overrides": PLAIN},
     "fp32": {"precision": "fp32", "overrides": PLAIN},
@@ -94,7 +96,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--microbatch", type=int, default=8)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument(
+        "--variants", nargs="+", default=["eager", "default", "eager_again", "fp32"], choices=list(VARIANTS)
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     cfg, _ = load_train_config(REPO_ROOT / args.config)

@@ -1,0 +1,153 @@
+"""Float8 training of the linear layers (``algorithms: {float8: {...}}``), through torchao.
+
+On Hopper-class GPUs the float8 matrix units have twice the dense peak of bf16 ones. At INIT this
+algorithm swaps the chosen ``nn.Linear`` layers for torchao's ``Float8Linear``: each forward and
+backward GEMM casts its inputs to float8 with a fresh scale (``tensorwise``: one scale a tensor;
+``rowwise``: one a row, more accurate and a little slower) and accumulates in higher precision.
+Weights, gradients and optimizer state keep their dtypes, so checkpoints are unchanged.
+
+Which layers: every plain ``nn.Linear`` of the transformer blocks whose two dimensions are multiples
+of 16 (the float8 GEMM's requirement), except the first and last blocks (``keep_first_and_last_blocks``)
+and anything ``exclude`` names (fnmatch patterns over module names, e.g. ``"*.ffn.down_proj"``). The
+output head and the embeddings stay in bf16, as do LoRA layers (their frozen base included), which are
+not plain ``nn.Linear``. It runs before FSDP2 shards the model (with ``fsdp_float8_all_gather`` and the
+tensorwise recipe, shards are all-gathered in float8, half the bytes) and composes with
+``torch_compile`` (which fuses the casts) and activation checkpointing. MFU stays reported against the
+bf16 peak, as torchtitan does.
+
+torchao is an optional extra: ``pip install foundry[float8]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Literal
+
+import torch
+from torch import nn
+
+from foundry import registry
+from foundry.core.algorithm import Algorithm
+from foundry.core.event import Event
+from foundry.core.logger import Logger
+from foundry.core.state import State
+from foundry.distributed.parallelize import fsdp_blocks
+from foundry.errors import ConfigError
+
+Recipe = Literal["tensorwise", "rowwise"]
+FLOAT8_GEMM_MULTIPLE = 16
+_KEY = "algorithms.float8"
+
+
+@registry.algorithms.register("float8")
+class Float8Training(Algorithm):
+    """Train the chosen linear layers with float8 GEMMs (torchao's ``convert_to_float8_training``).
+
+    Args:
+        recipe: ``tensorwise`` (the fastest) or ``rowwise`` (finer scales).
+        keep_first_and_last_blocks: leave the first and last transformer blocks in bf16 (they are the most
+            sensitive to rounding).
+        exclude: fnmatch patterns of module names that stay in bf16, on top of the defaults.
+        fsdp_float8_all_gather: all-gather FSDP2 shards in float8 (tensorwise only).
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe = "tensorwise",
+        keep_first_and_last_blocks: bool = True,
+        exclude: list[str] | None = None,
+        fsdp_float8_all_gather: bool = True,
+    ) -> None:
+        if recipe not in Recipe.__args__:
+            raise ConfigError(f"'{_KEY}.recipe' is {recipe!r}; use 'tensorwise' or 'rowwise'.")
+        self.recipe = recipe
+        self.keep_first_and_last_blocks = keep_first_and_last_blocks
+        self.exclude = list(exclude or [])
+        self.fsdp_float8_all_gather = fsdp_float8_all_gather and recipe == "tensorwise"
+        self.converted: list[str] = []
+
+    def match(self, event: Event, state: State) -> bool:
+        return event == Event.INIT or (event == Event.AFTER_OPTIMIZER_STEP and self._precomputes_scales(state))
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        if event == Event.AFTER_OPTIMIZER_STEP:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(state.model)  # one all-reduce of the shards' amaxes
+            return
+        require_float8_hardware(state.device)
+        names = float8_module_names(state.model, self.keep_first_and_last_blocks, self.exclude)
+        if not names:
+            raise ConfigError(
+                f"{_KEY} found no linear layer to convert (none in the transformer blocks is a plain nn.Linear "
+                f"with sizes divisible by {FLOAT8_GEMM_MULTIPLE}, outside 'exclude' and the first and last blocks)."
+                " Check 'exclude' and keep_first_and_last_blocks, or remove the algorithm."
+            )
+        self.converted = convert_to_float8(state.model, names, self.recipe, self.fsdp_float8_all_gather)
+        logger.log_text(f"float8 ({self.recipe}): {len(self.converted)} linear layers train with float8 GEMMs.")
+
+    def _precomputes_scales(self, state: State) -> bool:
+        from torch.distributed.fsdp import FSDPModule
+
+        return bool(self.converted) and self.fsdp_float8_all_gather and isinstance(state.model, FSDPModule)
+
+
+def float8_module_names(model: nn.Module, keep_first_and_last_blocks: bool, exclude: list[str]) -> list[str]:
+    """Names of the plain ``nn.Linear`` layers of the blocks that float8 can run, in model order."""
+    blocks = fsdp_blocks(model)
+    if keep_first_and_last_blocks:
+        blocks = blocks[1:-1]
+    in_blocks = {id(module) for block in blocks for module in block.modules()}
+    # A linear layer's subclass (LoRA's) computes its own way: neither it nor its adapters are swapped.
+    in_linear_subclasses = {
+        id(inner) for outer in model.modules() if isinstance(outer, nn.Linear) and type(outer) is not nn.Linear
+        for inner in outer.modules()
+    }  # fmt: skip
+    names = []
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear or id(module) not in in_blocks or id(module) in in_linear_subclasses:
+            continue
+        if module.in_features % FLOAT8_GEMM_MULTIPLE or module.out_features % FLOAT8_GEMM_MULTIPLE:
+            continue
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude):
+            continue
+        names.append(name)
+    return names
+
+
+def convert_to_float8(model: nn.Module, names: list[str], recipe: str, fsdp_float8_all_gather: bool) -> list[str]:
+    """Swap the named layers for torchao's ``Float8Linear``; returns the names converted."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError:
+        raise ConfigError(
+            f"{_KEY} needs torchao, which is not installed: `pip install foundry[float8]` (or torchao)."
+        ) from None
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if fsdp_float8_all_gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    chosen = set(names)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn in chosen)
+    return [name for name, module in model.named_modules() if type(module).__name__ == "Float8Linear"]
+
+
+def require_float8_hardware(device: torch.device) -> None:
+    """A ConfigError unless ``device`` has float8 matrix units (NVIDIA compute capability 8.9+, AMD MI300)."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        if torch.version.hip is not None:
+            arch = torch.cuda.get_device_properties(device).gcnArchName
+            if "gfx94" in arch or "gfx95" in arch:
+                return
+            found = f"an AMD {arch}"
+        else:
+            capability = torch.cuda.get_device_capability(device)
+            if capability >= (8, 9):
+                return
+            found = f"a {torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]})"
+    else:
+        found = f"a {device.type} device"
+    raise ConfigError(
+        f"{_KEY} needs a GPU with float8 matrix units (NVIDIA compute capability 8.9 or newer: L4, L40S, H100, "
+        f"H200, B200; or AMD MI300), but this run is on {found}. Remove {_KEY} to train in bf16."
+    )

@@ -1,0 +1,90 @@
+"""The float8 algorithm: which linear layers it converts, its config checks, and its hardware requirement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import TINY_MPT
+
+from foundry import registry
+from foundry.algorithms import Float8Training
+from foundry.algorithms.float8 import convert_to_float8, float8_module_names
+from foundry.builders import build_components
+from foundry.errors import ConfigError
+from foundry.models import MPTCausalLM
+from foundry.trainer import Trainer
+
+FOUR_BLOCKS = {**TINY_MPT, "d_model": 64, "n_heads": 4, "n_layers": 4}  # every linear a multiple of 16
+BLOCK_LINEARS = ["attn.Wqkv", "attn.out_proj", "ffn.up_proj", "ffn.down_proj"]
+
+
+def names_in(blocks: range) -> list[str]:
+    return [f"transformer.blocks.{block}.{linear}" for block in blocks for linear in BLOCK_LINEARS]
+
+
+def test_the_middle_blocks_linears_are_chosen_by_default() -> None:
+    assert float8_module_names(MPTCausalLM(**FOUR_BLOCKS), True, []) == names_in(range(1, 3))
+
+
+def test_first_and_last_blocks_can_be_converted_too() -> None:
+    assert float8_module_names(MPTCausalLM(**FOUR_BLOCKS), False, []) == names_in(range(4))
+
+
+def test_exclude_patterns_keep_modules_in_bf16() -> None:
+    names = float8_module_names(MPTCausalLM(**FOUR_BLOCKS), False, ["*.ffn.down_proj", "transformer.blocks.0.*"])
+    assert names == [name for name in names_in(range(1, 4)) if not name.endswith("down_proj")]
+
+
+def test_layers_whose_sizes_float8_cannot_multiply_are_skipped() -> None:
+    model = MPTCausalLM(**{**FOUR_BLOCKS, "d_model": 40, "n_heads": 4})  # 40 is not a multiple of 16
+    assert float8_module_names(model, False, []) == []
+
+
+def test_lora_layers_and_their_base_stay_in_bf16() -> None:
+    lora = {"peft_type": "LORA", "r": 16, "target_modules": ["Wqkv"]}
+    names = float8_module_names(MPTCausalLM(**FOUR_BLOCKS, peft_config=lora), False, [])
+    assert names and not any("Wqkv" in name or "lora" in name for name in names)
+
+
+def test_float8_on_a_cpu_is_a_config_error_naming_the_hardware(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"float8 needs a GPU with float8 matrix units.*H100.*on a cpu device"):
+        Trainer(model=MPTCausalLM(**FOUR_BLOCKS), algorithms=[Float8Training()], device="cpu",
+                run_folder=str(tmp_path), log_to_console=False)  # fmt: skip
+
+
+def test_unknown_recipe_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"'algorithms\.float8\.recipe' is 'blockwise'"):
+        build_components(registry.algorithms, {"float8": {"recipe": "blockwise"}}, "algorithms")
+
+
+def test_conversion_swaps_exactly_the_chosen_layers() -> None:
+    pytest.importorskip("torchao")
+    model = MPTCausalLM(**FOUR_BLOCKS)
+    chosen = float8_module_names(model, True, [])
+    assert convert_to_float8(model, chosen, "tensorwise", fsdp_float8_all_gather=False) == chosen
+    assert type(model.transformer.blocks[0].attn.Wqkv) is torch.nn.Linear
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs float8 matrix units"
+)
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_float8_step_trains_close_to_bf16(tmp_path, recipe) -> None:
+    from helpers import token_batches
+
+    losses = {}
+    for name, algorithms in (
+        ("bf16", []),
+        ("float8", [Float8Training(recipe=recipe, keep_first_and_last_blocks=False)]),
+    ):
+        torch.manual_seed(0)
+        trainer = Trainer(
+            model=MPTCausalLM(**{**FOUR_BLOCKS, "d_model": 128, "max_seq_len": 64}),
+            train_dataloader=token_batches(3, batch_size=8, seq_len=64, vocab_size=TINY_MPT["vocab_size"]),
+            max_duration="3ba", algorithms=algorithms, precision="amp_bf16", device="cuda",
+            run_folder=str(tmp_path / name), log_to_console=False,
+        )  # fmt: skip
+        trainer.fit()
+        losses[name] = trainer.state.loss.item()
+    assert torch.isfinite(torch.tensor(losses["float8"]))
+    assert losses["float8"] == pytest.approx(losses["bf16"], rel=5e-2)
