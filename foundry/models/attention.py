@@ -258,7 +258,7 @@ def build_attention_inputs(
         inputs.rope = rope_cos_sin(positions, scaling.inv_freq(head_dim, config.rope_theta, device))
     masked = config.alibi or config.sliding_window_size >= 0 or key_padding_mask is not None or sequence_id is not None
     cached = not isinstance(past_len, int) or past_len != 0 or key_len_of(key_padding_mask, seq_len) != seq_len
-    if _runs_flex(config, masked, device, cached):
+    if _runs_flex(config, masked, device, head_dim, cached):
         inputs.block_mask = block_mask(seq_len, config.sliding_window_size, sequence_id, key_padding_mask, device)
         if config.alibi:
             inputs.score_mod = alibi_score_mod(alibi_slopes(n_heads, config.alibi_bias_max, device))
@@ -294,17 +294,18 @@ def key_len_of(key_padding_mask: torch.Tensor | None, seq_len: int) -> int:
     return seq_len if key_padding_mask is None else key_padding_mask.shape[1]
 
 
-def _runs_flex(config: AttnConfig, masked: bool, device: torch.device, cached: bool) -> bool:
+def _runs_flex(config: AttnConfig, masked: bool, device: torch.device, head_dim: int, cached: bool) -> bool:
     """FlexAttention for ``flex``, and for ``flash`` when a mask or bias is needed; on a GPU, without a KV cache."""
     wants_flex = config.attn_impl == "flex" or (config.attn_impl == "flash" and masked and config.attn_pdrop == 0)
     if not wants_flex or cached:
         return False
-    if flex_runs_on(device):
+    if flex_runs_on(device, head_dim):
         return True
     if config.attn_impl == "flex":
+        reason = f"no backward on {device.type}" if device.type != "cuda" else f"no kernel for {head_dim}-wide heads"
         _warn_once(
-            f"'{_KEY}.attn_impl' is 'flex', but FlexAttention has no backward on {device.type}; attention runs on "
-            "SDPA with dense masks here (the same function, slower and O(seq²) in memory)."
+            f"'{_KEY}.attn_impl' is 'flex', but FlexAttention has {reason}; attention runs on SDPA with dense "
+            "masks here (the same function, slower and O(seq²) in memory)."
         )
     return False
 

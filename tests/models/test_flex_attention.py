@@ -18,7 +18,7 @@ from foundry.models import attention as attention_module
 from foundry.models import flex_attention as flex_module
 from foundry.models.attention import Attention, AttnConfig, build_attention_inputs
 
-D_MODEL, N_HEADS, SEQ = 32, 4, 24
+D_MODEL, N_HEADS, SEQ = 64, 4, 24  # FlexAttention needs heads of 16 or more
 HEAD_DIM = D_MODEL // N_HEADS
 CASES: dict[str, dict[str, Any]] = {
     "causal": {},
@@ -39,7 +39,7 @@ def flex_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     import warnings
 
     warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
-    monkeypatch.setattr(attention_module, "flex_runs_on", lambda device: True)
+    monkeypatch.setattr(attention_module, "flex_runs_on", lambda device, head_dim: True)
     monkeypatch.setattr(flex_module, "_compiled_flex_attention", lambda: flex_attention)
 
 
@@ -101,7 +101,7 @@ def test_flash_with_attention_dropout_stays_on_sdpa(flex_on_cpu) -> None:
 def test_flex_on_a_cpu_trains_on_sdpa_with_one_warning() -> None:
     attention_module._warn_once.cache_clear()
     x = inputs_x().requires_grad_()
-    with pytest.warns(UserWarning, match="'flex', but FlexAttention has no backward on cpu"):
+    with pytest.warns(UserWarning, match="'flex', but FlexAttention has no backward on cpu; attention runs on SDPA"):
         got, inputs = forward(make("flex", alibi=True), x, SEQUENCE_ID)
     expected, _ = forward(make("torch", alibi=True), x, SEQUENCE_ID)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -174,3 +174,13 @@ def test_a_compiled_packed_alibi_model_trains_on_flex_to_the_reference_losses(tm
         losses[impl] = recorder.losses
     assert len(losses["flex"]) == 3
     assert losses["flex"] == pytest.approx(losses["torch"], rel=2e-2)
+
+
+@needs_gpu
+def test_heads_narrower_than_the_flex_kernel_takes_stay_on_sdpa() -> None:
+    torch.manual_seed(0)
+    narrow = Attention(32, 4, AttnConfig(attn_impl="flash", alibi=True), norm_type="layernorm").cuda()
+    positions = torch.arange(SEQ, device="cuda")[None]
+    inputs = build_attention_inputs(narrow.config, 4, 8, SEQ, positions, None)
+    assert inputs.block_mask is None and inputs.bias is not None
+    assert narrow(torch.randn(2, SEQ, 32, device="cuda"), inputs).isfinite().all()
