@@ -22,6 +22,14 @@ class CheckpointError(FoundryError):
     """A checkpoint cannot be written or read; the message names the path."""
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint's files differ from what was saved (missing, truncated, altered); the message names the file."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems or [message]  # one line per damaged file
+
+
 class TrainingError(FoundryError):
     """The run cannot go on (NaN loss, out of memory, ...); the message names the batch."""
 

@@ -170,6 +170,7 @@ class Trainer:
             algorithms=self.engine.algorithms,
         )
         if path is not None:
+            self.checkpoints.loaded(path)
             self.logger.log_text(f"Loaded checkpoint {path} at batch {self.state.timestamp.batch}.")
 
     # ------------------------------------------------------------------------------------- fit

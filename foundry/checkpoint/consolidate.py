@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from foundry.checkpoint.layout import TMP_PREFIX, fsync_dir, resolve_checkpoint_path, single_process_quiet
+from foundry.checkpoint.layout import TMP_PREFIX, fsync_dir, resolve_checkpoint_path, root_cause, single_process_quiet
 from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from foundry.errors import CheckpointError
 
@@ -27,13 +28,26 @@ class _SafeWholeStateLoadPlanner(SafeLoadPlanner, _EmptyStateDictLoadPlanner):
 
 
 def read_checkpoint_tensors(path: str | Path) -> dict[str, Any]:
-    """``{"model": {name: tensor}, "optim": {...}}`` of a checkpoint folder (or a save_folder's latest)."""
+    """``{"model": {name: tensor}, "optim": {...}}`` of a checkpoint folder (or a save_folder's latest).
+
+    The files are verified against the checkpoint's manifest first; a file that passes but cannot be
+    read (a checkpoint written by something else, or crafted) is a ``CheckpointError`` too.
+    """
     folder = resolve_checkpoint_path(path)
     state: dict[str, Any] = {}
-    with single_process_quiet():
-        _load_state_dict(
-            state, storage_reader=SafeFileSystemReader(folder), planner=_SafeWholeStateLoadPlanner(), no_dist=True
-        )
+    try:
+        with single_process_quiet():
+            _load_state_dict(
+                state, storage_reader=SafeFileSystemReader(folder), planner=_SafeWholeStateLoadPlanner(), no_dist=True
+            )
+    except (Exception, CheckpointException) as exc:
+        cause = root_cause(exc)
+        if isinstance(cause, CheckpointError):
+            raise cause from exc
+        raise CheckpointError(
+            f"Cannot read the tensors of checkpoint {folder} ({type(cause).__name__}: {cause}). Its files are not "
+            "what foundry wrote; consolidate another checkpoint."
+        ) from exc
     if "model" not in state:
         raise CheckpointError(f"Checkpoint {folder} holds no model tensors; it was not written by foundry.")
     return state

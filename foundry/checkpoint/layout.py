@@ -1,15 +1,19 @@
-"""What a checkpoint folder holds, how its contents are keyed, and how to find the newest complete one.
+"""What a checkpoint folder holds, how its contents are keyed, and how to find the newest one.
 
 A checkpoint is a folder ``<save_folder>/ep{epoch}-ba{batch}/``::
 
     .metadata, __*.distcp   model and optimizer tensors (torch.distributed.checkpoint, any sharding)
     meta.json               timestamp, schedulers, callbacks, algorithms, dataloader, config, run info
     rng-rank{r}.json        each rank's random generators
+    manifest.json           every other file's size and checksum, and the publish sequence (written last)
 
 It is written into ``.tmp-<name>-<random>/`` and renamed into place only when complete, so a run
-killed mid-save leaves just a ``.tmp-*`` folder: readers ignore it and the next save deletes it.
-``<save_folder>/latest`` names the newest checkpoint. Writing is ``foundry.checkpoint.save``, reading
-``foundry.checkpoint.load``.
+killed mid-save leaves just a ``.tmp-*`` folder: readers ignore it and the next run deletes it.
+The newest checkpoint is the one published last (the highest manifest sequence), whatever its
+name; ``<save_folder>/latest`` names it too, for people and scripts, but nothing relies on it, so a
+kill between the rename and the pointer's update costs nothing. Every reader checks the files
+against the manifest first (``foundry.checkpoint.integrity``). Writing is
+``foundry.checkpoint.save``, reading ``foundry.checkpoint.load``.
 """
 
 from __future__ import annotations
@@ -25,15 +29,18 @@ from typing import Any
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
 from foundry.checkpoint.safe_reader import METADATA_FILE
+from foundry.core.paths import check_local_path
 from foundry.core.state import State
 from foundry.core.time import Timestamp
 from foundry.errors import CheckpointError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest.json with checksums
 META_FILE = "meta.json"
+MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
 TMP_PREFIX = ".tmp-"
-_CHECKPOINT_NAME = re.compile(r"^ep(\d+)-ba(\d+)$")
+DAMAGED_SUFFIX = ".damaged"
+CHECKPOINT_NAME = re.compile(r"^ep(\d+)-ba(\d+)$")
 
 
 def checkpoint_name(timestamp: Timestamp) -> str:
@@ -59,23 +66,37 @@ def stateful_key_pairs(objects: Sequence) -> Iterator[tuple[str, Any]]:
 
 
 # ---------------------------------------------------------------------------------------- find
-def latest_checkpoint(save_folder: str | Path) -> Path | None:
-    """The newest complete checkpoint in ``save_folder`` (as ``latest`` names it), or None."""
+def checkpoint_folders(save_folder: str | Path) -> list[Path]:
+    """The ``ep*-ba*`` checkpoints in ``save_folder``, oldest first: in publish order, then by batch."""
+    from foundry.checkpoint.integrity import publish_sequence
+
     save_folder = Path(save_folder)
     if not save_folder.is_dir():
-        return None
-    pointer = save_folder / LATEST_FILE
-    if pointer.is_file():
-        name = pointer.read_text().strip()
-        candidate = save_folder / name
-        if name and Path(name).name == name and not name.startswith(".") and _is_complete(candidate):
-            return candidate
-    complete = complete_checkpoints(save_folder)
-    return complete[-1] if complete else None
+        return []
+    found = []
+    for path in save_folder.iterdir():
+        match = CHECKPOINT_NAME.match(path.name)
+        if match and path.is_dir():
+            found.append(((publish_sequence(path), int(match.group(2)), int(match.group(1))), path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(save_folder: str | Path) -> Path | None:
+    """The checkpoint ``save_folder`` published last, or None. Its files are not verified here."""
+    folders = checkpoint_folders(save_folder)
+    return folders[-1] if folders else None
 
 
 def resolve_checkpoint_path(path: str | Path) -> Path:
-    """A checkpoint folder as given, or a save_folder's latest checkpoint."""
+    """A checkpoint folder as given, or a save_folder's latest checkpoint; verified against its manifest.
+
+    Raises:
+        CheckpointError: nothing to load there; ``DamagedCheckpointError`` when a file differs from
+            its checksum (an explicit path never falls back to an older checkpoint).
+    """
+    from foundry.checkpoint.integrity import verify_checkpoint
+
+    check_local_path(str(path), "the checkpoint path", CheckpointError)
     path = Path(path)
     if not path.exists():
         raise CheckpointError(
@@ -84,40 +105,17 @@ def resolve_checkpoint_path(path: str | Path) -> Path:
         )
     if not path.is_dir():
         raise CheckpointError(f"{path} is a file; a checkpoint is a folder (e.g. <save_folder>/ep0-ba100).")
-    is_checkpoint = _CHECKPOINT_NAME.match(path.name) or (path / META_FILE).exists() or (path / METADATA_FILE).exists()
-    if is_checkpoint:
-        _check_complete(path)
-        return path
-    latest = latest_checkpoint(path)
-    if latest is None:
-        raise CheckpointError(
-            f"{path} holds no complete checkpoint (no ep*-ba* folder with {META_FILE} and {METADATA_FILE}). "
-            "Point load_path at a checkpoint folder or at the save_folder of a run that saved one."
-        )
-    return latest
-
-
-def complete_checkpoints(save_folder: Path) -> list[Path]:
-    """Complete ``ep*-ba*`` checkpoints in ``save_folder``, oldest first."""
-    found = []
-    for path in save_folder.iterdir():
-        match = _CHECKPOINT_NAME.match(path.name)
-        if match and _is_complete(path):
-            found.append(((int(match.group(2)), int(match.group(1))), path))
-    return [path for _, path in sorted(found)]
-
-
-def _is_complete(folder: Path) -> bool:
-    return (folder / META_FILE).is_file() and (folder / METADATA_FILE).is_file()
-
-
-def _check_complete(folder: Path) -> None:
-    for file_name in (META_FILE, METADATA_FILE):
-        if not (folder / file_name).is_file():
+    markers = (META_FILE, METADATA_FILE, MANIFEST_FILE)
+    if not (CHECKPOINT_NAME.match(path.name) or any((path / marker).exists() for marker in markers)):
+        latest = latest_checkpoint(path)
+        if latest is None:
             raise CheckpointError(
-                f"Checkpoint {folder} has no {file_name}: the checkpoint is incomplete (its save was "
-                "interrupted or files were removed). Load an earlier checkpoint from the same folder."
+                f"{path} holds no checkpoint (no ep*-ba* folder). Point load_path at a checkpoint folder or at the "
+                "save_folder of a run that saved one."
             )
+        path = latest
+    verify_checkpoint(path)
+    return path
 
 
 # -------------------------------------------------------- shared by save, load and consolidate
@@ -134,6 +132,18 @@ def single_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
         yield
+
+
+def write_durably(path: Path, text: str, tmp_name: str | None = None) -> None:
+    """Write and fsync ``path``; with ``tmp_name``, via a temporary file renamed over it (atomic)."""
+    target = path.with_name(tmp_name) if tmp_name else path
+    with open(target, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    if tmp_name:
+        os.replace(target, path)
+        fsync_dir(path.parent)
 
 
 def fsync_dir(folder: Path) -> None:

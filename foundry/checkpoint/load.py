@@ -1,13 +1,16 @@
 """Reading checkpoints: model and optimizer tensors resharded to this run's layout, then the training state.
 
-Tensors load through ``SafeFileSystemReader`` (no unpickling of code) into whatever sharding the
-model has now, so a checkpoint resumes on any world size or device.
+Every file is first checked against the checkpoint's manifest (``foundry.checkpoint.integrity``);
+tensors then load through ``SafeFileSystemReader`` (no unpickling of code) into whatever sharding
+the model has now, so a checkpoint resumes on any world size or device. ``autoresume`` walks back
+past damaged checkpoints to the newest intact one; an explicit ``load_path`` never does.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,10 +18,12 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
+from foundry.checkpoint.integrity import verify_checkpoint
 from foundry.checkpoint.layout import (
+    DAMAGED_SUFFIX,
     FORMAT_VERSION,
     META_FILE,
-    latest_checkpoint,
+    checkpoint_folders,
     resolve_checkpoint_path,
     root_cause,
     single_process_quiet,
@@ -29,7 +34,8 @@ from foundry.checkpoint.rng import load_rng_file, rng_file_for_rank
 from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from foundry.core.state import State
 from foundry.core.time import Timestamp
-from foundry.errors import CheckpointError, ConfigError
+from foundry.distributed.env import barrier
+from foundry.errors import CheckpointError, ConfigError, DamagedCheckpointError
 from foundry.peft.checkpoint import load_adapter_base, loadable_without
 
 log = logging.getLogger(__name__)
@@ -47,14 +53,15 @@ def resume_or_load(
 ) -> Path | None:
     """Load the checkpoint a run starts from into ``state``; returns its folder, or None to start afresh.
 
-    ``autoresume`` takes the latest checkpoint in ``save_folder`` with all its state (a restarted run
-    continues); without one, ``load_path`` (a checkpoint folder, or a save_folder's latest).
+    ``autoresume`` takes the newest intact checkpoint in ``save_folder`` with all its state (a restarted
+    run continues; damaged newer ones are skipped with a warning and set aside); without one,
+    ``load_path`` (a checkpoint folder, or a save_folder's latest). Every rank must call this.
     """
     path = None
     if autoresume:
         if not save_folder:
             raise ConfigError("autoresume: true needs save_folder, where the run's checkpoints are found.")
-        path = latest_checkpoint(save_folder)
+        path = newest_intact_checkpoint(Path(save_folder), state.rank)
         weights_only = weights_only and path is None
     if path is None and load_path:
         path = resolve_checkpoint_path(load_path)
@@ -64,6 +71,53 @@ def resume_or_load(
     load_checkpoint(path, state, callbacks=callbacks, algorithms=algorithms, weights_only=weights_only)
     state.last_checkpoint_path = str(path)
     return path
+
+
+def newest_intact_checkpoint(save_folder: Path, rank: int) -> Path | None:
+    """The last published checkpoint of ``save_folder`` whose files all match their checksums, or None.
+
+    Each newer damaged one is logged (what is wrong with it) and renamed to ``<name>.damaged`` by rank 0,
+    so the resumed run can write its own checkpoint of that name. If no checkpoint is intact, nothing is
+    renamed and the damage is raised: starting afresh is for a person to decide.
+    """
+    skipped: list[tuple[Path, DamagedCheckpointError]] = []
+    for folder in reversed(checkpoint_folders(save_folder)):
+        try:
+            verify_checkpoint(folder, collective=True)
+        except DamagedCheckpointError as damage:
+            skipped.append((folder, damage))
+            continue
+        for damaged_folder, damage in skipped:
+            _set_aside(damaged_folder, damage, folder, rank)
+        barrier()
+        return folder
+    if skipped:
+        found = "; ".join(f"{folder.name}: {', '.join(damage.problems)}" for folder, damage in skipped)
+        raise CheckpointError(
+            f"autoresume found no intact checkpoint in {save_folder}, only damaged ones ({found}): their files no "
+            "longer match the checksums written when they were saved. Restore one from a copy, or move these folders "
+            "away to start the run afresh."
+        )
+    return None
+
+
+def _set_aside(folder: Path, damage: DamagedCheckpointError, resume_from: Path, rank: int) -> None:
+    if rank != 0:
+        return
+    aside = folder.with_name(folder.name + DAMAGED_SUFFIX)
+    copies = 1
+    while aside.exists():
+        copies += 1
+        aside = folder.with_name(f"{folder.name}{DAMAGED_SUFFIX}-{copies}")
+    os.replace(folder, aside)
+    log.warning(
+        "autoresume skipped checkpoint %s, which is damaged (%s), and resumes from %s instead. The damaged folder "
+        "was renamed to %s: delete it once you no longer need it.",
+        folder,
+        "; ".join(damage.problems),
+        resume_from.name,
+        aside.name,
+    )
 
 
 def load_checkpoint(

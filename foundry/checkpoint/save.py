@@ -1,8 +1,11 @@
 """Writing checkpoints: atomically (a temporary folder renamed into place), optionally in the background.
 
-``start_checkpoint`` gathers the run's state and begins the write; ``PendingCheckpoint.finish()``
-publishes it (rename, ``latest``, retention). ``save_checkpoint`` does both. The folder layout is
-described in ``foundry.checkpoint.layout``.
+``start_checkpoint`` gathers the run's state and begins the write (each rank then hashes the files
+it wrote); ``PendingCheckpoint.finish()`` publishes it: rank 0 writes ``manifest.json`` (every
+file's checksum and the publish sequence), renames the folder into place, updates ``latest`` and
+prunes. ``save_checkpoint`` does both. A kill at any instant leaves either the previous checkpoints
+and a ``.tmp-*`` folder, or the new checkpoint complete (``foundry.checkpoint.kill_points`` names
+those instants). The folder layout is described in ``foundry.checkpoint.layout``.
 """
 
 from __future__ import annotations
@@ -11,33 +14,39 @@ import contextlib
 import datetime
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import secrets
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from foundry.checkpoint.integrity import hash_files, manifest_text, publish_sequence
+from foundry.checkpoint.kill_points import kill_point
 from foundry.checkpoint.layout import (
     FORMAT_VERSION,
     LATEST_FILE,
+    MANIFEST_FILE,
     META_FILE,
     TMP_PREFIX,
+    checkpoint_folders,
     checkpoint_name,
-    complete_checkpoints,
     fsync_dir,
     root_cause,
     single_process_quiet,
     stateful_key_pairs,
     tensor_state,
+    write_durably,
 )
 from foundry.checkpoint.rng import get_rng_state, rng_file_name
+from foundry.checkpoint.safe_reader import METADATA_FILE
 from foundry.core.redact import scrub_secrets
 from foundry.core.state import State
 from foundry.errors import CheckpointError
@@ -86,9 +95,10 @@ def start_checkpoint(
 
     if state.rank == 0:
         save_folder.mkdir(parents=True, exist_ok=True)
-        _remove_temporaries(save_folder)
+        remove_temporaries(save_folder)
     tmp_dir = save_folder / _same_on_all_ranks(f"{TMP_PREFIX}{name}-{secrets.token_hex(4)}")
     _barrier()
+    kill_point("save.started")
     pending = PendingCheckpoint(tmp_dir, final_dir, state.rank, num_to_keep)
     try:
         pending.write = _write_checkpoint(tmp_dir, tensors, meta_json, rng_json, state.rank, async_process_group)
@@ -102,35 +112,37 @@ class PendingCheckpoint:
 
     def __init__(self, tmp_dir: Path, final_dir: Path, rank: int, num_to_keep: int) -> None:
         self.tmp_dir, self.final_dir, self.rank, self.num_to_keep = tmp_dir, final_dir, rank, num_to_keep
-        self.write: Future | None = None  # the background write of the tensors, if any
+        self.write: Future | None = None  # the write (and hashing) of this rank's files: its hashes
 
-    def wait(self) -> None:
-        """Wait until this rank's tensors are written (raises ``CheckpointError`` if that failed)."""
+    def wait(self) -> dict[str, dict]:
+        """Wait until this rank's files are written and hashed; their hashes (``CheckpointError`` if that failed)."""
         write, self.write = self.write, None
-        if write is None:
-            return
         try:
-            write.result()
+            return write.result() if write is not None else {}
         except (Exception, dcp.CheckpointException) as exc:
             self.fail(exc)
 
     def finish(self) -> Path:
-        """Wait for the write, then rename the checkpoint into place, point ``latest`` at it and prune.
+        """Wait for the write, then write the manifest, rename the checkpoint into place, update ``latest``, prune.
 
         Every rank must call it. Returns the checkpoint folder.
         """
-        self.wait()
-        _barrier()
+        every_ranks_hashes = _gather(self.wait())
         if self.rank == 0:
             save_folder = self.final_dir.parent
+            files = _with_unclaimed_files(self.tmp_dir, every_ranks_hashes)
+            write_durably(self.tmp_dir / MANIFEST_FILE, manifest_text(files, _next_sequence(save_folder)))
+            kill_point("publish.manifest_written")
             _publish(self.tmp_dir, self.final_dir)
+            kill_point("publish.renamed")
             latest_tmp_name = f"{TMP_PREFIX}{LATEST_FILE}-{secrets.token_hex(4)}"
-            _write_durably(save_folder / LATEST_FILE, self.final_dir.name, tmp_name=latest_tmp_name)
+            write_durably(save_folder / LATEST_FILE, self.final_dir.name, tmp_name=latest_tmp_name)
+            kill_point("publish.latest_written")
             _prune(save_folder, self.num_to_keep, keep_name=self.final_dir.name)
         _barrier()
         return self.final_dir
 
-    def fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> NoReturn:
         if self.rank == 0:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
         cause = root_cause(exc)
@@ -148,17 +160,58 @@ def _write_checkpoint(
     rank: int,
     async_process_group: dist.ProcessGroup | None,
 ) -> Future | None:
-    """Write the checkpoint's files into ``folder``; the tensors in the background with a process group."""
+    """Write the checkpoint's files into ``folder``, then hash this rank's; the result holds the hashes.
+
+    With a process group the tensors are written (and the files hashed) in the background.
+    """
     folder.mkdir(parents=True, exist_ok=True)
-    _write_durably(folder / rng_file_name(rank), rng_json)
+    write_durably(folder / rng_file_name(rank), rng_json)
     if rank == 0:
-        _write_durably(folder / META_FILE, meta_json)
+        write_durably(folder / META_FILE, meta_json)
+    kill_point("save.metadata_written")
     writer = dcp.FileSystemWriter(folder)
+
+    def hash_own_files() -> dict[str, dict]:
+        kill_point("save.tensors_written")
+        hashes = hash_files(folder, _own_files(folder, rank))
+        kill_point("save.hashed")
+        return hashes
+
     if async_process_group is not None:
-        return dcp.async_save(tensors, storage_writer=writer, process_group=async_process_group)
+        return _then(dcp.async_save(tensors, storage_writer=writer, process_group=async_process_group), hash_own_files)
     with single_process_quiet():
         dcp.save(tensors, storage_writer=writer)
-    return None
+    done: Future = Future()
+    done.set_result(hash_own_files())
+    return done
+
+
+def _own_files(folder: Path, rank: int) -> list[str]:
+    """The files rank ``rank`` wrote: its RNG file, its tensor files (DCP names them ``__<rank>_*``) and,
+    on rank 0, meta.json and DCP's .metadata. Rank 0 hashes any file no rank claims when it publishes."""
+    own = [rng_file_name(rank)] + ([META_FILE, METADATA_FILE] if rank == 0 else [])
+    return own + sorted(path.name for path in folder.glob(f"__{rank}_*") if path.is_file())
+
+
+def _with_unclaimed_files(folder: Path, hashes_by_rank: list[dict[str, dict]]) -> dict[str, dict]:
+    files = {name: entry for hashes in hashes_by_rank for name, entry in hashes.items()}
+    unclaimed = sorted(path.name for path in folder.iterdir() if path.is_file() and path.name not in files)
+    return {**files, **hash_files(folder, unclaimed)}
+
+
+def _then(future: Future, step: Callable[[], Any]) -> Future:
+    """A future of ``step()``, run (in the thread that completes ``future``) once ``future`` succeeded."""
+    chained: Future = Future()
+
+    def run_step(done: Future) -> None:
+        try:
+            done.result()
+            chained.set_result(step())
+        except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            chained.set_exception(exc)
+
+    future.add_done_callback(run_step)
+    return chained
 
 
 def _meta_json(state: State, name: str, callbacks: Sequence, algorithms: Sequence, config: dict | None) -> str:
@@ -248,38 +301,33 @@ def _publish(tmp_dir: Path, final_dir: Path) -> None:
     fsync_dir(final_dir.parent)
 
 
+def _next_sequence(save_folder: Path) -> int:
+    """One more than the highest publish sequence in ``save_folder`` (those of damaged manifests unknown)."""
+    known = [sequence for path in checkpoint_folders(save_folder) if (sequence := publish_sequence(path)) != math.inf]
+    return int(max(known, default=0)) + 1
+
+
 def _prune(save_folder: Path, num_to_keep: int, keep_name: str) -> None:
-    """Delete all but the ``num_to_keep`` newest checkpoints; never ``keep_name``, the one just written."""
+    """Delete all but the ``num_to_keep`` last published checkpoints; never ``keep_name``, the one just written."""
     if num_to_keep < 0:
         return
-    older = [path for path in complete_checkpoints(save_folder) if path.name != keep_name]
+    older = [path for path in checkpoint_folders(save_folder) if path.name != keep_name]
     num_older_to_keep = max(num_to_keep - 1, 0)
     for path in older[: len(older) - num_older_to_keep]:
         # Rename first: a crash mid-delete then leaves a .tmp-* folder, never a half-deleted checkpoint.
         doomed = path.with_name(f"{TMP_PREFIX}delete-{path.name}-{secrets.token_hex(4)}")
         os.replace(path, doomed)
+        kill_point("prune.renamed")
         shutil.rmtree(doomed, ignore_errors=True)
 
 
-def _remove_temporaries(save_folder: Path) -> None:
-    """Delete what interrupted saves left behind."""
+def remove_temporaries(save_folder: Path) -> None:
+    """Delete what interrupted saves left behind (``.tmp-*``). Only while no save into the folder runs."""
     for path in save_folder.glob(f"{TMP_PREFIX}*"):
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:
             path.unlink(missing_ok=True)
-
-
-def _write_durably(path: Path, text: str, tmp_name: str | None = None) -> None:
-    """Write and fsync ``path``; with ``tmp_name``, via a temporary file renamed over it (atomic)."""
-    target = path.with_name(tmp_name) if tmp_name else path
-    with open(target, "w") as file:
-        file.write(text)
-        file.flush()
-        os.fsync(file.fileno())
-    if tmp_name:
-        os.replace(target, path)
-        fsync_dir(path.parent)
 
 
 # --------------------------------------------------------------------------------- distributed
@@ -290,6 +338,15 @@ def _distributed() -> bool:
 def _barrier() -> None:
     if _distributed():
         dist.barrier()
+
+
+def _gather(value: Any) -> list[Any]:
+    """Every rank's ``value`` in rank order (also a barrier)."""
+    if not _distributed():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def _same_on_all_ranks(value: str) -> str:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from foundry import distributed
-from foundry.checkpoint.save import PendingCheckpoint, start_checkpoint
+from foundry.checkpoint.save import PendingCheckpoint, remove_temporaries, start_checkpoint
 from foundry.core import Engine, Event
+from foundry.core.paths import check_writable_folder
 
 
 class CheckpointSaver:
@@ -13,7 +16,8 @@ class CheckpointSaver:
     Args:
         engine: fires BEFORE_CHECKPOINT, and the checkpoint event once the checkpoint is published;
             its state, callbacks and algorithms are what is saved.
-        save_folder: where checkpoints go; None saves nothing.
+        save_folder: where checkpoints go (checked to be writable now); None saves nothing. What
+            interrupted saves left there (``.tmp-*``) is deleted now.
         overwrite / num_to_keep: ``start_checkpoint``'s options.
         save_async: write in a background thread (over a gloo group of its own) while training goes on;
             the checkpoint is published at the next save, at fit's end, or after an error.
@@ -32,6 +36,10 @@ class CheckpointSaver:
     ) -> None:
         self.engine, self.state = engine, engine.state
         self.save_folder = save_folder
+        if save_folder and self.state.rank == 0:
+            check_writable_folder(save_folder, "save_folder")
+            if Path(save_folder).is_dir():
+                remove_temporaries(Path(save_folder))
         self.overwrite, self.num_to_keep, self.config = overwrite, num_to_keep, config
         self._async_group = distributed.new_gloo_group() if save_async and save_folder else None
         self._pending: tuple[PendingCheckpoint, Event] | None = None  # and the event to fire when published
@@ -57,6 +65,11 @@ class CheckpointSaver:
         self.last_save_batch = self.state.timestamp.batch
         if self._async_group is None:
             self.publish_pending()
+
+    def loaded(self, path: Path) -> None:
+        """The run resumed from checkpoint ``path``: if it is one of ours, fit's end need not save that batch again."""
+        if self.save_folder and path.parent.resolve() == Path(self.save_folder).resolve():
+            self.last_save_batch = self.state.timestamp.batch
 
     def publish_pending(self) -> None:
         """Wait for the checkpoint being written, publish it and fire its checkpoint event."""

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
+from foundry.checkpoint.integrity import hash_files, manifest_text
 from foundry.core import State, Time
 
 
@@ -44,3 +47,15 @@ def trained_state() -> State:
 @pytest.fixture
 def train_steps() -> Callable[[State, int], State]:
     return train
+
+
+def reseal(folder: Path) -> None:
+    """Rewrite a checkpoint's manifest to match its files as they are now: what a crafted checkpoint carries."""
+    sequence = json.loads((folder / "manifest.json").read_text())["sequence"]
+    names = sorted(path.name for path in folder.iterdir() if path.is_file() and path.name != "manifest.json")
+    (folder / "manifest.json").write_text(manifest_text(hash_files(folder, names), sequence))
+
+
+@pytest.fixture
+def resealed() -> Callable[[Path], None]:
+    return reseal

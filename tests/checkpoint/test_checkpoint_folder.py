@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from foundry.checkpoint import latest_checkpoint, resolve_checkpoint_path, save_checkpoint
-from foundry.errors import CheckpointError
+from foundry.errors import CheckpointError, DamagedCheckpointError
 
 
 def _checkpoint_names(folder) -> list[str]:
@@ -68,13 +70,13 @@ def test_resolve_missing_path_names_it(tmp_path):
 
 
 def test_resolve_folder_without_checkpoints_says_so(tmp_path):
-    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+    with pytest.raises(CheckpointError, match=r"holds no checkpoint \(no ep\*-ba\* folder\).*load_path"):
         resolve_checkpoint_path(tmp_path)
 
 
-@pytest.mark.parametrize("removed", ["meta.json", ".metadata"])
-def test_incomplete_checkpoint_names_the_missing_file(tmp_path, trained_state, removed):
+@pytest.mark.parametrize("removed", ["meta.json", ".metadata", "rng-rank0.json", "__0_0.distcp", "manifest.json"])
+def test_a_missing_file_is_named_as_damage(tmp_path, trained_state, removed):
     path = save_checkpoint(tmp_path, trained_state)
     (path / removed).unlink()
-    with pytest.raises(CheckpointError, match=rf"has no {removed}: the checkpoint is incomplete"):
+    with pytest.raises(DamagedCheckpointError, match=rf"{path} is damaged: {re.escape(removed)} is missing"):
         resolve_checkpoint_path(path)

@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from foundry.checkpoint import SafeFileSystemReader, load_checkpoint, save_checkpoint
-from foundry.errors import CheckpointError
+from foundry.errors import CheckpointError, DamagedCheckpointError
 
 # The tests call DCP directly, which warns that it runs without a process group.
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -27,23 +27,34 @@ class RunsCommand:
         return (os.system, (self.command,))
 
 
-def test_malicious_metadata_is_refused_and_not_executed(tmp_path, trained_state, new_state):
+def test_malicious_metadata_is_refused_and_not_executed(tmp_path, trained_state, new_state, resealed):
     path = save_checkpoint(tmp_path, trained_state)
     marker = tmp_path / "pwned"
     (path / ".metadata").write_bytes(pickle.dumps(RunsCommand(f"touch {marker}")))
+    resealed(path)  # a crafted checkpoint comes with a manifest that matches its files
     with pytest.raises(CheckpointError, match=r"Refusing to load .*\.metadata.*system"):
         load_checkpoint(path, new_state())
     assert not marker.exists()
 
 
-def test_malicious_optimizer_value_is_refused_and_not_executed(tmp_path, trained_state, new_state):
+def test_malicious_optimizer_value_is_refused_and_not_executed(tmp_path, trained_state, new_state, resealed):
     path = save_checkpoint(tmp_path, trained_state)
     marker = tmp_path / "pwned"
     model_state, optim_state = get_state_dict(trained_state.model, trained_state.optimizers)
     optim_state["param_groups"][0]["lr"] = RunsCommand(f"touch {marker}")
     dcp.save({"model": model_state, "optim": optim_state}, storage_writer=dcp.FileSystemWriter(path))
+    resealed(path)
     refused = r"Refusing to load checkpoint value 'optim\.param_groups\.0\.lr'.*\.system"
     with pytest.raises(CheckpointError, match=refused):
+        load_checkpoint(path, new_state())
+    assert not marker.exists()
+
+
+def test_a_tampered_file_without_a_matching_manifest_is_refused_before_unpickling(tmp_path, trained_state, new_state):
+    path = save_checkpoint(tmp_path, trained_state)
+    marker = tmp_path / "pwned"
+    (path / ".metadata").write_bytes(pickle.dumps(RunsCommand(f"touch {marker}")))
+    with pytest.raises(DamagedCheckpointError, match=r"\.metadata has \d+ bytes where \d+ were written"):
         load_checkpoint(path, new_state())
     assert not marker.exists()
 

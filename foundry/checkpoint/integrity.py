@@ -1,0 +1,190 @@
+"""Per-file checksums of a checkpoint: written when it is saved, checked before any of it is read.
+
+``manifest.json`` lists every file of the checkpoint with its size and xxh3-64 digest, and the
+checkpoint's publish ``sequence`` (one more than the highest in its save_folder when it was
+published), which orders checkpoints by when they were published whatever their names. It also
+holds a digest of its own entries, so damage to the manifest is told apart from damage to a file.
+
+``verify_checkpoint`` compares every file with the manifest before anything is read: a missing,
+truncated or altered file (one flipped byte) raises ``DamagedCheckpointError`` naming it. With
+``collective=True`` every rank checks a share of the files and all ranks raise the same error.
+Checkpoints written before manifests existed (``format_version`` 1) load with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from foundry.checkpoint.layout import MANIFEST_FILE, META_FILE, checkpoint_folders
+from foundry.checkpoint.safe_reader import METADATA_FILE
+from foundry.errors import DamagedCheckpointError
+
+log = logging.getLogger(__name__)
+
+HASH_NAME = "xxh3_64"
+_CHUNK_BYTES = 8 << 20
+_MAX_LISTED_PROBLEMS = 3
+
+# Folders verified in this process, with the (name, size, mtime) of each file when they were.
+_verified: dict[Path, tuple] = {}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    sequence: int
+    files: dict[str, dict[str, Any]]  # name -> {"bytes": n, "xxh3_64": hex digest}
+
+
+# ---------------------------------------------------------------------------------------- write
+def file_entry(path: Path) -> dict[str, Any]:
+    """``{"bytes": size, "xxh3_64": digest}`` of one file."""
+    digest = xxhash.xxh3_64()
+    size = 0
+    with open(path, "rb") as file:
+        while chunk := file.read(_CHUNK_BYTES):
+            digest.update(chunk)
+            size += len(chunk)
+    return {"bytes": size, HASH_NAME: digest.hexdigest()}
+
+
+def hash_files(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    return {name: file_entry(folder / name) for name in names}
+
+
+def manifest_text(files: dict[str, dict[str, Any]], sequence: int) -> str:
+    """The manifest of ``files`` (name -> ``file_entry``), to be written as ``manifest.json``."""
+    body: dict[str, Any] = {"format_version": 1, "sequence": sequence, "hash": HASH_NAME}
+    body["files"] = dict(sorted(files.items()))
+    body["manifest_digest"] = _own_digest(body)
+    return json.dumps(body, indent=1)
+
+
+def _own_digest(body: dict[str, Any]) -> str:
+    entries = {key: value for key, value in body.items() if key != "manifest_digest"}
+    return xxhash.xxh3_64(json.dumps(entries, sort_keys=True).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------------------- read
+class _UnreadableManifest(Exception):
+    """The manifest itself is damaged; the message says how."""
+
+
+def _read_manifest(folder: Path) -> Manifest | None:
+    """The checkpoint's manifest; None when it has none."""
+    path = folder / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        body = json.loads(path.read_bytes())
+        files, sequence = body["files"], body["sequence"]
+        intact = body.get("manifest_digest") == _own_digest(body) and isinstance(sequence, int)
+    except (ValueError, UnicodeDecodeError, TypeError, KeyError, AttributeError) as exc:
+        raise _UnreadableManifest(f"{MANIFEST_FILE} is unreadable ({type(exc).__name__})") from None
+    if not intact:
+        raise _UnreadableManifest(f"{MANIFEST_FILE} does not match its own checksum")
+    return Manifest(sequence=sequence, files=files)
+
+
+def publish_sequence(folder: Path) -> float:
+    """When ``folder`` was published, for ordering: its manifest's sequence; 0 without a manifest
+    (checkpoints of older foundry versions come first); infinity when the manifest is damaged
+    (it sorts newest, so a resume meets it first and says why it skips it)."""
+    try:
+        manifest = _read_manifest(folder)
+    except _UnreadableManifest:
+        return math.inf
+    return manifest.sequence if manifest is not None else 0
+
+
+# --------------------------------------------------------------------------------------- verify
+def verify_checkpoint(folder: Path, collective: bool = False) -> None:
+    """Raise ``DamagedCheckpointError`` unless every file of checkpoint ``folder`` is as it was saved.
+
+    ``collective``: every rank of the process group calls this; each hashes a share of the files.
+    """
+    folder = Path(folder)
+    key = folder.resolve()
+    try:
+        manifest = _read_manifest(folder)
+    except _UnreadableManifest as problem:
+        raise damaged(folder, [str(problem)]) from None
+    if manifest is None:
+        _check_unverifiable(folder)
+        return
+    names = sorted(manifest.files)
+    if not collective and _verified.get(key) == _signature(folder, names):
+        return
+    if collective:
+        from foundry.distributed.env import all_gather_object, get_rank, get_world_size
+
+        share = names[get_rank() :: get_world_size()]
+        problems = [problem for found in all_gather_object(_damage(folder, manifest, share)) for problem in found]
+    else:
+        problems = _damage(folder, manifest, names)
+    if problems:
+        raise damaged(folder, problems)
+    _verified[key] = _signature(folder, names)
+
+
+def _damage(folder: Path, manifest: Manifest, names: list[str]) -> list[str]:
+    """What differs from the manifest among ``names``: one line per damaged file."""
+    problems = []
+    for name in names:
+        expected = manifest.files[name]
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+            continue
+        size = path.stat().st_size
+        if size != expected.get("bytes"):
+            problems.append(f"{name} has {size} bytes where {expected.get('bytes')} were written")
+        elif file_entry(path)[HASH_NAME] != expected.get(HASH_NAME):
+            problems.append(f"{name} differs from its checksum (its contents were altered)")
+    return problems
+
+
+def _signature(folder: Path, names: list[str]) -> tuple:
+    stats = []
+    for name in [MANIFEST_FILE, *names]:
+        try:
+            stat = (folder / name).stat()
+        except OSError:
+            return ()
+        stats.append((name, stat.st_size, stat.st_mtime_ns))
+    return tuple(stats)
+
+
+def _check_unverifiable(folder: Path) -> None:
+    """A checkpoint without a manifest: one of an older foundry (loads, with a warning), else damaged."""
+    try:
+        format_version = json.loads((folder / META_FILE).read_bytes()).get("format_version", 1)
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+        format_version = None
+    if format_version is None or format_version >= 2:
+        raise damaged(folder, [f"{MANIFEST_FILE} is missing"])
+    if not (folder / METADATA_FILE).is_file():
+        raise damaged(folder, [f"{METADATA_FILE} is missing"])
+    log.warning(
+        "Checkpoint %s was written by an older foundry, without checksums: its files cannot be verified.", folder
+    )
+
+
+def damaged(folder: Path, problems: list[str]) -> DamagedCheckpointError:
+    """The error for a damaged checkpoint: what is wrong, and which other checkpoints sit beside it."""
+    listed = "; ".join(problems[:_MAX_LISTED_PROBLEMS])
+    more = f" (and {len(problems) - _MAX_LISTED_PROBLEMS} more)" if len(problems) > _MAX_LISTED_PROBLEMS else ""
+    others = [path.name for path in checkpoint_folders(folder.parent) if path != folder]
+    alternatives = f"Other checkpoints in {folder.parent}: {', '.join(others)}. " if others else ""
+    return DamagedCheckpointError(
+        f"Checkpoint {folder} is damaged: {listed}{more}. Its files no longer match the checksums written when it "
+        f"was saved (a storage or copy fault, or a changed file), so nothing of it is loaded. {alternatives}"
+        "Load an earlier checkpoint (load_path), or let autoresume: true fall back to the newest intact one.",
+        problems,
+    )
