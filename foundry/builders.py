@@ -10,11 +10,13 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from foundry import registry
 from foundry.config import LoaderConfig, TokenizerConfig, TrainConfig, config_to_dict
 from foundry.errors import ConfigError
+from foundry.optim.optimizers import check_hyperparameters
 from foundry.registry import Registry
 from foundry.schema import check_call_kwargs
 
@@ -36,6 +38,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
 
     _reject_unimplemented(cfg)
     _check_hand_over(cfg)
+    _check_checkpoint_paths(cfg)
     _check_adapters_only_base(cfg)
     _apply_cuda_allocator_settings(cfg.expandable_segments)
     device_batch_size = device_train_batch_size(cfg.global_train_batch_size, env.get_world_size())
@@ -45,6 +48,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
     loggers = build_components(registry.loggers, cfg.loggers, "loggers")
     scheduler = component_factory(registry.schedulers, cfg.scheduler, "scheduler")() if cfg.scheduler else None
     optimizer_factory = component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",))
+    check_hyperparameters(optimizer_factory.keywords)
     tokenizer = build_tokenizer(cfg.tokenizer)
     callbacks += build_icl_eval(cfg, tokenizer)
     train_dataloader = build_dataloader(cfg.train_loader, tokenizer, device_batch_size, "train_loader")
@@ -257,6 +261,24 @@ def _reject_unimplemented(cfg: TrainConfig) -> None:
         raise ConfigError("save_weights_only: true is not supported yet; remove it to save full checkpoints.")
     if not cfg.load_strict_model_weights:
         raise ConfigError("load_strict_model_weights: false is not supported yet; checkpoints load strictly.")
+
+
+def _check_checkpoint_paths(cfg: TrainConfig) -> None:
+    """save_folder must be writable and load_path must exist now, not after the model and data are built."""
+    from foundry.checkpoint import latest_checkpoint
+    from foundry.core.paths import check_writable_folder
+
+    save_folder = fill_run_name(cfg.save_folder, cfg.run_name)
+    if save_folder:
+        check_writable_folder(save_folder, "save_folder")
+    load_path = fill_run_name(cfg.load_path, cfg.run_name)
+    resumes = cfg.autoresume and save_folder and latest_checkpoint(save_folder) is not None  # load_path unused
+    if load_path and not resumes and not Path(load_path).exists():
+        raise ConfigError(
+            f"'load_path' is '{load_path}', where nothing exists. Give a checkpoint folder (e.g. "
+            "<save_folder>/ep0-ba100) or the save_folder of a run that saved one, or remove load_path to start from "
+            "fresh weights."
+        )
 
 
 def _check_hand_over(cfg: TrainConfig) -> None:

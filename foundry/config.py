@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 import yaml
 
-from foundry.core.time import Time
+from foundry.core.paths import check_local_path
+from foundry.core.time import Time, positive_time
 from foundry.errors import ConfigError, did_you_mean
 from foundry.schema import parse_dataclass
 
@@ -183,8 +184,23 @@ class TrainConfig:
                 raise ConfigError(f"'{section}.name' is missing: every {section} section names what to build.")
         if self.global_train_batch_size < 1:
             raise ConfigError(f"'global_train_batch_size' is {self.global_train_batch_size}; it must be >= 1.")
+        for key in ("max_duration", "eval_interval", "save_interval", "console_log_interval"):
+            positive_time(getattr(self, key), key)
+        check_eval_subset(self.eval_subset_num_batches)
+        check_local_path(self.save_folder, "'save_folder'")
+        check_local_path(self.load_path, "'load_path'")
+        if self.dist_timeout <= 0:
+            raise ConfigError(f"'dist_timeout' is {self.dist_timeout}; it must be a positive number of seconds.")
         if self.eval_loader is not None and self.eval_loaders:
             raise ConfigError("Both 'eval_loader' and 'eval_loaders' are set; keep one (a list under 'eval_loader').")
+
+
+def check_eval_subset(eval_subset_num_batches: int) -> None:
+    if eval_subset_num_batches == 0 or eval_subset_num_batches < -1:
+        raise ConfigError(
+            f"'eval_subset_num_batches' is {eval_subset_num_batches}; it must be -1 (the whole eval set) or a positive "
+            "number of batches. To skip evaluation, remove the eval loader instead."
+        )
 
 
 def default_run_name() -> str:

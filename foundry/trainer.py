@@ -24,9 +24,11 @@ from foundry import distributed
 from foundry.batches import RepeatedSampleMask, batch_to_device, split_batch
 from foundry.checkpoint.load import resume_or_load
 from foundry.checkpoint.saver import CheckpointSaver
-from foundry.config import FSDPConfig
+from foundry.config import FSDPConfig, check_eval_subset
 from foundry.core import Algorithm, Callback, Engine, Event, Logger, LoggerDestination, State, Time
+from foundry.core.paths import check_local_path
 from foundry.core.precision import autocast, check_precision
+from foundry.core.time import positive_time
 from foundry.errors import ConfigError, TrainingError
 from foundry.models.base import FoundryModel, ModuleModel, batch_num_samples, batch_num_tokens
 from foundry.optim.schedulers import TimeScheduler
@@ -115,7 +117,7 @@ class Trainer:
         self.run_folder = Path(run_folder or Path("runs") / run_name)
         self.state = State(
             model=model,
-            max_duration=Time.parse(max_duration if max_duration is not None else "1ep"),
+            max_duration=positive_time(max_duration if max_duration is not None else "1ep", "max_duration"),
             run_name=run_name,
             run_folder=str(self.run_folder),
             train_dataloader=train_dataloader,
@@ -132,12 +134,14 @@ class Trainer:
         defaults = default_loggers(loggers, self.run_folder, log_to_console, progress_bar, console_log_interval)
         self.logger = Logger(self.state, [*loggers, *defaults])
         self.engine = Engine(self.state, self.logger, algorithms, callbacks)
-        self.eval_interval = Time.parse(eval_interval)
+        self.eval_interval = positive_time(eval_interval, "eval_interval")
         self.eval_first = eval_first
+        check_eval_subset(eval_subset_num_batches)
         self.eval_subset_num_batches = eval_subset_num_batches
-        self.log_interval = Time.parse(console_log_interval)
+        self.log_interval = positive_time(console_log_interval, "console_log_interval")
+        check_local_path(load_path, "'load_path'")
         self.save_folder = save_folder.replace("{run_name}", run_name) if save_folder else None
-        self.save_interval = Time.parse(save_interval)
+        self.save_interval = positive_time(save_interval, "save_interval")
         self.checkpoints = CheckpointSaver(
             self.engine,
             self.save_folder,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -123,3 +124,11 @@ def assert_nested_close(got: Any, want: Any, where: str = "", atol: float = 0.0)
         torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=where)
     else:
         assert got == want, where
+
+
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    """Invert one byte of a file (the middle one by default): the smallest damage a disk or a copy does."""
+    data = bytearray(path.read_bytes())
+    offset = len(data) // 2 if offset is None else offset
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))

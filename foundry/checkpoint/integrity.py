@@ -93,14 +93,25 @@ def _read_manifest(folder: Path) -> Manifest | None:
 
 
 def publish_sequence(folder: Path) -> float:
-    """When ``folder`` was published, for ordering: its manifest's sequence; 0 without a manifest
-    (checkpoints of older foundry versions come first); infinity when the manifest is damaged
-    (it sorts newest, so a resume meets it first and says why it skips it)."""
+    """When ``folder`` was published, for ordering: its manifest's sequence. A checkpoint of an older foundry
+    (no manifest, format_version 1) comes before all others (0); one whose manifest is damaged or missing
+    comes after all (infinity), so that a resume meets it first, says why it skips it and sets it aside."""
     try:
         manifest = _read_manifest(folder)
     except _UnreadableManifest:
         return math.inf
-    return manifest.sequence if manifest is not None else 0
+    if manifest is not None:
+        return manifest.sequence
+    return 0 if _format_version(folder) == 1 else math.inf
+
+
+def _format_version(folder: Path) -> int | None:
+    """meta.json's format_version (1 when absent), or None when meta.json cannot be read."""
+    try:
+        version = json.loads((folder / META_FILE).read_bytes()).get("format_version", 1)
+    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
+        return None
+    return version if isinstance(version, int) else None
 
 
 # --------------------------------------------------------------------------------------- verify
@@ -163,11 +174,7 @@ def _signature(folder: Path, names: list[str]) -> tuple:
 
 def _check_unverifiable(folder: Path) -> None:
     """A checkpoint without a manifest: one of an older foundry (loads, with a warning), else damaged."""
-    try:
-        format_version = json.loads((folder / META_FILE).read_bytes()).get("format_version", 1)
-    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
-        format_version = None
-    if format_version is None or format_version >= 2:
+    if _format_version(folder) != 1:
         raise damaged(folder, [f"{MANIFEST_FILE} is missing"])
     if not (folder / METADATA_FILE).is_file():
         raise damaged(folder, [f"{METADATA_FILE} is missing"])

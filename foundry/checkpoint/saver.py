@@ -36,9 +36,9 @@ class CheckpointSaver:
     ) -> None:
         self.engine, self.state = engine, engine.state
         self.save_folder = save_folder
-        if save_folder and self.state.rank == 0:
-            check_writable_folder(save_folder, "save_folder")
-            if Path(save_folder).is_dir():
+        if save_folder:
+            check_writable_folder(save_folder, "save_folder")  # on every rank: all of them stop, or none
+            if self.state.rank == 0 and Path(save_folder).is_dir():
                 remove_temporaries(Path(save_folder))
         self.overwrite, self.num_to_keep, self.config = overwrite, num_to_keep, config
         self._async_group = distributed.new_gloo_group() if save_async and save_folder else None

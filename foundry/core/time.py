@@ -158,3 +158,20 @@ class Timestamp:
     @classmethod
     def from_state_dict(cls, state: dict[str, int | float]) -> Timestamp:
         return cls(**state)
+
+
+# What to write instead of a zero time, for each key that takes one.
+_INSTEAD_OF_ZERO = {
+    "max_duration": "Set how long to train, e.g. '100ba' or '1ep'.",
+    "eval_interval": "To evaluate only once training ends, set it to '1dur'.",
+    "save_interval": "To checkpoint only once training ends, set it to '1dur'; without save_folder nothing is saved.",
+    "console_log_interval": "To print metrics less often, give a longer interval, e.g. '100ba'.",
+}
+
+
+def positive_time(value: str | int | Time, key: str) -> Time:
+    """``Time.parse(value)``, refusing zero: a run that never trains, an interval that never comes."""
+    time = Time.parse(value)
+    if time.value <= 0:
+        raise ConfigError(f"'{key}' is {time}; it must be more than 0. {_INSTEAD_OF_ZERO.get(key, '')}".rstrip())
+    return time

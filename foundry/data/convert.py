@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 SUFFIXES = (".txt", ".jsonl")
+SHARD_HASH = "xxh3_64"
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,13 @@ def convert_to_mds(
     out_dir = Path(out_dir)
     _check_out_dir(out_dir, overwrite)
     documents = builtin_corpus_documents() if inputs is None else read_documents(inputs)
+    if not documents:
+        names = ", ".join(str(path) for path in (inputs or [])[:3])
+        raise DataError(
+            f"The inputs ({names}{', ...' if len(inputs or []) > 3 else ''}) hold no text: every file is empty or "
+            'whitespace (a .jsonl needs rows with a non-empty "text" field), so there is nothing to convert and '
+            "no dataset was written. Pass files that hold documents."
+        )
     train_documents, val_documents = split_documents(documents, eval_fraction)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     partial_dir = _fresh_sibling(out_dir, "partial")
@@ -188,7 +196,11 @@ def _write_split(
     writer_class = import_streaming("foundry data convert").MDSWriter
     column_type = "ndarray:int32" if column == "tokens" else "str"
     num_samples = 0
-    with writer_class(out=str(split_dir), columns={column: column_type}, compression=compression) as writer:
+    # Each shard's checksum goes into index.json; the text loader checks it the first time it reads the shard.
+    writer = writer_class(
+        out=str(split_dir), columns={column: column_type}, compression=compression, hashes=[SHARD_HASH]
+    )
+    with writer:
         for sample in samples:
             writer.write({column: sample})
             num_samples += 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import os
 from pathlib import Path
 from types import ModuleType
@@ -88,6 +89,69 @@ def _check_local_split(local: str | None, remote: str | None, split: str | None,
             f"Splits in '{local}': {', '.join(splits) or 'none'}. Set '{key_path}.split' to one of them, "
             f"or re-create the dataset with 'foundry data convert ... --out {local}'."
         )
+    check_shard_files(split_dir, local)
+
+
+def rebuild_hint(local: str) -> str:
+    return (
+        f"Rebuild the dataset with 'foundry data convert <your inputs> --out {local} --overwrite' (the arguments "
+        "that made it), or restore the folder from a copy."
+    )
+
+
+def check_shard_files(split_dir: Path, local: str) -> None:
+    """Every shard that ``index.json`` lists is on disk at the size it was written (a few ``stat`` calls)."""
+    index_file = split_dir / "index.json"
+    try:
+        shards = json.loads(index_file.read_bytes())["shards"]
+        files = [[info for info in (shard["raw_data"], shard.get("zip_data")) if info] for shard in shards]
+        expected = [[(info["basename"], info["bytes"]) for info in pair] for pair in files]
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError) as exc:
+        raise DataError(
+            f"{index_file} is damaged ({type(exc).__name__}: {exc}), so the dataset's shards cannot be found. "
+            f"{rebuild_hint(local)}"
+        ) from None
+    for pair in expected:
+        present = [(name, size) for name, size in pair if (split_dir / name).is_file()]
+        if not present:
+            raise DataError(
+                f"Shard {split_dir / pair[0][0]}, listed in {index_file}, is missing. {rebuild_hint(local)}"
+            )
+        for name, size in present:
+            found = (split_dir / name).stat().st_size
+            if found != size:
+                raise DataError(
+                    f"Shard {split_dir / name} has {found} bytes where {index_file} says {size}: it is truncated or "
+                    f"damaged. {rebuild_hint(local)}"
+                )
+
+
+def shard_of_sample(dataset: StreamingDataset, sample_index: int) -> tuple[Path, Any, str]:
+    """(the local file, its streaming ``FileInfo``, the stream's ``local``) of the shard holding a sample.
+
+    Reads streaming's ``spanner``, ``shards`` and ``stream_per_shard``: internals, so that errors can
+    name the file.
+    """
+    shard_id = int(dataset.spanner[sample_index][0])
+    stream = dataset.streams[int(dataset.stream_per_shard[shard_id])]
+    info = dataset.shards[shard_id].raw_data
+    return Path(stream.local, stream.split or "", info.basename), info, str(stream.local)
+
+
+def shard_damage(path: Path, info: Any) -> str | None:
+    """What is wrong with a shard file (its size, or a checksum that index.json records), or None."""
+    from streaming.base.hashing import get_hash, is_hash
+
+    if not path.is_file():
+        return "it is missing"
+    if path.stat().st_size != info.bytes:
+        return f"it has {path.stat().st_size} bytes where index.json says {info.bytes}"
+    for algorithm, digest in (info.hashes or {}).items():
+        if is_hash(algorithm):
+            if get_hash(algorithm, path.read_bytes()) != digest:
+                return f"its {algorithm} checksum differs from the one index.json records (its contents were altered)"
+            break
+    return None
 
 
 def release_shared_memory(dataset: StreamingDataset) -> None:

@@ -7,6 +7,7 @@ checked that streaming is installed, so ``import foundry.data`` works without it
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ from streaming.base.dataloader import StreamingDataLoader
 from transformers import PreTrainedTokenizerBase
 
 from foundry.batches import SAMPLE_INDEX_KEY
-from foundry.data.mds import release_shared_memory
+from foundry.data.mds import rebuild_hint, release_shared_memory, shard_damage, shard_of_sample
 from foundry.errors import DataError
 
 
@@ -45,6 +46,8 @@ class StreamingTextDataset(StreamingDataset):
         self.max_seq_len = max_seq_len
         self.token_encoding_type = token_encoding_type
         self.sample_indices = sample_indices
+        self._checked_shards: set[Path] = set()
+        self._vocab_size: int | None = None
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         sample = self._read(index)
@@ -53,9 +56,15 @@ class StreamingTextDataset(StreamingDataset):
         return sample
 
     def _read(self, index: int) -> dict[str, torch.Tensor]:
-        sample = super().__getitem__(index)
+        try:
+            sample = super().__getitem__(index)
+        except Exception as exc:  # what streaming raises for a damaged shard: IndexError, ValueError, ...
+            raise self._unreadable(index, exc) from exc
+        self._check_shard(index)
         if "tokens" in sample:
-            return {"input_ids": self._read_tokens(sample["tokens"])[: self.max_seq_len]}
+            input_ids = self._read_tokens(sample["tokens"])[: self.max_seq_len]
+            self._check_token_ids(index, input_ids)
+            return {"input_ids": input_ids}
         if "text" in sample:
             return self._tokenize(sample["text"])
         raise DataError(
@@ -76,6 +85,35 @@ class StreamingTextDataset(StreamingDataset):
             f"The dataset at {self.location()} has columns {sorted(sample)}; the text dataloader reads a 'tokens' "
             f"or a 'text' column. Re-create it with 'foundry data convert'."
         )
+
+    def _check_shard(self, index: int) -> None:
+        """The first sample read from a shard checks the whole shard file (size, and checksum when recorded)."""
+        path, info, local = shard_of_sample(self, index)
+        if path in self._checked_shards:
+            return
+        damage = shard_damage(path, info)
+        if damage:
+            raise DataError(f"Shard {path} is damaged: {damage}. {rebuild_hint(local)}")
+        self._checked_shards.add(path)
+
+    def _unreadable(self, index: int, exc: Exception) -> DataError:
+        path, info, local = shard_of_sample(self, index)
+        damage = shard_damage(path, info) or f"sample {index} cannot be read ({type(exc).__name__}: {exc})"
+        return DataError(f"Shard {path} is damaged: {damage}. {rebuild_hint(local)}")
+
+    def _check_token_ids(self, index: int, input_ids: torch.Tensor) -> None:
+        """Token ids beyond the tokenizer's vocabulary: data from another tokenizer, or damage the shard's
+        checksum (when it has none) did not catch. Without this the model fails with an IndexError."""
+        if self._vocab_size is None and self.tokenizer is not None:
+            self._vocab_size = len(self.tokenizer)
+        if self._vocab_size is not None and input_ids.numel() and int(input_ids.max()) >= self._vocab_size:
+            path, _, local = shard_of_sample(self, index)
+            raise DataError(
+                f"Sample {index} (in shard {path}) holds token id {int(input_ids.max())}, but the tokenizer has "
+                f"{self._vocab_size} tokens: the data was tokenized with another tokenizer, or the shard is damaged. "
+                f"Set the run's tokenizer to the one the data was converted with, or {rebuild_hint(local)[0].lower()}"
+                f"{rebuild_hint(local)[1:]}"
+            )
 
     def close(self) -> None:
         """Release this dataset's shared memory and lock files now rather than at process exit."""

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
 from foundry import registry
+from foundry.errors import ConfigError
 
 
 @registry.optimizers.register("decoupled_adamw")
@@ -86,3 +89,29 @@ def sgd(
     nesterov: bool = False,
 ) -> torch.optim.SGD:
     return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+
+
+def check_hyperparameters(arguments: Mapping[str, Any], key_path: str = "optimizer") -> None:
+    """Refuse optimizer values that torch takes silently (NaN) or refuses only once the model is built.
+
+    ``arguments`` are an optimizer section's keys (any registered optimizer; keys it lacks are skipped).
+    """
+    for key, allowed, example in (
+        ("lr", "a finite number >= 0", "6.0e-4"),
+        ("eps", "a finite number > 0", "1.0e-8"),
+        ("weight_decay", "a finite number >= 0", "0.0"),
+        ("momentum", "a finite number >= 0", "0.9"),
+    ):
+        value = arguments.get(key)
+        if value is None:
+            continue
+        valid = isinstance(value, int | float) and math.isfinite(value) and (value > 0 if key == "eps" else value >= 0)
+        if not valid:
+            raise ConfigError(f"'{key_path}.{key}' is {value!r}; it must be {allowed}, e.g. {example}.")
+    betas = arguments.get("betas")
+    if betas is not None:
+        pair = list(betas) if isinstance(betas, list | tuple) else None
+        if pair is None or len(pair) != 2 or not all(isinstance(b, int | float) and 0 <= b < 1 for b in pair):
+            raise ConfigError(
+                f"'{key_path}.betas' is {betas!r}; it must be a pair [beta1, beta2], each in [0, 1), e.g. [0.9, 0.95]."
+            )
