@@ -68,14 +68,15 @@ def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
     if distributed.launched_by_torchrun():
         distributed.init_process_group(cfg.dist_timeout)
     try:
-        # Ranks that each made a default name (foundry-<time>) must share rank 0's: it names the save folder.
-        cfg.run_name = resolved["run_name"] = distributed.broadcast_object(cfg.run_name)
-        trainer = build_trainer(cfg, resolved)
-        main_process = trainer.state.is_main_process
-        if main_process:
-            checkpoints = f"; checkpoints in {trainer.save_folder}" if trainer.save_folder else ""
-            print(f"foundry: run '{cfg.run_name}': metrics in {trainer.run_folder}{checkpoints}")
-        trainer.fit()
+        with distributed.explain_lost_ranks():  # a dead peer's raw gloo/NCCL error becomes one that names it
+            # Ranks that each made a default name (foundry-<time>) must share rank 0's: it names the save folder.
+            cfg.run_name = resolved["run_name"] = distributed.broadcast_object(cfg.run_name)
+            trainer = build_trainer(cfg, resolved)
+            main_process = trainer.state.is_main_process
+            if main_process:
+                checkpoints = f"; checkpoints in {trainer.save_folder}" if trainer.save_folder else ""
+                print(f"foundry: run '{cfg.run_name}': metrics in {trainer.run_folder}{checkpoints}")
+            trainer.fit()
     finally:
         distributed.destroy_process_group()
     if handed_over(trainer.engine.callbacks):
@@ -247,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"error: {error}", file=sys.stderr)
-        return 2
+        return error.exit_code
     except KeyboardInterrupt:
         return 130
 

@@ -9,6 +9,8 @@ from collections.abc import Iterable
 class FoundryError(Exception):
     """Base class for every error foundry raises on purpose."""
 
+    exit_code = 2  # of `foundry` commands that stop with it: a config or data error
+
 
 class ConfigError(FoundryError, ValueError):
     """A config key, value or type is wrong; the message names the key path and the fix."""
@@ -32,6 +34,12 @@ class DamagedCheckpointError(CheckpointError):
 
 class TrainingError(FoundryError):
     """The run cannot go on (NaN loss, out of memory, ...); the message names the batch."""
+
+
+class LostRankError(TrainingError):
+    """Another rank of the job died; the message names it and says how to resume."""
+
+    exit_code = 1  # nothing to fix in the config: relaunching resumes
 
 
 def closest_match(name: str, choices: Iterable[str]) -> str | None:

@@ -21,8 +21,10 @@ from foundry.distributed.env import (
 from foundry.distributed.parallelize import parallelize, prepare_sharding, set_gradient_sync
 from foundry.distributed.process_group import (
     destroy_process_group,
+    explain_lost_ranks,
     init_process_group,
     launched_by_torchrun,
+    lost_rank_error,
     new_gloo_group,
 )
 
@@ -33,6 +35,7 @@ __all__ = [
     "broadcast_object",
     "default_device",
     "destroy_process_group",
+    "explain_lost_ranks",
     "find_microbatch_size",
     "get_local_rank",
     "get_local_world_size",
@@ -41,6 +44,7 @@ __all__ = [
     "init_process_group",
     "is_distributed",
     "launched_by_torchrun",
+    "lost_rank_error",
     "new_gloo_group",
     "parallelize",
     "prepare_sharding",

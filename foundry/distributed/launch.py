@@ -7,6 +7,7 @@ code (3 when the run handed over, 2 for a config error), where plain torchrun wo
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from foundry.errors import ConfigError
@@ -31,8 +32,23 @@ def launch(command: Sequence[str], nproc: int, nnodes: int = 1, rdzv_endpoint: s
     try:
         run(get_args_parser().parse_args(arguments))
     except ChildFailedError as error:
+        # A rank killed by a signal could say nothing itself; torchrun then stopped the others with SIGTERM.
+        killed = sorted(
+            (failure.timestamp, rank, failure.signal_name())
+            for rank, failure in error.failures.items()
+            if failure.exitcode < 0 and failure.signal_name() != "SIGTERM"
+        )
+        if killed:
+            print(killed_rank_message(killed[0][1], nproc * nnodes, killed[0][2]), file=sys.stderr)
         return ranks_exit_code([failure.exitcode for failure in error.failures.values()])
     return 0
+
+
+def killed_rank_message(rank: int, world_size: int, signal_name: str) -> str:
+    return (
+        f"foundry: rank {rank} of {world_size} was killed ({signal_name}) and torchrun stopped the others. Relaunch "
+        "the same command: with autoresume: true the run continues from the last checkpoint in save_folder."
+    )
 
 
 def torchrun_arguments(command: Sequence[str], nproc: int, nnodes: int, rdzv_endpoint: str | None) -> list[str]:

@@ -8,14 +8,30 @@ process group) also runs on a single device.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from foundry.distributed.env import default_device, get_world_size, is_distributed
-from foundry.errors import ConfigError
+from foundry.distributed.env import all_gather_object, default_device, get_rank, get_world_size, is_distributed
+from foundry.errors import ConfigError, LostRankError
+
+# (host, pid) of every rank of the job, in rank order: how a survivor tells which peer died.
+_rank_processes: list[tuple[str, int]] = []
+# What gloo and NCCL say when the other end of a connection is gone.
+_PEER_GONE = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Connection refused",
+    "NCCL communicator was aborted",
+    "remote process exited",
+)
 
 
 def launched_by_torchrun() -> bool:
@@ -39,6 +55,7 @@ def init_process_group(timeout_s: float = 600.0) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     if launched_by_torchrun():
         dist.init_process_group(backend, timeout=timeout)
+        _rank_processes[:] = all_gather_object((socket.gethostname(), os.getpid()))
         return
     if get_world_size() > 1:
         raise ConfigError(
@@ -62,3 +79,61 @@ def destroy_process_group() -> None:
     """Leave the process group (a no-op when there is none)."""
     if is_distributed():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def explain_lost_ranks() -> Iterator[None]:
+    """Turn the error a collective raises when another rank died into a ``LostRankError`` that names it."""
+    try:
+        yield
+    except Exception as exc:
+        lost = lost_rank_error(exc)
+        if lost is None:
+            raise
+        raise lost from exc
+
+
+def lost_rank_error(exc: BaseException) -> LostRankError | None:
+    """A ``LostRankError`` if ``exc`` (or what caused it) says a peer's connection is gone, else None."""
+    if len(_rank_processes) < 2:
+        return None
+    causes, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        causes.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    first_line = next(
+        (line for text in causes for line in text.splitlines() if any(p in line for p in _PEER_GONE)), None
+    )
+    if first_line is None:
+        return None
+    me, host = get_rank(), socket.gethostname()
+    dead = [rank for rank, (where, pid) in enumerate(_rank_processes) if where == host and not _alive(pid)]
+    elsewhere = sorted({where for where, _ in _rank_processes if where != host})
+    if dead:
+        who = f"rank {', '.join(map(str, dead))} (on this machine) died"
+    elif elsewhere:
+        who = f"a rank on another machine ({', '.join(elsewhere)}) stopped answering"
+    else:
+        who = "another rank stopped answering"
+    return LostRankError(
+        f"Rank {me} of {len(_rank_processes)} lost contact with the other ranks: {who} (killed, out of host memory, "
+        "or its machine failed), and the run cannot go on without it. Relaunch the same command: with autoresume: true "
+        f"it continues from the last checkpoint in save_folder. (The collective said: {first_line.strip()[:200]})"
+    )
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, dead but not yet reaped by its launcher, does not)."""
+    if Path("/proc/self/stat").exists():  # Linux: the state letter follows the command name in parentheses
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except (OSError, IndexError):
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
