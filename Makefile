@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch comes first, pinned, so pip never pulls a fresh multi-GB build to satisfy another package.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: quickstart test lint install clean
+.PHONY: quickstart test test-gpu fault-injection lint install clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,17 @@ quickstart: install $(QUICKSTART_DATA)/train/index.json
 
 test: install
 	$(BIN)/python -m pytest tests
+
+# The same suite on a GPU machine whose Python already has a CUDA torch (no .venv, nothing installed):
+# kernel tests then run compiled on the GPU, and it stops at once if torch sees no GPU.
+GPU_PYTHON ?= python3
+test-gpu:
+	$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'test-gpu: torch sees no GPU')"
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest tests
+
+# kill -9 trials and the damaged-file matrix behind docs/CHECKPOINTS.md's Reliability section (about 40 min on 2 cores).
+fault-injection: install
+	$(BIN)/python benchmarks/fault_injection.py --out benchmarks/results
 
 lint: install
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

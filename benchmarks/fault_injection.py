@@ -98,7 +98,8 @@ class TrialResult:
 # --------------------------------------------------------------------------------------- launching
 def launch(run: Run, kill: Kill | None = None, timeout_s: float = LAUNCH_TIMEOUT_S) -> tuple[int, str, float]:
     """Run ``run.command`` once (killed as ``kill`` says); (exit code, output tail, seconds after the start marker)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **run.env}
+    # CPU ranks (gloo) on any machine: a GPU machine with fewer GPUs than ranks could not place them.
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CUDA_VISIBLE_DEVICES": "", **run.env}
     env.pop("FOUNDRY_KILL_AT", None)
     if kill is not None and kill.point:
         env["FOUNDRY_KILL_AT"] = f"{kill.point}@{kill.visit}:rank{kill.rank}"

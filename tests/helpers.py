@@ -132,3 +132,21 @@ def flip_byte(path: Path, offset: int | None = None) -> None:
     offset = len(data) // 2 if offset is None else offset
     data[offset] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+class RendezvousStore:
+    """A TCPStore this process hosts on a port the OS picks, for the ranks a test starts to meet at.
+
+    Ranks joining through ``env://`` with ``env`` added use it as torchrun's ranks use their agent's
+    store, so tests that run at the same time never race for a port.
+    """
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.env = {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(self.store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+        }

@@ -25,7 +25,11 @@ MODELS = {"mpt": (MPTCausalLM, MPT_ALL_KERNELS), "llama": (LlamaCausalLM, {**TIN
 
 @pytest.fixture
 def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    """Kernels compiled where there is a GPU (the Trainer then trains there); Triton's interpreter on a CPU."""
+    if torch.cuda.is_available():
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 class _RecordLoss(Callback):
@@ -90,7 +94,7 @@ def test_cpu_without_the_interpreter_falls_back_with_one_warning(monkeypatch: py
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     model = MPTCausalLM(MPT_ALL_KERNELS)
     with pytest.warns(UserWarning, match="fused_kernels: Triton kernels cannot run on cpu") as warned:
-        Trainer(model=model, algorithms=[FusedKernels()], run_folder=str(tmp_path), log_to_console=False)
+        Trainer(model=model, algorithms=[FusedKernels()], run_folder=str(tmp_path), log_to_console=False, device="cpu")
     assert len([w for w in warned if "fused_kernels" in str(w.message)]) == 1
     assert not any(isinstance(m, FusedNorm) for m in model.modules())
 
@@ -99,7 +103,7 @@ def test_strict_refuses_to_fall_back(monkeypatch: pytest.MonkeyPatch, tmp_path) 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ConfigError, match="strict: true"):
         Trainer(model=MPTCausalLM(MPT_ALL_KERNELS), algorithms=[FusedKernels(strict=True)], run_folder=str(tmp_path),
-                log_to_console=False)  # fmt: skip
+                log_to_console=False, device="cpu")  # fmt: skip
 
 
 @pytest.mark.parametrize("family", ["mpt", "llama"])

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from helpers import TinyLM, token_batches
+from helpers import RendezvousStore, TinyLM, token_batches
 
 from foundry.callbacks import OptimizerMonitor
 from foundry.callbacks.optimizer_monitor import full_norms
@@ -100,11 +99,11 @@ def test_log_interval_must_be_in_batches():
         OptimizerMonitor(log_interval="1ep")
 
 
-def _sharded_norms(rank: int, world_size: int, port: int, queue) -> None:
+def _sharded_norms(rank: int, world_size: int, rendezvous_env: dict[str, str], queue) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(rendezvous_env)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         mesh = init_device_mesh("cpu", (world_size,))
@@ -119,12 +118,10 @@ def _sharded_norms(rank: int, world_size: int, port: int, queue) -> None:
 @pytest.mark.distributed
 def test_fsdp2_shards_give_the_global_norm_on_every_rank(monkeypatch):
     monkeypatch.syspath_prepend(str(REPO_ROOT))  # spawned ranks import this module as tests.callbacks...
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    rendezvous = RendezvousStore()
     context = mp.get_context("spawn")
     queue = context.Queue()
-    mp.start_processes(_sharded_norms, args=(2, port, queue), nprocs=2, start_method="spawn")
+    mp.start_processes(_sharded_norms, args=(2, rendezvous.env, queue), nprocs=2, start_method="spawn")
     torch.manual_seed(0)
     full = [torch.randn(4, 3), torch.randn(3), torch.randn(1, 2)]
     expected_l2 = [tensor.norm().item() for tensor in full]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -21,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from helpers import RendezvousStore
 
 NUM_WORKERS = 2
 JOB_TIMEOUT_S = 120.0
@@ -47,8 +47,8 @@ class Ranks:
 
         ``env`` adds environment variables for the job (e.g. ``LOCAL_WORLD_SIZE=1``: one rank per node).
         """
-        job_env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world_size)}
-        job_env.update({"LOCAL_WORLD_SIZE": str(world_size), **(env or {})})
+        rendezvous = RendezvousStore()  # one per job: its keys start empty
+        job_env = {**rendezvous.env, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), **(env or {})}
         for rank in range(world_size):
             rank_env = {**job_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             self.jobs[rank].put((fn.__code__.co_filename, fn.__name__, args, kwargs, rank_env))
@@ -78,6 +78,7 @@ class Ranks:
 
 def _worker_loop(jobs: Any, results: Any) -> None:
     torch.set_num_threads(1)  # as torchrun does: ranks sharing few cores must not oversubscribe them
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo ranks on the CPU, also on a machine with fewer GPUs than ranks
     modules: dict[str, ModuleType] = {}
     while (job := jobs.get()) is not None:
         path, name, args, kwargs, env = job
@@ -106,12 +107,6 @@ def _import(path: str, modules: dict[str, ModuleType]) -> ModuleType:
         spec.loader.exec_module(module)
         modules[path] = module
     return modules[path]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

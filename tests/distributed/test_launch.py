@@ -85,10 +85,11 @@ def _losses(folder: Path) -> dict[int, float]:
 
 
 def test_hand_over_from_two_ranks_to_one_continues_the_run(tmp_path, data, capsys):
+    cpu_ranks = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CUDA_VISIBLE_DEVICES": ""}  # 2 ranks, also on 1 GPU
     launched = subprocess.run(
         [sys.executable, "-m", "foundry.cli", *_args(tmp_path / "b", data, *HAND_OVER)[:1], "--nproc", "2",
          *_args(tmp_path / "b", data, *HAND_OVER)[1:]],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True, text=True, timeout=300, env=cpu_ranks,
     )  # fmt: skip
     assert launched.returncode == 3, launched.stderr[-3000:]
     assert "handed over at batch 2" in launched.stdout

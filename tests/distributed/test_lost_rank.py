@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import RendezvousStore
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from foundry.distributed import launch as launch_module
@@ -37,16 +37,10 @@ TWO_RANKS = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.distributed
 def test_the_surviving_rank_names_the_dead_one_and_how_to_resume():
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    env["WORLD_SIZE"] = "2"
+    rendezvous = RendezvousStore()
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **rendezvous.env, "WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": ""}
     ranks = [
         subprocess.Popen(
             [sys.executable, "-c", TWO_RANKS],

@@ -1,8 +1,10 @@
-"""Kernel tests run the Triton kernels on CPU tensors through Triton's interpreter."""
+"""Kernel tests run the Triton kernels compiled on the GPU where there is one, else on CPU tensors through
+Triton's interpreter (never the interpreter on a GPU machine: it is slow there, and some Triton and NumPy
+versions of GPU images break it)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -11,9 +13,19 @@ pytest.importorskip("triton")
 
 
 @pytest.fixture(autouse=True)
-def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``TRITON_INTERPRET=1``: foundry's kernels decide compile vs interpret at launch, so setting it here works."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def kernel_device(monkeypatch: pytest.MonkeyPatch) -> Iterator[torch.device]:
+    """Tensors are made on the GPU when there is one; else ``TRITON_INTERPRET=1`` (foundry's kernels decide
+    compile vs interpret at launch, so setting it here works)."""
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        yield torch.device("cpu")
+        return
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    torch.set_default_device("cuda")
+    try:
+        yield torch.device("cuda", torch.cuda.current_device())
+    finally:
+        torch.set_default_device(None)
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:

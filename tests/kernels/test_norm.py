@@ -11,7 +11,8 @@ SHAPES = [(2, 5, 37), (3, 64), (1, 7, 128)]
 
 
 def _grads(output: torch.Tensor, inputs: tuple[torch.Tensor, ...], seed: int = 0) -> tuple[torch.Tensor, ...]:
-    upstream = torch.randn(output.shape, generator=torch.Generator().manual_seed(seed)).to(output.dtype)
+    generator = torch.Generator().manual_seed(seed)  # a CPU generator, whatever the default device
+    upstream = torch.randn(output.shape, generator=generator, device="cpu").to(output)
     return torch.autograd.grad(output, inputs, upstream)
 
 
