@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,9 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import TINY_LLAMA, token_batches
+from helpers import TINY_LLAMA, flip_byte, token_batches
 
 from foundry.builders import build_model
+from foundry.cli import main
 from foundry.convert import adapter_for_family, adapter_for_hf
 from foundry.convert.checkpoint_io import save_weights_checkpoint
 from foundry.convert.commands import add_from_hf_arguments, add_to_hf_arguments, run_from_hf, run_to_hf
@@ -210,3 +212,12 @@ def test_to_hf_on_a_lora_checkpoint_points_to_merge_and_export_adapter(tmp_path,
     save_weights_checkpoint(build_model(section), tmp_path / "ckpt", config, overwrite=False)
     with pytest.raises(ConfigError, match="convert merge.*export-adapter"):
         to_hf(tmp_path / "ckpt", tmp_path / "hf")
+
+
+def test_to_hf_of_a_damaged_checkpoint_names_the_file_and_writes_nothing(trained, tmp_path, capsys) -> None:
+    save_folder = tmp_path / "ckpt"
+    shutil.copytree(trained[0], save_folder)
+    flip_byte(next(save_folder.glob("ep*/__0_0.distcp")))
+    assert main(["convert", "to-hf", str(save_folder), str(tmp_path / "hf")]) == 2
+    assert "is damaged: __0_0.distcp differs from its checksum" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
