@@ -41,7 +41,7 @@ def check_writable_folder(path: str, key: str) -> None:
     probe = existing / f".tmp-write-check-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         probe.write_bytes(b"")
-        probe.unlink()
+        probe.unlink(missing_ok=True)  # rank 0 may have cleared .tmp-* files of the save folder meanwhile
     except OSError as exc:
         raise ConfigError(
             f"'{key}' is '{path}', but this process cannot write in {existing} ({exc.strerror or exc}). Choose a "
