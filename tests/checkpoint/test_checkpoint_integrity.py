@@ -12,7 +12,7 @@ from helpers import flip_byte
 
 from foundry.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from foundry.checkpoint.consolidate import consolidate, read_checkpoint_tensors
-from foundry.errors import DamagedCheckpointError
+from foundry.errors import CheckpointError, DamagedCheckpointError
 
 FILE_KINDS = ["__0_0.distcp", ".metadata", "meta.json", "rng-rank0.json", "manifest.json"]
 
@@ -103,3 +103,12 @@ def test_a_damaged_checkpoint_is_refused_where_eval_and_to_hf_read_models(tmp_pa
     flip_byte(folder / "__0_0.distcp")
     with pytest.raises(DamagedCheckpointError, match=r"__0_0.distcp differs from its checksum"):
         load_checkpoint_model(folder, section)
+
+
+def test_a_crafted_checkpoint_whose_manifest_matches_gives_a_message_not_a_traceback(tmp_path, trained_state, resealed):
+    path = save_checkpoint(tmp_path / "ckpt", trained_state)
+    data_file = path / "__0_0.distcp"
+    data_file.write_bytes(data_file.read_bytes()[:40])  # truncated, and the manifest rewritten to match
+    resealed(path)
+    with pytest.raises(CheckpointError, match=r"Cannot read the tensors of checkpoint .*ep0-ba3.*consolidate another"):
+        consolidate(path, tmp_path / "model.safetensors")

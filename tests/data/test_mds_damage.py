@@ -13,6 +13,8 @@ from foundry.data import convert_to_mds
 from foundry.errors import DataError
 from tests.data.conftest import DOCUMENTS, write_documents
 
+pytest.importorskip("streaming")
+
 REBUILD = r"foundry data convert <your inputs> --out .* --overwrite"
 
 
