@@ -89,7 +89,15 @@ def _read_manifest(folder: Path) -> Manifest | None:
         raise _UnreadableManifest(f"{MANIFEST_FILE} is unreadable ({type(exc).__name__})") from None
     if not intact:
         raise _UnreadableManifest(f"{MANIFEST_FILE} does not match its own checksum")
+    if not isinstance(files, dict) or not all(map(_valid_entry, files.items())):
+        raise _UnreadableManifest(f"{MANIFEST_FILE} lists an entry that is not a file of this folder with its checksum")
     return Manifest(sequence=sequence, files=files)
+
+
+def _valid_entry(item: tuple[Any, Any]) -> bool:
+    name, entry = item
+    plain_name = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+    return plain_name and isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and HASH_NAME in entry
 
 
 def publish_sequence(folder: Path) -> float:

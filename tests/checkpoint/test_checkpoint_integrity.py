@@ -112,3 +112,13 @@ def test_a_crafted_checkpoint_whose_manifest_matches_gives_a_message_not_a_trace
     resealed(path)
     with pytest.raises(CheckpointError, match=r"Cannot read the tensors of checkpoint .*ep0-ba3.*consolidate another"):
         consolidate(path, tmp_path / "model.safetensors")
+
+
+def test_a_manifest_naming_a_file_outside_the_checkpoint_is_refused(tmp_path, trained_state):
+    from foundry.checkpoint.integrity import manifest_text
+
+    path = save_checkpoint(tmp_path / "ckpt", trained_state)
+    outside = {"../elsewhere": {"bytes": 1, "xxh3_64": "0"}}
+    (path / "manifest.json").write_text(manifest_text(outside, sequence=1))
+    with pytest.raises(DamagedCheckpointError, match=r"manifest.json lists an entry that is not a file of this folder"):
+        load_checkpoint(path, trained_state)
