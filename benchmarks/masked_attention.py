@@ -9,7 +9,9 @@ packed as 8 documents a row (``sequence_id``), as:
   speed to match; documents see each other, as in pretraining);
 - ``dense``: ``attn_impl: sdpa`` with document masking: a ``(batch, 1, seq, seq)`` mask, SDPA's
   mask-capable kernel;
-- ``flex``: ``attn_impl: flash`` with document masking: FlexAttention's block mask.
+- ``flex``: ``attn_impl: flash`` with document masking: FlexAttention's block mask;
+- ``alibi_dense`` / ``alibi_flex`` (asked for by name): ALiBi on one document a row, SDPA with a dense
+  bias against FlexAttention's score modifier.
 
 Each block compiled (``compile_config: {scope: blocks}``, which compiles faster than the whole model
 and is the same for all three), amp_bf16, the YAML's optimizer; step time from CUDA events at
@@ -43,6 +45,9 @@ VARIANTS = {
     "unmasked": ["model.attn_config.attn_uses_sequence_id=false", "model.attn_config.attn_impl=flash"],
     "dense": ["model.attn_config.attn_uses_sequence_id=true", "model.attn_config.attn_impl=sdpa"],
     "flex": ["model.attn_config.attn_uses_sequence_id=true", "model.attn_config.attn_impl=flash"],
+    # ALiBi, one document a row: a (1, heads, seq, seq) bias for SDPA, a score modifier for FlexAttention
+    "alibi_dense": ["model.attn_config.alibi=true", "model.learned_pos_emb=false", "model.attn_config.attn_impl=sdpa"],
+    "alibi_flex": ["model.attn_config.alibi=true", "model.learned_pos_emb=false", "model.attn_config.attn_impl=flash"],
 }
 COMMON = ["compile_config={scope: blocks}", "model.init_device=cpu"]
 
@@ -163,7 +168,7 @@ def loss_rows(args: argparse.Namespace) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["unmasked", "dense", "flex"], choices=list(VARIANTS))
     parser.add_argument("--accum", type=int, default=8, help="microbatches a batch")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
