@@ -27,18 +27,15 @@ import argparse
 import gc
 import itertools
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from bench_utils import REPO_ROOT, markdown_table, save_json
+from bench_utils import REPO_ROOT, markdown_table, save_json, yaml_trainer
 from profile_summary import recorded_event
 
-from foundry import Callback, registry
-from foundry.builders import build_compile, build_components, build_model, component_factory
+from foundry import Callback
 from foundry.config import load_train_config
-from foundry.trainer import Trainer
 
 CONFIGS = {"mpt-125m": ("yamls/pretrain/mpt-125m.yaml", 16), "mpt-1b": ("yamls/pretrain/mpt-1b.yaml", 4)}
 VARIANTS = {
@@ -103,22 +100,7 @@ def train(config: str, variant: str, batches: list[dict], microbatch: int) -> tu
     torch.manual_seed(cfg.seed)
     events = StepEvents()
     torch.cuda.reset_peak_memory_stats()
-    trainer = Trainer(
-        model=build_model(cfg.model),
-        train_dataloader=batches,
-        max_duration=f"{len(batches)}ba",
-        optimizers=component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",)),
-        algorithms=build_components(registry.algorithms, cfg.algorithms, "algorithms") + build_compile(cfg),
-        callbacks=[events],
-        precision=cfg.precision,
-        device="cuda",
-        fsdp_config=cfg.fsdp_config,
-        device_train_microbatch_size=microbatch,
-        seed=cfg.seed,
-        log_to_console=False,
-        console_log_interval=f"{len(batches) + 1}ba",
-        run_folder=tempfile.mkdtemp(prefix="masked-attention-"),
-    )
+    trainer = yaml_trainer(cfg, batches, microbatch, [events], schedulers=None)
     trainer.fit()
     torch.cuda.synchronize()
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
