@@ -21,14 +21,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from foundry import distributed
-from foundry.batches import RepeatedSampleMask, batch_to_device, split_batch
+from foundry.batches import RepeatedSampleMask, batch_num_samples, batch_num_tokens, batch_to_device, split_batch
 from foundry.checkpoint.load import resume_or_load
 from foundry.checkpoint.saver import CheckpointSaver
 from foundry.config import FSDPConfig
 from foundry.core import Algorithm, Callback, Engine, Event, Logger, LoggerDestination, State, Time
 from foundry.core.precision import autocast, check_precision
 from foundry.errors import ConfigError, TrainingError
-from foundry.models.base import FoundryModel, ModuleModel, batch_num_samples, batch_num_tokens
+from foundry.models.base import FoundryModel, ModuleModel
 from foundry.optim.schedulers import TimeScheduler
 from foundry.trainer_setup import (
     build_optimizers,

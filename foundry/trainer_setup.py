@@ -20,9 +20,9 @@ from foundry.core import LoggerDestination, State, Time
 from foundry.distributed.parallelize import init_on_cpu
 from foundry.errors import ConfigError
 from foundry.models.base import FoundryModel
+from foundry.models.lora import trainable_parameters
 from foundry.optim.optimizers import DecoupledAdamW
 from foundry.optim.schedulers import TimeScheduler
-from foundry.peft.lora import trainable_parameters
 
 
 def seed_everything(seed: int) -> None:

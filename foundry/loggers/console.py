@@ -11,11 +11,10 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from foundry import registry
-from foundry.callbacks.runtime_estimator import SECONDS_PER_UNIT
 from foundry.core.event import Event
 from foundry.core.logger import Logger, LoggerDestination
 from foundry.core.state import State
-from foundry.core.time import Time, Timestamp, TimeUnit
+from foundry.core.time import SECONDS_PER_UNIT, Time, Timestamp, TimeUnit
 
 TRAIN_LOSS_KEY = "loss/train/total"
 # Short names keep the bar's postfix on one terminal line.

@@ -13,8 +13,8 @@ from typing import Any
 
 from foundry.convert.checkpoint_io import check_weights_loaded, resolve_checkpoint, unloaded_model
 from foundry.errors import ConfigError
+from foundry.models.lora import is_adapter_key
 from foundry.peft.export import HF_FAMILY
-from foundry.peft.lora import is_adapter_key
 
 
 def _base_model(base: Path, section: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
