@@ -31,8 +31,9 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
         cfg: the typed config (``foundry.config.load_train_config``).
         resolved: the resolved YAML, stored in checkpoints and sent to loggers (default: ``cfg`` as a dict).
     """
+    from foundry.core import seed_everything
     from foundry.distributed import env
-    from foundry.trainer import Trainer, seed_everything
+    from foundry.trainer import Trainer
 
     _reject_unimplemented(cfg)
     _check_hand_over(cfg)

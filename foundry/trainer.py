@@ -25,7 +25,7 @@ from foundry.batches import RepeatedSampleMask, batch_num_samples, batch_num_tok
 from foundry.checkpoint.load import resume_or_load
 from foundry.checkpoint.saver import CheckpointSaver
 from foundry.config import FSDPConfig
-from foundry.core import Algorithm, Callback, Engine, Event, Logger, LoggerDestination, State, Time
+from foundry.core import Algorithm, Callback, Engine, Event, Logger, LoggerDestination, State, Time, seed_everything
 from foundry.core.precision import autocast, check_precision
 from foundry.errors import ConfigError, TrainingError
 from foundry.models.base import FoundryModel, ModuleModel
@@ -38,7 +38,6 @@ from foundry.trainer_setup import (
     eval_loaders,
     grad_scaler,
     place_model,
-    seed_everything,
 )
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]

@@ -5,6 +5,7 @@ from foundry.core.callback import Callback
 from foundry.core.engine import Engine
 from foundry.core.event import Event
 from foundry.core.logger import Logger, LoggerDestination
+from foundry.core.seed import seed_everything
 from foundry.core.state import State
 from foundry.core.time import Time, Timestamp, TimeUnit
 
@@ -19,4 +20,5 @@ __all__ = [
     "Time",
     "TimeUnit",
     "Timestamp",
+    "seed_everything",
 ]
