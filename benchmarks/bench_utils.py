@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from foundry.builders import build_model
 from foundry.config import load_train_config
+from foundry.models.build import build_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,7 +33,8 @@ def yaml_trainer(
     import tempfile
 
     from foundry import registry
-    from foundry.builders import build_compile, build_components, component_factory
+    from foundry.builders import build_compile
+    from foundry.registry import build_components, component_factory
     from foundry.trainer import Trainer
 
     scheduler = component_factory(registry.schedulers, cfg.scheduler, "scheduler")() if cfg.scheduler else None

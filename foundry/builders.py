@@ -7,20 +7,17 @@ constructor's signature first, so a typo fails before any model is built. Defaul
 
 from __future__ import annotations
 
-import functools
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from foundry import registry
 from foundry.config import LoaderConfig, TokenizerConfig, TrainConfig, config_to_dict
 from foundry.errors import ConfigError
-from foundry.registry import Registry
-from foundry.schema import check_call_kwargs
+from foundry.models.build import build_model
+from foundry.registry import bound_component, build_components, component_factory
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from foundry.trainer import Trainer
 
 
@@ -139,18 +136,6 @@ def build_tokenizer(cfg: TokenizerConfig) -> Any:
     return load_tokenizer(cfg.name, **cfg.kwargs)
 
 
-def build_model(section: Mapping[str, Any], tokenizer: Any = None) -> nn.Module:
-    """The registered model ``section['name']``, built from the other keys (the model validates them)."""
-    model = component_factory(registry.models, section, "model")()
-    model_vocab_size = getattr(model, "vocab_size", None) or getattr(getattr(model, "config", None), "vocab_size", None)
-    if tokenizer is not None and model_vocab_size is not None and len(tokenizer) > model_vocab_size:
-        raise ConfigError(
-            f"The tokenizer has {len(tokenizer)} tokens but model.vocab_size is {model_vocab_size}, so some token "
-            f"ids have no embedding. Set model.vocab_size to at least {len(tokenizer)} (a multiple of 64 is fastest)."
-        )
-    return model
-
-
 # Every LoaderConfig key but name and label: a registered dataloader builder accepts all of them.
 _LOADER_ARGUMENTS = (
     "dataset",
@@ -172,7 +157,7 @@ def build_dataloader(
     does, so that evaluation counts a sample once when the ranks' shares repeat it.
     """
     settings = {field: getattr(cfg, field) for field in _LOADER_ARGUMENTS}
-    factory = _factory(registry.dataloaders, cfg.name, settings, key_path, f"{key_path}.name")
+    factory = bound_component(registry.dataloaders, cfg.name, settings, key_path, f"{key_path}.name")
     parameters = inspect.signature(factory.func).parameters
     # A loader that takes key_path names its own keys in errors (e.g. 'eval_loader.dataset.split').
     extra: dict[str, Any] = {"key_path": key_path} if "key_path" in parameters else {}
@@ -218,38 +203,6 @@ def build_icl_eval(cfg: TrainConfig, tokenizer: Any) -> list:
     evaluator = ICLEvaluator(parse_icl_tasks(cfg.icl_tasks), tokenizer, seq_len, cfg.device_eval_batch_size)
     gauntlet = parse_gauntlet(cfg.eval_gauntlet) if cfg.eval_gauntlet is not None else None
     return [ICLEval(evaluator, cfg.eval_interval, gauntlet, cfg.eval_first)]
-
-
-def build_components(source: Registry, sections: Mapping[str, Mapping[str, Any] | None], key_path: str) -> list:
-    """``{name: kwargs}`` (LLM Foundry's callbacks/algorithms/loggers form; ``{}`` or empty = no kwargs)."""
-    return [_factory(source, name, kwargs, f"{key_path}.{name}")() for name, kwargs in sections.items()]
-
-
-def component_factory(
-    source: Registry, section: Mapping[str, Any], key_path: str, supplied: tuple[str, ...] = ()
-) -> Callable[..., Any]:
-    """``section['name']`` from ``source`` with the section's other keys bound, checked against its signature.
-
-    Call the result with the arguments named in ``supplied`` (not YAML keys), e.g. an optimizer's ``params``.
-    """
-    kwargs = dict(section)
-    return _factory(source, kwargs.pop("name"), kwargs, key_path, f"{key_path}.name", supplied)
-
-
-def _factory(
-    source: Registry,
-    name: str,
-    kwargs: Mapping[str, Any] | None,
-    key_path: str,
-    name_path: str | None = None,
-    supplied: tuple[str, ...] = (),
-) -> functools.partial:
-    """``source[name]`` with ``kwargs`` checked and bound; errors name ``key_path`` (``name_path`` for the name)."""
-    try:
-        constructor = source.get(name)
-    except ConfigError as error:
-        raise ConfigError(f"'{name_path or key_path}': {error}") from None
-    return functools.partial(constructor, **check_call_kwargs(constructor, kwargs or {}, key_path, supplied))
 
 
 def _reject_unimplemented(cfg: TrainConfig) -> None:

@@ -12,19 +12,13 @@ from helpers import TinyLM, token_batches
 
 import foundry.data
 from foundry import registry
-from foundry.builders import (
-    build_compile,
-    build_components,
-    build_eval_dataloaders,
-    build_model,
-    build_trainer,
-    component_factory,
-    device_train_batch_size,
-)
+from foundry.builders import build_compile, build_eval_dataloaders, build_trainer, device_train_batch_size
 from foundry.config import LoaderConfig, TokenizerConfig, TrainConfig
 from foundry.core import Callback
 from foundry.core.time import Time
 from foundry.errors import ConfigError
+from foundry.models.build import build_model
+from foundry.registry import build_components, component_factory
 
 VOCAB_SIZE = 32
 

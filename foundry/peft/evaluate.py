@@ -22,11 +22,11 @@ def _base_model(base: Path, section: dict[str, Any]) -> tuple[Any, dict[str, Any
 
     ``base`` is a foundry checkpoint, or for an ``hf_causal_lm`` run a Hugging Face directory.
     """
-    from foundry.builders import build_model
     from foundry.checkpoint import load_checkpoint
     from foundry.core.state import State
     from foundry.core.time import Time
     from foundry.eval.loading import is_hf_directory
+    from foundry.models.build import build_model
 
     if is_hf_directory(base):
         if section.get("name") != HF_FAMILY:
