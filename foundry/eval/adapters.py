@@ -48,8 +48,8 @@ def evaluate_adapters(
     bases: list[Any], adapter_paths: list[str], tasks: list, gauntlet: Any, cfg: Any, device: Any
 ) -> list:
     """``ModelResults`` per adapter (named by its path), all on the one base in ``bases``."""
-    from foundry.eval.command import build_evaluator, score
     from foundry.eval.loading import LoadedModel, _max_seq_len, _tokenizer
+    from foundry.eval.runner import build_evaluator, score
     from foundry.peft.adapters import AdapterSet
 
     if len(bases) != 1 or not isinstance(bases[0], str | Path):
