@@ -38,6 +38,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
     _apply_cuda_allocator_settings(cfg.expandable_segments)
     device_batch_size = device_train_batch_size(cfg.global_train_batch_size, env.get_world_size())
     # Cheapest first, the model last: a typo or a missing data folder fails before a big model is built.
+    _check_sections(cfg)
     callbacks = build_components(registry.callbacks, cfg.callbacks, "callbacks")
     algorithms = build_components(registry.algorithms, cfg.algorithms, "algorithms") + build_compile(cfg)
     loggers = build_components(registry.loggers, cfg.loggers, "loggers")
@@ -203,6 +204,18 @@ def build_icl_eval(cfg: TrainConfig, tokenizer: Any) -> list:
     evaluator = ICLEvaluator(parse_icl_tasks(cfg.icl_tasks), tokenizer, seq_len, cfg.device_eval_batch_size)
     gauntlet = parse_gauntlet(cfg.eval_gauntlet) if cfg.eval_gauntlet is not None else None
     return [ICLEval(evaluator, cfg.eval_interval, gauntlet, cfg.eval_first)]
+
+
+def _check_sections(cfg: TrainConfig) -> None:
+    """An algorithm listed under callbacks (or the reverse) names the section it belongs in."""
+    for section, other, names in (
+        ("callbacks", "algorithms", cfg.callbacks),
+        ("algorithms", "callbacks", cfg.algorithms),
+    ):
+        for name in names:
+            if name not in getattr(registry, section) and name in getattr(registry, other):
+                kind = "algorithm (it changes the run)" if other == "algorithms" else "callback (it observes the run)"
+                raise ConfigError(f"'{section}.{name}' is an {kind}: move it under '{other}'.")
 
 
 def _reject_unimplemented(cfg: TrainConfig) -> None:
