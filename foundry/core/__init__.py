@@ -4,6 +4,7 @@ from foundry.core.algorithm import Algorithm
 from foundry.core.callback import Callback
 from foundry.core.engine import Engine
 from foundry.core.event import Event
+from foundry.core.interval import Interval
 from foundry.core.logger import Logger, LoggerDestination
 from foundry.core.seed import seed_everything
 from foundry.core.state import State
@@ -14,6 +15,7 @@ __all__ = [
     "Callback",
     "Engine",
     "Event",
+    "Interval",
     "Logger",
     "LoggerDestination",
     "State",
