@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from foundry.builders import build_model
 from foundry.config import load_train_config
+from foundry.models.build import build_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,6 +22,40 @@ def model_from_yaml(config_path: str | Path, overrides: Sequence[str] = ()) -> t
     """The YAML's model (its ``model:`` section with ``overrides``) and its ``max_seq_len``."""
     cfg, _ = load_train_config(config_path, overrides)
     return build_model(cfg.model), cfg.max_seq_len
+
+
+def yaml_trainer(
+    cfg: Any, batches: list[dict], microbatch: int, callbacks: Sequence[Any] = (), **overrides: Any
+) -> Any:
+    """A Trainer as ``foundry train`` builds it from ``cfg`` (its optimizer, schedule, algorithms with the
+    compile_config default, fsdp_config and precision), on in-memory ``batches`` on the GPU; ``overrides``
+    replace Trainer arguments (e.g. ``precision``)."""
+    import tempfile
+
+    from foundry import registry
+    from foundry.builders import build_compile
+    from foundry.registry import build_components, component_factory
+    from foundry.trainer import Trainer
+
+    scheduler = component_factory(registry.schedulers, cfg.scheduler, "scheduler")() if cfg.scheduler else None
+    arguments = dict(
+        model=build_model(cfg.model),
+        train_dataloader=batches,
+        max_duration=f"{len(batches)}ba",
+        optimizers=component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",)),
+        schedulers=scheduler,
+        algorithms=build_components(registry.algorithms, cfg.algorithms, "algorithms") + build_compile(cfg),
+        fsdp_config=cfg.fsdp_config,
+        callbacks=list(callbacks),
+        precision=cfg.precision,
+        device="cuda",
+        device_train_microbatch_size=microbatch,
+        seed=cfg.seed,
+        log_to_console=False,
+        console_log_interval=f"{len(batches) + 1}ba",
+        run_folder=tempfile.mkdtemp(prefix="foundry-bench-"),
+    )
+    return Trainer(**{**arguments, **overrides})
 
 
 def random_batch(batch_size: int, seq_len: int, vocab_size: int, device: torch.device) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ from bench_utils import REPO_ROOT, model_from_yaml, save_json
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from foundry.eval.scoring import greedy_generate
+from foundry.models.generation import greedy_generate
 
 
 class NumberTokenizer:

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import torch
 from bench_utils import environment, write_results
 
-from foundry.eval.scoring import greedy_generate
 from foundry.models import MPTCausalLM
+from foundry.models.generation import greedy_generate
 
 
 class _NoEosTokenizer:

@@ -17,8 +17,8 @@ import gc
 import torch
 from bench_utils import cuda_time_ms, environment, model_from_yaml, random_batch, write_results
 
+from foundry.models.lora import trainable_parameters
 from foundry.optim import DecoupledAdamW
-from foundry.peft.lora import trainable_parameters
 
 VARIANTS = {
     "full finetune": None,

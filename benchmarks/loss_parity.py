@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from typing import Any
 
 import torch
-from bench_utils import REPO_ROOT, markdown_table, save_json
+from bench_utils import REPO_ROOT, markdown_table, save_json, yaml_trainer
 
-from foundry import Callback, registry
-from foundry.builders import build_compile, build_components, build_model, component_factory
+from foundry import Callback
 from foundry.config import load_train_config
-from foundry.trainer import Trainer
 
 PLAIN = [
     "compile_config=false",
@@ -66,23 +63,7 @@ def train(config: str, variant: dict[str, Any], batches: list[dict], microbatch:
     cfg, _ = load_train_config(REPO_ROOT / config, variant.get("overrides", []))
     torch.manual_seed(cfg.seed)
     losses = StepLosses()
-    trainer = Trainer(
-        model=build_model(cfg.model),
-        train_dataloader=batches,
-        max_duration=f"{len(batches)}ba",
-        optimizers=component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",)),
-        schedulers=component_factory(registry.schedulers, cfg.scheduler, "scheduler")(),
-        algorithms=build_components(registry.algorithms, cfg.algorithms, "algorithms") + build_compile(cfg),
-        fsdp_config=cfg.fsdp_config,
-        callbacks=[losses],
-        precision=variant.get("precision", cfg.precision),
-        device="cuda",
-        device_train_microbatch_size=microbatch,
-        seed=cfg.seed,
-        log_to_console=False,
-        console_log_interval=f"{len(batches) + 1}ba",
-        run_folder=tempfile.mkdtemp(prefix="loss-parity-"),
-    )
+    trainer = yaml_trainer(cfg, batches, microbatch, [losses], precision=variant.get("precision", cfg.precision))
     trainer.fit()
     torch._dynamo.reset()
     return [loss.item() for loss in losses.losses]

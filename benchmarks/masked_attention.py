@@ -9,7 +9,9 @@ packed as 8 documents a row (``sequence_id``), as:
   speed to match; documents see each other, as in pretraining);
 - ``dense``: ``attn_impl: sdpa`` with document masking: a ``(batch, 1, seq, seq)`` mask, SDPA's
   mask-capable kernel;
-- ``flex``: ``attn_impl: flash`` with document masking: FlexAttention's block mask.
+- ``flex``: ``attn_impl: flash`` with document masking: FlexAttention's block mask;
+- ``alibi_dense`` / ``alibi_flex`` (asked for by name): ALiBi on one document a row, SDPA with a dense
+  bias against FlexAttention's score modifier.
 
 Each block compiled (``compile_config: {scope: blocks}``, which compiles faster than the whole model
 and is the same for all three), amp_bf16, the YAML's optimizer; step time from CUDA events at
@@ -25,24 +27,24 @@ import argparse
 import gc
 import itertools
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
-from bench_utils import REPO_ROOT, markdown_table, save_json
+from bench_utils import REPO_ROOT, markdown_table, save_json, yaml_trainer
 from profile_summary import recorded_event
 
-from foundry import Callback, registry
-from foundry.builders import build_compile, build_components, build_model, component_factory
+from foundry import Callback
 from foundry.config import load_train_config
-from foundry.trainer import Trainer
 
 CONFIGS = {"mpt-125m": ("yamls/pretrain/mpt-125m.yaml", 16), "mpt-1b": ("yamls/pretrain/mpt-1b.yaml", 4)}
 VARIANTS = {
     "unmasked": ["model.attn_config.attn_uses_sequence_id=false", "model.attn_config.attn_impl=flash"],
     "dense": ["model.attn_config.attn_uses_sequence_id=true", "model.attn_config.attn_impl=sdpa"],
     "flex": ["model.attn_config.attn_uses_sequence_id=true", "model.attn_config.attn_impl=flash"],
+    # ALiBi, one document a row: a (1, heads, seq, seq) bias for SDPA, a score modifier for FlexAttention
+    "alibi_dense": ["model.attn_config.alibi=true", "model.learned_pos_emb=false", "model.attn_config.attn_impl=sdpa"],
+    "alibi_flex": ["model.attn_config.alibi=true", "model.learned_pos_emb=false", "model.attn_config.attn_impl=flash"],
 }
 COMMON = ["compile_config={scope: blocks}", "model.init_device=cpu"]
 
@@ -98,22 +100,7 @@ def train(config: str, variant: str, batches: list[dict], microbatch: int) -> tu
     torch.manual_seed(cfg.seed)
     events = StepEvents()
     torch.cuda.reset_peak_memory_stats()
-    trainer = Trainer(
-        model=build_model(cfg.model),
-        train_dataloader=batches,
-        max_duration=f"{len(batches)}ba",
-        optimizers=component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",)),
-        algorithms=build_components(registry.algorithms, cfg.algorithms, "algorithms") + build_compile(cfg),
-        callbacks=[events],
-        precision=cfg.precision,
-        device="cuda",
-        fsdp_config=cfg.fsdp_config,
-        device_train_microbatch_size=microbatch,
-        seed=cfg.seed,
-        log_to_console=False,
-        console_log_interval=f"{len(batches) + 1}ba",
-        run_folder=tempfile.mkdtemp(prefix="masked-attention-"),
-    )
+    trainer = yaml_trainer(cfg, batches, microbatch, [events], schedulers=None)
     trainer.fit()
     torch.cuda.synchronize()
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
@@ -163,7 +150,7 @@ def loss_rows(args: argparse.Namespace) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=["unmasked", "dense", "flex"], choices=list(VARIANTS))
     parser.add_argument("--accum", type=int, default=8, help="microbatches a batch")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)

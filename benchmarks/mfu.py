@@ -33,9 +33,10 @@ from bench_utils import REPO_ROOT, markdown_table, save_json
 from profile_summary import ProfileWindow, profile_loop, recorded_event
 
 from foundry import Callback, registry
-from foundry.builders import build_components, build_model, component_factory
 from foundry.config import load_train_config
 from foundry.models import flops
+from foundry.models.build import build_model
+from foundry.registry import build_components, component_factory
 from foundry.trainer import Trainer
 
 H100_BF16_PEAK_TFLOPS = 989.5

@@ -25,6 +25,7 @@ _EXPORTS = {
     "ConfigError": "foundry.errors",
     "DataError": "foundry.errors",
     "FoundryError": "foundry.errors",
+    "Trainer": "foundry.trainer",
     "TrainingError": "foundry.errors",
     "generate": "foundry.inference",
     "load_model": "foundry.inference",

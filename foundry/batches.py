@@ -8,9 +8,26 @@ from typing import Any
 
 import torch
 
-from foundry.models.base import IGNORE_INDEX, batch_num_samples
-
+IGNORE_INDEX = -100  # a label position that adds no loss (prompts, padding, the last position)
 SAMPLE_INDEX_KEY = "sample_index"  # (batch,) each sample's index in its dataset, from loaders that tag them
+
+
+def batch_num_samples(batch: Any) -> int:
+    """Samples in a batch: the leading dimension of its first tensor."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, Mapping):
+        return batch_num_samples(next(iter(batch.values())))
+    if isinstance(batch, list | tuple):
+        return batch_num_samples(batch[0])
+    raise TypeError(f"Cannot count samples in a batch of type {type(batch).__name__}.")
+
+
+def batch_num_tokens(batch: Any) -> int:
+    """Tokens in a batch (padding included; no host sync): ``input_ids.numel()``, else samples."""
+    if isinstance(batch, Mapping) and "input_ids" in batch:
+        return batch["input_ids"].numel()
+    return batch_num_samples(batch)
 
 
 def split_batch(batch: Any, microbatch_size: int | None) -> list[Any]:

@@ -7,22 +7,19 @@ constructor's signature first, so a typo fails before any model is built. Defaul
 
 from __future__ import annotations
 
-import functools
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from foundry import registry
 from foundry.config import LoaderConfig, TokenizerConfig, TrainConfig, config_to_dict
 from foundry.errors import ConfigError
+from foundry.models.build import build_model
 from foundry.optim.optimizers import check_hyperparameters
-from foundry.registry import Registry
-from foundry.schema import check_call_kwargs
+from foundry.registry import bound_component, build_components, component_factory
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from foundry.trainer import Trainer
 
 
@@ -33,8 +30,9 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
         cfg: the typed config (``foundry.config.load_train_config``).
         resolved: the resolved YAML, stored in checkpoints and sent to loggers (default: ``cfg`` as a dict).
     """
+    from foundry.core import seed_everything
     from foundry.distributed import env
-    from foundry.trainer import Trainer, seed_everything
+    from foundry.trainer import Trainer
 
     _reject_unimplemented(cfg)
     _check_hand_over(cfg)
@@ -43,6 +41,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
     _apply_cuda_allocator_settings(cfg.expandable_segments)
     device_batch_size = device_train_batch_size(cfg.global_train_batch_size, env.get_world_size())
     # Cheapest first, the model last: a typo or a missing data folder fails before a big model is built.
+    _check_sections(cfg)
     callbacks = build_components(registry.callbacks, cfg.callbacks, "callbacks")
     algorithms = build_components(registry.algorithms, cfg.algorithms, "algorithms") + build_compile(cfg)
     loggers = build_components(registry.loggers, cfg.loggers, "loggers")
@@ -142,18 +141,6 @@ def build_tokenizer(cfg: TokenizerConfig) -> Any:
     return load_tokenizer(cfg.name, **cfg.kwargs)
 
 
-def build_model(section: Mapping[str, Any], tokenizer: Any = None) -> nn.Module:
-    """The registered model ``section['name']``, built from the other keys (the model validates them)."""
-    model = component_factory(registry.models, section, "model")()
-    model_vocab_size = getattr(model, "vocab_size", None) or getattr(getattr(model, "config", None), "vocab_size", None)
-    if tokenizer is not None and model_vocab_size is not None and len(tokenizer) > model_vocab_size:
-        raise ConfigError(
-            f"The tokenizer has {len(tokenizer)} tokens but model.vocab_size is {model_vocab_size}, so some token "
-            f"ids have no embedding. Set model.vocab_size to at least {len(tokenizer)} (a multiple of 64 is fastest)."
-        )
-    return model
-
-
 # Every LoaderConfig key but name and label: a registered dataloader builder accepts all of them.
 _LOADER_ARGUMENTS = (
     "dataset",
@@ -175,7 +162,7 @@ def build_dataloader(
     does, so that evaluation counts a sample once when the ranks' shares repeat it.
     """
     settings = {field: getattr(cfg, field) for field in _LOADER_ARGUMENTS}
-    factory = _factory(registry.dataloaders, cfg.name, settings, key_path, f"{key_path}.name")
+    factory = bound_component(registry.dataloaders, cfg.name, settings, key_path, f"{key_path}.name")
     parameters = inspect.signature(factory.func).parameters
     # A loader that takes key_path names its own keys in errors (e.g. 'eval_loader.dataset.split').
     extra: dict[str, Any] = {"key_path": key_path} if "key_path" in parameters else {}
@@ -223,36 +210,16 @@ def build_icl_eval(cfg: TrainConfig, tokenizer: Any) -> list:
     return [ICLEval(evaluator, cfg.eval_interval, gauntlet, cfg.eval_first)]
 
 
-def build_components(source: Registry, sections: Mapping[str, Mapping[str, Any] | None], key_path: str) -> list:
-    """``{name: kwargs}`` (LLM Foundry's callbacks/algorithms/loggers form; ``{}`` or empty = no kwargs)."""
-    return [_factory(source, name, kwargs, f"{key_path}.{name}")() for name, kwargs in sections.items()]
-
-
-def component_factory(
-    source: Registry, section: Mapping[str, Any], key_path: str, supplied: tuple[str, ...] = ()
-) -> Callable[..., Any]:
-    """``section['name']`` from ``source`` with the section's other keys bound, checked against its signature.
-
-    Call the result with the arguments named in ``supplied`` (not YAML keys), e.g. an optimizer's ``params``.
-    """
-    kwargs = dict(section)
-    return _factory(source, kwargs.pop("name"), kwargs, key_path, f"{key_path}.name", supplied)
-
-
-def _factory(
-    source: Registry,
-    name: str,
-    kwargs: Mapping[str, Any] | None,
-    key_path: str,
-    name_path: str | None = None,
-    supplied: tuple[str, ...] = (),
-) -> functools.partial:
-    """``source[name]`` with ``kwargs`` checked and bound; errors name ``key_path`` (``name_path`` for the name)."""
-    try:
-        constructor = source.get(name)
-    except ConfigError as error:
-        raise ConfigError(f"'{name_path or key_path}': {error}") from None
-    return functools.partial(constructor, **check_call_kwargs(constructor, kwargs or {}, key_path, supplied))
+def _check_sections(cfg: TrainConfig) -> None:
+    """An algorithm listed under callbacks (or the reverse) names the section it belongs in."""
+    for section, other, names in (
+        ("callbacks", "algorithms", cfg.callbacks),
+        ("algorithms", "callbacks", cfg.algorithms),
+    ):
+        for name in names:
+            if name not in getattr(registry, section) and name in getattr(registry, other):
+                kind = "algorithm (it changes the run)" if other == "algorithms" else "callback (it observes the run)"
+                raise ConfigError(f"'{section}.{name}' is an {kind}: move it under '{other}'.")
 
 
 def _reject_unimplemented(cfg: TrainConfig) -> None:

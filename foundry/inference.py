@@ -54,7 +54,7 @@ def generate(
     strings, which is cut off with whatever followed it. Decoding is greedy (the most likely token
     each step): the same text every time. ``precision``: ``fp32``, ``amp_bf16`` or ``amp_fp16``.
     """
-    from foundry.eval.scoring import greedy_generate
+    from foundry.models.generation import greedy_generate
 
     texts = [prompts] if isinstance(prompts, str) else list(prompts)
     token_ids = [list(tokenizer(text)["input_ids"]) for text in texts]

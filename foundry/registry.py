@@ -15,12 +15,14 @@ or, from another package's ``pyproject.toml``::
 
 from __future__ import annotations
 
+import functools
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from importlib.metadata import entry_points
 from typing import Any, TypeVar
 
 from foundry.errors import ConfigError, did_you_mean
+from foundry.schema import check_call_kwargs
 
 T = TypeVar("T")
 
@@ -81,3 +83,36 @@ schedulers = Registry("schedulers", ("foundry.optim",))
 callbacks = Registry("callbacks", ("foundry.callbacks",))
 algorithms = Registry("algorithms", ("foundry.algorithms",))
 loggers = Registry("loggers", ("foundry.loggers",))
+
+
+# ------------------------------------------------------------------------------- building
+def build_components(source: Registry, sections: Mapping[str, Mapping[str, Any] | None], key_path: str) -> list:
+    """``{name: kwargs}`` (LLM Foundry's callbacks/algorithms/loggers form; ``{}`` or empty = no kwargs)."""
+    return [bound_component(source, name, kwargs, f"{key_path}.{name}")() for name, kwargs in sections.items()]
+
+
+def component_factory(
+    source: Registry, section: Mapping[str, Any], key_path: str, supplied: tuple[str, ...] = ()
+) -> Callable[..., Any]:
+    """``section['name']`` from ``source`` with the section's other keys bound, checked against its signature.
+
+    Call the result with the arguments named in ``supplied`` (not YAML keys), e.g. an optimizer's ``params``.
+    """
+    kwargs = dict(section)
+    return bound_component(source, kwargs.pop("name"), kwargs, key_path, f"{key_path}.name", supplied)
+
+
+def bound_component(
+    source: Registry,
+    name: str,
+    kwargs: Mapping[str, Any] | None,
+    key_path: str,
+    name_path: str | None = None,
+    supplied: tuple[str, ...] = (),
+) -> functools.partial:
+    """``source[name]`` with ``kwargs`` checked and bound; errors name ``key_path`` (``name_path`` for the name)."""
+    try:
+        constructor = source.get(name)
+    except ConfigError as error:
+        raise ConfigError(f"'{name_path or key_path}': {error}") from None
+    return functools.partial(constructor, **check_call_kwargs(constructor, kwargs or {}, key_path, supplied))

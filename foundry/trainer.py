@@ -21,16 +21,27 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from foundry import distributed
-from foundry.batches import RepeatedSampleMask, batch_to_device, split_batch
+from foundry.batches import RepeatedSampleMask, batch_num_samples, batch_num_tokens, batch_to_device, split_batch
 from foundry.checkpoint.load import resume_or_load
 from foundry.checkpoint.saver import CheckpointSaver
 from foundry.config import FSDPConfig, check_eval_subset
-from foundry.core import Algorithm, Callback, Engine, Event, Logger, LoggerDestination, State, Time
+from foundry.core import (
+    Algorithm,
+    Callback,
+    Engine,
+    Event,
+    Interval,
+    Logger,
+    LoggerDestination,
+    State,
+    Time,
+    seed_everything,
+)
 from foundry.core.paths import check_local_path
 from foundry.core.precision import autocast, check_precision
 from foundry.core.time import positive_time
 from foundry.errors import ConfigError, TrainingError
-from foundry.models.base import FoundryModel, ModuleModel, batch_num_samples, batch_num_tokens
+from foundry.models.base import FoundryModel, ModuleModel
 from foundry.optim.schedulers import TimeScheduler
 from foundry.trainer_setup import (
     build_optimizers,
@@ -40,7 +51,6 @@ from foundry.trainer_setup import (
     eval_loaders,
     grad_scaler,
     place_model,
-    seed_everything,
 )
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -134,14 +144,14 @@ class Trainer:
         defaults = default_loggers(loggers, self.run_folder, log_to_console, progress_bar, console_log_interval)
         self.logger = Logger(self.state, [*loggers, *defaults])
         self.engine = Engine(self.state, self.logger, algorithms, callbacks)
-        self.eval_interval = positive_time(eval_interval, "eval_interval")
+        self.eval_interval = Interval(positive_time(eval_interval, "eval_interval"))
         self.eval_first = eval_first
         check_eval_subset(eval_subset_num_batches)
         self.eval_subset_num_batches = eval_subset_num_batches
-        self.log_interval = positive_time(console_log_interval, "console_log_interval")
+        self.log_interval = Interval(positive_time(console_log_interval, "console_log_interval"))
         check_local_path(load_path, "'load_path'")
         self.save_folder = save_folder.replace("{run_name}", run_name) if save_folder else None
-        self.save_interval = positive_time(save_interval, "save_interval")
+        self.save_interval = Interval(positive_time(save_interval, "save_interval"))
         self.checkpoints = CheckpointSaver(
             self.engine,
             self.save_folder,
@@ -226,9 +236,9 @@ class Trainer:
             state.timestamp = previous.after_epoch()
             self.logger.flush()  # epoch-unit console intervals print at EPOCH_END with the epoch's last loss
             self.engine.run_event(Event.EPOCH_END)
-            if self._due(self.save_interval, previous, epoch_end=True):
+            if self.save_interval.due(state, epoch_end=True, since=previous):
                 self.checkpoints.save(Event.EPOCH_CHECKPOINT)
-            if self._due(self.eval_interval, previous, epoch_end=True) and not self._finished():
+            if self.eval_interval.due(state, epoch_end=True, since=previous) and not self._finished():
                 self.eval()
 
     def _epoch_batches(self) -> Iterator[Any]:
@@ -278,11 +288,11 @@ class Trainer:
         # Every batch's loss reaches the loggers; as a device tensor it waits in the Logger's queue
         # (no host sync) until the flush at the console interval converts the queue at once.
         self.logger.log_metrics({"loss/train/total": distributed.all_reduce_sum(share_of_global_loss)})
-        if self._due(self.log_interval, previous) or self._finished():
+        if self.log_interval.due(state, since=previous) or self._finished():
             self.logger.flush()
-        if self._due(self.save_interval, previous):
+        if self.save_interval.due(state, since=previous):
             self.checkpoints.save(Event.BATCH_CHECKPOINT)
-        if self._due(self.eval_interval, previous) and not self._finished():
+        if self.eval_interval.due(state, since=previous) and not self._finished():
             self.eval()
 
     def _train_microbatch(self, microbatch: Any, scale: torch.Tensor) -> torch.Tensor:
@@ -329,14 +339,6 @@ class Trainer:
             optimizer.zero_grad(set_to_none=True)
         if self._grad_scaler:  # also after a skipped step: unscale_ must be followed by update()
             self._grad_scaler.update()
-
-    def _due(self, interval: Time, previous: Any, epoch_end: bool = False) -> bool:
-        """Whether ``interval`` elapsed with the last batch (or, for epoch intervals, the last epoch)."""
-        interval = self.state.to_absolute(interval)
-        is_epoch_interval = interval.unit.value == "ep"
-        if is_epoch_interval != epoch_end:
-            return False
-        return self.state.crossed_multiple(interval, previous)
 
     # ------------------------------------------------------------------------------------ eval
     @torch.no_grad()

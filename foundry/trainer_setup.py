@@ -5,12 +5,10 @@ Each function validates what it is given, so ``Trainer.__init__`` reads as the o
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -20,16 +18,9 @@ from foundry.core import LoggerDestination, State, Time
 from foundry.distributed.parallelize import init_on_cpu
 from foundry.errors import ConfigError
 from foundry.models.base import FoundryModel
+from foundry.models.lora import trainable_parameters
 from foundry.optim.optimizers import DecoupledAdamW
 from foundry.optim.schedulers import TimeScheduler
-from foundry.peft.lora import trainable_parameters
-
-
-def seed_everything(seed: int) -> None:
-    """Same seed on every rank: identical initial weights everywhere (data order comes from the loader)."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def default_loggers(

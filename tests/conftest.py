@@ -1,15 +1,21 @@
-"""Shared fixtures: fixed seeds, the shared data folder, a tiny tokenizer."""
+"""Shared fixtures: fixed seeds, the shared data folder, and components driven by hand (a tiny State, a
+logger that records what it is given, one event at a time)."""
 
 from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from helpers import FakeClock, TinyLM
+
+from foundry.core import Algorithm, Callback, Event, Logger, LoggerDestination, State, Time
+from foundry.models.base import FoundryModel
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("FOUNDRY_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
@@ -39,3 +45,99 @@ def tiny_lm() -> TinyLM:
 def clock() -> FakeClock:
     """A clock that moves only when the test sets ``clock.now``."""
     return FakeClock()
+
+
+class RecordingDestination(LoggerDestination):
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict[str, float], int]] = []
+        self.hyperparameters: dict[str, Any] = {}
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.calls.append((dict(metrics), step))
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        self.hyperparameters.update(hyperparameters)
+
+    def last(self, key: str) -> float | None:
+        """The most recent value logged under ``key``, or None if never logged."""
+        values = [metrics[key] for metrics, _ in self.calls if key in metrics]
+        return values[-1] if values else None
+
+
+class FlopsModel(FoundryModel):
+    """A model whose cost is known: ``flops_per_batch`` FLOPs for any batch."""
+
+    def __init__(self, flops_per_batch: int = 0) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+        self._flops_per_batch = flops_per_batch
+
+    def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
+        return self._flops_per_batch
+
+
+@pytest.fixture
+def recorder() -> RecordingDestination:
+    return RecordingDestination()
+
+
+@pytest.fixture
+def state() -> State:
+    return State(model=FlopsModel(), max_duration=Time.parse("10ba"))
+
+
+@pytest.fixture
+def logger(state: State, recorder: RecordingDestination) -> Logger:
+    return Logger(state, [recorder])
+
+
+@pytest.fixture
+def fire(state: State, logger: Logger) -> Callable[[Callback, Event], None]:
+    """Run one event on one callback, or on one algorithm (when it matches the event)."""
+
+    def run(component: Callback | Algorithm, event: Event) -> None:
+        if isinstance(component, Algorithm):
+            if component.match(event, state):
+                component.apply(event, state, logger)
+        else:
+            component.run_event(event, state, logger)
+
+    return run
+
+
+@pytest.fixture
+def train_batch(state: State, fire: Callable[[Callback, Event], None]) -> Callable[..., None]:
+    """Advance the timestamp by one batch, then fire BATCH_END on ``callback``."""
+
+    def run(callback: Callback, samples: int = 4, tokens: int = 32) -> None:
+        state.batch = {"input_ids": torch.zeros(samples, tokens // samples, dtype=torch.long)}
+        state.batch_num_samples, state.batch_num_tokens = samples, tokens
+        state.timestamp = state.timestamp.after_batch(samples, tokens, duration_s=0.0)
+        fire(callback, Event.BATCH_END)
+
+    return run
+
+
+@pytest.fixture
+def host_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Names of the tensor methods that read a value to the host (a device sync on GPU), as they are called."""
+    reads: list[str] = []
+
+    def counting(method: str) -> Callable[..., Any]:
+        original = getattr(torch.Tensor, method)
+
+        def read(tensor: torch.Tensor, *args: Any) -> Any:
+            reads.append(method)
+            return original(tensor, *args)
+
+        return read
+
+    for method in ("item", "tolist", "__bool__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, method, counting(method))
+    return reads
+
+
+@pytest.fixture
+def flops_model() -> Callable[[int], FlopsModel]:
+    """Build a model that costs the given FLOPs per batch."""
+    return FlopsModel

@@ -12,19 +12,13 @@ from helpers import TinyLM, token_batches
 
 import foundry.data
 from foundry import registry
-from foundry.builders import (
-    build_compile,
-    build_components,
-    build_eval_dataloaders,
-    build_model,
-    build_trainer,
-    component_factory,
-    device_train_batch_size,
-)
+from foundry.builders import build_compile, build_eval_dataloaders, build_trainer, device_train_batch_size
 from foundry.config import LoaderConfig, TokenizerConfig, TrainConfig
 from foundry.core import Callback
 from foundry.core.time import Time
 from foundry.errors import ConfigError
+from foundry.models.build import build_model
+from foundry.registry import build_components, component_factory
 
 VOCAB_SIZE = 32
 
@@ -244,3 +238,8 @@ def test_compile_config_and_torch_compile_algorithm_together_is_an_error(tmp_pat
     cfg = make_config(tmp_path, compile_config=setting, algorithms={"torch_compile": {}})
     with pytest.raises(ConfigError, match="compile_config is .* and algorithms.torch_compile is set.*Keep one"):
         build_trainer(cfg)
+
+
+def test_an_algorithm_listed_under_callbacks_names_its_section(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"'callbacks\.nan_guard' is an algorithm.*move it under 'algorithms'"):
+        build_trainer(make_config(tmp_path, callbacks={"nan_guard": {}}))

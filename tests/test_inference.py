@@ -10,9 +10,9 @@ import torch
 from helpers import TINY_LLAMA
 
 import foundry
-from foundry.builders import build_model
 from foundry.convert.checkpoint_io import save_weights_checkpoint
 from foundry.data import builtin_corpus_documents, train_bpe_tokenizer
+from foundry.models.build import build_model
 
 SECTION = {"name": "llama_causal_lm", **TINY_LLAMA, "vocab_size": 320}
 

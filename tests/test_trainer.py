@@ -305,3 +305,9 @@ def test_device_losses_wait_on_the_device_until_the_interval_then_arrive_in_orde
     trainer.fit()
     assert [(step, at_batch) for step, _, at_batch in recorder.received] == [(1, 2), (2, 2), (3, 4), (4, 4)]
     assert all(isinstance(value, float) for _, value, _ in recorder.received)
+
+
+def test_trainer_is_importable_from_the_package() -> None:
+    import foundry
+
+    assert foundry.Trainer is Trainer

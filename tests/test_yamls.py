@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from foundry.builders import build_model
 from foundry.config import load_train_config
+from foundry.models.build import build_model
 
 # Train configs: every YAML but yamls/eval/, which holds ICL task lists and gauntlets (tests/eval reads those).
 YAMLS = sorted(p for p in (Path(__file__).resolve().parents[1] / "yamls").rglob("*.yaml") if p.parent.name != "eval")

@@ -7,6 +7,7 @@ from foundry.algorithms.fused_kernels import FusedKernels
 from foundry.algorithms.gradient_clipping import GradientClipping
 from foundry.algorithms.low_precision_layernorm import LowPrecisionLayerNormAlgorithm
 from foundry.algorithms.low_precision_residual import LowPrecisionResidual
+from foundry.algorithms.nan_guard import NanGuard
 from foundry.algorithms.torch_compile import TorchCompile
 
 __all__ = [
@@ -17,5 +18,6 @@ __all__ = [
     "GradientClipping",
     "LowPrecisionLayerNormAlgorithm",
     "LowPrecisionResidual",
+    "NanGuard",
     "TorchCompile",
 ]

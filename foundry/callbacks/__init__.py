@@ -5,7 +5,6 @@ from foundry.callbacks.hand_over import HandOver
 from foundry.callbacks.lr_monitor import LRMonitor
 from foundry.callbacks.memory_monitor import MemoryMonitor
 from foundry.callbacks.memory_snapshot import MemorySnapshot
-from foundry.callbacks.nan_guard import NanGuard
 from foundry.callbacks.optimizer_monitor import OptimizerMonitor
 from foundry.callbacks.plot_curves import PlotCurves
 from foundry.callbacks.runtime_estimator import RuntimeEstimator
@@ -17,7 +16,6 @@ __all__ = [
     "LRMonitor",
     "MemoryMonitor",
     "MemorySnapshot",
-    "NanGuard",
     "OptimizerMonitor",
     "PlotCurves",
     "RuntimeEstimator",

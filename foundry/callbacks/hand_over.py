@@ -20,9 +20,10 @@ from pathlib import Path
 from foundry import registry
 from foundry.checkpoint.layout import checkpoint_name
 from foundry.core.callback import Callback
+from foundry.core.interval import Interval
 from foundry.core.logger import Logger
 from foundry.core.state import State
-from foundry.core.time import Time, Timestamp, TimeUnit
+from foundry.core.time import Time
 from foundry.errors import TrainingError
 
 HANDED_OVER_EXIT_CODE = 3
@@ -37,24 +38,21 @@ class HandOver(Callback):
     """
 
     def __init__(self, interval: str | int | Time) -> None:
-        self.interval = Time.parse(interval)
+        self.interval = Interval(interval)
         self.handed_over_at: int | None = None  # the batch this launch handed over at
-        self._before: Timestamp | None = None
 
     def batch_start(self, state: State, logger: Logger) -> None:
-        self._before = state.timestamp
+        self.interval.mark(state)
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        if state.to_absolute(self.interval).unit != TimeUnit.EPOCH:
-            self._stop_if_due(state, logger)
+        if self.interval.due(state):
+            self._stop(state, logger)
 
     def epoch_end(self, state: State, logger: Logger) -> None:
-        if state.to_absolute(self.interval).unit == TimeUnit.EPOCH:
-            self._stop_if_due(state, logger)
+        if self.interval.due(state, epoch_end=True):
+            self._stop(state, logger)
 
-    def _stop_if_due(self, state: State, logger: Logger) -> None:
-        if self._before is None or not state.crossed_multiple(self.interval, self._before):
-            return
+    def _stop(self, state: State, logger: Logger) -> None:
         if state.reached(state.max_duration):  # the run is done: nothing to hand over
             return
         self.handed_over_at = state.timestamp.batch

@@ -12,10 +12,10 @@ from foundry.core.callback import Callback
 from foundry.core.event import Event
 from foundry.core.logger import Logger
 from foundry.core.state import State
+from foundry.core.time import SECONDS_PER_UNIT
 from foundry.errors import ConfigError
 
 TimeUnitName = Literal["seconds", "minutes", "hours", "days"]
-SECONDS_PER_UNIT: dict[str, float] = {"seconds": 1.0, "minutes": 60.0, "hours": 3600.0, "days": 86400.0}
 
 
 @registry.callbacks.register("runtime_estimator")

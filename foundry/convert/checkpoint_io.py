@@ -10,12 +10,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from foundry.builders import build_model
 from foundry.checkpoint import load_checkpoint, resolve_checkpoint_path, save_checkpoint
 from foundry.checkpoint.layout import META_FILE
 from foundry.core.state import State
 from foundry.core.time import Time
 from foundry.errors import CheckpointError
+from foundry.models.build import build_model
 from foundry.peft.checkpoint import load_adapter_base
 
 

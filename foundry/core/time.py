@@ -14,6 +14,9 @@ from typing import Any
 
 from foundry.errors import ConfigError
 
+# Wall-clock units a person reads (the runtime estimate's `time_unit`), in seconds.
+SECONDS_PER_UNIT: dict[str, float] = {"seconds": 1.0, "minutes": 60.0, "hours": 3600.0, "days": 86400.0}
+
 
 class TimeUnit(str, enum.Enum):
     EPOCH = "ep"

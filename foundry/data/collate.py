@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from foundry.models.base import IGNORE_INDEX
+from foundry.batches import IGNORE_INDEX
 
 
 def collate_lm_samples(samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

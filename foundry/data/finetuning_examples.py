@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from foundry.batches import IGNORE_INDEX
 from foundry.data.chat import RenderChat, RowFormatError, text_turns
-from foundry.models.base import IGNORE_INDEX
 
 Truncation = Literal["keep_start", "keep_end", "drop"]
 TokenTurn = tuple[list[int], list[int]]  # (prompt ids, response ids)

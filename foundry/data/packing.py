@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from foundry.models.base import IGNORE_INDEX
+from foundry.batches import IGNORE_INDEX
 
 Row = list[int]  # indices of the examples packed into one row, in row order
 

@@ -8,8 +8,7 @@ under ``icl/<label>/<num_fewshot>-shot`` and ``icl/gauntlet``, where early-stopp
 
 from __future__ import annotations
 
-from foundry.core import Callback, Logger, State, Time, Timestamp
-from foundry.core.time import TimeUnit
+from foundry.core import Callback, Interval, Logger, State, Time
 from foundry.eval.evaluator import ICLEvaluator
 from foundry.eval.gauntlet import GauntletConfig, gauntlet_scores
 
@@ -32,10 +31,9 @@ class ICLEval(Callback):
         eval_first: bool = False,
     ) -> None:
         self.evaluator = evaluator
-        self.interval = Time.parse(interval)
+        self.interval = Interval(interval)
         self.gauntlet = gauntlet
         self.eval_first = eval_first
-        self._before: Timestamp | None = None
         self._last_batch: int | None = None
 
     def fit_start(self, state: State, logger: Logger) -> None:
@@ -43,22 +41,18 @@ class ICLEval(Callback):
             self.run(state, logger)
 
     def batch_start(self, state: State, logger: Logger) -> None:
-        self._before = state.timestamp
+        self.interval.mark(state)
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        if state.to_absolute(self.interval).unit != TimeUnit.EPOCH:
-            self._run_if_due(state, logger)
+        if self.interval.due(state):
+            self.run(state, logger)
 
     def epoch_end(self, state: State, logger: Logger) -> None:
-        if state.to_absolute(self.interval).unit == TimeUnit.EPOCH:
-            self._run_if_due(state, logger)
+        if self.interval.due(state, epoch_end=True):
+            self.run(state, logger)
 
     def fit_end(self, state: State, logger: Logger) -> None:
         if self._last_batch != state.timestamp.batch:
-            self.run(state, logger)
-
-    def _run_if_due(self, state: State, logger: Logger) -> None:
-        if self._before is not None and state.crossed_multiple(self.interval, self._before):
             self.run(state, logger)
 
     def run(self, state: State, logger: Logger) -> dict[str, dict[str, float]]:

@@ -18,8 +18,6 @@ from typing import Any, Literal
 
 from foundry.errors import ConfigError
 
-DEFAULT_SEQ_LEN = 2048  # when neither the config nor the model says
-
 
 @dataclasses.dataclass(kw_only=True)
 class EvalConfig:
@@ -107,11 +105,11 @@ def run_eval(args: argparse.Namespace) -> int:
     import torch
 
     from foundry import distributed
+    from foundry.core import seed_everything
     from foundry.core.precision import check_precision
     from foundry.eval.gauntlet import parse_gauntlet
     from foundry.eval.report import markdown_table, write_reports
     from foundry.eval.tasks import check_dataset_uris, parse_icl_tasks
-    from foundry.trainer import seed_everything
 
     cfg = load_eval_config(args)
     tasks = parse_icl_tasks(cfg.icl_tasks)  # every task key and file is checked before a model loads
@@ -124,8 +122,8 @@ def run_eval(args: argparse.Namespace) -> int:
         check_precision(cfg.precision, device)
         seed_everything(cfg.seed)
         sources = [*((entry, f"models[{i}]") for i, entry in enumerate(cfg.models)), *args.model, *args.compare]
-        if args.adapters:  # one base, several LoRA adapters switched in place (foundry.peft.evaluate)
-            from foundry.peft.evaluate import evaluate_adapters
+        if args.adapters:  # one base, several LoRA adapters switched in place (foundry.eval.adapters)
+            from foundry.eval.adapters import evaluate_adapters
 
             results = evaluate_adapters(sources, args.adapters, tasks, gauntlet, cfg, device)
         else:
@@ -145,44 +143,17 @@ def evaluate_source(source: Any, tasks: list, gauntlet: Any, cfg: EvalConfig, de
     """Load one model (a path, or a ``(models entry, key path)`` pair), evaluate it, free it."""
     from foundry.eval.loading import build_model_entry, load_model
     from foundry.eval.report import ModelResults
+    from foundry.eval.runner import build_evaluator, score
 
     if isinstance(source, tuple):
         loaded = build_model_entry(*source)
     else:
         loaded = load_model(source, attn_implementation=cfg.attn_implementation)
-    evaluator = build_evaluator(loaded, tasks, cfg)
+    evaluator = build_evaluator(loaded, tasks, cfg)  # foundry.eval.runner
     model = loaded.model.to(device)
     results = score(evaluator, model, loaded.name, gauntlet, cfg, device)
     del model, loaded
     return ModelResults(_display_name(source), results.results, results.gauntlet)
-
-
-def build_evaluator(loaded: Any, tasks: list, cfg: EvalConfig) -> Any:
-    """The tasks tokenized for ``loaded`` (a ``LoadedModel``) at the configured sequence length."""
-    from foundry.eval.evaluator import ICLEvaluator
-
-    seq_len = cfg.icl_seq_len or cfg.max_seq_len or loaded.max_seq_len or DEFAULT_SEQ_LEN
-    if loaded.max_seq_len is not None and seq_len > loaded.max_seq_len:
-        raise ConfigError(
-            f"icl_seq_len {seq_len} exceeds {loaded.name}'s max_seq_len {loaded.max_seq_len}; lower --seq-len."
-        )
-    return ICLEvaluator(tasks, loaded.tokenizer, seq_len, cfg.device_eval_batch_size, cfg.max_examples)
-
-
-def score(evaluator: Any, model: Any, name: str, gauntlet: Any, cfg: EvalConfig, device: Any) -> Any:
-    """``ModelResults`` of ``model`` (already on ``device``) on every task, and the gauntlet if any."""
-    from foundry import distributed
-    from foundry.eval.gauntlet import gauntlet_scores
-    from foundry.eval.report import ModelResults
-
-    show_progress = cfg.progress_bar and distributed.get_rank() == 0
-    if show_progress:
-        print(f"foundry: evaluating {name} on {len(evaluator.names)} ICL subtasks", file=sys.stderr)
-    results = evaluator.evaluate(model, cfg.precision, device, progress=show_progress)
-    scores = {}
-    if gauntlet is not None:
-        scores = gauntlet_scores(gauntlet, results, {task: evaluator.num_examples(task) for task in results})
-    return ModelResults(name, results, scores)
 
 
 def _display_name(source: Any) -> str:

@@ -53,8 +53,8 @@ def is_hf_directory(path: Path) -> bool:
 
 def build_model_entry(entry: Mapping[str, Any], key_path: str) -> LoadedModel:
     """An eval YAML ``models:`` entry (LLM Foundry's: model_name, model, tokenizer, load_path)."""
-    from foundry.builders import build_model
     from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint_path
+    from foundry.models.build import build_model
 
     unknown = set(entry) - {"model_name", "model", "tokenizer", "load_path"}
     if unknown or "model" not in entry or "tokenizer" not in entry:
@@ -97,11 +97,12 @@ def default_attn_implementation(path: Path) -> str:
 
 
 def _tokenizer(section: Mapping[str, Any]) -> Any:
-    from foundry.builders import build_tokenizer
     from foundry.config import TokenizerConfig
+    from foundry.data import load_tokenizer
     from foundry.schema import parse_dataclass
 
-    return build_tokenizer(parse_dataclass(TokenizerConfig, section, "tokenizer"))
+    cfg = parse_dataclass(TokenizerConfig, section, "tokenizer")
+    return load_tokenizer(cfg.name, **cfg.kwargs)
 
 
 def _max_seq_len(model: nn.Module) -> int | None:

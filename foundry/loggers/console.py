@@ -11,11 +11,11 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from foundry import registry
-from foundry.callbacks.runtime_estimator import SECONDS_PER_UNIT
 from foundry.core.event import Event
+from foundry.core.interval import Interval
 from foundry.core.logger import Logger, LoggerDestination
 from foundry.core.state import State
-from foundry.core.time import Time, Timestamp, TimeUnit
+from foundry.core.time import SECONDS_PER_UNIT, Time, Timestamp, TimeUnit
 
 TRAIN_LOSS_KEY = "loss/train/total"
 # Short names keep the bar's postfix on one terminal line.
@@ -51,7 +51,7 @@ class ConsoleLogger(LoggerDestination):
         stream: TextIO | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.log_interval = Time.parse(log_interval)
+        self.log_interval = Interval(log_interval)
         self.progress_bar = progress_bar
         self._stream = stream
         self.clock = clock
@@ -112,10 +112,10 @@ class ConsoleLogger(LoggerDestination):
     def batch_end(self, state: State, logger: Logger) -> None:
         if self._bar is not None:
             self._bar.update(state.timestamp.batch - self._bar.n)
-        self._on_interval(state)
+        self._on_interval(state, epoch_end=False)
 
     def epoch_end(self, state: State, logger: Logger) -> None:
-        self._on_interval(state)  # epoch-unit intervals are crossed here, not at BATCH_END
+        self._on_interval(state, epoch_end=True)  # epoch-unit intervals are crossed here, not at BATCH_END
 
     def batch_checkpoint(self, state: State, logger: Logger) -> None:
         self._saved_checkpoint = state.last_checkpoint_path  # fired once the checkpoint is published
@@ -157,9 +157,9 @@ class ConsoleLogger(LoggerDestination):
         first = f"; the first took {format_duration(first_s)}" if first_s is not None else ""
         return f"{text} (average over the last {batches:,} batch{'es' if batches != 1 else ''}{first})"
 
-    def _on_interval(self, state: State) -> None:
+    def _on_interval(self, state: State, epoch_end: bool) -> None:
         previous, self._last_check = self._last_check, state.timestamp
-        if previous is None or not state.crossed_multiple(self.log_interval, previous):
+        if not self.log_interval.due(state, epoch_end, since=previous):
             return
         total = total_batches(state)
         self._due_step = state.timestamp.batch

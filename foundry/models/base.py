@@ -14,7 +14,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-IGNORE_INDEX = -100
+from foundry.batches import IGNORE_INDEX, batch_num_samples
 
 
 class FoundryModel(nn.Module):
@@ -95,24 +95,6 @@ def shifted_targets(batch: Mapping[str, Any]) -> torch.Tensor:
     targets = torch.roll(labels, shifts=-1, dims=1)
     targets[:, -1] = IGNORE_INDEX
     return targets
-
-
-def batch_num_samples(batch: Any) -> int:
-    """Samples in a batch: the leading dimension of its first tensor."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, Mapping):
-        return batch_num_samples(next(iter(batch.values())))
-    if isinstance(batch, list | tuple):
-        return batch_num_samples(batch[0])
-    raise TypeError(f"Cannot count samples in a batch of type {type(batch).__name__}.")
-
-
-def batch_num_tokens(batch: Any) -> int:
-    """Tokens in a batch (padding included; no host sync): ``input_ids.numel()``, else samples."""
-    if isinstance(batch, Mapping) and "input_ids" in batch:
-        return batch["input_ids"].numel()
-    return batch_num_samples(batch)
 
 
 class ModuleModel(FoundryModel):

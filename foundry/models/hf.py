@@ -21,7 +21,7 @@ from foundry import registry
 from foundry.errors import ConfigError, did_you_mean
 from foundry.models import flops
 from foundry.models.base import CausalLM
-from foundry.peft.lora import LoraConfig, inject_lora, is_adapter_key, reset_lora_parameters
+from foundry.models.lora import LoraConfig, inject_lora, is_adapter_key, reset_lora_parameters
 from foundry.schema import parse_dataclass
 
 _KEY = "model"

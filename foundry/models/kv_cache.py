@@ -11,7 +11,7 @@ the batch; ``key_padding_mask`` marks the padding. ``MPTTransformer.forward(...,
 
 ``length`` is a host int until ``keep_length_on_device``; from then on it is a 0-d device tensor that
 each forward advances in place, so a decode step reads no host value and its kernels can be captured
-once in a CUDA graph and replayed (``foundry/eval/scoring.py``).
+once in a CUDA graph and replayed (``foundry/models/generation.py``).
 """
 
 from __future__ import annotations

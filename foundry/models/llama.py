@@ -19,8 +19,8 @@ from foundry.errors import ConfigError
 from foundry.models.attention import AttnConfig, AttnImpl, RopeHFConfig, check_rope_scaling
 from foundry.models.init import InitConfig
 from foundry.models.layers import ActFnConfig, FFNConfig
+from foundry.models.lora import LoraConfig
 from foundry.models.mpt import LossFn, MPTCausalLM, MPTConfig
-from foundry.peft.lora import LoraConfig
 from foundry.schema import parse_dataclass
 
 _KEY = "model"

@@ -30,7 +30,7 @@ from foundry.models.base import CausalLM, LossOutput, shifted_targets
 from foundry.models.init import InitConfig, InitName, init_weights_
 from foundry.models.kv_cache import KVCache, LayerKVCache
 from foundry.models.layers import FFNConfig, NormType, build_ffn, build_norm, ffn_hidden_size
-from foundry.peft.lora import LoraConfig, inject_lora, reset_lora_parameters
+from foundry.models.lora import LoraConfig, inject_lora, reset_lora_parameters
 from foundry.schema import parse_dataclass
 
 _KEY = "model"

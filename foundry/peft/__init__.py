@@ -4,6 +4,6 @@ switching adapters on one base (``adapters``) and PEFT-format export and merging
 docs/LORA.md describes ``model.peft_config`` and the commands.
 """
 
-from foundry.peft.lora import LoraConfig, LoRALinear, adapter_state_dict, inject_lora, is_adapter_key
+from foundry.models.lora import LoraConfig, LoRALinear, adapter_state_dict, inject_lora, is_adapter_key
 
 __all__ = ["LoRALinear", "LoraConfig", "adapter_state_dict", "inject_lora", "is_adapter_key"]

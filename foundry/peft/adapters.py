@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from foundry.errors import ConfigError
-from foundry.peft.lora import adapter_state_dict
+from foundry.models.lora import adapter_state_dict
 
 
 class AdapterSet:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from foundry.errors import CheckpointError
-from foundry.peft.lora import LoraConfig, is_adapter_key
+from foundry.models.lora import LoraConfig, is_adapter_key
 
 if TYPE_CHECKING:
     from torch import nn

@@ -9,9 +9,9 @@ from helpers import TINY_MPT
 from foundry import registry
 from foundry.algorithms import Float8Training
 from foundry.algorithms.float8 import convert_to_float8, float8_module_names
-from foundry.builders import build_components
 from foundry.errors import ConfigError
 from foundry.models import MPTCausalLM
+from foundry.registry import build_components
 from foundry.trainer import Trainer
 
 FOUR_BLOCKS = {**TINY_MPT, "d_model": 64, "n_heads": 4, "n_layers": 4}  # every linear a multiple of 16

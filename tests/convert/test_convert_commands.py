@@ -14,12 +14,12 @@ import pytest
 import torch
 from helpers import TINY_LLAMA, flip_byte, token_batches
 
-from foundry.builders import build_model
 from foundry.cli import main
 from foundry.convert import adapter_for_family, adapter_for_hf
 from foundry.convert.checkpoint_io import save_weights_checkpoint
 from foundry.convert.commands import add_from_hf_arguments, add_to_hf_arguments, run_from_hf, run_to_hf
 from foundry.errors import ConfigError
+from foundry.models.build import build_model
 from foundry.trainer import Trainer
 
 LLAMA_SECTION: dict[str, Any] = {"name": "llama_causal_lm", **TINY_LLAMA, "vocab_size": 320}  # covers the tokenizer

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from foundry import registry
+from foundry.batches import IGNORE_INDEX
 from foundry.data import build_finetuning_dataloader, load_tokenizer
 from foundry.data.chat import render_plain_chat
 from foundry.errors import ConfigError, DataError
-from foundry.models.base import IGNORE_INDEX
 
 SEQ = 32
 

@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 import torch
 
+from foundry.batches import IGNORE_INDEX
 from foundry.cli import main
 from foundry.data import build_finetuning_dataloader
 from foundry.data.packing import pack_rows, profile_packing_ratio, rank_batches
-from foundry.models.base import IGNORE_INDEX, shifted_targets
+from foundry.models.base import shifted_targets
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SEQ = 48

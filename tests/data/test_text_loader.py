@@ -10,9 +10,9 @@ import torch
 from streaming import MDSWriter
 
 from foundry import registry
+from foundry.batches import IGNORE_INDEX
 from foundry.data import build_text_dataloader
 from foundry.errors import ConfigError, DataError
-from foundry.models.base import IGNORE_INDEX
 
 SEQ = 8
 

@@ -12,10 +12,10 @@ import torch
 from helpers import token_batches
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from foundry.builders import build_model
 from foundry.core import LoggerDestination
 from foundry.distributed import get_rank, get_world_size
 from foundry.models import MPTCausalLM
+from foundry.models.build import build_model
 from foundry.optim import DecoupledAdamW
 from foundry.trainer import Trainer
 

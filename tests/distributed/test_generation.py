@@ -13,8 +13,8 @@ def generate(prompts_of_ranks: list, eos: int, fsdp: bool) -> list[str]:
     """This rank's prompts, greedily continued by a tiny MPT (FSDP-sharded when ``fsdp``)."""
     from foundry import distributed
     from foundry.config import FSDPConfig
-    from foundry.eval.scoring import greedy_generate
     from foundry.models import MPTCausalLM
+    from foundry.models.generation import greedy_generate
 
     torch.manual_seed(0)
     model = MPTCausalLM(d_model=32, n_heads=4, n_layers=2, vocab_size=64, max_seq_len=32).eval()

@@ -108,7 +108,7 @@ def checkpointed_modules(model_section: dict, folder: str) -> list[str]:
     """Names of the modules that a 1-rank Trainer wrapped for activation checkpointing (run on a rank)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    from foundry.builders import build_model
+    from foundry.models.build import build_model
     from foundry.trainer import Trainer
 
     trainer = Trainer(
@@ -137,9 +137,9 @@ def placement(fsdp_config: dict, precision: str, folder: str, model_section: dic
     """How a Trainer placed the model (run on each rank): sharded or not, and the residual stream's dtype."""
     from torch.distributed.fsdp import FSDPModule
 
-    from foundry.builders import build_model
     from foundry.core.precision import autocast
     from foundry.distributed import get_rank
+    from foundry.models.build import build_model
     from foundry.trainer import Trainer
 
     trainer = Trainer(

@@ -102,8 +102,8 @@ def bpe_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, bpe_tokenizer_dir: Path) -> Path:
     """A save_folder holding one weights-only checkpoint of a random tiny MPT that names its tokenizer."""
-    from foundry.builders import build_model
     from foundry.convert.checkpoint_io import save_weights_checkpoint
+    from foundry.models.build import build_model
 
     section = {
         "name": "mpt_causal_lm",

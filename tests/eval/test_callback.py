@@ -69,5 +69,5 @@ def test_train_yaml_icl_tasks_become_the_callback(write_jsonl, tmp_path: Path) -
     from helpers import ByteTokenizer
 
     (callback,) = build_icl_eval(cfg, ByteTokenizer())
-    assert isinstance(callback, ICLEval) and callback.interval == cfg.eval_interval
+    assert isinstance(callback, ICLEval) and callback.interval.every == cfg.eval_interval
     assert callback.evaluator.names == ["mc/0-shot"]

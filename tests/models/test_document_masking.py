@@ -8,9 +8,9 @@ import pytest
 import torch
 from helpers import TINY_LLAMA, TINY_MPT
 
+from foundry.batches import IGNORE_INDEX
 from foundry.errors import ConfigError
 from foundry.models import LlamaCausalLM, MPTCausalLM
-from foundry.models.base import IGNORE_INDEX
 from foundry.models.hf import refuse_packed_examples
 
 SEQ = 16

@@ -10,9 +10,9 @@ import pytest
 import torch
 from helpers import token_batches
 
-from foundry.builders import build_model
 from foundry.errors import ConfigError
 from foundry.models import HFCausalLM, HFCausalLMConfig
+from foundry.models.build import build_model
 from foundry.schema import parse_dataclass
 from foundry.trainer import Trainer
 

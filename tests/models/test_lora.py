@@ -10,9 +10,9 @@ from helpers import token_batches
 
 from foundry.errors import ConfigError
 from foundry.models import LlamaCausalLM, MPTCausalLM
+from foundry.models.lora import LoRALinear, adapter_state_dict, merged_state_dict
 from foundry.optim import DecoupledAdamW
 from foundry.peft.adapters import AdapterSet
-from foundry.peft.lora import LoRALinear, adapter_state_dict, merged_state_dict
 from foundry.trainer import Trainer
 
 TARGETS = ["Wqkv", "out_proj", "up_proj", "down_proj"]

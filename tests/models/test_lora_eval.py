@@ -10,13 +10,13 @@ import pytest
 import torch
 from helpers import TINY_LLAMA
 
-from foundry.builders import build_model
 from foundry.convert.checkpoint_io import save_weights_checkpoint
 from foundry.data import builtin_corpus_documents, train_bpe_tokenizer
+from foundry.eval.adapters import evaluate_adapters
 from foundry.eval.command import EvalConfig, evaluate_source
 from foundry.eval.tasks import parse_icl_tasks
-from foundry.peft.evaluate import evaluate_adapters
-from foundry.peft.lora import adapter_state_dict
+from foundry.models.build import build_model
+from foundry.models.lora import adapter_state_dict
 
 LLAMA = {"name": "llama_causal_lm", **TINY_LLAMA, "vocab_size": 320}
 PEFT_CONFIG = {"r": 4, "lora_alpha": 8, "target_modules": ["Wqkv", "out_proj"]}

@@ -12,7 +12,6 @@ import pytest
 import torch
 from helpers import TINY_LLAMA, TINY_MPT, token_batches
 
-from foundry.builders import build_model
 from foundry.convert.checkpoint_io import (
     check_weights_loaded,
     load_checkpoint_model,
@@ -21,6 +20,8 @@ from foundry.convert.checkpoint_io import (
 )
 from foundry.convert.commands import to_hf_model
 from foundry.errors import CheckpointError
+from foundry.models.build import build_model
+from foundry.models.lora import adapter_state_dict, is_adapter_key
 from foundry.optim import DecoupledAdamW
 from foundry.peft.checkpoint import holds_adapters_only, saved_model_keys
 from foundry.peft.export import (
@@ -31,7 +32,6 @@ from foundry.peft.export import (
     run_merge,
     write_peft_adapter,
 )
-from foundry.peft.lora import adapter_state_dict, is_adapter_key
 from foundry.trainer import Trainer
 
 peft = pytest.importorskip("peft")

@@ -12,9 +12,10 @@ import pytest
 import torch
 from helpers import token_batches
 
-from foundry.builders import build_model
 from foundry.convert.checkpoint_io import load_checkpoint_model
 from foundry.errors import ConfigError
+from foundry.models.build import build_model
+from foundry.models.lora import adapter_state_dict, is_adapter_key
 from foundry.optim import DecoupledAdamW
 from foundry.peft.checkpoint import holds_adapters_only, saved_model_keys
 from foundry.peft.export import (
@@ -24,7 +25,6 @@ from foundry.peft.export import (
     run_export_adapter,
     run_merge,
 )
-from foundry.peft.lora import adapter_state_dict, is_adapter_key
 from foundry.trainer import Trainer
 
 peft = pytest.importorskip("peft")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import TinyLM, token_batches
 
-from foundry.callbacks import NanGuard
+from foundry.algorithms import NanGuard
 from foundry.checkpoint import load_checkpoint
 from foundry.core import Callback, Event, State, Time
 from foundry.errors import ConfigError, TrainingError
@@ -40,7 +40,7 @@ def _trainer(tmp_path, batches: list, guard: NanGuard, **kwargs) -> Trainer:
         train_dataloader=batches,
         max_duration=f"{len(batches)}ba",
         optimizers=lambda params: torch.optim.SGD(params, lr=0.1),
-        callbacks=[guard],
+        algorithms=[guard],
         log_to_console=False,
         run_folder=str(tmp_path / "run"),
         **kwargs,

@@ -11,7 +11,8 @@ import torch
 
 from foundry import distributed, registry
 from foundry.callbacks.optimizer_monitor import grad_norm_of_batch
-from foundry.core.callback import Callback
+from foundry.core.algorithm import Algorithm
+from foundry.core.event import Event
 from foundry.core.logger import Logger
 from foundry.core.state import State
 from foundry.errors import ConfigError, TrainingError
@@ -19,9 +20,12 @@ from foundry.errors import ConfigError, TrainingError
 Mode = Literal["stop", "skip"]
 
 
-@registry.callbacks.register("nan_guard")
-class NanGuard(Callback):
+@registry.algorithms.register("nan_guard")
+class NanGuard(Algorithm):
     """Checks every batch at BEFORE_OPTIMIZER_STEP: the gradients are complete and no weight has moved yet.
+
+    An algorithm, not a callback: it changes the run (drops a batch's update, or ends the run). List it
+    after ``gradient_clipping`` so that it reuses the norm clipping computed.
 
     The batch loss and (with ``check_grads``) the global grad norm are read with ONE host sync per
     batch (plus, on several ranks, one all-reduce of two floats so every rank decides alike). Batches
@@ -57,13 +61,13 @@ class NanGuard(Callback):
         spike_window: int = 50,
     ) -> None:
         if mode not in ("stop", "skip"):
-            raise ConfigError(f"callbacks.nan_guard.mode is {mode!r}; use 'stop' or 'skip'.")
+            raise ConfigError(f"algorithms.nan_guard.mode is {mode!r}; use 'stop' or 'skip'.")
         if max_skipped_batches < 1:
-            raise ConfigError(f"callbacks.nan_guard.max_skipped_batches is {max_skipped_batches}; it must be >= 1.")
+            raise ConfigError(f"algorithms.nan_guard.max_skipped_batches is {max_skipped_batches}; it must be >= 1.")
         if spike_factor is not None and spike_factor <= 1.0:
-            raise ConfigError(f"callbacks.nan_guard.spike_factor is {spike_factor}; use a factor above 1 (e.g. 2.0).")
+            raise ConfigError(f"algorithms.nan_guard.spike_factor is {spike_factor}; use a factor above 1 (e.g. 2.0).")
         if spike_window < 1:
-            raise ConfigError(f"callbacks.nan_guard.spike_window is {spike_window}; it must be >= 1.")
+            raise ConfigError(f"algorithms.nan_guard.spike_window is {spike_window}; it must be >= 1.")
         self.mode = mode
         self.check_grads = check_grads
         self.max_skipped_batches = max_skipped_batches
@@ -73,9 +77,10 @@ class NanGuard(Callback):
         self.loss_spikes = 0
         self._skipped_in_a_row = 0
 
-    def before_optimizer_step(self, state: State, logger: Logger) -> None:
-        if state.loss is None:
-            return
+    def match(self, event: Event, state: State) -> bool:
+        return event == Event.BEFORE_OPTIMIZER_STEP and state.loss is not None
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
         batch = state.timestamp.batch + 1  # the batch being trained, as the console numbers it
         loss, grad_norm = self._read_loss_and_grad_norm(state)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -107,7 +112,7 @@ class NanGuard(Callback):
         if self._skipped_in_a_row >= self.max_skipped_batches:
             raise TrainingError(
                 f"nan_guard: the {culprit} became non-finite at batch {batch} after {self._skipped_in_a_row} "
-                f"skipped batches in a row (callbacks.nan_guard.max_skipped_batches: {self.max_skipped_batches}), "
+                f"skipped batches in a row (algorithms.nan_guard.max_skipped_batches: {self.max_skipped_batches}), "
                 "so skipping does not help; no weights changed at this batch. " + _advice(batch)
             )
         self._skipped_in_a_row += 1
@@ -164,5 +169,5 @@ def _advice(batch: int) -> str:
     return (
         "To try: a lower learning rate (optimizer.lr), gradient clipping (algorithms: {gradient_clipping: "
         "{clipping_threshold: 1.0}}), precision: amp_bf16 instead of amp_fp16, and a look at the data of "
-        f"batch {batch}; callbacks.nan_guard.mode: skip steps past isolated bad batches."
+        f"batch {batch}; algorithms.nan_guard.mode: skip steps past isolated bad batches."
     )

@@ -13,8 +13,8 @@ from typing import Any
 
 from foundry.convert.checkpoint_io import check_weights_loaded, resolve_checkpoint, unloaded_model
 from foundry.errors import ConfigError
+from foundry.models.lora import is_adapter_key
 from foundry.peft.export import HF_FAMILY
-from foundry.peft.lora import is_adapter_key
 
 
 def _base_model(base: Path, section: dict[str, Any]) -> tuple[Any, dict[str, Any] | None]:
@@ -22,11 +22,11 @@ def _base_model(base: Path, section: dict[str, Any]) -> tuple[Any, dict[str, Any
 
     ``base`` is a foundry checkpoint, or for an ``hf_causal_lm`` run a Hugging Face directory.
     """
-    from foundry.builders import build_model
     from foundry.checkpoint import load_checkpoint
     from foundry.core.state import State
     from foundry.core.time import Time
     from foundry.eval.loading import is_hf_directory
+    from foundry.models.build import build_model
 
     if is_hf_directory(base):
         if section.get("name") != HF_FAMILY:
@@ -48,8 +48,8 @@ def evaluate_adapters(
     bases: list[Any], adapter_paths: list[str], tasks: list, gauntlet: Any, cfg: Any, device: Any
 ) -> list:
     """``ModelResults`` per adapter (named by its path), all on the one base in ``bases``."""
-    from foundry.eval.command import build_evaluator, score
     from foundry.eval.loading import LoadedModel, _max_seq_len, _tokenizer
+    from foundry.eval.runner import build_evaluator, score
     from foundry.peft.adapters import AdapterSet
 
     if len(bases) != 1 or not isinstance(bases[0], str | Path):

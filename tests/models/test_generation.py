@@ -1,4 +1,4 @@
-"""Greedy generation: the KV-cached loop writes exactly the tokens of the loop that re-runs the prefix."""
+"""Greedy generation: the KV cache and CUDA-graph decoding write the tokens of the uncached loop."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from helpers import TINY_DECODERS, IdsTokenizer, build_tiny_decoder
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from foundry.algorithms.torch_compile import compile_forward
-from foundry.eval.scoring import greedy_generate
+from foundry.models.generation import greedy_generate
 
 PROMPTS = [[5, 17, 3, 9, 40, 2, 11], [8, 1], [60, 61, 62, 63], [33]]  # different lengths: the batch is padded
 MAX_NEW_TOKENS = 6
@@ -79,7 +79,7 @@ def test_autocast_casts_each_weight_once_per_generation_not_per_step(
     texts, counts = _generate_counting_casts(model)
     assert counts and max(counts.values()) == 1
     # Without the one autocast around the loop every step re-casts: the same text, MAX_NEW_TOKENS casts.
-    monkeypatch.setattr("foundry.eval.scoring._weights_cast_once", lambda *args: contextlib.nullcontext())
+    monkeypatch.setattr("foundry.models.generation._weights_cast_once", lambda *args: contextlib.nullcontext())
     per_step_texts, per_step_counts = _generate_counting_casts(model)
     assert per_step_texts == texts
     assert max(per_step_counts.values()) == MAX_NEW_TOKENS
