@@ -53,6 +53,7 @@ KILL_POINTS = (
 RANK_ZERO_POINTS = ("publish.", "prune.")  # only rank 0 publishes and prunes
 STARTED_MARKER = "foundry: run '"  # printed by rank 0 just before fit() starts
 LAUNCH_TIMEOUT_S = 300
+SLOW_LAUNCH_S = 120  # a launch this long (they take well under a minute) has its output kept
 
 
 @dataclass
@@ -88,6 +89,8 @@ class TrialResult:
     identical: bool
     leftovers: list[str]
     seconds: float
+    launch_seconds: list[float] = field(default_factory=list)  # each launch, start to exit
+    slow_launch_output: str = ""  # the output of a launch that took over SLOW_LAUNCH_S, to see why
     error: str = ""
 
     @property
@@ -99,7 +102,8 @@ class TrialResult:
 def launch(run: Run, kill: Kill | None = None, timeout_s: float = LAUNCH_TIMEOUT_S) -> tuple[int, str, float]:
     """Run ``run.command`` once (killed as ``kill`` says); (exit code, output tail, seconds after the start marker)."""
     # CPU ranks (gloo) on any machine: a GPU machine with fewer GPUs than ranks could not place them.
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CUDA_VISIBLE_DEVICES": "", **run.env}
+    # Unbuffered output: the start marker arrives when it is printed, and random kills are timed from it.
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", **run.env}
     env.pop("FOUNDRY_KILL_AT", None)
     if kill is not None and kill.point:
         env["FOUNDRY_KILL_AT"] = f"{kill.point}@{kill.visit}:rank{kill.rank}"
@@ -176,29 +180,44 @@ def leftovers(save_folder: Path) -> list[str]:
 def run_trial(config: str, run: Run, kill: Kill, reference: dict[str, Any], max_launches: int = 4) -> TrialResult:
     """Launch ``run`` killed as ``kill`` says, relaunch it until it finishes, and compare with ``reference``."""
     start = time.perf_counter()
-    exit_code, output, _ = launch(run, kill)
-    killed, launches, errors = exit_code != 0, 1, []
-    while exit_code != 0 and launches < max_launches:
-        errors.append(output)
-        exit_code, output, _ = launch(run)
-        launches += 1
+    launch_seconds: list[float] = []
+    outputs: list[str] = []
+
+    def timed_launch(kill: Kill | None = None) -> int:
+        launch_start = time.perf_counter()
+        exit_code, output, _ = launch(run, kill)
+        launch_seconds.append(round(time.perf_counter() - launch_start, 1))
+        outputs.append(output)
+        return exit_code
+
+    exit_code = timed_launch(kill)
+    killed = exit_code != 0
+    while exit_code != 0 and len(launch_seconds) < max_launches:
+        exit_code = timed_launch()
     finished = exit_code == 0
-    same = False
+    same, error = False, ""
     if finished:
         try:
             same = identical(final_tensors(run.save_folder), reference)
         except Exception as exc:  # a damaged final checkpoint is a failed trial, not a crash of the harness
-            errors.append(f"{type(exc).__name__}: {exc}")
+            error = f"{type(exc).__name__}: {exc}"
+    if not finished:
+        error = outputs[-1]
+    elif not same:
+        error = error or "the final checkpoint differs from the uninterrupted run's"
+    slow = [output for output, seconds in zip(outputs, launch_seconds) if seconds > SLOW_LAUNCH_S]
     return TrialResult(
         config=config,
         kill=kill.describe(),
         killed=killed,
-        launches=launches,
+        launches=len(launch_seconds),
         finished=finished,
         identical=same,
         leftovers=leftovers(run.save_folder),
         seconds=round(time.perf_counter() - start, 1),
-        error="" if finished and same else (errors[-1] if errors else output)[-2000:],
+        launch_seconds=launch_seconds,
+        slow_launch_output=slow[0][-3000:] if slow else "",
+        error=error[-2000:],
     )
 
 
@@ -342,7 +361,7 @@ def main() -> int:
 def _print_trial(result: TrialResult) -> None:
     verdict = "PASS" if result.passed else "FAIL"
     detail = "" if result.passed else f"killed={result.killed} identical={result.identical} {result.leftovers}"
-    print(f"{verdict} {result.config:16s} {result.kill:42s} launches={result.launches} {result.seconds:5.1f}s {detail}")
+    print(f"{verdict} {result.config:16s} {result.kill:42s} launches={result.launch_seconds} s {detail}")
     if not result.passed:
         print(result.error[-1500:])
     sys.stdout.flush()
