@@ -105,11 +105,11 @@ def run_eval(args: argparse.Namespace) -> int:
     import torch
 
     from foundry import distributed
+    from foundry.config.icl import parse_gauntlet, parse_icl_tasks
     from foundry.core import seed_everything
     from foundry.core.precision import check_precision
-    from foundry.eval.gauntlet import parse_gauntlet
     from foundry.eval.report import markdown_table, write_reports
-    from foundry.eval.tasks import check_dataset_uris, parse_icl_tasks
+    from foundry.eval.tasks import check_dataset_uris
 
     cfg = load_eval_config(args)
     tasks = parse_icl_tasks(cfg.icl_tasks)  # every task key and file is checked before a model loads
