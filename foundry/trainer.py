@@ -276,7 +276,9 @@ class Trainer:
         engine.run_event(Event.BATCH_END)
         # Every batch's loss reaches the loggers; as a device tensor it waits in the Logger's queue
         # (no host sync) until the flush at the console interval converts the queue at once.
-        self.logger.log_metrics({"loss/train/total": distributed.all_reduce_sum(share_of_global_loss)})
+        global_loss = distributed.all_reduce_sum(share_of_global_loss)
+        # trainer/tokens: the run's tokens so far, so runs of other batch or world sizes compare (foundry compare)
+        self.logger.log_metrics({"loss/train/total": global_loss, "trainer/tokens": state.timestamp.token})
         if self.log_interval.due(state, since=previous) or self._finished():
             self.logger.flush()
         if self.save_interval.due(state, since=previous):
