@@ -25,6 +25,7 @@ class ModelResults:
     name: str
     results: dict[str, dict[str, float]]
     gauntlet: dict[str, float] = dataclasses.field(default_factory=dict)
+    num_examples: dict[str, int] = dataclasses.field(default_factory=dict)  # examples scored per subtask
 
     def rows(self) -> dict[tuple[str, str], float]:
         """``{(row name, metric): value}``, gauntlet scores as ``(gauntlet/<category>, score)``."""
