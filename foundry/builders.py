@@ -195,10 +195,9 @@ def build_icl_eval(cfg: TrainConfig, tokenizer: Any) -> list:
     """The ``ICLEval`` callback for ``icl_tasks`` (run at ``eval_interval``), or nothing."""
     if cfg.icl_tasks is None:
         return []
+    from foundry.config.icl import parse_gauntlet, parse_icl_tasks
     from foundry.eval.callback import ICLEval
     from foundry.eval.evaluator import ICLEvaluator
-    from foundry.eval.gauntlet import parse_gauntlet
-    from foundry.eval.tasks import parse_icl_tasks
 
     seq_len = cfg.icl_seq_len or cfg.max_seq_len or cfg.model.get("max_seq_len")
     if not isinstance(seq_len, int):

@@ -225,6 +225,11 @@ COMMANDS: dict[str, Command] = {
         _lazy("foundry.plotting", "add_plot_arguments"),
         _lazy("foundry.plotting", "run_plot"),
     ),
+    "compare": Command(
+        "did runs converge like a reference run? loss curves by tokens against a band (exit 1 if not)",
+        _lazy("foundry.convergence", "add_compare_arguments"),
+        _lazy("foundry.convergence", "run_compare"),
+    ),
 }
 GROUP_HELP = {"data": "prepare datasets", "convert": "move weights to and from Hugging Face"}
 

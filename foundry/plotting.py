@@ -82,7 +82,7 @@ def plot_runs(
     Raises:
         FoundryError: matplotlib is missing, or none of ``metrics`` appears in any run.
     """
-    figure_class = _figure_class()
+    figure_type = figure_class()
     runs = dict(zip(_labels(run_dirs), (read_run(run) for run in run_dirs)))
     lines = {metric: [label for label, series in runs.items() if series.get(metric)] for metric in metrics}
     lines = {metric: labels for metric, labels in lines.items() if labels}
@@ -92,7 +92,7 @@ def plot_runs(
             f"Nothing to plot: none of {', '.join(metrics)} appears in {', '.join(map(str, run_dirs))}. "
             f"Metrics found: {', '.join(found) or 'none'}; choose some with --metrics a,b."
         )
-    figure = figure_class(figsize=(8, 3 * len(lines)), layout="constrained")
+    figure = figure_type(figsize=(8, 3 * len(lines)), layout="constrained")
     axes = figure.subplots(len(lines), 1, squeeze=False, sharex=True)[:, 0]
     for ax, (metric, labels) in zip(axes, lines.items()):
         for label in labels:
@@ -120,7 +120,7 @@ def _is_number_or_null(value: Any) -> bool:
     return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
 
 
-def _figure_class() -> type:
+def figure_class() -> type:
     module = import_optional(
         "matplotlib.figure", needed_for="Plotting", package="matplotlib", install="pip install 'foundry[plot]'"
     )

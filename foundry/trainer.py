@@ -38,20 +38,14 @@ from foundry.core import (
     seed_everything,
 )
 from foundry.core.paths import check_local_path
-from foundry.core.precision import autocast, check_precision
+from foundry.core.precision import autocast, check_precision, grad_scaler
 from foundry.core.time import positive_time
+from foundry.distributed.parallelize import place_model
 from foundry.errors import ConfigError, TrainingError
+from foundry.loggers import default_loggers
 from foundry.models.base import FoundryModel, ModuleModel
+from foundry.optim import build_optimizers, build_schedulers
 from foundry.optim.schedulers import TimeScheduler
-from foundry.trainer_setup import (
-    build_optimizers,
-    build_schedulers,
-    dataloader_len,
-    default_loggers,
-    eval_loaders,
-    grad_scaler,
-    place_model,
-)
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -131,7 +125,7 @@ class Trainer:
             run_name=run_name,
             run_folder=str(self.run_folder),
             train_dataloader=train_dataloader,
-            eval_dataloaders=eval_loaders(eval_dataloader),
+            eval_dataloaders=_eval_loaders(eval_dataloader),
             precision=check_precision(precision, device),
             device=device,
             rank=distributed.get_rank(),
@@ -139,7 +133,7 @@ class Trainer:
             world_size=distributed.get_world_size(),
             seed=seed,
             device_train_microbatch_size=device_train_microbatch_size,  # type: ignore[arg-type]
-            train_dataloader_len=dataloader_len(train_dataloader),
+            train_dataloader_len=_dataloader_len(train_dataloader),
         )
         defaults = default_loggers(loggers, self.run_folder, log_to_console, progress_bar, console_log_interval)
         self.logger = Logger(self.state, [*loggers, *defaults])
@@ -287,7 +281,9 @@ class Trainer:
         engine.run_event(Event.BATCH_END)
         # Every batch's loss reaches the loggers; as a device tensor it waits in the Logger's queue
         # (no host sync) until the flush at the console interval converts the queue at once.
-        self.logger.log_metrics({"loss/train/total": distributed.all_reduce_sum(share_of_global_loss)})
+        global_loss = distributed.all_reduce_sum(share_of_global_loss)
+        # trainer/tokens: the run's tokens so far, so runs of other batch or world sizes compare (foundry compare)
+        self.logger.log_metrics({"loss/train/total": global_loss, "trainer/tokens": state.timestamp.token})
         if self.log_interval.due(state, since=previous) or self._finished():
             self.logger.flush()
         if self.save_interval.due(state, since=previous):
@@ -387,3 +383,20 @@ class Trainer:
         if self.save_folder and self.checkpoints.last_save_batch != state.timestamp.batch:
             self.checkpoints.save(Event.BATCH_CHECKPOINT)
         self.checkpoints.publish_pending()
+
+
+def _eval_loaders(eval_dataloader: Iterable | Mapping[str, Iterable] | None) -> dict[str, Iterable]:
+    """``{label: loader}`` from one loader (label ``eval``), a mapping, or None."""
+    if eval_dataloader is None:
+        return {}
+    if isinstance(eval_dataloader, Mapping):
+        return dict(eval_dataloader)
+    return {"eval": eval_dataloader}
+
+
+def _dataloader_len(loader: Iterable | None) -> int | None:
+    """Batches per epoch, or None for a loader without a length."""
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None

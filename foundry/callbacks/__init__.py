@@ -7,6 +7,7 @@ from foundry.callbacks.memory_monitor import MemoryMonitor
 from foundry.callbacks.memory_snapshot import MemorySnapshot
 from foundry.callbacks.optimizer_monitor import OptimizerMonitor
 from foundry.callbacks.plot_curves import PlotCurves
+from foundry.callbacks.reference_curve import ReferenceCurve
 from foundry.callbacks.runtime_estimator import RuntimeEstimator
 from foundry.callbacks.speed_monitor import SpeedMonitor, TrainClock
 
@@ -18,6 +19,7 @@ __all__ = [
     "MemorySnapshot",
     "OptimizerMonitor",
     "PlotCurves",
+    "ReferenceCurve",
     "RuntimeEstimator",
     "SpeedMonitor",
     "ThresholdStopper",

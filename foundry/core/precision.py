@@ -59,3 +59,14 @@ def cast_embeddings_to_autocast_dtype(model: nn.Module) -> int:
 def _to_autocast_dtype(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
     dtype = autocast_dtype(output.device.type)
     return output if dtype is None or not output.is_floating_point() else output.to(dtype)
+
+
+def grad_scaler(precision: str, sharded: bool) -> torch.amp.GradScaler | None:
+    """fp16 needs loss scaling; sharded, every rank must agree on skipping a step with inf gradients."""
+    if precision != "amp_fp16":
+        return None
+    if sharded:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler("cuda")
+    return torch.amp.GradScaler("cuda")

@@ -249,3 +249,13 @@ def prepare_sharding(config: FSDPConfig | Mapping[str, Any] | None, optimizers: 
         )
     init_process_group()  # a no-op when the launcher's group exists
     return config
+
+
+def place_model(model: nn.Module, device: torch.device, fsdp_config: FSDPConfig | None, precision: str) -> None:
+    """Shard ``model`` onto ``device`` with FSDP2, or move it there (a meta-device model initialised on the CPU)."""
+    if fsdp_config is not None:
+        parallelize(model, fsdp_config, device, precision)
+    else:
+        if any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()]):
+            init_on_cpu(model)  # the weights a sharded run of the same seed starts from
+        model.to(device)

@@ -8,9 +8,10 @@ under ``icl/<label>/<num_fewshot>-shot`` and ``icl/gauntlet``, where early-stopp
 
 from __future__ import annotations
 
+from foundry.config.icl import GauntletConfig
 from foundry.core import Callback, Interval, Logger, State, Time
 from foundry.eval.evaluator import ICLEvaluator
-from foundry.eval.gauntlet import GauntletConfig, gauntlet_scores
+from foundry.eval.gauntlet import gauntlet_scores
 
 
 class ICLEval(Callback):

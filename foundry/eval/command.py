@@ -57,6 +57,11 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tasks", help="tasks YAML holding icl_tasks: (replaces the config's)")
     parser.add_argument("--gauntlet", help="YAML holding eval_gauntlet: (replaces the config's)")
     parser.add_argument("--out", metavar="DIR", help="write results.md/.csv/.json (and compare.png) here")
+    parser.add_argument(
+        "--reference",
+        metavar="SCORES.yaml",
+        help="reference scores to compare with (docs/CONVERGENCE.md)",
+    )
     parser.add_argument("--limit", type=int, metavar="N", help="score only the first N rows of each task")
     parser.add_argument("--batch-size", type=int, metavar="N", help="rows per forward (device_eval_batch_size)")
     parser.add_argument("--seq-len", type=int, metavar="N", help="tokens per row (icl_seq_len)")
@@ -105,13 +110,15 @@ def run_eval(args: argparse.Namespace) -> int:
     import torch
 
     from foundry import distributed
+    from foundry.config.icl import parse_gauntlet, parse_icl_tasks
     from foundry.core import seed_everything
     from foundry.core.precision import check_precision
-    from foundry.eval.gauntlet import parse_gauntlet
+    from foundry.eval.reference import load_references, reference_table
     from foundry.eval.report import markdown_table, write_reports
-    from foundry.eval.tasks import check_dataset_uris, parse_icl_tasks
+    from foundry.eval.tasks import check_dataset_uris
 
     cfg = load_eval_config(args)
+    references = load_references(args.reference) if args.reference else []  # checked before a model loads
     tasks = parse_icl_tasks(cfg.icl_tasks)  # every task key and file is checked before a model loads
     check_dataset_uris(tasks)
     gauntlet = parse_gauntlet(cfg.eval_gauntlet) if cfg.eval_gauntlet is not None else None
@@ -133,6 +140,9 @@ def run_eval(args: argparse.Namespace) -> int:
     if distributed.get_rank() == 0:
         compare = bool(args.compare)
         print(markdown_table(results, deltas=compare), end="")
+        for model_results in results:
+            for reference in references:
+                print("\n" + reference_table(model_results, reference), end="")
         if args.out:
             for path in write_reports(results, args.out, deltas=compare):
                 print(f"foundry: wrote {path}", file=sys.stderr)
@@ -142,7 +152,6 @@ def run_eval(args: argparse.Namespace) -> int:
 def evaluate_source(source: Any, tasks: list, gauntlet: Any, cfg: EvalConfig, device: Any) -> Any:
     """Load one model (a path, or a ``(models entry, key path)`` pair), evaluate it, free it."""
     from foundry.eval.loading import build_model_entry, load_model
-    from foundry.eval.report import ModelResults
     from foundry.eval.runner import build_evaluator, score
 
     if isinstance(source, tuple):
@@ -153,7 +162,7 @@ def evaluate_source(source: Any, tasks: list, gauntlet: Any, cfg: EvalConfig, de
     model = loaded.model.to(device)
     results = score(evaluator, model, loaded.name, gauntlet, cfg, device)
     del model, loaded
-    return ModelResults(_display_name(source), results.results, results.gauntlet)
+    return dataclasses.replace(results, name=_display_name(source))
 
 
 def _display_name(source: Any) -> str:

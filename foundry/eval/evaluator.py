@@ -23,12 +23,13 @@ import torch
 from torch import nn
 
 from foundry import distributed
+from foundry.config.icl import ICLTaskConfig
 from foundry.errors import TrainingError
 from foundry.eval.batching import Batch, TokenizedExample, make_batches, needs_prefix_space, tokenize_examples
 from foundry.eval.metrics import GenerationAccuracy, LanguageModelingAccuracy, MultipleChoiceAccuracy
 from foundry.eval.prompts import answer_texts, build_prompts
 from foundry.eval.scoring import ContinuationScores, score_continuations
-from foundry.eval.tasks import ICLTaskConfig, check_dataset_uris, read_rows, split_by_category
+from foundry.eval.tasks import check_dataset_uris, read_rows, split_by_category
 from foundry.models.generation import greedy_generate
 
 # Generated chains of thought may run a little longer than the longest one in the data (LLM Foundry's margin).

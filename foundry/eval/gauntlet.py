@@ -8,59 +8,14 @@ and each entry of ``averages`` the mean of the categories it lists.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any, Literal
 
+from foundry.config.icl import GauntletConfig
 from foundry.errors import ConfigError
 from foundry.eval.metrics import GENERATION_ACCURACY, LM_ACCURACY, MC_ACCURACY
-from foundry.schema import parse_dataclass
 
 PRIMARY_METRICS = (MC_ACCURACY, LM_ACCURACY, GENERATION_ACCURACY)
-
-
-@dataclasses.dataclass(kw_only=True)
-class Benchmark:
-    name: str
-    num_fewshot: int
-    random_baseline: float = 0.0
-
-
-@dataclasses.dataclass(kw_only=True)
-class Category:
-    name: str
-    benchmarks: list[Benchmark]
-
-
-@dataclasses.dataclass(kw_only=True)
-class GauntletConfig:
-    """LLM Foundry's ``eval_gauntlet`` keys."""
-
-    categories: list[Category]
-    weighting: Literal["EQUAL", "SAMPLE_SZ", "LOG_SAMPLE_SZ"] = "EQUAL"
-    subtract_random_baseline: bool = True
-    rescale_accuracy: bool = True
-    averages: dict[str, list[str]] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.rescale_accuracy and not self.subtract_random_baseline:
-            raise ConfigError("eval_gauntlet: rescale_accuracy needs subtract_random_baseline: true.")
-        names = {category.name for category in self.categories}
-        for average, members in self.averages.items():
-            unknown = sorted(set(members) - names)
-            if unknown:
-                raise ConfigError(f"eval_gauntlet.averages.{average} names unknown categories: {', '.join(unknown)}.")
-
-
-def parse_gauntlet(value: str | Path | Mapping[str, Any], key_path: str = "eval_gauntlet") -> GauntletConfig:
-    """The gauntlet config itself, or a YAML file holding ``eval_gauntlet:``."""
-    if isinstance(value, str | Path):
-        from foundry.eval.tasks import yaml_section
-
-        key_path, value = str(value), yaml_section(value, "eval_gauntlet")
-    return parse_dataclass(GauntletConfig, value, key_path)
 
 
 def primary_accuracy(metrics: Mapping[str, float]) -> float | None:

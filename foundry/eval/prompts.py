@@ -25,7 +25,7 @@ import dataclasses
 import random
 from typing import Any
 
-from foundry.eval.tasks import ICLTaskConfig
+from foundry.config.icl import ICLTaskConfig
 
 
 @dataclasses.dataclass

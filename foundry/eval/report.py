@@ -25,6 +25,7 @@ class ModelResults:
     name: str
     results: dict[str, dict[str, float]]
     gauntlet: dict[str, float] = dataclasses.field(default_factory=dict)
+    num_examples: dict[str, int] = dataclasses.field(default_factory=dict)  # examples scored per subtask
 
     def rows(self) -> dict[tuple[str, str], float]:
         """``{(row name, metric): value}``, gauntlet scores as ``(gauntlet/<category>, score)``."""
@@ -95,7 +96,7 @@ def primary_scores(model: ModelResults) -> dict[str, float]:
 
 def plot_comparison(models: list[ModelResults], out_path: Path) -> Path:
     """Grouped bars: one group per task (primary accuracy) plus the gauntlet average, one bar per model."""
-    from foundry.plotting import _figure_class as figure_class  # one place that says how to get matplotlib
+    from foundry.plotting import figure_class  # one place that says how to get matplotlib
 
     scores = [primary_scores(model) for model in models]
     tasks = list(dict.fromkeys(task for model_scores in scores for task in model_scores))

@@ -34,7 +34,6 @@ def score(evaluator: Any, model: Any, name: str, gauntlet: Any, cfg: Any, device
     if show_progress:
         print(f"foundry: evaluating {name} on {len(evaluator.names)} ICL subtasks", file=sys.stderr)
     results = evaluator.evaluate(model, cfg.precision, device, progress=show_progress)
-    scores = {}
-    if gauntlet is not None:
-        scores = gauntlet_scores(gauntlet, results, {task: evaluator.num_examples(task) for task in results})
-    return ModelResults(name, results, scores)
+    sizes = {task: evaluator.num_examples(task) for task in results}
+    scores = gauntlet_scores(gauntlet, results, sizes) if gauntlet is not None else {}
+    return ModelResults(name, results, scores, sizes)

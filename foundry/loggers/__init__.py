@@ -4,8 +4,9 @@
 """
 
 from foundry.loggers.console import ConsoleLogger
+from foundry.loggers.defaults import default_loggers
 from foundry.loggers.jsonl import JSONLLogger
 from foundry.loggers.tensorboard import TensorboardLogger
 from foundry.loggers.wandb import WandBLogger
 
-__all__ = ["ConsoleLogger", "JSONLLogger", "TensorboardLogger", "WandBLogger"]
+__all__ = ["ConsoleLogger", "JSONLLogger", "TensorboardLogger", "WandBLogger", "default_loggers"]

@@ -1,5 +1,6 @@
 """Optimizers and LR schedules, registered by their YAML names."""
 
+from foundry.optim.build import build_optimizers, build_schedulers
 from foundry.optim.optimizers import DecoupledAdamW
 from foundry.optim.schedulers import (
     ConstantScheduler,
@@ -17,5 +18,7 @@ __all__ = [
     "DecoupledAdamW",
     "LinearWithWarmupScheduler",
     "TimeScheduler",
+    "build_optimizers",
+    "build_schedulers",
     "duration_fraction",
 ]

@@ -95,8 +95,8 @@ def test_latest_is_the_checkpoint_published_last_whatever_the_pointer_says(
 
 
 def test_a_damaged_checkpoint_is_refused_where_eval_and_to_hf_read_models(tmp_path):
-    from foundry.models.build import build_model
     from foundry.convert.checkpoint_io import load_checkpoint_model, save_weights_checkpoint
+    from foundry.models.build import build_model
 
     section = {"name": "mpt_causal_lm", "d_model": 16, "n_heads": 2, "n_layers": 1, "vocab_size": 32, "max_seq_len": 8}
     folder = save_weights_checkpoint(build_model(section), tmp_path, {"model": section}, overwrite=False)

@@ -6,12 +6,11 @@ from pathlib import Path
 
 from helpers import TinyLM, token_batches
 
+from foundry.config.icl import parse_gauntlet, parse_icl_tasks
 from foundry.core import LoggerDestination
 from foundry.eval.callback import ICLEval
 from foundry.eval.evaluator import ICLEvaluator
-from foundry.eval.gauntlet import parse_gauntlet
 from foundry.eval.metrics import MC_ACCURACY
-from foundry.eval.tasks import parse_icl_tasks
 from foundry.trainer import Trainer
 
 ROWS = [{"query": f"q{i}", "choices": ["a", "b"], "gold": i % 2} for i in range(4)]

@@ -6,8 +6,9 @@ import math
 
 import pytest
 
+from foundry.config.icl import parse_gauntlet
 from foundry.errors import ConfigError
-from foundry.eval.gauntlet import gauntlet_scores, parse_gauntlet
+from foundry.eval.gauntlet import gauntlet_scores
 from foundry.eval.metrics import LM_ACCURACY, MC_ACCURACY, MC_ACCURACY_RAW
 
 GAUNTLET = {
@@ -54,7 +55,7 @@ def test_average_of_unknown_category_is_refused() -> None:
 
 
 def test_light_gauntlet_matches_the_light_tasks(repo_root) -> None:
-    from foundry.eval.tasks import parse_icl_tasks
+    from foundry.config.icl import parse_icl_tasks
 
     gauntlet = parse_gauntlet(repo_root / "yamls/eval/eval_gauntlet_light.yaml")
     tasks = {

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
+from foundry.config.icl import ICLTaskConfig
 from foundry.eval.prompts import build_prompts, fewshot_indices
-from foundry.eval.tasks import ICLTaskConfig
 
 LM_ROWS = [{"context": "The sky is", "continuation": "blue"}, {"context": "Grass is", "continuation": "green"}]
 MC_ROWS = [

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from foundry.config.icl import parse_icl_tasks
 from foundry.errors import ConfigError, DataError
-from foundry.eval.tasks import parse_icl_tasks, read_rows
+from foundry.eval.tasks import read_rows
 
 
 def one_task(path: object, task_type: str = "multiple_choice", **keys: object):

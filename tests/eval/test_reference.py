@@ -1,0 +1,76 @@
+"""foundry eval --reference: a model's scores against reference scores from a file, with sampling noise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from foundry.cli import main
+from foundry.errors import ConfigError
+from foundry.eval.metrics import MC_ACCURACY
+from foundry.eval.reference import ReferenceModel, ReferenceScore, deltas, load_references, reference_table
+from foundry.eval.report import ModelResults
+
+
+def write_references(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "scores.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_delta_inside_two_standard_errors_is_within_noise() -> None:
+    results = ModelResults("mine", {"copa/0-shot": {MC_ACCURACY: 0.60}}, num_examples={"copa/0-shot": 100})
+    reference = ReferenceModel(model="ref", source="measured", scores=[
+        ReferenceScore(task="copa/0-shot", metric=MC_ACCURACY, value=0.55)])  # fmt: skip
+    (row,) = deltas(results, reference)
+    assert row.delta == pytest.approx(0.05) and row.noise == pytest.approx(2 * (0.55 * 0.45 / 100) ** 0.5)
+    assert row.within_noise  # 0.05 < 0.0995
+
+
+def test_a_delta_beyond_two_standard_errors_is_not_noise() -> None:
+    results = ModelResults("mine", {"copa/0-shot": {MC_ACCURACY: 0.75}}, num_examples={"copa/0-shot": 400})
+    reference = ReferenceModel(model="ref", source="measured", scores=[
+        ReferenceScore(task="copa/0-shot", metric=MC_ACCURACY, value=0.55)])  # fmt: skip
+    (row,) = deltas(results, reference)
+    assert row.within_noise is False
+    assert "| copa/0-shot |" in reference_table(results, reference) and "no (±0.0497)" in reference_table(
+        results, reference
+    )
+
+
+def test_tasks_the_model_did_not_run_are_left_out() -> None:
+    results = ModelResults("mine", {"copa/0-shot": {MC_ACCURACY: 0.6}}, num_examples={"copa/0-shot": 100})
+    reference = ReferenceModel(model="ref", source="measured", scores=[
+        ReferenceScore(task="piqa/0-shot", metric=MC_ACCURACY, value=0.7)])  # fmt: skip
+    assert deltas(results, reference) == []
+    assert "(no task in common)" in reference_table(results, reference)
+
+
+def test_a_reference_without_a_source_is_refused(tmp_path) -> None:
+    path = write_references(tmp_path, "references:\n- {model: m, source: '', scores: []}\n")
+    with pytest.raises(ConfigError, match="empty source"):
+        load_references(path)
+
+
+def test_a_reference_file_without_references_names_the_key(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="no top-level 'references:'"):
+        load_references(write_references(tmp_path, "scores: []\n"))
+
+
+def test_foundry_eval_prints_the_comparison(tiny_checkpoint, tmp_path, write_jsonl, capsys) -> None:
+    rows = [{"query": f"Question {i}: pick", "choices": ["yes", "no"], "gold": i % 2} for i in range(6)]
+    tasks = tmp_path / "tasks.yaml"
+    tasks.write_text(
+        f"icl_tasks:\n- {{label: mc, dataset_uri: '{write_jsonl('mc.jsonl', rows)}', icl_task_type: multiple_choice}}\n"
+    )
+    scores = write_references(
+        tmp_path,
+        f"references:\n- model: coin\n  source: a fair coin\n  scores:\n"
+        f"  - {{task: mc/0-shot, metric: {MC_ACCURACY}, value: 0.5}}\n",
+    )
+    args = ["eval", "--model", str(tiny_checkpoint), "--tasks", str(tasks), "--reference", str(scores)]
+    assert main([*args, "--precision", "fp32"]) == 0
+    printed = capsys.readouterr().out
+    assert "vs coin (a fair coin)" in printed and f"| mc/0-shot | {MC_ACCURACY} |" in printed
+    assert "| 6 |" in printed  # the 6 examples scored set the noise
