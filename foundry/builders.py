@@ -258,7 +258,7 @@ def _check_hand_over(cfg: TrainConfig) -> None:
 
 def _check_adapters_only_base(cfg: TrainConfig) -> None:
     """Adapters-only checkpoints name their base through load_path: without one, the base would be lost."""
-    from foundry.peft.checkpoint import has_pretrained_base
+    from foundry.checkpoint.adapters import has_pretrained_base
 
     peft_config = cfg.model.get("peft_config") or {}
     if peft_config.get("save_adapters_only") and not cfg.load_path and not has_pretrained_base(cfg.model):

@@ -1,10 +1,12 @@
 """Checkpoints that are atomic on disk, safe to load, and resume a run exactly.
 
-``layout`` (the folder, finding the latest), ``save`` (writing, async, retention), ``load`` (reading,
-resharding, restoring the training state), ``consolidate`` (one file out of a sharded checkpoint).
+``layout`` (the folder and its files), ``integrity`` (the manifest's checksums), ``find`` (the
+checkpoint to load), ``save`` (writing, async, retention), ``load`` (reading, resharding, restoring
+the training state), ``adapters`` (LoRA adapters-only checkpoints), ``consolidate`` (one file out of
+a sharded checkpoint).
 """
 
-from foundry.checkpoint.layout import latest_checkpoint, resolve_checkpoint_path
+from foundry.checkpoint.find import latest_checkpoint, resolve_checkpoint_path
 from foundry.checkpoint.load import load_checkpoint
 from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from foundry.checkpoint.save import PendingCheckpoint, save_checkpoint, start_checkpoint

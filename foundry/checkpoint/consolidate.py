@@ -18,7 +18,8 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from foundry.checkpoint.layout import TMP_PREFIX, fsync_dir, resolve_checkpoint_path, root_cause, single_process_quiet
+from foundry.checkpoint.find import resolve_checkpoint_path
+from foundry.checkpoint.layout import TMP_PREFIX, fsync_dir, root_cause, single_process_quiet
 from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from foundry.errors import CheckpointError
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import xxhash
 
-from foundry.checkpoint.layout import MANIFEST_FILE, META_FILE, checkpoint_folders
+from foundry.checkpoint.layout import MANIFEST_FILE, META_FILE, named_folders
 from foundry.checkpoint.safe_reader import METADATA_FILE
 from foundry.errors import DamagedCheckpointError
 
@@ -195,7 +195,7 @@ def damaged(folder: Path, problems: list[str]) -> DamagedCheckpointError:
     """The error for a damaged checkpoint: what is wrong, and which other checkpoints sit beside it."""
     listed = "; ".join(problems[:_MAX_LISTED_PROBLEMS])
     more = f" (and {len(problems) - _MAX_LISTED_PROBLEMS} more)" if len(problems) > _MAX_LISTED_PROBLEMS else ""
-    others = [path.name for path in checkpoint_folders(folder.parent) if path != folder]
+    others = [path.name for path in named_folders(folder.parent) if path != folder]
     alternatives = f"Other checkpoints in {folder.parent}: {', '.join(others)}. " if others else ""
     return DamagedCheckpointError(
         f"Checkpoint {folder} is damaged: {listed}{more}. Its files no longer match the checksums written when it "

@@ -1,4 +1,4 @@
-"""What a checkpoint folder holds, how its contents are keyed, and how to find the newest one.
+"""What a checkpoint folder holds, how its contents are keyed, and how its files are written durably.
 
 A checkpoint is a folder ``<save_folder>/ep{epoch}-ba{batch}/``::
 
@@ -12,8 +12,8 @@ killed mid-save leaves just a ``.tmp-*`` folder: readers ignore it and the next 
 The newest checkpoint is the one published last (the highest manifest sequence), whatever its
 name; ``<save_folder>/latest`` names it too, for people and scripts, but nothing relies on it, so a
 kill between the rename and the pointer's update costs nothing. Every reader checks the files
-against the manifest first (``foundry.checkpoint.integrity``). Writing is
-``foundry.checkpoint.save``, reading ``foundry.checkpoint.load``.
+against the manifest first (``foundry.checkpoint.integrity``); ``foundry.checkpoint.find`` picks the
+checkpoint to load. Writing is ``foundry.checkpoint.save``, reading ``foundry.checkpoint.load``.
 """
 
 from __future__ import annotations
@@ -28,11 +28,8 @@ from typing import Any
 
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-from foundry.checkpoint.safe_reader import METADATA_FILE
-from foundry.core.paths import check_local_path
 from foundry.core.state import State
 from foundry.core.time import Timestamp
-from foundry.errors import CheckpointError
 
 FORMAT_VERSION = 2  # 2: manifest.json with checksums
 META_FILE = "meta.json"
@@ -65,57 +62,23 @@ def stateful_key_pairs(objects: Sequence) -> Iterator[tuple[str, Any]]:
         yield (class_name if count == 0 else f"{class_name}.{count}"), obj
 
 
-# ---------------------------------------------------------------------------------------- find
-def checkpoint_folders(save_folder: str | Path) -> list[Path]:
-    """The ``ep*-ba*`` checkpoints in ``save_folder``, oldest first: in publish order, then by batch."""
-    from foundry.checkpoint.integrity import publish_sequence
+# ---------------------------------------------------------------------------------------- names
+def named_folders(save_folder: str | Path) -> list[Path]:
+    """The ``ep*-ba*`` folders in ``save_folder`` by name (batch, then epoch).
 
+    Which of them was published last is ``foundry.checkpoint.find``'s answer, from their manifests.
+    """
     save_folder = Path(save_folder)
     if not save_folder.is_dir():
         return []
-    found = []
-    for path in save_folder.iterdir():
-        match = CHECKPOINT_NAME.match(path.name)
-        if match and path.is_dir():
-            found.append(((publish_sequence(path), int(match.group(2)), int(match.group(1))), path))
-    return [path for _, path in sorted(found)]
+    named = (path for path in save_folder.iterdir() if path.is_dir() and CHECKPOINT_NAME.match(path.name))
+    return sorted(named, key=folder_order)
 
 
-def latest_checkpoint(save_folder: str | Path) -> Path | None:
-    """The checkpoint ``save_folder`` published last, or None. Its files are not verified here."""
-    folders = checkpoint_folders(save_folder)
-    return folders[-1] if folders else None
-
-
-def resolve_checkpoint_path(path: str | Path) -> Path:
-    """A checkpoint folder as given, or a save_folder's latest checkpoint; verified against its manifest.
-
-    Raises:
-        CheckpointError: nothing to load there; ``DamagedCheckpointError`` when a file differs from
-            its checksum (an explicit path never falls back to an older checkpoint).
-    """
-    from foundry.checkpoint.integrity import verify_checkpoint
-
-    check_local_path(str(path), "the checkpoint path", CheckpointError)
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(
-            f"No checkpoint at {path}: nothing exists there. Check load_path: give a checkpoint folder "
-            "(e.g. <save_folder>/ep0-ba100) or a save_folder to load its latest checkpoint."
-        )
-    if not path.is_dir():
-        raise CheckpointError(f"{path} is a file; a checkpoint is a folder (e.g. <save_folder>/ep0-ba100).")
-    markers = (META_FILE, METADATA_FILE, MANIFEST_FILE)
-    if not (CHECKPOINT_NAME.match(path.name) or any((path / marker).exists() for marker in markers)):
-        latest = latest_checkpoint(path)
-        if latest is None:
-            raise CheckpointError(
-                f"{path} holds no checkpoint (no ep*-ba* folder). Point load_path at a checkpoint folder or at the "
-                "save_folder of a run that saved one."
-            )
-        path = latest
-    verify_checkpoint(path)
-    return path
+def folder_order(path: Path) -> tuple[int, int]:
+    """(batch, epoch) of an ``ep*-ba*`` folder name."""
+    match = CHECKPOINT_NAME.match(path.name)
+    return (int(match.group(2)), int(match.group(1))) if match else (-1, -1)
 
 
 # -------------------------------------------------------- shared by save, load and consolidate

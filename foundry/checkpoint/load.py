@@ -18,13 +18,13 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
+from foundry.checkpoint.adapters import base_checkpoint, holds_adapters_only, loadable_without, model_lora_config
+from foundry.checkpoint.find import checkpoint_folders, resolve_checkpoint_path
 from foundry.checkpoint.integrity import verify_checkpoint
 from foundry.checkpoint.layout import (
     DAMAGED_SUFFIX,
     FORMAT_VERSION,
     META_FILE,
-    checkpoint_folders,
-    resolve_checkpoint_path,
     root_cause,
     single_process_quiet,
     stateful_key_pairs,
@@ -36,9 +36,10 @@ from foundry.core.state import State
 from foundry.core.time import Timestamp
 from foundry.distributed.env import barrier
 from foundry.errors import CheckpointError, ConfigError, DamagedCheckpointError
-from foundry.peft.checkpoint import load_adapter_base, loadable_without
 
 log = logging.getLogger(__name__)
+
+_MAX_BASE_DEPTH = 8  # adapters trained from adapters: a chain this long is surely a loop
 
 
 def resume_or_load(
@@ -71,6 +72,21 @@ def resume_or_load(
     load_checkpoint(path, state, callbacks=callbacks, algorithms=algorithms, weights_only=weights_only)
     state.last_checkpoint_path = str(path)
     return path
+
+
+def load_adapter_base(folder: Path, state: State, depth: int = 0) -> None:
+    """Before loading ``folder``: if it holds adapters only, load its base weights into ``state.model``."""
+    if model_lora_config(state.model) is None or not holds_adapters_only(folder):
+        return
+    if depth >= _MAX_BASE_DEPTH:
+        raise CheckpointError(f"Checkpoint {folder}: its chain of adapters-only bases is longer than {depth}; a loop?")
+    base = base_checkpoint(folder)
+    if base is None:  # an hf_causal_lm base: its pretrained weights, read when the model was built (or now)
+        if not state.model.holds_pretrained_weights:
+            state.model.load_pretrained_weights()
+        return
+    load_adapter_base(base, state, depth + 1)
+    load_checkpoint(base, state, weights_only=True)
 
 
 def newest_intact_checkpoint(save_folder: Path, rank: int) -> Path | None:

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from foundry.checkpoint.adapters import model_state_to_save
+from foundry.checkpoint.find import checkpoint_folders
 from foundry.checkpoint.integrity import hash_files, manifest_text, publish_sequence
 from foundry.checkpoint.kill_points import kill_point
 from foundry.checkpoint.layout import (
@@ -36,7 +38,6 @@ from foundry.checkpoint.layout import (
     MANIFEST_FILE,
     META_FILE,
     TMP_PREFIX,
-    checkpoint_folders,
     checkpoint_name,
     fsync_dir,
     root_cause,
@@ -50,7 +51,6 @@ from foundry.checkpoint.safe_reader import METADATA_FILE
 from foundry.core.redact import scrub_secrets
 from foundry.core.state import State
 from foundry.errors import CheckpointError
-from foundry.peft.checkpoint import model_state_to_save
 
 
 def save_checkpoint(save_folder: str | Path, state: State, **options: Any) -> Path:

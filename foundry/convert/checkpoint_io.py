@@ -12,11 +12,11 @@ from torch import nn
 
 from foundry.checkpoint import load_checkpoint, resolve_checkpoint_path, save_checkpoint
 from foundry.checkpoint.layout import META_FILE
+from foundry.checkpoint.load import load_adapter_base
 from foundry.core.state import State
 from foundry.core.time import Time
 from foundry.errors import CheckpointError
 from foundry.models.build import build_model
-from foundry.peft.checkpoint import load_adapter_base
 
 
 def checkpoint_config(folder: Path) -> dict[str, Any]:
@@ -42,7 +42,7 @@ def load_checkpoint_model(folder: Path, model_section: Mapping[str, Any], *, wit
     """``model_section``'s model on CPU holding the weights of checkpoint ``folder`` (nothing else is read).
 
     An adapters-only LoRA checkpoint holds no base weights: its base is loaded first, from where its
-    run loaded it (``foundry.peft.checkpoint.load_adapter_base``). ``with_base=False`` reads the
+    run loaded it (``foundry.checkpoint.load.load_adapter_base``). ``with_base=False`` reads the
     adapters alone (exporting them needs nothing else); every other weight is then NaN. Otherwise a
     weight that no checkpoint filled is an error (``check_weights_loaded``), never a model with
     uninitialised memory for weights.

@@ -58,7 +58,7 @@ class AdapterSet:
     def load(self, name: str, checkpoint: str | Path) -> None:
         """Read adapter ``name`` from a LoRA run's checkpoint (a checkpoint folder or its save_folder)."""
         from foundry.checkpoint import resolve_checkpoint_path
-        from foundry.peft.checkpoint import read_adapter_tensors
+        from foundry.checkpoint.adapters import read_adapter_tensors
 
         self.add(name, read_adapter_tensors(resolve_checkpoint_path(checkpoint), self._parameters))
 

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from foundry.checkpoint.adapters import has_pretrained_base, model_lora_config
 from foundry.convert import adapter_for_family
 from foundry.errors import ConfigError
 from foundry.models.lora import LoraConfig, is_adapter_key, lora_modules, merged_state_dict
-from foundry.peft.checkpoint import has_pretrained_base, model_lora_config
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"

@@ -1,8 +1,9 @@
-"""LoRA checkpoints: adapters-only saves, loading a base into a LoRA model, and the base under an adapter.
+"""LoRA checkpoints: what an adapters-only save keeps, and which checkpoint holds the base under an adapter.
 
 A checkpoint of a LoRA run holds every weight, unless ``model.peft_config.save_adapters_only`` is
 set: then its model part is the adapter tensors alone (its optimizer state is adapters-only anyway).
-Such a checkpoint names its base through its run's ``load_path``: loading it loads that base first.
+Such a checkpoint names its base through its run's ``load_path``: ``foundry.checkpoint.load`` loads
+that base first.
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 
+from foundry.checkpoint.find import resolve_checkpoint_path
+from foundry.checkpoint.layout import META_FILE
+from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from foundry.errors import CheckpointError
 from foundry.models.lora import LoraConfig, is_adapter_key
 
 if TYPE_CHECKING:
     from torch import nn
-
-    from foundry.core.state import State
-
-_MAX_BASE_DEPTH = 8  # adapters trained from adapters: a chain this long is surely a loop
 
 
 def model_lora_config(model: nn.Module) -> LoraConfig | None:
@@ -52,8 +53,6 @@ def loadable_without(missing: Collection[str], saved: Collection[str]) -> bool:
 
 def saved_model_keys(folder: Path) -> set[str]:
     """The model keys a checkpoint holds (read from its DCP metadata, no tensor is read)."""
-    from foundry.checkpoint.safe_reader import SafeFileSystemReader
-
     keys = SafeFileSystemReader(folder).read_metadata().state_dict_metadata
     return {key.removeprefix("model.") for key in keys if key.startswith("model.")}
 
@@ -74,9 +73,6 @@ def base_checkpoint(folder: Path) -> Path | None:
     None: the run had no load_path and its model is a pretrained ``hf_causal_lm``, whose base is its
     ``pretrained_model_name_or_path``.
     """
-    from foundry.checkpoint import resolve_checkpoint_path
-    from foundry.checkpoint.layout import META_FILE
-
     config = json.loads((folder / META_FILE).read_text()).get("config") or {}
     load_path = config.get("load_path")
     if not load_path and has_pretrained_base(config.get("model") or {}):
@@ -98,29 +94,8 @@ def base_checkpoint(folder: Path) -> Path | None:
         ) from None
 
 
-def load_adapter_base(folder: Path, state: State, depth: int = 0) -> None:
-    """Before loading ``folder``: if it holds adapters only, load its base weights into ``state.model``."""
-    from foundry.checkpoint import load_checkpoint
-
-    if model_lora_config(state.model) is None or not holds_adapters_only(folder):
-        return
-    if depth >= _MAX_BASE_DEPTH:
-        raise CheckpointError(f"Checkpoint {folder}: its chain of adapters-only bases is longer than {depth}; a loop?")
-    base = base_checkpoint(folder)
-    if base is None:  # an hf_causal_lm base: its pretrained weights, read when the model was built (or now)
-        if not state.model.holds_pretrained_weights:
-            state.model.load_pretrained_weights()
-        return
-    load_adapter_base(base, state, depth + 1)
-    load_checkpoint(base, state, weights_only=True)
-
-
 def read_adapter_tensors(folder: Path, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The adapter tensors of checkpoint ``folder``, shaped as ``like`` (a model's ``adapter_state_dict``)."""
-    import torch.distributed.checkpoint as dcp
-
-    from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
-
     saved = saved_model_keys(folder)
     missing = sorted(set(like) - saved)
     if missing:

@@ -1,0 +1,56 @@
+"""Which checkpoint to load: the one a save_folder published last, or the folder a path names, verified.
+
+"Latest" is the checkpoint with the highest publish sequence in its manifest (written last of its
+files), never the ``latest`` pointer file: a kill between a folder's rename and the pointer's update
+leaves the pointer one behind, and nothing here reads it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from foundry.checkpoint.integrity import publish_sequence, verify_checkpoint
+from foundry.checkpoint.layout import CHECKPOINT_NAME, MANIFEST_FILE, META_FILE, folder_order, named_folders
+from foundry.checkpoint.safe_reader import METADATA_FILE
+from foundry.core.paths import check_local_path
+from foundry.errors import CheckpointError
+
+
+def checkpoint_folders(save_folder: str | Path) -> list[Path]:
+    """The ``ep*-ba*`` checkpoints in ``save_folder``, oldest first: in publish order, then by batch."""
+    return sorted(named_folders(save_folder), key=lambda path: (publish_sequence(path), *folder_order(path)))
+
+
+def latest_checkpoint(save_folder: str | Path) -> Path | None:
+    """The checkpoint ``save_folder`` published last, or None. Its files are not verified here."""
+    folders = checkpoint_folders(save_folder)
+    return folders[-1] if folders else None
+
+
+def resolve_checkpoint_path(path: str | Path) -> Path:
+    """A checkpoint folder as given, or a save_folder's latest checkpoint; verified against its manifest.
+
+    Raises:
+        CheckpointError: nothing to load there; ``DamagedCheckpointError`` when a file differs from
+            its checksum (an explicit path never falls back to an older checkpoint).
+    """
+    check_local_path(str(path), "the checkpoint path", CheckpointError)
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(
+            f"No checkpoint at {path}: nothing exists there. Check load_path: give a checkpoint folder "
+            "(e.g. <save_folder>/ep0-ba100) or a save_folder to load its latest checkpoint."
+        )
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is a file; a checkpoint is a folder (e.g. <save_folder>/ep0-ba100).")
+    markers = (META_FILE, METADATA_FILE, MANIFEST_FILE)
+    if not (CHECKPOINT_NAME.match(path.name) or any((path / marker).exists() for marker in markers)):
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise CheckpointError(
+                f"{path} holds no checkpoint (no ep*-ba* folder). Point load_path at a checkpoint folder or at the "
+                "save_folder of a run that saved one."
+            )
+        path = latest
+    verify_checkpoint(path)
+    return path
