@@ -128,8 +128,23 @@ def convert_to_float8(model: nn.Module, names: list[str], recipe: str, fsdp_floa
     if fsdp_float8_all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     chosen = set(names)
+    hints = {name: _init_hints(module) for name, module in model.named_modules() if name in chosen}
     convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn in chosen)
-    return [name for name, module in model.named_modules() if type(module).__name__ == "Float8Linear"]
+    converted = [name for name, module in model.named_modules() if type(module).__name__ == "Float8Linear"]
+    for name in converted:  # a meta-device model is initialised after this: keep what init_weights reads
+        vars(model.get_submodule(name)).update(hints[name])
+    return converted
+
+
+def _init_hints(linear: nn.Module) -> dict[str, object]:
+    """The attributes a model set on one of its linear layers (``is_residual_output``, ``init_chunk_rows``, ...).
+
+    ``Float8Linear.from_float`` builds a new module that keeps the weights but not these, and without
+    them a model built on the meta device would be initialised differently once converted (residual
+    projections not scaled down by depth, a fused QKV initialised as one matrix).
+    """
+    plain = vars(nn.Linear(1, 1, device="meta"))
+    return {key: value for key, value in vars(linear).items() if key not in plain and not key.startswith("_")}
 
 
 def require_float8_hardware(device: torch.device) -> None:

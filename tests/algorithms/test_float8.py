@@ -65,6 +65,25 @@ def test_conversion_swaps_exactly_the_chosen_layers() -> None:
     assert type(model.transformer.blocks[0].attn.Wqkv) is torch.nn.Linear
 
 
+def test_converted_layers_initialise_as_the_plain_model_does() -> None:
+    """A meta-device model is converted before init_weights: the init hints of its layers must survive."""
+    pytest.importorskip("torchao")
+    weights = {}
+    for converted in (False, True):
+        torch.manual_seed(0)
+        model = MPTCausalLM(**FOUR_BLOCKS)
+        if converted:
+            chosen = float8_module_names(model, False, [])
+            assert convert_to_float8(model, chosen, "tensorwise", fsdp_float8_all_gather=False) == chosen
+            assert model.transformer.blocks[0].attn.out_proj.is_residual_output
+        torch.manual_seed(1)
+        model.init_weights()
+        weights[converted] = model.state_dict()
+    assert weights[True].keys() == weights[False].keys()
+    for name, tensor in weights[False].items():
+        torch.testing.assert_close(weights[True][name], tensor, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs float8 matrix units"
 )
@@ -79,7 +98,7 @@ def test_a_float8_step_trains_close_to_bf16(tmp_path, recipe) -> None:
     ):
         torch.manual_seed(0)
         trainer = Trainer(
-            model=MPTCausalLM(**{**FOUR_BLOCKS, "d_model": 128, "max_seq_len": 64}),
+            model=MPTCausalLM(**{**FOUR_BLOCKS, "d_model": 128, "max_seq_len": 64, "init_device": "meta"}),
             train_dataloader=token_batches(3, batch_size=8, seq_len=64, vocab_size=TINY_MPT["vocab_size"]),
             max_duration="3ba", algorithms=algorithms, precision="amp_bf16", device="cuda",
             run_folder=str(tmp_path / name), log_to_console=False,
