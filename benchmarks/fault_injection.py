@@ -77,6 +77,7 @@ class Run:
     command: list[str]
     save_folder: Path
     env: dict[str, str] = field(default_factory=dict)
+    num_to_keep: int | None = None  # the run's save_num_checkpoints_to_keep, checked at its end
 
 
 @dataclass
@@ -170,11 +171,22 @@ def identical(got: Any, want: Any) -> bool:
     return got == want
 
 
-def leftovers(save_folder: Path) -> list[str]:
-    """Folders and files that only an interrupted save or a set-aside checkpoint leaves behind."""
+def leftovers(save_folder: Path, num_to_keep: int | None = None) -> list[str]:
+    """What an interrupted save or publish left behind: temporary or set-aside folders, a ``latest`` that
+    names another checkpoint than the newest, more checkpoints than ``num_to_keep``."""
+    from foundry.checkpoint.find import checkpoint_folders
+
     if not save_folder.is_dir():
         return []
-    return sorted(path.name for path in save_folder.iterdir() if path.name.startswith(".") or ".damaged" in path.name)
+    found = sorted(path.name for path in save_folder.iterdir() if path.name.startswith(".") or ".damaged" in path.name)
+    published = checkpoint_folders(save_folder)
+    pointer = save_folder / "latest"
+    named = pointer.read_text().strip() if pointer.is_file() else "nothing"
+    if published and named != published[-1].name:
+        found.append(f"latest names {named}, not {published[-1].name}")
+    if num_to_keep is not None and len(published) > num_to_keep:
+        found.append(f"{len(published)} checkpoints kept, not {num_to_keep}")
+    return found
 
 
 def run_trial(config: str, run: Run, kill: Kill, reference: dict[str, Any], max_launches: int = 4) -> TrialResult:
@@ -213,7 +225,7 @@ def run_trial(config: str, run: Run, kill: Kill, reference: dict[str, Any], max_
         launches=len(launch_seconds),
         finished=finished,
         identical=same,
-        leftovers=leftovers(run.save_folder),
+        leftovers=leftovers(run.save_folder, run.num_to_keep),
         seconds=round(time.perf_counter() - start, 1),
         launch_seconds=launch_seconds,
         slow_launch_output=slow[0][-3000:] if slow else "",
@@ -252,7 +264,7 @@ def quickstart_run(folder: Path, data: Path, ranks: int, save_async: bool) -> Ru
     command = [sys.executable, "-m", "foundry.cli", "train", *launcher, str(REPO_ROOT / "yamls" / "quickstart.yaml")]
     command += [f"variables.data_local={data}", f"run_folder={folder / 'run'}", f"save_folder={folder / 'ckpt'}"]
     command += [f"{key}={value}" for key, value in {**RUN_SETTINGS, "save_async": str(save_async).lower()}.items()]
-    return Run(command=command, save_folder=folder / "ckpt")
+    return Run(command=command, save_folder=folder / "ckpt", num_to_keep=RUN_SETTINGS["save_num_checkpoints_to_keep"])
 
 
 def planned_kills(ranks: int, random_trials: int, training_s: float, rng: random.Random) -> list[Kill]:

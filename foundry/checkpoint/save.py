@@ -135,10 +135,7 @@ class PendingCheckpoint:
             kill_point("publish.manifest_written")
             _publish(self.tmp_dir, self.final_dir)
             kill_point("publish.renamed")
-            latest_tmp_name = f"{TMP_PREFIX}{LATEST_FILE}-{secrets.token_hex(4)}"
-            write_durably(save_folder / LATEST_FILE, self.final_dir.name, tmp_name=latest_tmp_name)
-            kill_point("publish.latest_written")
-            _prune(save_folder, self.num_to_keep, keep_name=self.final_dir.name)
+            complete_publish(save_folder, self.final_dir.name, self.num_to_keep)
         _barrier()
         return self.final_dir
 
@@ -305,6 +302,20 @@ def _next_sequence(save_folder: Path) -> int:
     """One more than the highest publish sequence in ``save_folder`` (those of damaged manifests unknown)."""
     known = [sequence for path in checkpoint_folders(save_folder) if (sequence := publish_sequence(path)) != math.inf]
     return int(max(known, default=0)) + 1
+
+
+def complete_publish(save_folder: Path, name: str, num_to_keep: int) -> None:
+    """The steps after checkpoint ``name`` is in place: ``latest`` names it, and only ``num_to_keep`` are kept.
+
+    Run by rank 0 after each publish, and again when a run resumes from its newest checkpoint: a kill
+    between the rename and these steps leaves them undone, and the resumed run may have nothing left
+    to save (it was killed at its last checkpoint) that would do them.
+    """
+    pointer = save_folder / LATEST_FILE
+    if not pointer.is_file() or pointer.read_text().strip() != name:
+        write_durably(pointer, name, tmp_name=f"{TMP_PREFIX}{LATEST_FILE}-{secrets.token_hex(4)}")
+    kill_point("publish.latest_written")
+    _prune(save_folder, num_to_keep, keep_name=name)
 
 
 def _prune(save_folder: Path, num_to_keep: int, keep_name: str) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from foundry import distributed
-from foundry.checkpoint.save import PendingCheckpoint, remove_temporaries, start_checkpoint
+from foundry.checkpoint.find import latest_checkpoint
+from foundry.checkpoint.save import PendingCheckpoint, complete_publish, remove_temporaries, start_checkpoint
 from foundry.core import Engine, Event
 from foundry.core.paths import check_writable_folder
 
@@ -67,9 +68,16 @@ class CheckpointSaver:
             self.publish_pending()
 
     def loaded(self, path: Path) -> None:
-        """The run resumed from checkpoint ``path``: if it is one of ours, fit's end need not save that batch again."""
+        """The run resumed from checkpoint ``path``: if it is one of ours, fit's end need not save that batch again.
+
+        If it is our newest, rank 0 also completes its publish (``latest``, retention), which a kill right
+        after its rename would have left undone.
+        """
         if self.save_folder and path.parent.resolve() == Path(self.save_folder).resolve():
             self.last_save_batch = self.state.timestamp.batch
+            newest = latest_checkpoint(self.save_folder)
+            if self.state.rank == 0 and newest is not None and newest.resolve() == path.resolve():
+                complete_publish(Path(self.save_folder), path.name, self.num_to_keep)
 
     def publish_pending(self) -> None:
         """Wait for the checkpoint being written, publish it and fire its checkpoint event."""

@@ -43,7 +43,8 @@ trainer.fit()
 
 def _run(folder: Path, mode: str) -> object:
     save_folder = folder / "ckpt"
-    return fault_injection.Run(command=[sys.executable, "-c", TRAIN, str(save_folder), mode], save_folder=save_folder)
+    command = [sys.executable, "-c", TRAIN, str(save_folder), mode]
+    return fault_injection.Run(command=command, save_folder=save_folder, num_to_keep=2)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,16 @@ def test_a_kill_between_publishing_the_folder_and_updating_latest_resumes(tmp_pa
     exit_code, output, _ = fault_injection.launch(run)
     assert exit_code == 0, output
     assert fault_injection.identical(fault_injection.final_tensors(run.save_folder), reference)
-    assert fault_injection.leftovers(run.save_folder) == []
+    assert fault_injection.leftovers(run.save_folder, num_to_keep=2) == []
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_kill_after_publishing_the_last_checkpoint_completes_its_publish_on_resume(tmp_path, reference, mode):
+    """Nothing is left to save after the resume, so the resumed run itself must update latest and prune."""
+    kill = fault_injection.Kill(point="publish.renamed", visit=6)
+    result = fault_injection.run_trial(mode, _run(tmp_path, mode), kill, reference)
+    assert result.passed, result
+    assert (tmp_path / "ckpt" / "latest").read_text() == "ep0-ba6"
 
 
 KILLS_INSIDE_A_SAVE = [("async", "save.tensors_written", 4), ("sync", "prune.renamed", 2)]
