@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ RANK_ZERO_POINTS = ("publish.", "prune.")  # only rank 0 publishes and prunes
 STARTED_MARKER = "foundry: run '"  # printed by rank 0 just before fit() starts
 LAUNCH_TIMEOUT_S = 300
 SLOW_LAUNCH_S = 120  # a launch this long (they take well under a minute) has its output kept
+MISSED_KILL_RETRIES = 3  # redraws of a random instant that came after the run's end
 
 
 @dataclass
@@ -195,17 +196,23 @@ def run_trial(config: str, run: Run, kill: Kill, reference: dict[str, Any], max_
     launch_seconds: list[float] = []
     outputs: list[str] = []
 
-    def timed_launch(kill: Kill | None = None) -> int:
+    def timed_launch(kill: Kill | None = None) -> tuple[int, float]:
         launch_start = time.perf_counter()
-        exit_code, output, _ = launch(run, kill)
+        exit_code, output, after_start_s = launch(run, kill)
         launch_seconds.append(round(time.perf_counter() - launch_start, 1))
         outputs.append(output)
-        return exit_code
+        return exit_code, after_start_s
 
-    exit_code = timed_launch(kill)
+    exit_code, after_start_s = timed_launch(kill)
+    for _ in range(MISSED_KILL_RETRIES):  # the run ended before the random instant (a busier machine): redraw it
+        if exit_code != 0 or kill.after_s is None:
+            break
+        shutil.rmtree(run.save_folder, ignore_errors=True)
+        kill = replace(kill, after_s=random.Random(kill.after_s).uniform(0.0, 0.9 * after_start_s))
+        exit_code, after_start_s = timed_launch(kill)
     killed = exit_code != 0
-    while exit_code != 0 and len(launch_seconds) < max_launches:
-        exit_code = timed_launch()
+    while exit_code != 0 and len(launch_seconds) < max_launches + MISSED_KILL_RETRIES:
+        exit_code, _ = timed_launch()
     finished = exit_code == 0
     same, error = False, ""
     if finished:
