@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from foundry.cli import main
+from foundry.config.icl import parse_icl_tasks
 from foundry.errors import ConfigError
 from foundry.eval.metrics import MC_ACCURACY
 from foundry.eval.reference import ReferenceModel, ReferenceScore, deltas, load_references, reference_table
@@ -74,3 +75,11 @@ def test_foundry_eval_prints_the_comparison(tiny_checkpoint, tmp_path, write_jso
     printed = capsys.readouterr().out
     assert "vs coin (a fair coin)" in printed and f"| mc/0-shot | {MC_ACCURACY} |" in printed
     assert "| 6 |" in printed  # the 6 examples scored set the noise
+
+
+def test_the_shipped_reference_scores_name_tasks_of_the_shipped_task_file() -> None:
+    yamls = Path(__file__).resolve().parents[2] / "yamls" / "eval"
+    (reference,) = load_references(yamls / "reference_scores.yaml")
+    tasks = parse_icl_tasks(yamls / "tasks_zero_shot.yaml")
+    names = {f"{task.label}/{shots}-shot" for task in tasks for shots in task.num_fewshot}
+    assert reference.source and {score.task for score in reference.scores} == names
