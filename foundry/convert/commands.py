@@ -16,6 +16,7 @@ from torch import nn
 from foundry.checkpoint import latest_checkpoint
 from foundry.convert import adapter_for_family, adapter_for_hf
 from foundry.convert.checkpoint_io import load_checkpoint_model, meta_model, resolve_checkpoint, save_weights_checkpoint
+from foundry.data import load_tokenizer
 from foundry.errors import ConfigError
 from foundry.models.hf import refill_computed_buffers
 
@@ -102,8 +103,6 @@ def to_hf_model(model: nn.Module, family: str) -> nn.Module:
 
 
 def _checkpoint_tokenizer(name: str | None, config: dict[str, Any], folder: Path) -> Any:
-    from foundry.data import load_tokenizer
-
     section = config.get("tokenizer") or {}
     if not (name or section.get("name")):
         raise ConfigError(

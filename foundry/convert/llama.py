@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from foundry.convert.rope import hf_rope_settings
 from foundry.errors import ConfigError
 
 FAMILY = "llama_causal_lm"
@@ -84,8 +85,6 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], model: Any) -> dict[str, to
 
 def from_hf_config(hf_config: Any) -> dict[str, Any]:
     """The ``model:`` section of a foundry YAML for a Hugging Face Llama config."""
-    from foundry.convert.rope import hf_rope_settings
-
     _check_hf_features(hf_config)
     rope_theta, rope_scaling = hf_rope_settings(hf_config)
     section: dict[str, Any] = {

@@ -35,6 +35,7 @@ from transformers import PreTrainedTokenizerBase
 from foundry import registry
 from foundry.data.collate import collate_lm_samples
 from foundry.data.mds import build_checked_streams, import_streaming
+from foundry.data.text_dataset import StreamingTextDataset, TextDataLoader
 from foundry.errors import ConfigError
 from foundry.schema import parse_dataclass
 
@@ -127,8 +128,6 @@ def build_text_dataloader(
         raise ConfigError(f"'{key_path}.device_batch_size' is {device_batch_size}; it must be at least 1.")
     _reject_sequence_ids(config, key_path)
     import_streaming(f"The text dataloader '{key_path}'")
-    from foundry.data.text_dataset import StreamingTextDataset, TextDataLoader
-
     streams = build_checked_streams(config, f"{key_path}.dataset")
     text_dataset = StreamingTextDataset(
         tokenizer=tokenizer,
