@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from foundry import registry
 from foundry.algorithms.torch_compile import from_compile_config
 from foundry.checkpoint import latest_checkpoint
@@ -110,8 +112,6 @@ def build_compile(cfg: TrainConfig) -> list:
 
 def torch_device(name: str) -> Any:
     """``torch.device(name)``, or a ConfigError naming the ``device`` key."""
-    import torch
-
     try:
         return torch.device(name)
     except RuntimeError:
@@ -263,7 +263,5 @@ def _check_adapters_only_base(cfg: TrainConfig) -> None:
 
 def _apply_cuda_allocator_settings(expandable_segments: bool) -> None:
     """LLM Foundry's default: expandable segments cut fragmentation when sequence lengths vary."""
-    import torch
-
     if expandable_segments and torch.cuda.is_available():
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")

@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 import torch
+from transformers import LlamaConfig as HFLlamaConfig
 
 from foundry.convert.rope import hf_rope_settings
 from foundry.errors import ConfigError
@@ -33,8 +34,6 @@ _HF_QKV = re.compile(r"^self_attn\.([qkv])_proj\.weight$")
 
 def to_hf_config(model: Any) -> Any:
     """A ``transformers.LlamaConfig`` for a ``LlamaCausalLM``."""
-    from transformers import LlamaConfig as HFLlamaConfig
-
     llama = model.llama_config
     rope_scaling = llama.rope_scaling.to_hf_dict() if llama.rope_scaling is not None else None
     # Floats cast explicitly: transformers 5 validates config types strictly (a YAML `1` is an int).

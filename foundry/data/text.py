@@ -35,7 +35,6 @@ from transformers import PreTrainedTokenizerBase
 from foundry import registry
 from foundry.data.collate import collate_lm_samples
 from foundry.data.mds import build_checked_streams, import_streaming
-from foundry.data.text_dataset import StreamingTextDataset, TextDataLoader
 from foundry.errors import ConfigError
 from foundry.schema import parse_dataclass
 
@@ -128,6 +127,9 @@ def build_text_dataloader(
         raise ConfigError(f"'{key_path}.device_batch_size' is {device_batch_size}; it must be at least 1.")
     _reject_sequence_ids(config, key_path)
     import_streaming(f"The text dataloader '{key_path}'")
+    # text_dataset imports mosaicml-streaming, which the GPU image lacks: only once it is known to import.
+    from foundry.data.text_dataset import StreamingTextDataset, TextDataLoader
+
     streams = build_checked_streams(config, f"{key_path}.dataset")
     text_dataset = StreamingTextDataset(
         tokenizer=tokenizer,

@@ -16,6 +16,8 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from foundry import distributed
 from foundry.config import apply_overrides, load_yaml, resolve_interpolations
 from foundry.config.icl import parse_gauntlet, parse_icl_tasks
@@ -116,8 +118,6 @@ def load_eval_config(args: argparse.Namespace) -> EvalConfig:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    import torch
-
     cfg = load_eval_config(args)
     references = load_references(args.reference) if args.reference else []  # checked before a model loads
     tasks = parse_icl_tasks(cfg.icl_tasks)  # every task key and file is checked before a model loads

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
+from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from foundry.config import TokenizerConfig
 from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint, resolve_checkpoint_path
@@ -85,9 +87,6 @@ def default_attn_implementation(path: Path) -> str:
     Some built-in classes (``MptForCausalLM``, which ``foundry convert to-hf`` writes for MPT) have no
     SDPA path, and transformers refuses to build them with it.
     """
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     try:
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(path))]
     except (KeyError, ValueError, OSError):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from foundry.checkpoint import latest_checkpoint, resolve_checkpoint_path
@@ -94,8 +95,6 @@ def adapter_config(config: LoraConfig, target_modules: list[str], base_model_nam
 
 def write_peft_adapter(model: nn.Module, family: str, out_dir: Path, base_model_name_or_path: str) -> Path:
     """Write ``model``'s adapters in PEFT's format to ``out_dir``."""
-    from safetensors.torch import save_file
-
     config = model_lora_config(model)
     if config is None:
         raise ConfigError("This model has no LoRA adapters (its model section has no peft_config); nothing to export.")
