@@ -49,50 +49,42 @@ def imported_modules(name: str, path: Path, modules: Mapping[str, Path]) -> set[
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
         for inner in ast.walk(node)
     }
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(tree):
-        if id(node) in type_checking:
-            continue
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, *([base] if base else [])])
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
-        else:
-            continue
-        for target in targets:
-            while target and target not in modules:
-                target = target.rpartition(".")[0]
-            if target and target != name:
-                found.add(target)
+        if isinstance(node, ast.Import | ast.ImportFrom) and id(node) not in type_checking:
+            found.update(target for target in import_targets(node, name, path, modules) if target != name)
     return found
 
 
-def function_local_imports(name: str, path: Path) -> list[tuple[int, str]]:
-    """``(line, imported module)`` for each import of a foundry module inside a function of ``name``."""
-    tree = ast.parse(path.read_text())
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = []
-    for function in ast.walk(tree):
-        if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
-            continue
-        for node in ast.walk(function):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join([*anchor, *([base] if base else [])])
-                targets = [base]
-            else:
-                continue
-            found += [(node.lineno, target) for target in targets if target.split(".")[0] == "foundry"]
-    return sorted(set(found))
+def function_local_imports(name: str, path: Path, modules: Mapping[str, Path]) -> list[tuple[int, str]]:
+    """``(line, foundry module)`` for each import of a foundry module inside a function of ``name``."""
+    found = set()
+    for function in ast.walk(ast.parse(path.read_text())):
+        if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+            for node in ast.walk(function):
+                if isinstance(node, ast.Import | ast.ImportFrom):
+                    found.update((node.lineno, target) for target in import_targets(node, name, path, modules))
+    return sorted(found)
+
+
+def import_targets(node: ast.Import | ast.ImportFrom, name: str, path: Path, modules: Mapping[str, Path]) -> list[str]:
+    """The foundry modules one import statement of module ``name`` (file ``path``) reaches."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+            anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join([*anchor, *([base] if base else [])])
+        names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+    targets = []
+    for target in names:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        if target:
+            targets.append(target)
+    return targets
 
 
 def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
@@ -162,9 +154,10 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_foundry_modules_are_imported_at_the_top_of_a_module() -> None:
     unexplained = []
-    for name, path in module_files().items():
+    modules = module_files()
+    for name, path in modules.items():
         allowed = LAZY_FOUNDRY_IMPORTS.get(name, set())
-        for line, target in function_local_imports(name, path):
+        for line, target in function_local_imports(name, path, modules):
             if allowed is not None and target not in allowed:
                 unexplained.append(f"{path.relative_to(FOUNDRY.parent)}:{line} imports {target} inside a function")
     assert unexplained == [], "move these to the top of the module, or say why not in LAZY_FOUNDRY_IMPORTS"
@@ -173,11 +166,13 @@ def test_foundry_modules_are_imported_at_the_top_of_a_module() -> None:
 def test_every_allowed_lazy_import_still_exists() -> None:
     modules = module_files()
     for name, allowed in LAZY_FOUNDRY_IMPORTS.items():
-        found = {target for _, target in function_local_imports(name, modules[name])}
+        found = {target for _, target in function_local_imports(name, modules[name], modules)}
         assert found and (allowed is None or allowed == found), name
 
 
 def test_the_local_import_finder_finds_one(tmp_path: Path) -> None:
     path = tmp_path / "module.py"
-    path.write_text("import foundry.errors\n\ndef f():\n    import json\n    from . import x\n    import foundry.core")
-    assert function_local_imports("foundry.pkg.module", path) == [(5, "foundry.pkg"), (6, "foundry.core")]
+    source = "import foundry.errors\n\ndef f():\n    import json\n    from . import x\n    from foundry import core\n"
+    path.write_text(source)
+    modules = {name: path for name in ("foundry", "foundry.errors", "foundry.pkg", "foundry.pkg.x", "foundry.core")}
+    assert function_local_imports("foundry.pkg.module", path, modules) == [(5, "foundry.pkg.x"), (6, "foundry.core")]
