@@ -18,7 +18,7 @@ from foundry import registry
 from foundry.algorithms.torch_compile import from_compile_config
 from foundry.checkpoint import latest_checkpoint
 from foundry.checkpoint.adapters import has_pretrained_base
-from foundry.config import LoaderConfig, TokenizerConfig, TrainConfig, config_to_dict
+from foundry.config import LoaderConfig, TokenizerConfig, TrainConfig, config_to_dict, fill_run_name
 from foundry.config.icl import parse_gauntlet, parse_icl_tasks
 from foundry.core import seed_everything
 from foundry.core.paths import check_writable_folder
@@ -116,13 +116,6 @@ def torch_device(name: str) -> Any:
         return torch.device(name)
     except RuntimeError:
         raise ConfigError(f"'device' is {name!r}, which torch does not know; use cpu, cuda or cuda:N.") from None
-
-
-def fill_run_name(path: str | None, run_name: str | None) -> str | None:
-    """``path`` with ``{run_name}`` filled in (Composer's convention); other braces, like ``{rank}``, stay."""
-    if path is None or run_name is None:
-        return path
-    return path.replace("{run_name}", run_name)
 
 
 def device_train_batch_size(global_train_batch_size: int, world_size: int) -> int:
