@@ -26,6 +26,7 @@ def _trainer(tmp_path, model=None, **kwargs) -> Trainer:
     kwargs.setdefault("train_dataloader", token_batches(4, batch_size=4))
     kwargs.setdefault("max_duration", "4ba")
     kwargs.setdefault("log_to_console", False)
+    kwargs.setdefault("precision", "fp32")  # exact gradients and losses: no bf16 autocast
     return Trainer(model=model or TinyLM(), run_folder=str(tmp_path / "run"), **kwargs)
 
 
