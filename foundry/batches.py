@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from foundry import distributed
+
 IGNORE_INDEX = -100  # a label position that adds no loss (prompts, padding, the last position)
 SAMPLE_INDEX_KEY = "sample_index"  # (batch,) each sample's index in its dataset, from loaders that tag them
 
@@ -81,8 +83,6 @@ class RepeatedSampleMask:
 
     def __call__(self, batch: Any) -> Any:
         """``batch`` without ``SAMPLE_INDEX_KEY``, its repeated samples' labels ignored."""
-        from foundry import distributed
-
         if not isinstance(batch, Mapping) or SAMPLE_INDEX_KEY not in batch:
             return batch
         batch = dict(batch)

@@ -10,17 +10,28 @@ from __future__ import annotations
 import inspect
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from foundry import registry
-from foundry.config import LoaderConfig, TokenizerConfig, TrainConfig, config_to_dict
+from foundry.algorithms.torch_compile import from_compile_config
+from foundry.checkpoint import latest_checkpoint
+from foundry.checkpoint.adapters import has_pretrained_base
+from foundry.config import LoaderConfig, TokenizerConfig, TrainConfig, config_to_dict, fill_run_name
+from foundry.config.icl import parse_gauntlet, parse_icl_tasks
+from foundry.core import seed_everything
+from foundry.core.paths import check_writable_folder
+from foundry.data import load_tokenizer
+from foundry.distributed import env
+from foundry.distributed.parallelize import shards
 from foundry.errors import ConfigError
+from foundry.eval.callback import ICLEval
+from foundry.eval.evaluator import ICLEvaluator
 from foundry.models.build import build_model
 from foundry.optim.optimizers import check_hyperparameters
 from foundry.registry import bound_component, build_components, component_factory
-
-if TYPE_CHECKING:
-    from foundry.trainer import Trainer
+from foundry.trainer import Trainer
 
 
 def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -> Trainer:
@@ -30,10 +41,6 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
         cfg: the typed config (``foundry.config.load_train_config``).
         resolved: the resolved YAML, stored in checkpoints and sent to loggers (default: ``cfg`` as a dict).
     """
-    from foundry.core import seed_everything
-    from foundry.distributed import env
-    from foundry.trainer import Trainer
-
     _reject_unimplemented(cfg)
     _check_hand_over(cfg)
     _check_checkpoint_paths(cfg)
@@ -90,10 +97,6 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
 
 def build_compile(cfg: TrainConfig) -> list:
     """``compile_config`` as a ``torch_compile`` algorithm (none when off, or when ``algorithms`` has one)."""
-    from foundry.algorithms.torch_compile import from_compile_config
-    from foundry.distributed import env
-    from foundry.distributed.parallelize import shards
-
     if "torch_compile" in cfg.algorithms:
         if cfg.compile_config != "auto":
             raise ConfigError(
@@ -109,19 +112,10 @@ def build_compile(cfg: TrainConfig) -> list:
 
 def torch_device(name: str) -> Any:
     """``torch.device(name)``, or a ConfigError naming the ``device`` key."""
-    import torch
-
     try:
         return torch.device(name)
     except RuntimeError:
         raise ConfigError(f"'device' is {name!r}, which torch does not know; use cpu, cuda or cuda:N.") from None
-
-
-def fill_run_name(path: str | None, run_name: str | None) -> str | None:
-    """``path`` with ``{run_name}`` filled in (Composer's convention); other braces, like ``{rank}``, stay."""
-    if path is None or run_name is None:
-        return path
-    return path.replace("{run_name}", run_name)
 
 
 def device_train_batch_size(global_train_batch_size: int, world_size: int) -> int:
@@ -136,8 +130,6 @@ def device_train_batch_size(global_train_batch_size: int, world_size: int) -> in
 
 
 def build_tokenizer(cfg: TokenizerConfig) -> Any:
-    from foundry.data import load_tokenizer
-
     return load_tokenizer(cfg.name, **cfg.kwargs)
 
 
@@ -195,9 +187,6 @@ def build_icl_eval(cfg: TrainConfig, tokenizer: Any) -> list:
     """The ``ICLEval`` callback for ``icl_tasks`` (run at ``eval_interval``), or nothing."""
     if cfg.icl_tasks is None:
         return []
-    from foundry.config.icl import parse_gauntlet, parse_icl_tasks
-    from foundry.eval.callback import ICLEval
-    from foundry.eval.evaluator import ICLEvaluator
 
     seq_len = cfg.icl_seq_len or cfg.max_seq_len or cfg.model.get("max_seq_len")
     if not isinstance(seq_len, int):
@@ -231,9 +220,6 @@ def _reject_unimplemented(cfg: TrainConfig) -> None:
 
 def _check_checkpoint_paths(cfg: TrainConfig) -> None:
     """save_folder must be writable and load_path must exist now, not after the model and data are built."""
-    from foundry.checkpoint import latest_checkpoint
-    from foundry.core.paths import check_writable_folder
-
     save_folder = fill_run_name(cfg.save_folder, cfg.run_name)
     if save_folder:
         check_writable_folder(save_folder, "save_folder")
@@ -258,8 +244,6 @@ def _check_hand_over(cfg: TrainConfig) -> None:
 
 def _check_adapters_only_base(cfg: TrainConfig) -> None:
     """Adapters-only checkpoints name their base through load_path: without one, the base would be lost."""
-    from foundry.checkpoint.adapters import has_pretrained_base
-
     peft_config = cfg.model.get("peft_config") or {}
     if peft_config.get("save_adapters_only") and not cfg.load_path and not has_pretrained_base(cfg.model):
         raise ConfigError(
@@ -272,7 +256,5 @@ def _check_adapters_only_base(cfg: TrainConfig) -> None:
 
 def _apply_cuda_allocator_settings(expandable_segments: bool) -> None:
     """LLM Foundry's default: expandable segments cut fragmentation when sequence lengths vary."""
-    import torch
-
     if expandable_segments and torch.cuda.is_available():
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")

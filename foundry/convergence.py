@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from foundry.errors import DataError, FoundryError
-from foundry.plotting import metrics_path, read_run
+from foundry.plotting import figure_class, metrics_path, read_run
 
 TRAIN_LOSS = "loss/train/total"
 EVAL_LOSS = "metrics/eval/loss"
@@ -211,8 +211,6 @@ def report(comparison: Comparison) -> str:
 
 def plot_band(reference: str | Path, runs: Sequence[str | Path], tolerance: float, out_path: Path) -> Path:
     """A PNG of the train loss by tokens: the reference with its ± tolerance band, and each run."""
-    from foundry.plotting import figure_class
-
     figure = figure_class()(figsize=(8, 4), layout="constrained")
     ax = figure.subplots()
     curve = loss_curves(reference).get(TRAIN_LOSS, [])

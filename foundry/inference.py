@@ -19,6 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from foundry.eval.loading import load_model as load_source
+from foundry.models.generation import greedy_generate
+
 
 def load_model(
     path: str | Path, device: str | torch.device = "cpu", attn_implementation: str | None = None
@@ -32,8 +35,6 @@ def load_model(
         attn_implementation: for Hugging Face directories, transformers' attention name; None picks
             ``sdpa`` where the model implements it, else ``eager``.
     """
-    from foundry.eval.loading import load_model as load_source
-
     loaded = load_source(path, attn_implementation=attn_implementation)
     return loaded.model.to(device).eval(), loaded.tokenizer
 
@@ -54,8 +55,6 @@ def generate(
     strings, which is cut off with whatever followed it. Decoding is greedy (the most likely token
     each step): the same text every time. ``precision``: ``fp32``, ``amp_bf16`` or ``amp_fp16``.
     """
-    from foundry.models.generation import greedy_generate
-
     texts = [prompts] if isinstance(prompts, str) else list(prompts)
     token_ids = [list(tokenizer(text)["input_ids"]) for text in texts]
     device = next(model.parameters()).device

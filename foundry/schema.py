@@ -15,6 +15,7 @@ import typing
 from collections.abc import Callable, Collection, Mapping
 from typing import Any, TypeVar
 
+from foundry.core.time import Time
 from foundry.errors import ConfigError, did_you_mean
 
 T = TypeVar("T")
@@ -91,8 +92,6 @@ def check_call_kwargs(
 
 def coerce(value: Any, expected: Any, key_path: str) -> Any:
     """Return ``value`` as type ``expected`` where that is lossless (int → float, str → Time), else raise."""
-    from foundry.core.time import Time
-
     origin = typing.get_origin(expected)
     args = typing.get_args(expected)
     if expected is Any or expected is object:

@@ -10,7 +10,6 @@ Read ``foundry.core.event`` for where each event fires. Example::
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -24,7 +23,7 @@ from foundry import distributed
 from foundry.batches import RepeatedSampleMask, batch_num_samples, batch_num_tokens, batch_to_device, split_batch
 from foundry.checkpoint.load import resume_or_load
 from foundry.checkpoint.saver import CheckpointSaver
-from foundry.config import FSDPConfig, check_eval_subset
+from foundry.config import TRAIN_DEFAULTS, FSDPConfig, check_eval_subset, default_run_name, fill_run_name
 from foundry.core import (
     Algorithm,
     Callback,
@@ -53,6 +52,9 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 class Trainer:
     """Coordinates a model, data, optimizers, algorithms, callbacks and loggers through ``fit()``.
 
+    A keyword that is also a train YAML key has the YAML's default (``foundry.config.TRAIN_DEFAULTS``;
+    ``foundry train --help`` lists them): ``Trainer(...)`` and ``foundry train`` run alike.
+
     Args:
         model: a ``FoundryModel``, or any ``nn.Module`` whose forward returns a loss.
         train_dataloader: yields this device's whole batches (global batch / world size).
@@ -64,15 +66,18 @@ class Trainer:
         device_train_microbatch_size: samples per forward/backward; batches are split and gradients
             accumulated exactly (each microbatch weighs its share of loss tokens, not 1/n). ``"auto"``:
             the largest size that fits in device memory, found on the first batch (``foundry.distributed``).
-        precision: ``"fp32"``, ``"amp_bf16"`` or ``"amp_fp16"``.
+        precision: ``"amp_bf16"`` (the default: bf16 autocast, fp32 weights; on a CPU too), ``"fp32"``, or
+            ``"amp_fp16"`` (CUDA only).
         fsdp_config: an ``FSDPConfig`` (or its keys): shard the model with FSDP2 over several ranks. On one
             rank FSDP is skipped (it would only add copies) but its activation checkpointing and mixed
             precision still apply. Without it a single process trains the plain module and several ranks
             replicate it (``NO_SHARD``, DDP's layout). See ``foundry.distributed.parallelize``.
-        save_folder / save_interval / load_path / autoresume: checkpointing (see ``foundry.checkpoint``).
+        save_folder / save_interval / load_path / autoresume: checkpointing (see ``foundry.checkpoint``);
+            ``{run_name}`` in ``save_folder`` is filled in. ``save_interval`` defaults to ``"1000ba"``.
         save_async: write checkpoints in a background thread while training goes on; each is published
             (renamed into place, ``latest`` updated) once written, at the latest by the next save or fit's end.
-        run_folder: where ``metrics.jsonl`` goes (default ``runs/<run_name>``).
+        run_name: default ``$RUN_NAME`` (or ``$COMPOSER_RUN_NAME``), else ``foundry-<date>-<time>``.
+        run_folder: where ``metrics.jsonl`` goes (default ``runs/{run_name}``, ``{run_name}`` filled in).
         config: the resolved YAML, stored in checkpoints and sent to loggers.
     """
 
@@ -84,30 +89,30 @@ class Trainer:
         optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | OptimizerFactory | None = None,
         schedulers: TimeScheduler | Sequence[Any] | None = None,
         eval_dataloader: Iterable | Mapping[str, Iterable] | None = None,
-        eval_interval: str | Time | int = "1ep",
-        eval_first: bool = False,
-        eval_subset_num_batches: int = -1,
+        eval_interval: str | Time | int = TRAIN_DEFAULTS.eval_interval,
+        eval_first: bool = TRAIN_DEFAULTS.eval_first,
+        eval_subset_num_batches: int = TRAIN_DEFAULTS.eval_subset_num_batches,
         callbacks: Sequence[Callback] = (),
         algorithms: Sequence[Algorithm] = (),
         loggers: Sequence[LoggerDestination] = (),
-        precision: str = "fp32",
-        device: str | torch.device | None = None,
-        fsdp_config: FSDPConfig | Mapping[str, Any] | None = None,
-        device_train_microbatch_size: int | str | None = None,
-        save_folder: str | None = None,
-        save_interval: str | Time | int = "1ep",
-        save_num_checkpoints_to_keep: int = -1,
-        save_overwrite: bool = False,
-        save_async: bool = False,
-        load_path: str | None = None,
-        load_weights_only: bool = False,
-        autoresume: bool = False,
-        seed: int = 17,
-        run_name: str | None = None,
-        run_folder: str | None = None,
-        log_to_console: bool = True,
-        progress_bar: bool | None = None,
-        console_log_interval: str | Time | int = "1ba",
+        precision: str = TRAIN_DEFAULTS.precision,
+        device: str | torch.device | None = TRAIN_DEFAULTS.device,
+        fsdp_config: FSDPConfig | Mapping[str, Any] | None = TRAIN_DEFAULTS.fsdp_config,
+        device_train_microbatch_size: int | str | None = TRAIN_DEFAULTS.device_train_microbatch_size,
+        save_folder: str | None = TRAIN_DEFAULTS.save_folder,
+        save_interval: str | Time | int = TRAIN_DEFAULTS.save_interval,
+        save_num_checkpoints_to_keep: int = TRAIN_DEFAULTS.save_num_checkpoints_to_keep,
+        save_overwrite: bool = TRAIN_DEFAULTS.save_overwrite,
+        save_async: bool = TRAIN_DEFAULTS.save_async,
+        load_path: str | None = TRAIN_DEFAULTS.load_path,
+        load_weights_only: bool = TRAIN_DEFAULTS.load_weights_only,
+        autoresume: bool = TRAIN_DEFAULTS.autoresume,
+        seed: int = TRAIN_DEFAULTS.seed,
+        run_name: str | None = TRAIN_DEFAULTS.run_name,
+        run_folder: str = TRAIN_DEFAULTS.run_folder,
+        log_to_console: bool = TRAIN_DEFAULTS.log_to_console,
+        progress_bar: bool | None = TRAIN_DEFAULTS.progress_bar,
+        console_log_interval: str | Time | int = TRAIN_DEFAULTS.console_log_interval,
         config: dict[str, Any] | None = None,
     ) -> None:
         seed_everything(seed)
@@ -117,8 +122,8 @@ class Trainer:
         if self._find_microbatch_size:
             device_train_microbatch_size = None  # set by the first batch
         model = model if isinstance(model, FoundryModel) else ModuleModel(model)
-        run_name = run_name or os.environ.get("RUN_NAME") or f"foundry-{time.strftime('%Y%m%d-%H%M%S')}"
-        self.run_folder = Path(run_folder or Path("runs") / run_name)
+        run_name = run_name or default_run_name()
+        self.run_folder = Path(fill_run_name(run_folder, run_name))
         self.state = State(
             model=model,
             max_duration=positive_time(max_duration if max_duration is not None else "1ep", "max_duration"),
@@ -144,7 +149,7 @@ class Trainer:
         self.eval_subset_num_batches = eval_subset_num_batches
         self.log_interval = Interval(positive_time(console_log_interval, "console_log_interval"))
         check_local_path(load_path, "'load_path'")
-        self.save_folder = save_folder.replace("{run_name}", run_name) if save_folder else None
+        self.save_folder = fill_run_name(save_folder, run_name) or None
         self.save_interval = Interval(positive_time(save_interval, "save_interval"))
         self.checkpoints = CheckpointSaver(
             self.engine,

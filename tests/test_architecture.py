@@ -3,6 +3,9 @@
 Every import counts, function-local ones too (they still make one module need the other); only
 ``if TYPE_CHECKING:`` imports, which never run, do not. A package is ``foundry.<name>`` as one unit
 (a top-level module is its own unit); ``foundry/__init__.py``, which loads names lazily, is left out.
+
+A module imports foundry at its top, where a reader sees what it needs: a function-local import of a
+foundry module is allowed only where ``LAZY_FOUNDRY_IMPORTS`` says why.
 """
 
 from __future__ import annotations
@@ -13,6 +16,19 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 FOUNDRY = Path(__file__).resolve().parents[1] / "foundry"
+
+# {module: the foundry modules it may import inside a function (None: any)}, each with its reason.
+LAZY_FOUNDRY_IMPORTS: dict[str, set[str] | None] = {
+    # The Triton kernels import triton, which a CPU-only install may lack (or cannot run): they are
+    # imported once kernels_run_on says they run, so that `import foundry` works without triton.
+    "foundry.algorithms.fused_kernels": {"foundry.kernels.norm", "foundry.kernels.glu", "foundry.kernels.rope"},
+    "foundry.kernels.linear_cross_entropy": {"foundry.kernels.cross_entropy"},
+    # text_dataset imports mosaicml-streaming at its top, which the GPU image lacks (foundry/data/mds.py).
+    "foundry.data.text": {"foundry.data.text_dataset"},
+    # `foundry --help` must not wait for torch: `import foundry.cli` takes 0.03 s, the trainer's imports
+    # 6 s or more; each command imports its modules when it runs (the docstring of foundry/cli.py).
+    "foundry.cli": None,
+}
 
 
 def module_files(root: Path = FOUNDRY) -> dict[str, Path]:
@@ -33,27 +49,42 @@ def imported_modules(name: str, path: Path, modules: Mapping[str, Path]) -> set[
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
         for inner in ast.walk(node)
     }
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(tree):
-        if id(node) in type_checking:
-            continue
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, *([base] if base else [])])
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
-        else:
-            continue
-        for target in targets:
-            while target and target not in modules:
-                target = target.rpartition(".")[0]
-            if target and target != name:
-                found.add(target)
+        if isinstance(node, ast.Import | ast.ImportFrom) and id(node) not in type_checking:
+            found.update(target for target in import_targets(node, name, path, modules) if target != name)
     return found
+
+
+def function_local_imports(name: str, path: Path, modules: Mapping[str, Path]) -> list[tuple[int, str]]:
+    """``(line, foundry module)`` for each import of a foundry module inside a function of ``name``."""
+    found = set()
+    for function in ast.walk(ast.parse(path.read_text())):
+        if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+            for node in ast.walk(function):
+                if isinstance(node, ast.Import | ast.ImportFrom):
+                    found.update((node.lineno, target) for target in import_targets(node, name, path, modules))
+    return sorted(found)
+
+
+def import_targets(node: ast.Import | ast.ImportFrom, name: str, path: Path, modules: Mapping[str, Path]) -> list[str]:
+    """The foundry modules one import statement of module ``name`` (file ``path``) reaches."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+            anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join([*anchor, *([base] if base else [])])
+        names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+    targets = []
+    for target in names:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        if target:
+            targets.append(target)
+    return targets
 
 
 def cycles(graph: Mapping[str, Iterable[str]]) -> list[list[str]]:
@@ -119,3 +150,29 @@ def test_no_import_cycle_between_packages() -> None:
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_foundry_modules_are_imported_at_the_top_of_a_module() -> None:
+    unexplained = []
+    modules = module_files()
+    for name, path in modules.items():
+        allowed = LAZY_FOUNDRY_IMPORTS.get(name, set())
+        for line, target in function_local_imports(name, path, modules):
+            if allowed is not None and target not in allowed:
+                unexplained.append(f"{path.relative_to(FOUNDRY.parent)}:{line} imports {target} inside a function")
+    assert unexplained == [], "move these to the top of the module, or say why not in LAZY_FOUNDRY_IMPORTS"
+
+
+def test_every_allowed_lazy_import_still_exists() -> None:
+    modules = module_files()
+    for name, allowed in LAZY_FOUNDRY_IMPORTS.items():
+        found = {target for _, target in function_local_imports(name, modules[name], modules)}
+        assert found and (allowed is None or allowed == found), name
+
+
+def test_the_local_import_finder_finds_one(tmp_path: Path) -> None:
+    path = tmp_path / "module.py"
+    source = "import foundry.errors\n\ndef f():\n    import json\n    from . import x\n    from foundry import core\n"
+    path.write_text(source)
+    modules = {name: path for name in ("foundry", "foundry.errors", "foundry.pkg", "foundry.pkg.x", "foundry.core")}
+    assert function_local_imports("foundry.pkg.module", path, modules) == [(5, "foundry.pkg.x"), (6, "foundry.core")]

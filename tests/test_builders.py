@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 from helpers import TinyLM, token_batches
 
-import foundry.data
-from foundry import registry
+from foundry import builders, registry
 from foundry.builders import build_compile, build_eval_dataloaders, build_trainer, device_train_batch_size
 from foundry.config import LoaderConfig, TokenizerConfig, TrainConfig
 from foundry.core import Callback
@@ -80,7 +79,7 @@ registry.callbacks.register("test_builders_count", CountBatches)
 
 @pytest.fixture(autouse=True)
 def fake_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(foundry.data, "load_tokenizer", FakeTokenizer, raising=False)
+    monkeypatch.setattr(builders, "load_tokenizer", FakeTokenizer)
     LOADER_CALLS.clear()
 
 

@@ -11,8 +11,7 @@ import pytest
 import yaml
 from helpers import TinyLM, token_batches
 
-import foundry.data
-from foundry import cli, registry
+from foundry import builders, cli, registry
 
 CONFIG = """\
 variables:
@@ -113,7 +112,7 @@ registry.dataloaders.register("test_cli_loader", tiny_loader)
 def test_train_runs_fit_and_says_where_the_run_is(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    monkeypatch.setattr(foundry.data, "load_tokenizer", lambda name, **kwargs: None)
+    monkeypatch.setattr(builders, "load_tokenizer", lambda name, **kwargs: None)
     overrides = ["model.name=test_cli_lm", "train_loader.name=test_cli_loader", f"run_folder={tmp_path}/{{run_name}}"]
     overrides += ["precision=fp32", "device=cpu", "log_to_console=false", "expandable_segments=false"]
     code = cli.main(["train", str(write_config(tmp_path)), *overrides])

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from foundry.algorithms import ActivationCheckpointing
 from foundry.config import (
+    FSDP_DEFAULTS,
+    LOADER_DEFAULTS,
+    TRAIN_DEFAULTS,
     FSDPConfig,
     LoaderConfig,
     TokenizerConfig,
@@ -19,7 +24,9 @@ from foundry.config import (
     to_yaml,
 )
 from foundry.core.time import Time
+from foundry.data import build_finetuning_dataloader, build_text_dataloader
 from foundry.errors import ConfigError
+from foundry.trainer import Trainer
 
 MINIMAL = """\
 variables:
@@ -246,6 +253,37 @@ def test_python_api_builds_the_same_config_without_yaml() -> None:
         run_name="api",
     )
     assert cfg.seed == 17 and cfg.run_name == "api"
+
+
+def keyword_defaults(function: object, defaults: object, leave_out: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """(``function``'s keyword defaults, the config's) for the keys that both give a default."""
+    parameters = inspect.signature(function).parameters
+    shared = [
+        name
+        for name in vars(defaults)
+        if name in parameters and parameters[name].default is not inspect.Parameter.empty and name not in leave_out
+    ]
+    return {name: parameters[name].default for name in shared}, {name: getattr(defaults, name) for name in shared}
+
+
+def test_trainer_keywords_default_to_the_yaml_defaults() -> None:
+    # The Trainer takes callback, algorithm and logger objects where the YAML names them (both: none).
+    trainer, yaml = keyword_defaults(Trainer, TRAIN_DEFAULTS, leave_out=("callbacks", "algorithms", "loggers"))
+    assert {"precision", "save_interval", "run_name", "run_folder", "progress_bar", "seed"} <= set(trainer)
+    assert trainer == yaml
+    assert yaml["precision"] == "amp_bf16" and yaml["save_interval"] == Time.parse("1000ba")
+
+
+@pytest.mark.parametrize("build", [build_text_dataloader, build_finetuning_dataloader])
+def test_dataloader_keywords_default_to_the_loader_section_defaults(build: object) -> None:
+    builder, yaml = keyword_defaults(build, LOADER_DEFAULTS)
+    assert "drop_last" in builder and builder == yaml
+
+
+def test_activation_checkpointing_is_non_reentrant_by_default_from_both_switches() -> None:
+    algorithm = inspect.signature(ActivationCheckpointing).parameters["reentrant"].default
+    fsdp_config = FSDPConfig().activation_checkpointing_reentrant
+    assert algorithm is fsdp_config is FSDP_DEFAULTS.activation_checkpointing_reentrant is False
 
 
 # ----------------------------------------------------------------------- LLM Foundry's own YAMLs

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from helpers import TinyLM, token_batches
@@ -24,6 +26,7 @@ def _trainer(tmp_path, model=None, **kwargs) -> Trainer:
     kwargs.setdefault("train_dataloader", token_batches(4, batch_size=4))
     kwargs.setdefault("max_duration", "4ba")
     kwargs.setdefault("log_to_console", False)
+    kwargs.setdefault("precision", "fp32")  # exact gradients and losses: no bf16 autocast
     return Trainer(model=model or TinyLM(), run_folder=str(tmp_path / "run"), **kwargs)
 
 
@@ -311,3 +314,12 @@ def test_trainer_is_importable_from_the_package() -> None:
     import foundry
 
     assert foundry.Trainer is Trainer
+
+
+def test_default_run_name_and_run_folder_are_the_yamls(tmp_path, monkeypatch):
+    monkeypatch.delenv("RUN_NAME", raising=False)
+    monkeypatch.setenv("COMPOSER_RUN_NAME", "from-env")
+    monkeypatch.chdir(tmp_path)
+    trainer = Trainer(model=TinyLM(), train_dataloader=token_batches(1, 4), max_duration="1ba", log_to_console=False)
+    assert trainer.state.run_name == "from-env"
+    assert trainer.run_folder == Path("runs/from-env")

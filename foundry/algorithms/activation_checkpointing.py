@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from foundry import registry
+from foundry.config import FSDP_DEFAULTS
 from foundry.core.algorithm import Algorithm
 from foundry.core.event import Event
 from foundry.core.logger import Logger
@@ -35,10 +36,11 @@ class ActivationCheckpointing(Algorithm):
         target: ``None`` (every block), a class name or list of names (those modules in every
             block), or ``{name: blocks}`` with ``blocks`` as ``n``, ``-1``, a list of ids, or
             ``first-n`` / ``last-n`` / ``middle-n`` / ``range-i-j``.
-        reentrant: torch's reentrant checkpoint (default: the non-reentrant one).
+        reentrant: torch's reentrant checkpoint (default: the non-reentrant one, as
+            ``fsdp_config.activation_checkpointing_reentrant``'s).
     """
 
-    def __init__(self, target: Any = None, reentrant: bool = False) -> None:
+    def __init__(self, target: Any = None, reentrant: bool = FSDP_DEFAULTS.activation_checkpointing_reentrant) -> None:
         self.target = target
         self.reentrant = reentrant
 

@@ -26,6 +26,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from foundry import registry
 from foundry.core.algorithm import Algorithm
@@ -88,8 +89,6 @@ class Float8Training(Algorithm):
         logger.log_text(f"float8 ({self.recipe}): {len(self.converted)} linear layers train with float8 GEMMs.")
 
     def _precomputes_scales(self, state: State) -> bool:
-        from torch.distributed.fsdp import FSDPModule
-
         return bool(self.converted) and self.fsdp_float8_all_gather and isinstance(state.model, FSDPModule)
 
 

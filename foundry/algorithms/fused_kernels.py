@@ -42,7 +42,7 @@ class FusedNorm(nn.Module):
             self.bias = norm.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from foundry.kernels.norm import layer_norm, rms_norm
+        from foundry.kernels.norm import layer_norm, rms_norm  # imports triton: only where the kernels run
 
         out_dtype = (autocast_dtype(x.device.type) if self.low_precision else None) or x.dtype
         if self.is_rms:
@@ -113,6 +113,7 @@ class FusedKernels(Algorithm):
 
     def fuse(self, model: nn.Module) -> dict[str, int]:
         """Swap the switched-on layers of ``model`` in place; returns how many of each were swapped."""
+        # These import triton, which a CPU-only install may lack: only once the kernels are known to run.
         from foundry.kernels.glu import glu
         from foundry.kernels.rope import rope
 

@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import torch
 import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
 from torch._dynamo.exc import TorchDynamoException
 
 from foundry import registry
@@ -150,8 +151,6 @@ def from_compile_config(
 
 
 def _check_inductor_options(options: dict[str, Any]) -> None:
-    import torch._inductor.config as inductor_config
-
     known = inductor_config.get_config_copy()
     for key in options:
         if key not in known:

@@ -101,7 +101,7 @@ class MemorySnapshot(Callback):
             pickle.dump(snapshot, file)
         self.written.append(pickle_path)
         try:
-            from torch.cuda._memory_viz import trace_plot
+            from torch.cuda._memory_viz import trace_plot  # private to torch: a build may lack it
 
             html_path = folder / f"{stem}.html"
             html_path.write_text(trace_plot(snapshot))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -69,8 +70,6 @@ def consolidate(path: str | Path, out_file: str | Path, with_optimizer: bool = F
         if with_optimizer:
             torch.save({"model": state["model"], "optim": state["optim"]}, tmp_file)
         else:
-            from safetensors.torch import save_file
-
             weights = {name: tensor.contiguous() for name, tensor in state["model"].items()}
             save_file(_untie(weights), str(tmp_file), metadata={"format": "pt"})
         os.replace(tmp_file, out_file)

@@ -24,6 +24,7 @@ import xxhash
 
 from foundry.checkpoint.layout import MANIFEST_FILE, META_FILE, named_folders
 from foundry.checkpoint.safe_reader import METADATA_FILE
+from foundry.distributed.env import all_gather_object, get_rank, get_world_size
 from foundry.errors import DamagedCheckpointError
 
 log = logging.getLogger(__name__)
@@ -141,8 +142,6 @@ def verify_checkpoint(folder: Path, collective: bool = False) -> None:
     if not collective and _verified.get(key) == _signature(folder, names):
         return
     if collective:
-        from foundry.distributed.env import all_gather_object, get_rank, get_world_size
-
         share = names[get_rank() :: get_world_size()]
         problems = [problem for found in all_gather_object(_damage(folder, manifest, share)) for problem in found]
     else:

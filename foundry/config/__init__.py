@@ -3,7 +3,9 @@
 Data flows one way: ``load_yaml`` reads the file, ``apply_overrides`` sets ``key.path=value`` pairs,
 ``resolve_interpolations`` fills every ``${a.b.c}`` reference and drops ``variables``, and
 ``foundry.schema.parse_dataclass`` turns the result into a ``TrainConfig``. The dataclasses below
-are the one place defaults live; builders and the CLI read them from here.
+are the one place defaults live; builders and the CLI read them from here, and the Python API
+(``Trainer``, the dataloader builders, the activation checkpointing algorithm) takes its keyword
+defaults from ``TRAIN_DEFAULTS``, ``LOADER_DEFAULTS`` and ``FSDP_DEFAULTS``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import typing
 from collections.abc import Sequence
 from dataclasses import field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 from foundry.config.icl import parse_gauntlet, parse_icl_tasks
@@ -32,12 +35,17 @@ from foundry.errors import ConfigError, did_you_mean
 from foundry.schema import parse_dataclass
 
 __all__ = [
+    "FSDP_DEFAULTS",
+    "LOADER_DEFAULTS",
+    "TRAIN_DEFAULTS",
     "FSDPConfig",
     "LoaderConfig",
     "TokenizerConfig",
     "TrainConfig",
     "apply_overrides",
     "config_to_dict",
+    "default_run_name",
+    "fill_run_name",
     "load_train_config",
     "load_yaml",
     "resolve_interpolations",
@@ -90,7 +98,7 @@ class FSDPConfig:
     )
     activation_checkpointing: bool = field(default=False, metadata=doc("recompute block activations in backward"))
     activation_checkpointing_reentrant: bool = field(
-        default=True, metadata=doc("use reentrant activation checkpointing")
+        default=False, metadata=doc("torch's reentrant checkpoint (default: the non-reentrant one torch recommends)")
     )
     activation_cpu_offload: bool = field(
         default=False, metadata=doc("offload saved activations to the CPU (CUDA only)")
@@ -228,6 +236,30 @@ def default_run_name() -> str:
     return (
         os.environ.get("RUN_NAME") or os.environ.get("COMPOSER_RUN_NAME") or f"foundry-{time.strftime('%Y%m%d-%H%M%S')}"
     )
+
+
+def fill_run_name(path: str | None, run_name: str | None) -> str | None:
+    """``path`` with ``{run_name}`` filled in (Composer's convention); other braces, like ``{rank}``, stay."""
+    if path is None or run_name is None:
+        return path
+    return path.replace("{run_name}", run_name)
+
+
+def field_defaults(cls: type) -> SimpleNamespace:
+    """The defaults of ``cls``'s fields by name (fields without one are left out), e.g. ``.precision``."""
+    defaults = {}
+    for config_field in dataclasses.fields(cls):
+        if config_field.default is not dataclasses.MISSING:
+            defaults[config_field.name] = config_field.default
+        elif config_field.default_factory is not dataclasses.MISSING:
+            defaults[config_field.name] = config_field.default_factory()
+    return SimpleNamespace(**defaults)
+
+
+# The YAML's defaults, for the Python API's keyword arguments of the same names: one value for both.
+TRAIN_DEFAULTS = field_defaults(TrainConfig)
+LOADER_DEFAULTS = field_defaults(LoaderConfig)
+FSDP_DEFAULTS = field_defaults(FSDPConfig)
 
 
 def check_icl(cfg: TrainConfig) -> None:

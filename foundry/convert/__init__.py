@@ -8,6 +8,7 @@ with the same four functions: ``to_hf_config(model)``, ``to_hf_state_dict(state,
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 
 from foundry.errors import ConfigError
@@ -40,6 +41,4 @@ def adapter_for_hf(model_type: str) -> ModuleType:
 
 
 def _import(module_name: str) -> ModuleType:
-    import importlib
-
     return importlib.import_module(module_name)

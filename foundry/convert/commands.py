@@ -12,10 +12,12 @@ from typing import Any
 import torch
 import yaml
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from foundry.checkpoint import latest_checkpoint
 from foundry.convert import adapter_for_family, adapter_for_hf
 from foundry.convert.checkpoint_io import load_checkpoint_model, meta_model, resolve_checkpoint, save_weights_checkpoint
+from foundry.data import load_tokenizer
 from foundry.errors import ConfigError
 from foundry.models.hf import refill_computed_buffers
 
@@ -66,8 +68,6 @@ def set_special_token_ids(hf_model: nn.Module, tokenizer: Any) -> None:
     which ``generate`` would use: with another tokenizer it would stop at the wrong token or never.
     A tokenizer without BOS or EOS writes ``null`` rather than another id.
     """
-    from transformers import GenerationConfig
-
     ids = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
@@ -91,8 +91,6 @@ def _refuse_lora(section: dict[str, Any], folder: Path) -> None:
 
 def to_hf_model(model: nn.Module, family: str) -> nn.Module:
     """The ``transformers`` model holding ``model``'s weights (shared where names map one to one)."""
-    from transformers import AutoModelForCausalLM
-
     adapter = adapter_for_family(family)
     hf_config = adapter.to_hf_config(model)
     hf_state = adapter.to_hf_state_dict(model.state_dict(), model)
@@ -102,8 +100,6 @@ def to_hf_model(model: nn.Module, family: str) -> nn.Module:
 
 
 def _checkpoint_tokenizer(name: str | None, config: dict[str, Any], folder: Path) -> Any:
-    from foundry.data import load_tokenizer
-
     section = config.get("tokenizer") or {}
     if not (name or section.get("name")):
         raise ConfigError(
@@ -142,8 +138,6 @@ def run_from_hf(args: argparse.Namespace) -> int:
 
 def from_hf_model(hf_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
     """(foundry model holding the checkpoint's weights in fp32, its ``model:`` section)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if not (hf_dir / "config.json").is_file():
         raise ConfigError(f"{hf_dir} is not a Hugging Face model directory (it has no config.json).")
     try:  # never runs a checkpoint's own code: the adapters know transformers' built-in classes only
@@ -163,8 +157,6 @@ def from_hf_model(hf_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
 
 
 def _hf_tokenizer(hf_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
     has_tokenizer = any((hf_dir / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
     return AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=False) if has_tokenizer else None
 

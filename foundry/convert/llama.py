@@ -11,7 +11,9 @@ import re
 from typing import Any
 
 import torch
+from transformers import LlamaConfig as HFLlamaConfig
 
+from foundry.convert.rope import hf_rope_settings
 from foundry.errors import ConfigError
 
 FAMILY = "llama_causal_lm"
@@ -32,8 +34,6 @@ _HF_QKV = re.compile(r"^self_attn\.([qkv])_proj\.weight$")
 
 def to_hf_config(model: Any) -> Any:
     """A ``transformers.LlamaConfig`` for a ``LlamaCausalLM``."""
-    from transformers import LlamaConfig as HFLlamaConfig
-
     llama = model.llama_config
     rope_scaling = llama.rope_scaling.to_hf_dict() if llama.rope_scaling is not None else None
     # Floats cast explicitly: transformers 5 validates config types strictly (a YAML `1` is an int).
@@ -84,8 +84,6 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], model: Any) -> dict[str, to
 
 def from_hf_config(hf_config: Any) -> dict[str, Any]:
     """The ``model:`` section of a foundry YAML for a Hugging Face Llama config."""
-    from foundry.convert.rope import hf_rope_settings
-
     _check_hf_features(hf_config)
     rope_theta, rope_scaling = hf_rope_settings(hf_config)
     section: dict[str, Any] = {

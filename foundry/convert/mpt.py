@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import MptConfig as HFMptConfig
 
 from foundry.errors import ConfigError
 
@@ -46,8 +47,6 @@ def _ffn_width(config: Any) -> float:
 
 def to_hf_config(model: Any) -> Any:
     """A ``transformers.MptConfig`` for an ``MPTCausalLM``, or a ConfigError naming what does not map."""
-    from transformers import MptConfig as HFMptConfig
-
     config = model.config
     unmappable = unmappable_features(config)
     if unmappable:

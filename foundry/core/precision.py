@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from foundry.errors import ConfigError
 
@@ -66,7 +67,5 @@ def grad_scaler(precision: str, sharded: bool) -> torch.amp.GradScaler | None:
     if precision != "amp_fp16":
         return None
     if sharded:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
         return ShardedGradScaler("cuda")
     return torch.amp.GradScaler("cuda")

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from tqdm import tqdm
 
-from foundry.data.corpus import builtin_corpus_documents
+from foundry.data.corpus import builtin_corpus_documents, builtin_instruction_rows
 from foundry.data.jsonl import read_jsonl
 from foundry.data.mds import import_streaming
 from foundry.data.tokenizer import load_tokenizer, train_bpe_tokenizer
@@ -390,8 +390,6 @@ def write_builtin_instructions(out_dir: Path, eval_fraction: float, overwrite: b
 
     Every ``round(1 / eval_fraction)``-th topic goes to val with both of its rows (rows come in topic pairs).
     """
-    from foundry.data.corpus import builtin_instruction_rows
-
     rows = builtin_instruction_rows()
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:

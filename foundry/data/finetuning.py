@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from foundry import registry
+from foundry.config import LOADER_DEFAULTS
 from foundry.data.chat import RowFormatError, chat_renderer
 from foundry.data.finetuning_examples import FinetuningCounts, LabelPolicy, Truncation, build_example, token_turns
 from foundry.data.finetuning_rows import read_rows
@@ -177,12 +178,12 @@ def build_finetuning_dataloader(
     device_batch_size: int,
     dataset: dict[str, Any],
     tokenizer: Any = None,
-    drop_last: bool = False,
-    num_workers: int = 0,
-    pin_memory: bool = True,
-    prefetch_factor: int | None = None,
-    persistent_workers: bool = False,
-    timeout: float = 0,
+    drop_last: bool = LOADER_DEFAULTS.drop_last,
+    num_workers: int = LOADER_DEFAULTS.num_workers,
+    pin_memory: bool = LOADER_DEFAULTS.pin_memory,
+    prefetch_factor: int | None = LOADER_DEFAULTS.prefetch_factor,
+    persistent_workers: bool = LOADER_DEFAULTS.persistent_workers,
+    timeout: float = LOADER_DEFAULTS.timeout,
     key_path: str = "train_loader",
 ) -> FinetuningDataLoader:
     """Build LLM Foundry's ``finetuning`` loader; rows are read and tokenized here, once.

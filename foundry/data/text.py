@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from foundry import registry
+from foundry.config import LOADER_DEFAULTS
 from foundry.data.collate import collate_lm_samples
 from foundry.data.mds import build_checked_streams, import_streaming
 from foundry.errors import ConfigError
@@ -98,16 +99,18 @@ def build_text_dataloader(
     device_batch_size: int,
     dataset: dict[str, Any],
     tokenizer: PreTrainedTokenizerBase | None = None,
-    drop_last: bool = True,
-    num_workers: int = 0,
-    pin_memory: bool = True,
-    prefetch_factor: int | None = 2,
-    persistent_workers: bool = False,
-    timeout: float = 0,
+    drop_last: bool = LOADER_DEFAULTS.drop_last,
+    num_workers: int = LOADER_DEFAULTS.num_workers,
+    pin_memory: bool = LOADER_DEFAULTS.pin_memory,
+    prefetch_factor: int | None = LOADER_DEFAULTS.prefetch_factor,
+    persistent_workers: bool = LOADER_DEFAULTS.persistent_workers,
+    timeout: float = LOADER_DEFAULTS.timeout,
     key_path: str = "train_loader",
     sample_indices: bool = False,
 ) -> DataLoader:
     """Build LLM Foundry's ``text`` loader over a local (or remote) MDS dataset.
+
+    The loader keys (``drop_last``, ``num_workers``...) default to the YAML's (``foundry.config.LoaderConfig``).
 
     Args:
         tokenizer: needed only for datasets with a raw ``text`` column.
@@ -127,6 +130,7 @@ def build_text_dataloader(
         raise ConfigError(f"'{key_path}.device_batch_size' is {device_batch_size}; it must be at least 1.")
     _reject_sequence_ids(config, key_path)
     import_streaming(f"The text dataloader '{key_path}'")
+    # text_dataset imports mosaicml-streaming, which the GPU image lacks: only once it is known to import.
     from foundry.data.text_dataset import StreamingTextDataset, TextDataLoader
 
     streams = build_checked_streams(config, f"{key_path}.dataset")

@@ -102,6 +102,7 @@ def _param_groups(model: nn.Module) -> Iterator:
 
 def _reset_iter_state_before_2_14(model: FSDPModule) -> None:
     """What ``FSDPModule.reset_iter_state`` does, for torch versions without it: reshard, forget the iteration."""
+    # A private module whose path changes between torch versions: read only on the versions that need it.
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     root_state = model._get_fsdp_state()

@@ -10,6 +10,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
 from foundry.errors import ConfigError
 
 
@@ -25,12 +28,9 @@ def launch(command: Sequence[str], nproc: int, nnodes: int = 1, rdzv_endpoint: s
     Returns:
         0, or the exit code every failed rank shared (1 when they differ).
     """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
     arguments = torchrun_arguments(command, nproc, nnodes, rdzv_endpoint)
     try:
-        run(get_args_parser().parse_args(arguments))
+        torchrun.run(torchrun.get_args_parser().parse_args(arguments))
     except ChildFailedError as error:
         # A rank killed by a signal could say nothing itself; torchrun then stopped the others with SIGTERM.
         killed = sorted(

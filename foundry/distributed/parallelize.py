@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,13 +34,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from foundry.config import FSDPConfig
 from foundry.core.precision import cast_embeddings_to_autocast_dtype
 from foundry.distributed.activation_checkpoint import apply_activation_checkpointing, apply_activation_offload
 from foundry.distributed.env import all_reduce_sum, get_local_world_size, get_rank, get_world_size
+from foundry.distributed.process_group import init_process_group
 from foundry.errors import ConfigError
-
-if TYPE_CHECKING:
-    from foundry.config import FSDPConfig
+from foundry.schema import parse_dataclass
 
 log = logging.getLogger(__name__)
 
@@ -231,10 +231,6 @@ def prepare_sharding(config: FSDPConfig | Mapping[str, Any] | None, optimizers: 
     Several ranks without one get ``NO_SHARD``: their gradients must still be averaged. A sharded
     model gets new parameters, so ``optimizers`` must be a factory called after sharding.
     """
-    from foundry.config import FSDPConfig
-    from foundry.distributed.process_group import init_process_group
-    from foundry.schema import parse_dataclass
-
     if isinstance(config, Mapping):
         config = parse_dataclass(FSDPConfig, config, "fsdp_config")
     if config is None and get_world_size() > 1:

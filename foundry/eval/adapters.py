@@ -11,9 +11,16 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from foundry.checkpoint import load_checkpoint
 from foundry.convert.checkpoint_io import check_weights_loaded, resolve_checkpoint, unloaded_model
+from foundry.core.state import State
+from foundry.core.time import Time
 from foundry.errors import ConfigError
+from foundry.eval.loading import LoadedModel, _max_seq_len, _tokenizer, is_hf_directory
+from foundry.eval.runner import build_evaluator, score
+from foundry.models.build import build_model
 from foundry.models.lora import is_adapter_key
+from foundry.peft.adapters import AdapterSet
 from foundry.peft.export import HF_FAMILY
 
 
@@ -22,12 +29,6 @@ def _base_model(base: Path, section: dict[str, Any]) -> tuple[Any, dict[str, Any
 
     ``base`` is a foundry checkpoint, or for an ``hf_causal_lm`` run a Hugging Face directory.
     """
-    from foundry.checkpoint import load_checkpoint
-    from foundry.core.state import State
-    from foundry.core.time import Time
-    from foundry.eval.loading import is_hf_directory
-    from foundry.models.build import build_model
-
     if is_hf_directory(base):
         if section.get("name") != HF_FAMILY:
             raise ConfigError(
@@ -48,10 +49,6 @@ def evaluate_adapters(
     bases: list[Any], adapter_paths: list[str], tasks: list, gauntlet: Any, cfg: Any, device: Any
 ) -> list:
     """``ModelResults`` per adapter (named by its path), all on the one base in ``bases``."""
-    from foundry.eval.loading import LoadedModel, _max_seq_len, _tokenizer
-    from foundry.eval.runner import build_evaluator, score
-    from foundry.peft.adapters import AdapterSet
-
     if len(bases) != 1 or not isinstance(bases[0], str | Path):
         raise ConfigError("--adapters needs exactly one base checkpoint: pass it as --model BASE (no --compare).")
     _, adapter_config = resolve_checkpoint(adapter_paths[0])

@@ -16,7 +16,21 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
+from foundry import distributed
+from foundry.config import apply_overrides, load_yaml, resolve_interpolations
+from foundry.config.icl import parse_gauntlet, parse_icl_tasks
+from foundry.core import seed_everything
+from foundry.core.precision import check_precision
 from foundry.errors import ConfigError
+from foundry.eval.adapters import evaluate_adapters
+from foundry.eval.loading import build_model_entry, load_model
+from foundry.eval.reference import load_references, reference_table
+from foundry.eval.report import markdown_table, write_reports
+from foundry.eval.runner import build_evaluator, score
+from foundry.eval.tasks import check_dataset_uris
+from foundry.schema import parse_dataclass
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -77,9 +91,6 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_eval_config(args: argparse.Namespace) -> EvalConfig:
     """The YAML (if any) with overrides, then the command-line flags on top."""
-    from foundry.config import apply_overrides, load_yaml, resolve_interpolations
-    from foundry.schema import parse_dataclass
-
     raw = apply_overrides(load_yaml(args.config), args.overrides) if args.config else {}
     where = args.config or "foundry eval"
     try:
@@ -107,16 +118,6 @@ def load_eval_config(args: argparse.Namespace) -> EvalConfig:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    import torch
-
-    from foundry import distributed
-    from foundry.config.icl import parse_gauntlet, parse_icl_tasks
-    from foundry.core import seed_everything
-    from foundry.core.precision import check_precision
-    from foundry.eval.reference import load_references, reference_table
-    from foundry.eval.report import markdown_table, write_reports
-    from foundry.eval.tasks import check_dataset_uris
-
     cfg = load_eval_config(args)
     references = load_references(args.reference) if args.reference else []  # checked before a model loads
     tasks = parse_icl_tasks(cfg.icl_tasks)  # every task key and file is checked before a model loads
@@ -130,8 +131,6 @@ def run_eval(args: argparse.Namespace) -> int:
         seed_everything(cfg.seed)
         sources = [*((entry, f"models[{i}]") for i, entry in enumerate(cfg.models)), *args.model, *args.compare]
         if args.adapters:  # one base, several LoRA adapters switched in place (foundry.eval.adapters)
-            from foundry.eval.adapters import evaluate_adapters
-
             results = evaluate_adapters(sources, args.adapters, tasks, gauntlet, cfg, device)
         else:
             results = [evaluate_source(source, tasks, gauntlet, cfg, device) for source in sources]
@@ -151,9 +150,6 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def evaluate_source(source: Any, tasks: list, gauntlet: Any, cfg: EvalConfig, device: Any) -> Any:
     """Load one model (a path, or a ``(models entry, key path)`` pair), evaluate it, free it."""
-    from foundry.eval.loading import build_model_entry, load_model
-    from foundry.eval.runner import build_evaluator, score
-
     if isinstance(source, tuple):
         loaded = build_model_entry(*source)
     else:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from foundry import distributed
 from foundry.config.icl import ICLTaskConfig
@@ -215,6 +216,4 @@ class _NoBar:
 def _progress_bar(total: int, enabled: bool) -> Any:
     if not enabled:
         return _NoBar()
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, desc="icl eval", unit="batch", dynamic_ncols=True)

@@ -12,8 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
+from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from foundry.config import TokenizerConfig
+from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint, resolve_checkpoint_path
+from foundry.data import load_tokenizer
 from foundry.errors import ConfigError
+from foundry.models.build import build_model
+from foundry.models.hf import HFCausalLM
+from foundry.schema import parse_dataclass
 
 
 @dataclasses.dataclass
@@ -35,8 +43,6 @@ def load_model(path: str | Path, name: str | None = None, attn_implementation: s
     if is_hf_directory(path):
         return _load_hf_directory(path, name or path.name, attn_implementation)
 
-    from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint
-
     folder, config = resolve_checkpoint(path)
     if not isinstance(config.get("tokenizer"), Mapping):
         raise ConfigError(f"Checkpoint {folder} names no tokenizer in its config; it cannot be evaluated on text.")
@@ -53,9 +59,6 @@ def is_hf_directory(path: Path) -> bool:
 
 def build_model_entry(entry: Mapping[str, Any], key_path: str) -> LoadedModel:
     """An eval YAML ``models:`` entry (LLM Foundry's: model_name, model, tokenizer, load_path)."""
-    from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint_path
-    from foundry.models.build import build_model
-
     unknown = set(entry) - {"model_name", "model", "tokenizer", "load_path"}
     if unknown or "model" not in entry or "tokenizer" not in entry:
         raise ConfigError(
@@ -72,8 +75,6 @@ def build_model_entry(entry: Mapping[str, Any], key_path: str) -> LoadedModel:
 
 
 def _load_hf_directory(path: Path, name: str, attn_implementation: str | None) -> LoadedModel:
-    from foundry.models.hf import HFCausalLM
-
     attn_implementation = attn_implementation or default_attn_implementation(path)
     model = HFCausalLM(pretrained_model_name_or_path=str(path), attn_implementation=attn_implementation)
     tokenizer = _tokenizer({"name": str(path)})
@@ -86,9 +87,6 @@ def default_attn_implementation(path: Path) -> str:
     Some built-in classes (``MptForCausalLM``, which ``foundry convert to-hf`` writes for MPT) have no
     SDPA path, and transformers refuses to build them with it.
     """
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     try:
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(path))]
     except (KeyError, ValueError, OSError):
@@ -97,10 +95,6 @@ def default_attn_implementation(path: Path) -> str:
 
 
 def _tokenizer(section: Mapping[str, Any]) -> Any:
-    from foundry.config import TokenizerConfig
-    from foundry.data import load_tokenizer
-    from foundry.schema import parse_dataclass
-
     cfg = parse_dataclass(TokenizerConfig, section, "tokenizer")
     return load_tokenizer(cfg.name, **cfg.kwargs)
 

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 from foundry.eval.gauntlet import primary_accuracy
+from foundry.plotting import figure_class  # one place that says how to get matplotlib
 
 GAUNTLET_PREFIX = "gauntlet/"
 
@@ -96,8 +97,6 @@ def primary_scores(model: ModelResults) -> dict[str, float]:
 
 def plot_comparison(models: list[ModelResults], out_path: Path) -> Path:
     """Grouped bars: one group per task (primary accuracy) plus the gauntlet average, one bar per model."""
-    from foundry.plotting import figure_class  # one place that says how to get matplotlib
-
     scores = [primary_scores(model) for model in models]
     tasks = list(dict.fromkeys(task for model_scores in scores for task in model_scores))
     figure = figure_class()(figsize=(max(6.0, 0.6 * len(tasks) * len(models)), 4.5))

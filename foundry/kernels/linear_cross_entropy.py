@@ -47,7 +47,7 @@ def _cross_entropy_rows_torch_(
 
 def _cross_entropy_rows_(logits: torch.Tensor, *args: object) -> torch.Tensor:
     if kernels_run_on(logits.device):
-        from foundry.kernels.cross_entropy import cross_entropy_rows_
+        from foundry.kernels.cross_entropy import cross_entropy_rows_  # imports triton: only where it runs
 
         return cross_entropy_rows_(logits, *args)
     return _cross_entropy_rows_torch_(logits, *args)

@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import torch
+
 from foundry import registry
 from foundry.core.time import Time, TimeUnit
 from foundry.errors import ConfigError
 
 if TYPE_CHECKING:
-    import torch
-
     from foundry.core.state import State
 
 
@@ -29,8 +29,6 @@ class TimeScheduler:
 
     def to_torch(self, optimizer: torch.optim.Optimizer, state: State) -> torch.optim.lr_scheduler.LambdaLR:
         """A torch scheduler the Trainer steps once per batch; LR = initial LR × multiplier(state)."""
-        import torch
-
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _step: self.multiplier(state))
 
 

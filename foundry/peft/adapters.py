@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from foundry.checkpoint import resolve_checkpoint_path
+from foundry.checkpoint.adapters import read_adapter_tensors
 from foundry.errors import ConfigError
 from foundry.models.lora import adapter_state_dict
 
@@ -57,9 +59,6 @@ class AdapterSet:
 
     def load(self, name: str, checkpoint: str | Path) -> None:
         """Read adapter ``name`` from a LoRA run's checkpoint (a checkpoint folder or its save_folder)."""
-        from foundry.checkpoint import resolve_checkpoint_path
-        from foundry.checkpoint.adapters import read_adapter_tensors
-
         self.add(name, read_adapter_tensors(resolve_checkpoint_path(checkpoint), self._parameters))
 
     @torch.no_grad()

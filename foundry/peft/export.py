@@ -17,10 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
+from foundry.checkpoint import latest_checkpoint, resolve_checkpoint_path
 from foundry.checkpoint.adapters import has_pretrained_base, model_lora_config
 from foundry.convert import adapter_for_family
+from foundry.convert.checkpoint_io import load_checkpoint_model, meta_model, resolve_checkpoint, save_weights_checkpoint
+from foundry.convert.commands import _check_out_dir, _write_atomically
 from foundry.errors import ConfigError
 from foundry.models.lora import LoraConfig, is_adapter_key, lora_modules, merged_state_dict
 
@@ -91,8 +95,6 @@ def adapter_config(config: LoraConfig, target_modules: list[str], base_model_nam
 
 def write_peft_adapter(model: nn.Module, family: str, out_dir: Path, base_model_name_or_path: str) -> Path:
     """Write ``model``'s adapters in PEFT's format to ``out_dir``."""
-    from safetensors.torch import save_file
-
     config = model_lora_config(model)
     if config is None:
         raise ConfigError("This model has no LoRA adapters (its model section has no peft_config); nothing to export.")
@@ -117,9 +119,6 @@ def add_export_adapter_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_export_adapter(args: argparse.Namespace) -> int:
-    from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint
-    from foundry.convert.commands import _check_out_dir, _write_atomically
-
     out_dir = _check_out_dir(Path(args.out_dir), args.overwrite)
     folder, config = resolve_checkpoint(args.checkpoint)
     family = config["model"]["name"]
@@ -145,9 +144,6 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_merge(args: argparse.Namespace) -> int:
-    from foundry.checkpoint import latest_checkpoint
-    from foundry.convert.checkpoint_io import resolve_checkpoint, save_weights_checkpoint
-
     out_ckpt = Path(args.out_ckpt).resolve()
     if latest_checkpoint(out_ckpt) is not None and not args.overwrite:
         raise ConfigError(f"{out_ckpt} already holds a checkpoint; pass --overwrite to replace it, or choose another.")
@@ -163,16 +159,11 @@ def run_merge(args: argparse.Namespace) -> int:
 
 def load_lora_checkpoint(folder: Path, section: dict[str, Any]) -> nn.Module:
     """The LoRA model of checkpoint ``folder`` on CPU; an adapters-only checkpoint's base is read first."""
-    from foundry.checkpoint import resolve_checkpoint_path
-    from foundry.convert.checkpoint_io import load_checkpoint_model
-
     return load_checkpoint_model(resolve_checkpoint_path(folder), section)
 
 
 def merged_model(model: nn.Module, section: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
     """(the plain model computing ``model``'s function with adapters folded in, its model section)."""
-    from foundry.convert.checkpoint_io import meta_model
-
     plain_section = {key: value for key, value in section.items() if key != "peft_config"}
     plain = meta_model(plain_section).to_empty(device="cpu")
     plain.load_state_dict(merged_state_dict(model))

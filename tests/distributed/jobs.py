@@ -50,6 +50,7 @@ def build_trainer(
     folder: str,
     fsdp_config: dict[str, Any] | None = None,
     model_keys: dict[str, Any] | None = None,  # with a 'name': a whole model section instead of the tiny MPT
+    precision: str = "fp32",  # ranks' losses are compared to one rank's within fp32 round-off
     **trainer_kwargs: Any,
 ) -> Trainer:
     torch.manual_seed(SEED)  # as builders.build_trainer seeds before building the model
@@ -59,6 +60,7 @@ def build_trainer(
         max_duration=f"{max_batches}ba",
         optimizers=lambda params: DecoupledAdamW(params, lr=3e-3),
         fsdp_config=fsdp_config,
+        precision=precision,
         device="cpu",
         seed=SEED,
         run_folder=f"{folder}/run",

@@ -27,7 +27,12 @@ def eval_loss(data: str, folder: str, batch_size: int) -> float:
     )
     torch.manual_seed(0)
     trainer = Trainer(
-        model=MPTCausalLM(**MODEL), eval_dataloader=loader, device="cpu", log_to_console=False, run_folder=folder
+        model=MPTCausalLM(**MODEL),
+        eval_dataloader=loader,
+        device="cpu",
+        precision="fp32",  # one rank's loss and two ranks' are compared within fp32 round-off
+        log_to_console=False,
+        run_folder=folder,
     )
     return trainer.eval()["eval"]["loss"]
 
