@@ -105,7 +105,13 @@ def launch(run: Run, kill: Kill | None = None, timeout_s: float = LAUNCH_TIMEOUT
     """Run ``run.command`` once (killed as ``kill`` says); (exit code, output tail, seconds after the start marker)."""
     # CPU ranks (gloo) on any machine: a GPU machine with fewer GPUs than ranks could not place them.
     # Unbuffered output: the start marker arrives when it is printed, and random kills are timed from it.
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", **run.env}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONUNBUFFERED": "1",
+        **run.env,
+    }
     env.pop("FOUNDRY_KILL_AT", None)
     if kill is not None and kill.point:
         env["FOUNDRY_KILL_AT"] = f"{kill.point}@{kill.visit}:rank{kill.rank}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,14 @@ from typing import Any
 import torch
 
 from foundry.models.base import CausalLM
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def repo_pythonpath() -> str:
+    """This checkout ahead of the caller's PYTHONPATH: a subprocess imports the foundry under test and still
+    finds what the user's path adds (packages installed outside site-packages, as on some GPU images)."""
+    return os.pathsep.join(path for path in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if path)
 
 
 class TinyLM(CausalLM):

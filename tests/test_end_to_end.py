@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from helpers import repo_pythonpath
 
 from foundry.checkpoint import latest_checkpoint
 from foundry.cli import main
@@ -102,7 +103,7 @@ def test_killed_run_resumes_to_the_same_weights_as_an_uninterrupted_one(tmp_path
         [sys.executable, "-c", KILL_AT_BATCH_SCRIPT, *args],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        env={**os.environ, "PYTHONPATH": repo_pythonpath()},
         timeout=300,
     )
     assert process.returncode == -signal.SIGKILL, process.stderr[-2000:]

@@ -27,6 +27,7 @@ def _trainer(tmp_path, model=None, **kwargs) -> Trainer:
     kwargs.setdefault("max_duration", "4ba")
     kwargs.setdefault("log_to_console", False)
     kwargs.setdefault("precision", "fp32")  # exact gradients and losses: no bf16 autocast
+    kwargs.setdefault("device", "cpu")  # its checks compare with CPU tensors, also on a GPU machine
     return Trainer(model=model or TinyLM(), run_folder=str(tmp_path / "run"), **kwargs)
 
 

@@ -44,7 +44,7 @@ SAVE_LOOP = textwrap.dedent(
 
 
 def test_sigkill_during_save_leaves_a_loadable_latest_checkpoint(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     child = subprocess.Popen(
         [sys.executable, "-c", SAVE_LOOP, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
     )
@@ -112,7 +112,7 @@ def build_trainer(save_folder: str, save_async: bool, max_batches: int, announce
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_trainer_autoresumes_from_the_last_complete_checkpoint_after_sigkill(tmp_path, mode):
     save_folder = tmp_path / "checkpoints"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-c", TRAINER_LOOP, str(save_folder), mode, str(Path(__file__).parent)]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import repo_pythonpath
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,7 +69,7 @@ def report(tiny_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
         [sys.executable, "-c", WITHOUT_OPTIONAL_PACKAGES, str(tiny_tokenizer_dir), str(jsonl_path), str(mds_dir)],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        env={**os.environ, "PYTHONPATH": repo_pythonpath()},
         timeout=120,
     )
     assert process.returncode == 0, process.stderr[-3000:]

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import repo_pythonpath
 
 from foundry.cli import main
 from foundry.data import convert_to_mds
@@ -85,7 +86,7 @@ def _losses(folder: Path) -> dict[int, float]:
 
 
 def test_hand_over_from_two_ranks_to_one_continues_the_run(tmp_path, data, capsys):
-    cpu_ranks = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CUDA_VISIBLE_DEVICES": ""}  # 2 ranks, also on 1 GPU
+    cpu_ranks = {**os.environ, "PYTHONPATH": repo_pythonpath(), "CUDA_VISIBLE_DEVICES": ""}  # 2 ranks, also on 1 GPU
     launched = subprocess.run(
         [sys.executable, "-m", "foundry.cli", *_args(tmp_path / "b", data, *HAND_OVER)[:1], "--nproc", "2",
          *_args(tmp_path / "b", data, *HAND_OVER)[1:]],

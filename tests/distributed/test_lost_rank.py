@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers import RendezvousStore
+from helpers import RendezvousStore, repo_pythonpath
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from foundry.distributed import launch as launch_module
@@ -40,7 +40,8 @@ TWO_RANKS = textwrap.dedent(
 @pytest.mark.distributed
 def test_the_surviving_rank_names_the_dead_one_and_how_to_resume():
     rendezvous = RendezvousStore()
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **rendezvous.env, "WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), **rendezvous.env}
+    env.update(WORLD_SIZE="2", CUDA_VISIBLE_DEVICES="")
     ranks = [
         subprocess.Popen(
             [sys.executable, "-c", TWO_RANKS],

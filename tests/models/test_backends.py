@@ -40,6 +40,7 @@ def build(family: str, attn_impl: str, device: str = "cpu") -> torch.nn.Module:
 def logits(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.Tensor:
     device = next(model.parameters()).device
     input_ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(1)).to(device)
+    model.eval()  # logits: in training, on a GPU, the forward returns the fused loss instead
     with torch.no_grad(), torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         return model({"input_ids": input_ids}).float()
 
