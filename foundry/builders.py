@@ -232,14 +232,16 @@ def _reject_unimplemented(cfg: TrainConfig) -> None:
 def _check_checkpoint_paths(cfg: TrainConfig) -> None:
     """save_folder must be writable and load_path must exist now, not after the model and data are built."""
     from foundry.checkpoint import latest_checkpoint
-    from foundry.core.paths import check_writable_folder
+    from foundry.core.paths import check_writable_folder, is_object_store_url
 
+    # Object-store folders are checked when the Trainer reaches the store (bucket, credentials).
     save_folder = fill_run_name(cfg.save_folder, cfg.run_name)
-    if save_folder:
+    on_store = is_object_store_url(save_folder)
+    if save_folder and not on_store:
         check_writable_folder(save_folder, "save_folder")
     load_path = fill_run_name(cfg.load_path, cfg.run_name)
-    resumes = cfg.autoresume and save_folder and latest_checkpoint(save_folder) is not None  # load_path unused
-    if load_path and not resumes and not Path(load_path).exists():
+    resumes = cfg.autoresume and save_folder and (on_store or latest_checkpoint(save_folder) is not None)
+    if load_path and not resumes and not is_object_store_url(load_path) and not Path(load_path).exists():
         raise ConfigError(
             f"'load_path' is '{load_path}', where nothing exists. Give a checkpoint folder (e.g. "
             "<save_folder>/ep0-ba100) or the save_folder of a run that saved one, or remove load_path to start from "

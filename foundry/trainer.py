@@ -37,7 +37,7 @@ from foundry.core import (
     Time,
     seed_everything,
 )
-from foundry.core.paths import check_local_path
+from foundry.core.paths import check_storage_path
 from foundry.core.precision import autocast, check_precision, grad_scaler
 from foundry.core.time import positive_time
 from foundry.distributed.parallelize import place_model
@@ -143,7 +143,7 @@ class Trainer:
         check_eval_subset(eval_subset_num_batches)
         self.eval_subset_num_batches = eval_subset_num_batches
         self.log_interval = Interval(positive_time(console_log_interval, "console_log_interval"))
-        check_local_path(load_path, "'load_path'")
+        check_storage_path(load_path, "'load_path'")
         self.save_folder = save_folder.replace("{run_name}", run_name) if save_folder else None
         self.save_interval = Interval(positive_time(save_interval, "save_interval"))
         self.checkpoints = CheckpointSaver(
@@ -383,6 +383,7 @@ class Trainer:
         if self.save_folder and self.checkpoints.last_save_batch != state.timestamp.batch:
             self.checkpoints.save(Event.BATCH_CHECKPOINT)
         self.checkpoints.publish_pending()
+        self.checkpoints.wait_for_uploads()
 
 
 def _eval_loaders(eval_dataloader: Iterable | Mapping[str, Iterable] | None) -> dict[str, Iterable]:

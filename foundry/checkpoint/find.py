@@ -11,8 +11,9 @@ from pathlib import Path
 
 from foundry.checkpoint.integrity import publish_sequence, verify_checkpoint
 from foundry.checkpoint.layout import CHECKPOINT_NAME, MANIFEST_FILE, META_FILE, folder_order, named_folders
+from foundry.checkpoint.remote import fetch_from_url
 from foundry.checkpoint.safe_reader import METADATA_FILE
-from foundry.core.paths import check_local_path
+from foundry.core.paths import check_storage_path, is_object_store_url
 from foundry.errors import CheckpointError
 
 
@@ -30,11 +31,16 @@ def latest_checkpoint(save_folder: str | Path) -> Path | None:
 def resolve_checkpoint_path(path: str | Path) -> Path:
     """A checkpoint folder as given, or a save_folder's latest checkpoint; verified against its manifest.
 
+    An object-store URL (``s3://...``) of either is downloaded into its local copy first (every rank must call
+    this then); the local folder is returned.
+
     Raises:
         CheckpointError: nothing to load there; ``DamagedCheckpointError`` when a file differs from
             its checksum (an explicit path never falls back to an older checkpoint).
     """
-    check_local_path(str(path), "the checkpoint path", CheckpointError)
+    check_storage_path(str(path), "the checkpoint path", CheckpointError)
+    if is_object_store_url(str(path)):
+        path = fetch_from_url(str(path))
     path = Path(path)
     if not path.exists():
         raise CheckpointError(
