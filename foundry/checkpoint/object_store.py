@@ -11,6 +11,7 @@ relative to the folder's URL: ``ep0-ba4/manifest.json``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import secrets
 import tempfile
@@ -32,6 +33,12 @@ _SDK_MODULES = {"s3": "boto3", "gs": "google.cloud.storage", "oci": "oci", "azur
 _DOWNLOAD_TIMEOUT_S = 600.0
 
 
+@functools.cache
+def object_store(url: str) -> ObjectStore:
+    """The ``ObjectStore`` of ``url``, made once per process (its SDK clients take a while to create)."""
+    return ObjectStore(url)
+
+
 class ObjectStore:
     """The object-store folder ``url``; raises ``CheckpointError`` when its SDK or bucket cannot be reached."""
 
@@ -51,6 +58,7 @@ class ObjectStore:
         self._lock = threading.Lock()  # streaming's uploader uploads from one (local, remote) pair at a time
         with self.errors("reach"):
             self._uploader = CloudUploader.get((tempfile.mkdtemp(prefix="foundry-upload-"), self.url), keep_local=True)
+        self._downloader = CloudDownloader.get(self.url)  # keeps its SDK client: creating one takes a while
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.url})"
@@ -74,10 +82,8 @@ class ObjectStore:
         local_file.parent.mkdir(parents=True, exist_ok=True)
         partial = local_file.with_name(f".tmp-{local_file.name}-{secrets.token_hex(4)}")
         try:
-            with self.errors("download", key):
-                downloader = CloudDownloader.get(self.url)
-                downloader.download(self.url_of(key), str(partial), _DOWNLOAD_TIMEOUT_S)
-                downloader.clean_up()
+            with self._lock, self.errors("download", key):
+                self._downloader.download(self.url_of(key), str(partial), _DOWNLOAD_TIMEOUT_S)
             os.replace(partial, local_file)
         finally:
             partial.unlink(missing_ok=True)

@@ -31,7 +31,7 @@ from foundry.checkpoint.layout import (
     folder_order,
     move_into_place,
 )
-from foundry.checkpoint.object_store import ObjectStore
+from foundry.checkpoint.object_store import ObjectStore, object_store
 from foundry.distributed.env import all_gather_object, get_local_rank
 from foundry.errors import CheckpointError, DamagedCheckpointError
 
@@ -126,14 +126,14 @@ def fetch_from_url(url: str) -> Path:
     """
     parent, _, last = url.rstrip("/").rpartition("/")
     if CHECKPOINT_NAME.match(last):
-        store, name = ObjectStore(parent), last
+        store, name = object_store(parent), last
         if MANIFEST_FILE not in store_checkpoints(store).get(name, []):
             raise CheckpointError(
                 f"No published checkpoint at {url}: it has no {MANIFEST_FILE} (nothing was saved there, or its upload "
                 "was interrupted). Point load_path at a published checkpoint, or at the save_folder to load its latest."
             )
     else:
-        store = ObjectStore(url)
+        store = object_store(url)
         published = published_checkpoints(store)
         if not published:
             raise CheckpointError(
@@ -150,7 +150,7 @@ def newest_intact_on_store(url: str, rank: int) -> Path | None:
     Damaged ones are skipped with a warning (the store is left as it is: a resumed run publishes newer ones).
     Every rank must call this.
     """
-    store = ObjectStore(url)
+    store = object_store(url)
     skipped: list[tuple[str, DamagedCheckpointError]] = []
     for name, _ in reversed(published_checkpoints(store)):
         try:

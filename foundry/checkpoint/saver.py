@@ -12,7 +12,7 @@ from pathlib import Path
 
 from foundry import distributed
 from foundry.checkpoint.find import checkpoint_folders
-from foundry.checkpoint.object_store import ObjectStore
+from foundry.checkpoint.object_store import ObjectStore, object_store
 from foundry.checkpoint.remote import local_copy, published_checkpoints, remove_unpublished, store_checkpoints
 from foundry.checkpoint.save import PendingCheckpoint, remove_temporaries, start_checkpoint
 from foundry.checkpoint.uploader import CheckpointUploader
@@ -58,7 +58,7 @@ class CheckpointSaver:
             if self.state.rank == 0 and self.local_folder.is_dir():
                 remove_temporaries(self.local_folder)
             if is_object_store_url(save_folder):
-                self._start_uploads(ObjectStore(save_folder))
+                self._start_uploads(object_store(save_folder))
         self._async_group = distributed.new_gloo_group() if save_async and save_folder else None
         self._pending: tuple[PendingCheckpoint, Event] | None = None  # and the event to fire when published
         self.last_save_batch: int | None = None

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import TinyLM, token_batches
 
+from foundry.checkpoint.integrity import verify_checkpoint
 from foundry.checkpoint.object_store import ObjectStore
-from foundry.checkpoint.remote import local_copy, published_checkpoints, store_checkpoints
+from foundry.checkpoint.remote import fetch_checkpoint, local_copy, published_checkpoints, store_checkpoints
 from foundry.trainer import Trainer
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("fault_injection", REPO_ROOT / "benchmarks" / "fault_injection.py")
+fault_injection = sys.modules.setdefault("fault_injection", importlib.util.module_from_spec(_spec))
+if not hasattr(fault_injection, "launch"):
+    _spec.loader.exec_module(fault_injection)
 
 
 def _trainer(save_folder: str, tmp_path: Path, max_batches: int = 3, **kwargs) -> Trainer:
@@ -35,3 +45,69 @@ def test_a_run_publishes_each_checkpoint_on_the_store_and_keeps_the_newest(s3_bu
     assert set(store_checkpoints(store)) == {"ep0-ba2", "ep0-ba3"}
     assert store.read_bytes("latest") == b"ep0-ba3"
     assert sorted(path.name for path in local_copy(url).iterdir() if path.is_dir()) == ["ep0-ba2", "ep0-ba3"]
+
+
+# ------------------------------------------------------------------------------------- kill -9
+# Six batches, a checkpoint after each, the newest two kept, autoresume: argv = save_folder, run folder.
+TRAIN = """
+import sys
+import torch
+from foundry.trainer import Trainer
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+batches = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+loss = lambda batch: (model(batch) - batch[:, :1]).pow(2).mean()
+class Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = model
+    def forward(self, batch):
+        return loss(batch)
+trainer = Trainer(model=Regression(), train_dataloader=batches, max_duration="6ba", save_folder=sys.argv[1],
+                  save_interval="1ba", save_num_checkpoints_to_keep=2, autoresume=True, device="cpu",
+                  run_folder=sys.argv[2], log_to_console=False)
+print("foundry: run 'fault-injection' starts", flush=True)
+trainer.fit()
+"""
+
+
+def _run(save_folder: str, tmp_path: Path, machine: str) -> object:
+    command = [sys.executable, "-c", TRAIN, save_folder, str(tmp_path / "run")]
+    env = {"FOUNDRY_CACHE_DIR": str(tmp_path / machine)}  # each machine has its own local disk
+    return fault_injection.Run(command=command, save_folder=Path(save_folder), env=env)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("reference")
+    exit_code, output, _ = fault_injection.launch(_run(str(folder / "ckpt"), folder, "machine"))
+    assert exit_code == 0, output
+    return fault_injection.final_tensors(folder / "ckpt")
+
+
+@pytest.mark.parametrize(
+    ("point", "visit", "resumed_on"),
+    [
+        ("upload.file_uploaded", 6, "machine-2"),
+        ("upload.files_uploaded", 3, "machine-1"),
+        ("prune.unpublished", 1, "machine-2"),
+    ],
+    ids=["mid-upload-new-machine", "before-the-manifest-same-machine", "mid-prune-new-machine"],
+)
+def test_a_kill_during_an_upload_resumes_from_the_store_bit_identically(
+    s3_bucket, tmp_path, reference, point, visit, resumed_on
+):
+    url = f"{s3_bucket}/run"
+    exit_code, output, _ = fault_injection.launch(
+        _run(url, tmp_path, "machine-1"), fault_injection.Kill(point=point, visit=visit)
+    )
+    assert exit_code == -9, output
+    store = ObjectStore(url)
+    for name, _ in published_checkpoints(store):  # what the store publishes is complete
+        verify_checkpoint(fetch_checkpoint(store, name))
+    exit_code, output, _ = fault_injection.launch(_run(url, tmp_path, resumed_on))
+    assert exit_code == 0, output
+    assert fault_injection.identical(fault_injection.final_tensors(url), reference)
+    assert sorted(store_checkpoints(store)) == ["ep0-ba5", "ep0-ba6"]  # nothing unpublished is left
+    assert [name for name, _ in published_checkpoints(store)] == ["ep0-ba5", "ep0-ba6"]
