@@ -144,6 +144,7 @@ class Trainer:
         self.eval_subset_num_batches = eval_subset_num_batches
         self.log_interval = Interval(positive_time(console_log_interval, "console_log_interval"))
         check_storage_path(load_path, "'load_path'")
+        check_storage_path(save_folder, "'save_folder'")
         self.save_folder = save_folder.replace("{run_name}", run_name) if save_folder else None
         self.save_interval = Interval(positive_time(save_interval, "save_interval"))
         self.checkpoints = CheckpointSaver(

@@ -13,6 +13,7 @@ from helpers import TinyLM, token_batches
 from foundry.checkpoint.integrity import verify_checkpoint
 from foundry.checkpoint.object_store import ObjectStore
 from foundry.checkpoint.remote import fetch_checkpoint, local_copy, published_checkpoints, store_checkpoints
+from foundry.errors import CheckpointError
 from foundry.trainer import Trainer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -111,3 +112,65 @@ def test_a_kill_during_an_upload_resumes_from_the_store_bit_identically(
     assert fault_injection.identical(fault_injection.final_tensors(url), reference)
     assert sorted(store_checkpoints(store)) == ["ep0-ba5", "ep0-ba6"]  # nothing unpublished is left
     assert [name for name, _ in published_checkpoints(store)] == ["ep0-ba5", "ep0-ba6"]
+
+
+# ------------------------------------------------------------------------------- reading the store
+@pytest.fixture
+def saved_run(s3_bucket, tmp_path) -> str:
+    """``s3://.../run`` holding ep0-ba1..3, saved from another machine's local copy."""
+    url = f"{s3_bucket}/run"
+    _trainer(url, tmp_path).fit()
+    return url
+
+
+def _new_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str = "machine-2") -> None:
+    monkeypatch.setenv("FOUNDRY_CACHE_DIR", str(tmp_path / name))
+
+
+def test_load_path_on_the_store_loads_the_checkpoint_it_names_or_the_latest(saved_run, tmp_path, monkeypatch):
+    _new_machine(tmp_path, monkeypatch)
+    assert _trainer(None, tmp_path, load_path=f"{saved_run}/ep0-ba2").state.timestamp.batch == 2
+    assert _trainer(None, tmp_path, load_path=saved_run).state.timestamp.batch == 3
+
+
+def test_autoresume_ignores_a_folder_the_store_never_published_and_the_next_run_deletes_it(
+    saved_run, tmp_path, monkeypatch
+):
+    store = ObjectStore(saved_run)
+    store.delete(["ep0-ba3/manifest.json"])  # as if the upload was killed before its manifest
+    _new_machine(tmp_path, monkeypatch)
+    trainer = _trainer(saved_run, tmp_path, max_batches=4, autoresume=True)
+    assert trainer.state.timestamp.batch == 2
+    assert sorted(store_checkpoints(store)) == ["ep0-ba1", "ep0-ba2"]
+
+
+def test_autoresume_skips_a_damaged_checkpoint_on_the_store_naming_the_file(saved_run, tmp_path, monkeypatch, caplog):
+    store = ObjectStore(saved_run)
+    damaged = tmp_path / "__0_0.distcp"
+    damaged.write_bytes(b"\0" + store.read_bytes("ep0-ba3/__0_0.distcp")[1:])
+    store.upload(damaged, "ep0-ba3/__0_0.distcp")
+    _new_machine(tmp_path, monkeypatch)
+    trainer = _trainer(saved_run, tmp_path, max_batches=4, autoresume=True)
+    assert trainer.state.timestamp.batch == 2
+    assert "ep0-ba3, which is damaged (__0_0.distcp differs from its checksum" in caplog.text
+
+
+def test_a_missing_bucket_is_refused_naming_the_url_and_what_to_check(s3_bucket, tmp_path):
+    with pytest.raises(CheckpointError, match=r"Could not reach s3://no-such-bucket/x .*bucket exists.*credentials"):
+        _trainer("s3://no-such-bucket/x", tmp_path)
+
+
+def test_a_missing_sdk_names_the_extra_that_installs_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "boto3", None)  # import boto3 now raises ImportError
+    with pytest.raises(CheckpointError, match=r"s3://b/x.*pip install 'foundry\[s3\]'"):
+        ObjectStore("s3://b/x")
+
+
+def test_credentials_stay_out_of_checkpoints_on_the_store(s3_bucket, tmp_path, monkeypatch):
+    secret = "local-0123456789abcdef0123456789abcdef"
+    monkeypatch.setenv("AZURE_ACCOUNT_ACCESS_KEY", secret)  # as a run on Azure would have it
+    url = f"{s3_bucket}/run"
+    _trainer(url, tmp_path, max_batches=1, config={"notes": f"key {secret}", "tokenizer": "t"}).fit()
+    store = ObjectStore(url)
+    saved = [store.read_bytes(key) for key in store.list()]
+    assert any(b'"tokenizer": "t"' in data for data in saved) and not any(secret.encode() in data for data in saved)
