@@ -3,6 +3,7 @@ logger that records what it is given, one event at a time)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import secrets
@@ -150,6 +151,7 @@ def s3_endpoint() -> Iterator[str]:
     """A real S3-protocol server on localhost (moto's standalone server) for the session; skipped without moto."""
     pytest.importorskip("boto3")
     moto_server = pytest.importorskip("moto.server")
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
