@@ -244,6 +244,9 @@ def _restore_training_state(path: Path, meta: dict, state: State, callbacks: Seq
 
 
 def _load_schedulers(path: Path, schedulers: Sequence, saved: list[dict]) -> None:
+    if schedulers and not saved:  # e.g. converted from Composer: foundry's schedules follow the timestamp
+        log.warning("Checkpoint %s holds no LR scheduler state; this run's schedules continue from its batch.", path)
+        return
     if len(schedulers) != len(saved):
         raise CheckpointError(
             f"Checkpoint {path} has {len(saved)} LR scheduler(s) but this run has {len(schedulers)}. Use the "

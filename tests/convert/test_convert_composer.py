@@ -20,6 +20,7 @@ from foundry.convert.composer import from_composer
 from foundry.convert.composer_pickle import read_composer_checkpoint
 from foundry.errors import CheckpointError
 from foundry.models.build import build_model
+from foundry.optim import CosineWithWarmupScheduler
 from foundry.trainer import Trainer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "composer"
@@ -40,7 +41,8 @@ def test_from_composer_with_the_optimizer_continues_the_run_at_its_batch(tmp_pat
     section = from_composer(COMPOSER_CKPT).section
     trainer = Trainer(
         build_model(section), token_batches(4, 2, vocab_size=64), max_duration="4ba", load_path=str(tmp_path / "ckpt"),
-        run_folder=str(tmp_path / "run"), log_to_console=False, device="cpu",
+        schedulers=CosineWithWarmupScheduler(t_warmup="1ba"), run_folder=str(tmp_path / "run"), log_to_console=False,
+        device="cpu",
     )  # fmt: skip
     assert trainer.state.timestamp.batch == 3
     composer_state = read_composer_checkpoint(COMPOSER_CKPT)["state"]["optimizers"]["DecoupledAdamW"]["state"]
