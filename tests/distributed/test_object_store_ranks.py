@@ -34,3 +34,27 @@ def test_a_sharded_run_saves_to_the_store_from_every_rank_and_resumes_bit_identi
     for name, weight in uninterrupted["weights"].items():
         assert torch.equal(second["weights"][name], weight), name
     assert [name for name, _ in published_checkpoints(store)] == ["ep0-ba3", "ep1-ba6"]
+
+
+def train_on_own_node(cache_root: str, *args, **kwargs) -> dict | None:
+    """``train`` as rank r of a job whose ranks run on separate machines: its own disk, local rank 0."""
+    from foundry.distributed import get_rank
+
+    os.environ["FOUNDRY_CACHE_DIR"] = f"{cache_root}/node{get_rank()}"
+    os.environ["LOCAL_RANK"] = "0"
+    return train(*args, **kwargs)
+
+
+def test_ranks_on_machines_without_a_shared_disk_upload_their_own_files_and_resume(ranks, s3_bucket, tmp_path):
+    uninterrupted = ranks.run(2, train, NUM_BATCHES, str(tmp_path / "uninterrupted"), FULL_SHARD)[0]
+    url = f"{s3_bucket}/run"
+    relaunch = {"callbacks": [HandOver("3ba")], "save_folder": url, "autoresume": True}
+    env = {name: os.environ[name] for name in STORE_ENV}
+    for machines in ("first-machines", "other-machines"):
+        result = ranks.run(2, train_on_own_node, str(tmp_path / machines), NUM_BATCHES, str(tmp_path), FULL_SHARD,
+                           **relaunch, env=env)[0]  # fmt: skip
+    assert result["batch"] == NUM_BATCHES
+    for name, weight in uninterrupted["weights"].items():
+        assert torch.equal(result["weights"][name], weight), name
+    node1 = tmp_path / "first-machines" / "node1"
+    assert not [path for path in node1.rglob("*") if path.is_file()]  # rank 1's share went to the store, not kept
