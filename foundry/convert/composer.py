@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,17 @@ from foundry.optim import DecoupledAdamW
 _WRAPPER_PREFIX = "model."  # HuggingFaceModel keeps the wrapped model as .model
 _LLM_FOUNDRY_MPT = "llmfoundry."  # the class of LLM Foundry's own MPT lives in its package
 _ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+# Keys of LLM Foundry's MPT config that describe no computation (Hugging Face bookkeeping, derived values).
+_HF_BOOKKEEPING = {"model_type", "transformers_version", "architectures", "torch_dtype", "dtype", "attention_bias",
+                   "head_dim", "auto_map", "use_cache", "_name_or_path"}  # fmt: skip
+# LLM Foundry MPT keys foundry's lacks (where they sit), with the value at which foundry computes the same.
+_OFF_IN_LLM_FOUNDRY: dict[str, Any] = {
+    "fc_type": {"name": "torch"},  # under ffn_config: plain nn.Linear layers
+    "block_overrides": None,
+    "final_logit_softcapping": None,
+    "nope": False,
+    "attn_temperature_tuning": {"attn_scale": 0.0, "floor_scale": 8192},
+}
 
 
 @dataclasses.dataclass
@@ -75,8 +87,8 @@ def _mapping(path: Path, hf_class: str, hf_config: dict[str, Any]) -> tuple[dict
     """(foundry model section, function from the wrapped model's state dict to foundry's)."""
     model_type = hf_config.get("model_type")
     if model_type == "mpt" and hf_class.startswith(_LLM_FOUNDRY_MPT):
-        known = {field.name for field in dataclasses.fields(MPTConfig)}
-        section = {"name": "mpt_causal_lm", **{key: value for key, value in hf_config.items() if key in known}}
+        keys = {key: value for key, value in hf_config.items() if key not in _HF_BOOKKEEPING}
+        section = {"name": "mpt_causal_lm", **_foundry_keys(path, MPTConfig, keys, "")}
         section.pop("init_device", None)
         return section, lambda model_state: model_state  # foundry's MPT keeps LLM Foundry's parameter names
     try:
@@ -93,6 +105,27 @@ def _mapping(path: Path, hf_class: str, hf_config: dict[str, Any]) -> tuple[dict
     return adapter.from_hf_config(transformers_config), lambda state: adapter.from_hf_state_dict(
         state, transformers_config
     )
+
+
+def _foundry_keys(path: Path, config_class: type, keys: dict[str, Any], key_path: str) -> dict[str, Any]:
+    """``keys`` of LLM Foundry's MPT config that foundry's ``config_class`` has (nested sections too); a feature
+    foundry lacks is dropped when it is off (``_OFF_IN_LLM_FOUNDRY``) and refused, naming it, when it is on."""
+    fields = {field.name: field for field in dataclasses.fields(config_class)}
+    hints = typing.get_type_hints(config_class)
+    kept = {}
+    for key, value in keys.items():
+        if key not in fields:
+            if _OFF_IN_LLM_FOUNDRY.get(key, object()) != value:
+                raise CheckpointError(
+                    f"{path}: its model sets '{key_path}{key}' to {value!r}, a feature of LLM Foundry's MPT that "
+                    "foundry's mpt_causal_lm does not implement, so its weights would not compute the same here."
+                )
+            continue
+        nested = hints[key]
+        if isinstance(value, dict) and dataclasses.is_dataclass(nested):
+            value = _foundry_keys(path, nested, value, f"{key_path}{key}.")
+        kept[key] = value
+    return kept
 
 
 def _timestamp(path: Path, state: dict[str, Any]) -> Timestamp:

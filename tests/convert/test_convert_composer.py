@@ -1,9 +1,10 @@
 """``foundry convert from-composer``: a checkpoint written by Composer itself loads into foundry exactly, and
 a hostile pickle in Composer's format is refused without running code.
 
-The fixture ``tests/fixtures/composer/tiny_llama_composer.pt`` was written by Composer 0.32.1's own
-checkpointer (``make_composer_checkpoint.py`` beside it): a tiny Llama in ``HuggingFaceModel``, as
-LLM Foundry's ``hf_causal_lm`` saves it, after 3 batches of DecoupledAdamW.
+The fixtures in ``tests/fixtures/composer/`` were written by Composer 0.32.1's own checkpointer
+(``make_composer_checkpoint.py`` beside it), each after 3 batches of DecoupledAdamW: a tiny Llama in
+``HuggingFaceModel`` (as LLM Foundry's ``hf_causal_lm`` saves it) and LLM Foundry 0.22's own
+``ComposerMPTCausalLM`` (``mpt_causal_lm``).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "composer"
 COMPOSER_CKPT = FIXTURES / "tiny_llama_composer.pt"
 
 
-def test_a_composer_checkpoint_loads_into_foundry_with_identical_logits() -> None:
-    expected = torch.load(FIXTURES / "tiny_llama_composer_logits.pt")
-    model = from_composer(COMPOSER_CKPT).model.eval()
+@pytest.mark.parametrize("name", ["tiny_llama_composer", "tiny_mpt_llmfoundry"])
+def test_a_composer_checkpoint_loads_into_foundry_with_identical_logits(name: str) -> None:
+    expected = torch.load(FIXTURES / f"{name}_logits.pt")
+    model = from_composer(FIXTURES / f"{name}.pt").model.eval()
     with torch.no_grad():
         logits = model({"input_ids": expected["input_ids"]})
     assert torch.equal(logits, expected["logits"])
@@ -81,3 +83,12 @@ def test_load_path_at_a_composer_file_says_how_to_convert_it(tmp_path) -> None:
     with pytest.raises(CheckpointError, match=r"Composer \(LLM Foundry\) checkpoint: convert it with `foundry convert"):
         Trainer(build_model(from_composer(COMPOSER_CKPT).section), load_path=str(COMPOSER_CKPT), device="cpu",
                 run_folder=str(tmp_path / "run"), log_to_console=False)  # fmt: skip
+
+
+def test_an_llm_foundry_mpt_feature_foundry_lacks_is_refused_naming_it(tmp_path) -> None:
+    checkpoint = read_composer_checkpoint(FIXTURES / "tiny_mpt_llmfoundry.pt")
+    config = checkpoint["state"]["integrations"]["huggingface"]["model"]["config"]["content"]
+    config["attn_config"]["attn_temperature_tuning"] = {"attn_scale": 0.5, "floor_scale": 8192}
+    torch.save(checkpoint, tmp_path / "tuned.pt")
+    with pytest.raises(CheckpointError, match=r"sets 'attn_config.attn_temperature_tuning' to .*does not implement"):
+        from_composer(tmp_path / "tuned.pt")
