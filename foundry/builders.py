@@ -21,7 +21,7 @@ from foundry.checkpoint.adapters import has_pretrained_base
 from foundry.config import LoaderConfig, TokenizerConfig, TrainConfig, config_to_dict, fill_run_name
 from foundry.config.icl import parse_gauntlet, parse_icl_tasks
 from foundry.core import seed_everything
-from foundry.core.paths import check_writable_folder
+from foundry.core.paths import check_writable_folder, is_object_store_url
 from foundry.data import load_tokenizer
 from foundry.distributed import env
 from foundry.distributed.parallelize import shards
@@ -220,12 +220,14 @@ def _reject_unimplemented(cfg: TrainConfig) -> None:
 
 def _check_checkpoint_paths(cfg: TrainConfig) -> None:
     """save_folder must be writable and load_path must exist now, not after the model and data are built."""
+    # Object-store folders are checked when the Trainer reaches the store (bucket, credentials).
     save_folder = fill_run_name(cfg.save_folder, cfg.run_name)
-    if save_folder:
+    on_store = is_object_store_url(save_folder)
+    if save_folder and not on_store:
         check_writable_folder(save_folder, "save_folder")
     load_path = fill_run_name(cfg.load_path, cfg.run_name)
-    resumes = cfg.autoresume and save_folder and latest_checkpoint(save_folder) is not None  # load_path unused
-    if load_path and not resumes and not Path(load_path).exists():
+    resumes = cfg.autoresume and save_folder and (on_store or latest_checkpoint(save_folder) is not None)
+    if load_path and not resumes and not is_object_store_url(load_path) and not Path(load_path).exists():
         raise ConfigError(
             f"'load_path' is '{load_path}', where nothing exists. Give a checkpoint folder (e.g. "
             "<save_folder>/ep0-ba100) or the save_folder of a run that saved one, or remove load_path to start from "

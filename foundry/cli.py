@@ -213,6 +213,11 @@ COMMANDS: dict[str, Command] = {
         _lazy("foundry.convert.commands", "add_from_hf_arguments"),
         _lazy("foundry.convert.commands", "run_from_hf"),
     ),
+    "convert from-composer": Command(
+        "write an LLM Foundry (Composer) checkpoint as a foundry checkpoint, optionally with its optimizer state",
+        _lazy("foundry.convert.composer", "add_from_composer_arguments"),
+        _lazy("foundry.convert.composer", "run_from_composer"),
+    ),
     "eval": Command(
         "evaluate checkpoints or Hugging Face models on ICL tasks (and compare them)",
         _lazy("foundry.eval.command", "add_eval_arguments"),

@@ -36,7 +36,7 @@ from foundry.core import (
     Time,
     seed_everything,
 )
-from foundry.core.paths import check_local_path
+from foundry.core.paths import check_storage_path
 from foundry.core.precision import autocast, check_precision, grad_scaler
 from foundry.core.time import positive_time
 from foundry.distributed.parallelize import place_model
@@ -148,7 +148,8 @@ class Trainer:
         check_eval_subset(eval_subset_num_batches)
         self.eval_subset_num_batches = eval_subset_num_batches
         self.log_interval = Interval(positive_time(console_log_interval, "console_log_interval"))
-        check_local_path(load_path, "'load_path'")
+        check_storage_path(load_path, "'load_path'")
+        check_storage_path(save_folder, "'save_folder'")
         self.save_folder = fill_run_name(save_folder, run_name) or None
         self.save_interval = Interval(positive_time(save_interval, "save_interval"))
         self.checkpoints = CheckpointSaver(
@@ -388,6 +389,7 @@ class Trainer:
         if self.save_folder and self.checkpoints.last_save_batch != state.timestamp.batch:
             self.checkpoints.save(Event.BATCH_CHECKPOINT)
         self.checkpoints.publish_pending()
+        self.checkpoints.wait_for_uploads()
 
 
 def _eval_loaders(eval_dataloader: Iterable | Mapping[str, Iterable] | None) -> dict[str, Iterable]:

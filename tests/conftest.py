@@ -3,9 +3,11 @@ logger that records what it is given, one event at a time)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
-from collections.abc import Callable, Mapping
+import secrets
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +143,38 @@ def host_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def flops_model() -> Callable[[int], FlopsModel]:
     """Build a model that costs the given FLOPs per batch."""
     return FlopsModel
+
+
+# ------------------------------------------------------------------------------ object stores
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A real S3-protocol server on localhost (moto's standalone server) for the session; skipped without moto."""
+    pytest.importorskip("boto3")
+    moto_server = pytest.importorskip("moto.server")
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``s3://<a new bucket>`` on the session's server; the environment points the SDKs at it with dummy
+    credentials (inherited by subprocesses), and foundry's local copies go under ``tmp_path/cache``."""
+    import boto3
+
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": s3_endpoint,
+        "S3_ENDPOINT_URL": s3_endpoint,  # what mosaicml-streaming reads
+        "FOUNDRY_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    bucket = f"bucket-{secrets.token_hex(6)}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    return f"s3://{bucket}"

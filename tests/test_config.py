@@ -291,12 +291,10 @@ def test_activation_checkpointing_is_non_reentrant_by_default_from_both_switches
 #   pretrain/gpt-neo-125m_eval.yaml: icl_tasks names LLM Foundry's tasks file, which is not here
 #   finetune/mpt-30b-instruct.yaml: 'icl_max_seq_len' (LLM Foundry's finetune-only spelling of icl_seq_len)
 #   finetune/1b_local_data_sft.yaml: a top-level 'dataset' key that only holds a YAML anchor
-#   finetune/7b_dolly_sft.yaml: load_path is an oci:// URL (object stores are refused until supported)
 EXPECTED_ERRORS = {
     "gpt-neo-125m_eval.yaml": "'icl_tasks'",
     "mpt-30b-instruct.yaml": "Unknown top-level key 'icl_max_seq_len'",
     "1b_local_data_sft.yaml": "Unknown top-level key 'dataset'",
-    "7b_dolly_sft.yaml": "'load_path' is 'oci://.*local or mounted path",
 }
 
 

@@ -94,17 +94,28 @@ def test_the_trainer_refuses_zero_times_and_subsets_too(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ paths
-@pytest.mark.parametrize("url", ["s3://bucket/ckpts", "gs://bucket/ckpts", "oci://bucket@ns/ckpts", "azure://c/ckpts"])
+@pytest.mark.parametrize("url", ["hdfs://cluster/ckpts", "http://host/ckpts", "hf://org/repo"])
 @pytest.mark.parametrize("key", ["save_folder", "load_path"])
-def test_an_object_store_url_is_refused_at_validation(tmp_path: Path, key: str, url: str) -> None:
-    with pytest.raises(ConfigError, match=rf"'{key}' is '{url}', a \w+:// URL.*local folders only.*local or mounted"):
+def test_an_unsupported_url_scheme_is_refused_at_validation_with_the_supported_ones(
+    tmp_path: Path, key: str, url: str
+) -> None:
+    with pytest.raises(
+        ConfigError, match=rf"'{key}' is '{url}', a \w+:// URL.*Supported object stores: s3://, gs://, oci://, azure://"
+    ):
         _load(tmp_path, f"{key}={url}")
 
 
-def test_the_trainer_refuses_an_object_store_save_folder(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"'save_folder' is 's3://bucket/x'.*not supported yet"):
-        Trainer(model=TinyLM(), max_duration="1ba", save_folder="s3://bucket/x", run_folder=str(tmp_path))
-    assert not Path("s3:").exists()
+@pytest.mark.parametrize("url", ["s3://bucket/ckpts", "gs://bucket/ckpts", "oci://bucket@ns/ckpts", "azure://c/ckpts"])
+def test_an_object_store_save_folder_and_load_path_pass_validation(tmp_path: Path, url: str) -> None:
+    cfg = _load(tmp_path, f"save_folder={url}", f"load_path={url}/ep0-ba4")
+    assert (cfg.save_folder, cfg.load_path) == (url, f"{url}/ep0-ba4")
+
+
+def test_the_trainer_refuses_an_unsupported_url_without_writing_a_local_folder(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"'save_folder' is 'ftp://host/x'.*Supported object stores"):
+        Trainer(model=TinyLM(), max_duration="1ba", save_folder="ftp://host/x", run_folder=str(tmp_path))
+    assert not Path("ftp:").exists()
 
 
 def test_an_unwritable_save_folder_is_refused_before_anything_is_built(tmp_path: Path) -> None:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from foundry.checkpoint.integrity import publish_sequence, verify_checkpoint
 from foundry.checkpoint.layout import CHECKPOINT_NAME, MANIFEST_FILE, META_FILE, folder_order, named_folders
+from foundry.checkpoint.remote import fetch_from_url
 from foundry.checkpoint.safe_reader import METADATA_FILE
-from foundry.core.paths import check_local_path
+from foundry.core.paths import check_storage_path, is_object_store_url
 from foundry.errors import CheckpointError
 
 
@@ -27,14 +28,30 @@ def latest_checkpoint(save_folder: str | Path) -> Path | None:
     return folders[-1] if folders else None
 
 
+def _composer_hint(path: str | Path) -> str:
+    if not str(path).endswith((".pt", ".pt.tar")):
+        return ""
+    return (
+        f" {Path(str(path)).name} looks like a Composer (LLM Foundry) checkpoint: convert it with `foundry convert "
+        "from-composer <file> <out_folder>` (download it first from an object store) and set load_path to the folder."
+    )
+
+
 def resolve_checkpoint_path(path: str | Path) -> Path:
     """A checkpoint folder as given, or a save_folder's latest checkpoint; verified against its manifest.
+
+    An object-store URL (``s3://...``) of either is downloaded into its local copy first (every rank must call
+    this then); the local folder is returned.
 
     Raises:
         CheckpointError: nothing to load there; ``DamagedCheckpointError`` when a file differs from
             its checksum (an explicit path never falls back to an older checkpoint).
     """
-    check_local_path(str(path), "the checkpoint path", CheckpointError)
+    check_storage_path(str(path), "the checkpoint path", CheckpointError)
+    if is_object_store_url(str(path)):
+        if _composer_hint(path):
+            raise CheckpointError(f"{path} is a file, not a checkpoint folder.{_composer_hint(path)}")
+        path = fetch_from_url(str(path))
     path = Path(path)
     if not path.exists():
         raise CheckpointError(
@@ -42,7 +59,8 @@ def resolve_checkpoint_path(path: str | Path) -> Path:
             "(e.g. <save_folder>/ep0-ba100) or a save_folder to load its latest checkpoint."
         )
     if not path.is_dir():
-        raise CheckpointError(f"{path} is a file; a checkpoint is a folder (e.g. <save_folder>/ep0-ba100).")
+        hint = _composer_hint(path)
+        raise CheckpointError(f"{path} is a file; a checkpoint is a folder (e.g. <save_folder>/ep0-ba100).{hint}")
     markers = (META_FILE, METADATA_FILE, MANIFEST_FILE)
     if not (CHECKPOINT_NAME.match(path.name) or any((path / marker).exists() for marker in markers)):
         latest = latest_checkpoint(path)

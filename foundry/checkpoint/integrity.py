@@ -101,6 +101,17 @@ def _valid_entry(item: tuple[Any, Any]) -> bool:
     return plain_name and isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and HASH_NAME in entry
 
 
+def read_manifest(folder: Path) -> Manifest:
+    """The manifest of checkpoint ``folder``; ``DamagedCheckpointError`` when it is missing or damaged."""
+    try:
+        manifest = _read_manifest(folder)
+    except _UnreadableManifest as problem:
+        raise damaged(folder, [str(problem)]) from None
+    if manifest is None:
+        raise damaged(folder, [f"{MANIFEST_FILE} is missing"])
+    return manifest
+
+
 def publish_sequence(folder: Path) -> float:
     """When ``folder`` was published, for ordering: its manifest's sequence. A checkpoint of an older foundry
     (no manifest, format_version 1) comes before all others (0); one whose manifest is damaged or missing

@@ -14,6 +14,13 @@ The points, in the order a save reaches them (``foundry.checkpoint.save``)::
     publish.renamed         the folder renamed into place, the `latest` pointer not yet updated
     publish.latest_written  `latest` updated, older checkpoints not yet pruned
     prune.renamed           an old checkpoint renamed to .tmp-delete-*, not yet deleted
+
+With an object-store save_folder, in the upload thread (``foundry.checkpoint.remote``)::
+
+    upload.file_uploaded    one more file of a checkpoint uploaded (not yet published on the store)
+    upload.files_uploaded   every rank's files uploaded, the manifest not yet
+    upload.published        the manifest uploaded (the checkpoint is published), `latest` not yet
+    prune.unpublished       an old checkpoint's manifest deleted on the store, its other files not yet
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
+import shutil
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -38,6 +40,7 @@ LATEST_FILE = "latest"
 TMP_PREFIX = ".tmp-"
 DAMAGED_SUFFIX = ".damaged"
 CHECKPOINT_NAME = re.compile(r"^ep(\d+)-ba(\d+)$")
+_RANK_FILE = re.compile(r"^(?:rng-rank(\d+)\.json|__(\d+)_\d+\.distcp)$")  # rng.rng_file_name, DCP's data files
 
 
 def checkpoint_name(timestamp: Timestamp) -> str:
@@ -81,6 +84,12 @@ def folder_order(path: Path) -> tuple[int, int]:
     return (int(match.group(2)), int(match.group(1))) if match else (-1, -1)
 
 
+def owner_rank(file_name: str) -> int | None:
+    """The rank that writes ``file_name`` of a checkpoint (its RNG or tensor file), or None for shared files."""
+    match = _RANK_FILE.match(file_name)
+    return int(match.group(1) or match.group(2)) if match else None
+
+
 # -------------------------------------------------------- shared by save, load and consolidate
 def root_cause(exc: BaseException) -> BaseException:
     """The first rank's exception inside DCP's CheckpointException (a BaseException), else ``exc``."""
@@ -107,6 +116,18 @@ def write_durably(path: Path, text: str, tmp_name: str | None = None) -> None:
     if tmp_name:
         os.replace(target, path)
         fsync_dir(path.parent)
+
+
+def move_into_place(tmp_dir: Path, final_dir: Path) -> None:
+    """Rename a finished checkpoint folder into place (replacing an older one of the same name)."""
+    if final_dir.exists():
+        old_dir = final_dir.with_name(f"{TMP_PREFIX}old-{final_dir.name}-{secrets.token_hex(4)}")
+        os.replace(final_dir, old_dir)
+        os.replace(tmp_dir, final_dir)
+        shutil.rmtree(old_dir, ignore_errors=True)
+    else:
+        os.replace(tmp_dir, final_dir)
+    fsync_dir(final_dir.parent)
 
 
 def fsync_dir(folder: Path) -> None:

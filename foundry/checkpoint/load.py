@@ -30,8 +30,10 @@ from foundry.checkpoint.layout import (
     stateful_key_pairs,
     tensor_state,
 )
+from foundry.checkpoint.remote import newest_intact_on_store
 from foundry.checkpoint.rng import load_rng_file, rng_file_for_rank
 from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
+from foundry.core.paths import is_object_store_url
 from foundry.core.state import State
 from foundry.core.time import Timestamp
 from foundry.distributed.env import barrier
@@ -56,13 +58,17 @@ def resume_or_load(
 
     ``autoresume`` takes the newest intact checkpoint in ``save_folder`` with all its state (a restarted
     run continues; damaged newer ones are skipped with a warning and set aside); without one,
-    ``load_path`` (a checkpoint folder, or a save_folder's latest). Every rank must call this.
+    ``load_path`` (a checkpoint folder, or a save_folder's latest). Either may be on an object store
+    (downloaded first). Every rank must call this.
     """
     path = None
     if autoresume:
         if not save_folder:
             raise ConfigError("autoresume: true needs save_folder, where the run's checkpoints are found.")
-        path = newest_intact_checkpoint(Path(save_folder), state.rank)
+        if is_object_store_url(save_folder):
+            path = newest_intact_on_store(save_folder, state.rank)
+        else:
+            path = newest_intact_checkpoint(Path(save_folder), state.rank)
         weights_only = weights_only and path is None
     if path is None and load_path:
         path = resolve_checkpoint_path(load_path)
@@ -238,6 +244,9 @@ def _restore_training_state(path: Path, meta: dict, state: State, callbacks: Seq
 
 
 def _load_schedulers(path: Path, schedulers: Sequence, saved: list[dict]) -> None:
+    if schedulers and not saved:  # e.g. converted from Composer: foundry's schedules follow the timestamp
+        log.warning("Checkpoint %s holds no LR scheduler state; this run's schedules continue from its batch.", path)
+        return
     if len(schedulers) != len(saved):
         raise CheckpointError(
             f"Checkpoint {path} has {len(saved)} LR scheduler(s) but this run has {len(schedulers)}. Use the "

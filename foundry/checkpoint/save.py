@@ -39,7 +39,7 @@ from foundry.checkpoint.layout import (
     META_FILE,
     TMP_PREFIX,
     checkpoint_name,
-    fsync_dir,
+    move_into_place,
     root_cause,
     single_process_quiet,
     stateful_key_pairs,
@@ -73,12 +73,14 @@ def start_checkpoint(
     overwrite: bool = False,
     num_to_keep: int = -1,
     async_process_group: dist.ProcessGroup | None = None,
+    first_sequence: int = 1,
 ) -> PendingCheckpoint:
     """Begin writing ``state`` as ``save_checkpoint`` does; ``finish()`` on the result publishes it.
 
     With ``async_process_group`` (a gloo group of every rank, used by nothing else) the tensors are
     copied to host memory and written by a background thread while training goes on; without it
-    they are written before this returns.
+    they are written before this returns. ``first_sequence``: the least publish sequence it may get (an
+    object store's save_folder may hold newer checkpoints than its local copy).
     """
     save_folder = Path(save_folder)
     name = checkpoint_name(state.timestamp)
@@ -99,7 +101,7 @@ def start_checkpoint(
     tmp_dir = save_folder / _same_on_all_ranks(f"{TMP_PREFIX}{name}-{secrets.token_hex(4)}")
     _barrier()
     kill_point("save.started")
-    pending = PendingCheckpoint(tmp_dir, final_dir, state.rank, num_to_keep)
+    pending = PendingCheckpoint(tmp_dir, final_dir, state.rank, num_to_keep, first_sequence)
     try:
         pending.write = _write_checkpoint(tmp_dir, tensors, meta_json, rng_json, state.rank, async_process_group)
     except (Exception, dcp.CheckpointException) as exc:
@@ -110,8 +112,9 @@ def start_checkpoint(
 class PendingCheckpoint:
     """A checkpoint being written into its temporary folder; ``finish()`` publishes it once complete."""
 
-    def __init__(self, tmp_dir: Path, final_dir: Path, rank: int, num_to_keep: int) -> None:
+    def __init__(self, tmp_dir: Path, final_dir: Path, rank: int, num_to_keep: int, first_sequence: int = 1) -> None:
         self.tmp_dir, self.final_dir, self.rank, self.num_to_keep = tmp_dir, final_dir, rank, num_to_keep
+        self.first_sequence = first_sequence
         self.write: Future | None = None  # the write (and hashing) of this rank's files: its hashes
 
     def wait(self) -> dict[str, dict]:
@@ -131,9 +134,10 @@ class PendingCheckpoint:
         if self.rank == 0:
             save_folder = self.final_dir.parent
             files = _with_unclaimed_files(self.tmp_dir, every_ranks_hashes)
-            write_durably(self.tmp_dir / MANIFEST_FILE, manifest_text(files, _next_sequence(save_folder)))
+            sequence = max(_next_sequence(save_folder), self.first_sequence)
+            write_durably(self.tmp_dir / MANIFEST_FILE, manifest_text(files, sequence))
             kill_point("publish.manifest_written")
-            _publish(self.tmp_dir, self.final_dir)
+            move_into_place(self.tmp_dir, self.final_dir)
             kill_point("publish.renamed")
             complete_publish(save_folder, self.final_dir.name, self.num_to_keep)
         _barrier()
@@ -286,18 +290,6 @@ def _json_items(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------- folder upkeep
-def _publish(tmp_dir: Path, final_dir: Path) -> None:
-    """Rename the finished checkpoint into place (replacing an older one of the same name)."""
-    if final_dir.exists():
-        old_dir = final_dir.with_name(f"{TMP_PREFIX}old-{final_dir.name}-{secrets.token_hex(4)}")
-        os.replace(final_dir, old_dir)
-        os.replace(tmp_dir, final_dir)
-        shutil.rmtree(old_dir, ignore_errors=True)
-    else:
-        os.replace(tmp_dir, final_dir)
-    fsync_dir(final_dir.parent)
-
-
 def _next_sequence(save_folder: Path) -> int:
     """One more than the highest publish sequence in ``save_folder`` (those of damaged manifests unknown)."""
     known = [sequence for path in checkpoint_folders(save_folder) if (sequence := publish_sequence(path)) != math.inf]

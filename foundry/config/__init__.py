@@ -29,7 +29,7 @@ from foundry.config.yaml import (
     to_yaml,
     yaml_section,
 )
-from foundry.core.paths import check_local_path
+from foundry.core.paths import check_storage_path
 from foundry.core.time import Time, positive_time
 from foundry.errors import ConfigError, did_you_mean
 from foundry.schema import parse_dataclass
@@ -215,8 +215,8 @@ class TrainConfig:
         for key in ("max_duration", "eval_interval", "save_interval", "console_log_interval"):
             positive_time(getattr(self, key), key)
         check_eval_subset(self.eval_subset_num_batches)
-        check_local_path(self.save_folder, "'save_folder'")
-        check_local_path(self.load_path, "'load_path'")
+        check_storage_path(self.save_folder, "'save_folder'")
+        check_storage_path(self.load_path, "'load_path'")
         if self.dist_timeout <= 0:
             raise ConfigError(f"'dist_timeout' is {self.dist_timeout}; it must be a positive number of seconds.")
         if self.eval_loader is not None and self.eval_loaders:

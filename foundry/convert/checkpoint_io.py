@@ -15,8 +15,9 @@ from foundry.checkpoint.layout import META_FILE
 from foundry.checkpoint.load import load_adapter_base
 from foundry.core.state import State
 from foundry.core.time import Time
-from foundry.errors import CheckpointError
+from foundry.errors import CheckpointError, ConfigError
 from foundry.models.build import build_model
+from foundry.models.hf import refill_computed_buffers
 
 
 def checkpoint_config(folder: Path) -> dict[str, Any]:
@@ -54,6 +55,22 @@ def load_checkpoint_model(folder: Path, model_section: Mapping[str, Any], *, wit
     load_checkpoint(folder, state, weights_only=True)
     if with_base:
         check_weights_loaded(model, f"Checkpoint {folder}")
+    return model
+
+
+def assign_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> nn.Module:
+    """Put ``state``'s tensors into meta-device ``model`` as they are (no copy); every weight must be set."""
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if hasattr(model, "tie_weights"):  # transformers: the output head shares the embedding when tied
+        model.tie_weights()
+    refill_computed_buffers(model, "cpu")
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    left_on_meta = [name for name, tensor in tensors if tensor.is_meta]
+    if result.unexpected_keys or left_on_meta:
+        raise ConfigError(
+            f"Converting {source} left weights unset {left_on_meta[:5]} or unused {result.unexpected_keys[:5]}; "
+            "this is a bug in its foundry/convert adapter."
+        )
     return model
 
 

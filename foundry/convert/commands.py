@@ -16,10 +16,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from foundry.checkpoint import latest_checkpoint
 from foundry.convert import adapter_for_family, adapter_for_hf
-from foundry.convert.checkpoint_io import load_checkpoint_model, meta_model, resolve_checkpoint, save_weights_checkpoint
+from foundry.convert.checkpoint_io import (
+    assign_weights,
+    load_checkpoint_model,
+    meta_model,
+    resolve_checkpoint,
+    save_weights_checkpoint,
+)
 from foundry.data import load_tokenizer
 from foundry.errors import ConfigError
-from foundry.models.hf import refill_computed_buffers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -96,7 +101,7 @@ def to_hf_model(model: nn.Module, family: str) -> nn.Module:
     hf_state = adapter.to_hf_state_dict(model.state_dict(), model)
     with torch.device("meta"):  # no random init of weights about to be replaced (an 8B model is 32 GB)
         hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    return _assign_weights(hf_model, hf_state, f"{family} to {type(hf_model).__name__}").eval()
+    return assign_weights(hf_model, hf_state, f"{family} to {type(hf_model).__name__}").eval()
 
 
 def _checkpoint_tokenizer(name: str | None, config: dict[str, Any], folder: Path) -> Any:
@@ -153,7 +158,7 @@ def from_hf_model(hf_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
     section = adapter.from_hf_config(hf_config)
     hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=False)
     state = adapter.from_hf_state_dict(hf_model.state_dict(), hf_config)
-    return _assign_weights(meta_model(section), state, f"{hf_dir} to {section['name']}"), section
+    return assign_weights(meta_model(section), state, f"{hf_dir} to {section['name']}"), section
 
 
 def _hf_tokenizer(hf_dir: Path) -> Any:
@@ -162,22 +167,6 @@ def _hf_tokenizer(hf_dir: Path) -> Any:
 
 
 # ----------------------------------------------------------------------------------- helpers
-def _assign_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> nn.Module:
-    """Put ``state``'s tensors into meta-device ``model`` as they are (no copy); every weight must be set."""
-    result = model.load_state_dict(state, strict=False, assign=True)
-    if hasattr(model, "tie_weights"):  # transformers: the output head shares the embedding when tied
-        model.tie_weights()
-    refill_computed_buffers(model, "cpu")
-    tensors = [*model.named_parameters(), *model.named_buffers()]
-    left_on_meta = [name for name, tensor in tensors if tensor.is_meta]
-    if result.unexpected_keys or left_on_meta:
-        raise ConfigError(
-            f"Converting {source} left weights unset {left_on_meta[:5]} or unused {result.unexpected_keys[:5]}; "
-            "this is a bug in its foundry/convert adapter."
-        )
-    return model
-
-
 def _check_out_dir(out_dir: Path, overwrite: bool) -> Path:
     if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite):
         raise ConfigError(f"{out_dir} exists and is not empty; pass --overwrite to replace it, or choose another.")

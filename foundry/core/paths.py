@@ -11,24 +11,38 @@ from foundry.errors import ConfigError, FoundryError
 
 _URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
+# Object stores a save_folder or load_path may name: those whose uploaders and downloaders ship with
+# mosaicml-streaming, each with the optional extra that installs its SDK.
+OBJECT_STORE_EXTRAS = {"s3": "s3", "gs": "gcs", "oci": "oci", "azure": "azure"}
 
-def check_local_path(path: str | None, key: str, error: type[FoundryError] = ConfigError) -> None:
-    """Refuse a URL (``s3://``, ``gs://``, ``oci://``, ``azure://``...): checkpoints are local folders for now."""
+
+def url_scheme(path: str | None) -> str | None:
+    """``"s3"`` for ``s3://bucket/x``; None for a local path."""
     match = _URL_SCHEME.match(path or "")
-    if match:
+    return match.group(1).lower() if match else None
+
+
+def is_object_store_url(path: str | Path | None) -> bool:
+    return isinstance(path, str) and url_scheme(path) in OBJECT_STORE_EXTRAS
+
+
+def check_storage_path(path: str | None, key: str, error: type[FoundryError] = ConfigError) -> None:
+    """Refuse a URL whose scheme is not an object store foundry reads and writes checkpoints on."""
+    scheme = url_scheme(path)
+    if scheme is not None and scheme not in OBJECT_STORE_EXTRAS:
+        supported = ", ".join(f"{name}://" for name in OBJECT_STORE_EXTRAS)
         raise error(
-            f"{key} is '{path}', a {match.group(1)}:// URL, but foundry reads and writes checkpoints in local "
-            "folders only (object stores are not supported yet). Give a local or mounted path (e.g. a folder on "
-            "shared storage, or a bucket mounted with a FUSE driver) and copy checkpoints to the store from there."
+            f"{key} is '{path}', a {scheme}:// URL, which foundry cannot read or write checkpoints on. Supported "
+            f"object stores: {supported} (each with its extra, e.g. pip install 'foundry[s3]'); otherwise give a "
+            "local or mounted folder."
         )
 
 
-def check_writable_folder(path: str, key: str) -> None:
+def check_writable_folder(path: str | Path, key: str) -> None:
     """Raise a ConfigError naming ``key`` unless ``path`` is, or can be created as, a folder this process writes.
 
     Nothing is created: a probe file goes into the folder, or into its nearest existing parent, and is removed.
     """
-    check_local_path(path, f"'{key}'")
     folder = Path(path)
     existing = folder
     while not existing.exists() and existing != existing.parent:

@@ -1,8 +1,9 @@
 """Secrets never leave the process: configs are scrubbed before loggers, files and checkpoints see them.
 
 A value is secret when its key names one (``api_key``, ``hf_token``, ``client_secret``, ``password``,
-case-insensitive, at any depth) or when it holds the value of a secret environment variable
-(``WANDB_API_KEY``, ``HF_TOKEN``, ...). Secrets become ``'***'``.
+``access_key``, case-insensitive, at any depth) or when it holds the value of a secret environment variable
+(``WANDB_API_KEY``, ``HF_TOKEN``, ``AWS_SECRET_ACCESS_KEY``, ``AZURE_ACCOUNT_ACCESS_KEY``, ...). Secrets
+become ``'***'``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 REDACTED = "***"
 # Matched against snake_case keys: 'token' must stand alone ('hf_token', 'hfToken') so that 'tokenizer'
 # and 'max_tokens' are kept.
-_SECRET_KEY = re.compile(r"api_?key|secret|passw(?:or)?d|credential|(?<![a-z])token(?![a-z])")
+_SECRET_KEY = re.compile(r"api_?key|access_?key|secret|passw(?:or)?d|credential|(?<![a-z])token(?![a-z])")
 _MIN_SECRET_LENGTH = 8  # shorter env values ('1', 'true') would redact ordinary config values
 
 

@@ -17,6 +17,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from foundry.config import TokenizerConfig
 from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint, resolve_checkpoint_path
+from foundry.core.paths import is_object_store_url
 from foundry.data import load_tokenizer
 from foundry.errors import ConfigError
 from foundry.models.build import build_model
@@ -39,16 +40,17 @@ def load_model(path: str | Path, name: str | None = None, attn_implementation: s
     ...; None picks ``sdpa`` where the model's class implements it, else ``eager``); a foundry
     checkpoint's attention is its config's.
     """
-    path = Path(path).expanduser()
-    if is_hf_directory(path):
-        return _load_hf_directory(path, name or path.name, attn_implementation)
+    if not is_object_store_url(str(path)):  # a URL is resolved (downloaded) as given: Path() would mangle it
+        path = Path(path).expanduser()
+        if is_hf_directory(path):
+            return _load_hf_directory(path, name or path.name, attn_implementation)
 
     folder, config = resolve_checkpoint(path)
     if not isinstance(config.get("tokenizer"), Mapping):
         raise ConfigError(f"Checkpoint {folder} names no tokenizer in its config; it cannot be evaluated on text.")
     model = load_checkpoint_model(folder, config["model"])
     return LoadedModel(
-        name or _checkpoint_name(path, folder), model, _tokenizer(config["tokenizer"]), _max_seq_len(model)
+        name or _checkpoint_name(Path(path), folder), model, _tokenizer(config["tokenizer"]), _max_seq_len(model)
     )
 
 

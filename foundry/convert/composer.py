@@ -1,0 +1,202 @@
+"""``foundry convert from-composer``: an LLM Foundry (Composer) checkpoint into a foundry checkpoint.
+
+LLM Foundry's models are Composer ``HuggingFaceModel``s: the checkpoint's ``state.model`` keys are
+``model.<the wrapped model's key>``, and ``state.integrations.huggingface.model.config`` holds the
+wrapped model's config and class. ``hf_causal_lm`` runs of Llama (and Hugging Face MPT) convert
+through the ``from-hf`` adapters; LLM Foundry's own ``mpt_causal_lm`` is foundry's ``mpt_causal_lm``
+(same keys, same config keys). With ``with_optimizer``, the Adam moments and step count (mapped to
+foundry's parameter names) and the timestamp come along, so a run continues where Composer stopped.
+The file is read through an allowlist (``foundry.convert.composer_pickle``): nothing in it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+
+from foundry.checkpoint import latest_checkpoint, save_checkpoint
+from foundry.convert import adapter_for_hf
+from foundry.convert.checkpoint_io import assign_weights, meta_model
+from foundry.convert.composer_pickle import read_composer_checkpoint
+from foundry.core.state import State
+from foundry.core.time import Time, Timestamp
+from foundry.errors import CheckpointError, ConfigError
+from foundry.models.mpt import MPTConfig
+from foundry.optim import DecoupledAdamW
+
+_WRAPPER_PREFIX = "model."  # HuggingFaceModel keeps the wrapped model as .model
+_LLM_FOUNDRY_MPT = "llmfoundry."  # the class of LLM Foundry's own MPT lives in its package
+_ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+# Keys of LLM Foundry's MPT config that describe no computation (Hugging Face bookkeeping, derived values).
+_HF_BOOKKEEPING = {"model_type", "transformers_version", "architectures", "torch_dtype", "dtype", "attention_bias",
+                   "head_dim", "auto_map", "use_cache", "_name_or_path"}  # fmt: skip
+# LLM Foundry MPT keys foundry's lacks (where they sit), with the value at which foundry computes the same.
+_OFF_IN_LLM_FOUNDRY: dict[str, Any] = {
+    "fc_type": {"name": "torch"},  # under ffn_config: plain nn.Linear layers
+    "block_overrides": None,
+    "final_logit_softcapping": None,
+    "nope": False,
+    "attn_temperature_tuning": {"attn_scale": 0.0, "floor_scale": 8192},
+}
+
+
+@dataclasses.dataclass
+class ComposerRun:
+    """What a Composer checkpoint brings: foundry's model section and model, and optionally the run state."""
+
+    section: dict[str, Any]
+    model: nn.Module
+    timestamp: Timestamp | None = None
+    optimizer: torch.optim.Optimizer | None = None
+
+
+def from_composer(path: Path, with_optimizer: bool = False) -> ComposerRun:
+    """The model of Composer checkpoint ``path`` in foundry (fp32 CPU), and with ``with_optimizer`` its optimizer
+    state and timestamp."""
+    state = read_composer_checkpoint(path)["state"]
+    hf_class, hf_config = _wrapped_model_config(path, state)
+    model_state = {key.removeprefix(_WRAPPER_PREFIX): tensor for key, tensor in state["model"].items()}
+    section, to_foundry = _mapping(path, hf_class, hf_config)
+    model = assign_weights(meta_model(section), to_foundry(model_state), f"{path} to {section['name']}")
+    run = ComposerRun(section=section, model=model)
+    if with_optimizer:
+        run.timestamp = _timestamp(path, state)
+        run.optimizer = _optimizer(path, state, model, to_foundry)
+    return run
+
+
+def _wrapped_model_config(path: Path, state: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    try:
+        config = state["integrations"]["huggingface"]["model"]["config"]
+        return str(config.get("class", "")), dict(config["content"])
+    except (KeyError, TypeError, AttributeError):
+        raise CheckpointError(
+            f"{path} holds no Hugging Face model config (state.integrations.huggingface): it was not saved from an "
+            "LLM Foundry model (hf_causal_lm, mpt_causal_lm). foundry converts those only."
+        ) from None
+
+
+def _mapping(path: Path, hf_class: str, hf_config: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """(foundry model section, function from the wrapped model's state dict to foundry's)."""
+    model_type = hf_config.get("model_type")
+    if model_type == "mpt" and hf_class.startswith(_LLM_FOUNDRY_MPT):
+        keys = {key: value for key, value in hf_config.items() if key not in _HF_BOOKKEEPING}
+        section = {"name": "mpt_causal_lm", **_foundry_keys(path, MPTConfig, keys, "")}
+        section.pop("init_device", None)
+        return section, lambda model_state: model_state  # foundry's MPT keeps LLM Foundry's parameter names
+    try:
+        adapter = adapter_for_hf(model_type)
+    except ConfigError:
+        raise CheckpointError(
+            f"{path} holds a {hf_class or model_type} model (model_type '{model_type}'); foundry converts LLM Foundry "
+            "checkpoints of Llama and MPT models. Train other models from their Hugging Face weights with "
+            "`model: {name: hf_causal_lm}`."
+        ) from None
+    from transformers import AutoConfig
+
+    transformers_config = AutoConfig.for_model(**hf_config)
+    return adapter.from_hf_config(transformers_config), lambda state: adapter.from_hf_state_dict(
+        state, transformers_config
+    )
+
+
+def _foundry_keys(path: Path, config_class: type, keys: dict[str, Any], key_path: str) -> dict[str, Any]:
+    """``keys`` of LLM Foundry's MPT config that foundry's ``config_class`` has (nested sections too); a feature
+    foundry lacks is dropped when it is off (``_OFF_IN_LLM_FOUNDRY``) and refused, naming it, when it is on."""
+    fields = {field.name: field for field in dataclasses.fields(config_class)}
+    hints = typing.get_type_hints(config_class)
+    kept = {}
+    for key, value in keys.items():
+        if key not in fields:
+            if _OFF_IN_LLM_FOUNDRY.get(key, object()) != value:
+                raise CheckpointError(
+                    f"{path}: its model sets '{key_path}{key}' to {value!r}, a feature of LLM Foundry's MPT that "
+                    "foundry's mpt_causal_lm does not implement, so its weights would not compute the same here."
+                )
+            continue
+        nested = hints[key]
+        if isinstance(value, dict) and dataclasses.is_dataclass(nested):
+            value = _foundry_keys(path, nested, value, f"{key_path}{key}.")
+        kept[key] = value
+    return kept
+
+
+def _timestamp(path: Path, state: dict[str, Any]) -> Timestamp:
+    saved = state.get("timestamp", {})
+    saved = saved.get("Timestamp", saved) if isinstance(saved, dict) else {}
+    try:
+        counters = {name: int(saved[name]) for name in ("epoch", "batch", "sample", "token")}
+        in_epoch = {f"{name}_in_epoch": int(saved.get(f"{name}_in_epoch", 0)) for name in ("batch", "sample", "token")}
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{path} holds no readable timestamp (state.timestamp); convert without it.") from None
+    return Timestamp(**counters, **in_epoch)
+
+
+def _optimizer(path: Path, state: dict[str, Any], model: nn.Module, to_foundry: Any) -> torch.optim.Optimizer:
+    """A foundry DecoupledAdamW for ``model`` holding Composer's DecoupledAdamW (or AdamW) state, renamed."""
+    optimizers = state.get("optimizers") or {}
+    if len(optimizers) != 1:
+        raise CheckpointError(f"{path} holds {len(optimizers)} optimizers; foundry converts the state of exactly one.")
+    ((name, saved),) = optimizers.items()
+    if name not in ("DecoupledAdamW", "AdamW"):
+        raise CheckpointError(
+            f"{path} holds {name} state; foundry converts DecoupledAdamW's and AdamW's (Adam moments). Convert the "
+            "weights alone (without --with-optimizer) and start a fresh optimizer."
+        )
+    per_param = {key.removeprefix(_WRAPPER_PREFIX): value for key, value in saved["state"].items()}
+    moments = {moment: to_foundry({key: value[moment] for key, value in per_param.items()}) for moment in _ADAM_MOMENTS}
+    steps = {float(value["step"]) for value in per_param.values()}
+    group = saved["param_groups"][0]
+    hyper = {key: group[key] for key in ("lr", "betas", "eps", "weight_decay") if key in group}
+    optimizer = DecoupledAdamW(model.parameters(), **hyper)
+    for param_name, param in model.named_parameters():
+        if param_name not in moments["exp_avg"]:
+            raise CheckpointError(f"{path} has no optimizer state for {param_name}; convert without --with-optimizer.")
+        optimizer.state[param] = {
+            "step": torch.tensor(max(steps)),
+            **{moment: moments[moment][param_name].clone() for moment in _ADAM_MOMENTS},
+        }
+    return optimizer
+
+
+# ------------------------------------------------------------------------------------------ command
+def add_from_composer_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("composer_ckpt", help="a Composer checkpoint file (.pt) of an LLM Foundry run")
+    parser.add_argument("out_ckpt", help="the save_folder to write the foundry checkpoint into (load_path)")
+    parser.add_argument(
+        "--with-optimizer", action="store_true", help="also the optimizer state and timestamp, to continue the run"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already there")
+
+
+def run_from_composer(args: argparse.Namespace) -> int:
+    path, out_ckpt = Path(args.composer_ckpt), Path(args.out_ckpt).resolve()
+    if latest_checkpoint(out_ckpt) is not None and not args.overwrite:
+        raise ConfigError(f"{out_ckpt} already holds a checkpoint; pass --overwrite to replace it, or choose another.")
+    run = from_composer(path, with_optimizer=args.with_optimizer)
+    folder = save_composer_run(run, out_ckpt, overwrite=args.overwrite)
+    how = (
+        "`load_path` (it continues at batch " + str(run.timestamp.batch) + ")"
+        if run.timestamp
+        else ("`load_path` and `load_weights_only: true`")
+    )
+    print(f"foundry: wrote {folder} from {path}. Train from it with {how} and this model section:\n")
+    print(yaml.safe_dump({"model": run.section}, sort_keys=False), end="")
+    return 0
+
+
+def save_composer_run(run: ComposerRun, save_folder: Path, overwrite: bool = False) -> Path:
+    """Write ``run`` as a foundry checkpoint into ``save_folder``: the weights, and the optimizer and timestamp."""
+    state = State(model=run.model, max_duration=Time.parse("1ba"))
+    if run.optimizer is not None:
+        state.optimizers = [run.optimizer]
+    if run.timestamp is not None:
+        state.timestamp = run.timestamp
+    return save_checkpoint(save_folder, state, config={"model": run.section}, overwrite=overwrite)
