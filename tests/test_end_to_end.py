@@ -84,7 +84,8 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_killed_run_resumes_to_the_same_weights_as_an_uninterrupted_one(tmp_path, quickstart_data):
-    common = ["max_duration=8ba", "eval_interval=100ba", "precision=fp32", "scheduler.t_warmup=2ba"]
+    # On the CPU: resuming is exact there; some GPU kernels (the embedding's backward) are not bit-deterministic.
+    common = ["max_duration=8ba", "eval_interval=100ba", "precision=fp32", "scheduler.t_warmup=2ba", "device=cpu"]
     assert _train(tmp_path / "a", quickstart_data, *common, "save_interval=8ba") == 0
 
     killed_dir = tmp_path / "b"

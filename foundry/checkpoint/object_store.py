@@ -21,9 +21,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from streaming.base.storage.download import CloudDownloader
-from streaming.base.storage.upload import CloudUploader
-
 from foundry.core.paths import OBJECT_STORE_EXTRAS, url_scheme
 from foundry.errors import CheckpointError
 from foundry.optional import import_optional
@@ -55,10 +52,23 @@ class ObjectStore:
             install=f"pip install 'foundry[{extra}]'",
             error=CheckpointError,
         )
+        # mosaicml-streaming is imported here, not at the top: foundry imports without it (the GPU image lacks it).
+        streaming = {
+            name: import_optional(
+                f"streaming.base.storage.{name}",
+                needed_for=f"A checkpoint folder on {self.scheme}:// ({url})",
+                package="the mosaicml-streaming package",
+                install="pip install mosaicml-streaming",
+                error=CheckpointError,
+            )
+            for name in ("upload", "download")
+        }
         self._lock = threading.Lock()  # streaming's uploader uploads from one (local, remote) pair at a time
         with self.errors("reach"):
-            self._uploader = CloudUploader.get((tempfile.mkdtemp(prefix="foundry-upload-"), self.url), keep_local=True)
-        self._downloader = CloudDownloader.get(self.url)  # keeps its SDK client: creating one takes a while
+            staging = tempfile.mkdtemp(prefix="foundry-upload-")
+            self._uploader = streaming["upload"].CloudUploader.get((staging, self.url), keep_local=True)
+        # It keeps its SDK client: creating one takes a while.
+        self._downloader = streaming["download"].CloudDownloader.get(self.url)
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.url})"

@@ -34,7 +34,8 @@ def test_a_composer_checkpoint_loads_into_foundry_with_identical_logits(name: st
     model = from_composer(FIXTURES / f"{name}.pt").model.eval()
     with torch.no_grad():
         logits = model({"input_ids": expected["input_ids"]})
-    assert torch.equal(logits, expected["logits"])
+    # Bit-identical on the machine that wrote the fixture; another CPU or torch build may round the last bit apart.
+    torch.testing.assert_close(logits, expected["logits"], rtol=1e-5, atol=1e-6)
 
 
 def test_from_composer_with_the_optimizer_continues_the_run_at_its_batch(tmp_path, capsys) -> None:
