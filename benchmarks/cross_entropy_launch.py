@@ -6,7 +6,7 @@ write of the chunk, and the largest difference from the PyTorch path. Chunks are
 ``linear_cross_entropy`` makes in bf16: 8,192 x 50,368 (MPT) and 4,096 x 128,256 (Llama 3).
 
 Then the chunk's share of the fp32 weight gradient, ``grad_weight += dlogits.T @ hidden``, two ways:
-a bf16 GEMM and an fp32 add, or one GEMM that accumulates into the fp32 sum (``_add_weight_grad_``).
+a bf16 GEMM and an fp32 add, or one GEMM that accumulates into the fp32 sum (``add_weight_grad_``).
 
     python benchmarks/cross_entropy_launch.py --out OUT
 """
@@ -21,7 +21,8 @@ import triton.testing
 from bench_utils import write_results
 
 from foundry.kernels.cross_entropy import cross_entropy_rows_
-from foundry.kernels.linear_cross_entropy import _add_weight_grad_, _cross_entropy_rows_torch_
+from foundry.kernels.linear_cross_entropy import _cross_entropy_rows_torch_
+from foundry.kernels.weight_grad import add_weight_grad_
 
 CHUNKS = ((8192, 50368), (4096, 128256))
 D_MODEL = {50368: 768, 128256: 2048}  # MPT-125M's and Llama-1B's
@@ -62,7 +63,7 @@ def accumulation_row(rows: int, vocab: int) -> dict:
         "chunk": f"{rows}x{vocab}, d_model {D_MODEL[vocab]}",
         "bf16_gemm_then_fp32_add_ms": round(triton.testing.do_bench(add_bf16_product), 3),
         "fp32_accumulating_gemm_ms": round(
-            triton.testing.do_bench(lambda: _add_weight_grad_(grad_weight, dlogits, hidden)), 3
+            triton.testing.do_bench(lambda: add_weight_grad_(grad_weight, dlogits, hidden)), 3
         ),
     }
 

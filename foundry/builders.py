@@ -77,6 +77,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
         device=cfg.device,
         fsdp_config=cfg.fsdp_config,
         device_train_microbatch_size=cfg.device_train_microbatch_size,
+        fuse_weight_grad_accumulation=cfg.fuse_weight_grad_accumulation,
         save_folder=fill_run_name(cfg.save_folder, cfg.run_name),
         save_interval=cfg.save_interval,
         save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,

@@ -37,10 +37,11 @@ from foundry.core import (
     seed_everything,
 )
 from foundry.core.paths import check_storage_path
-from foundry.core.precision import autocast, check_precision, grad_scaler
+from foundry.core.precision import autocast, check_precision, compute_dtype, grad_scaler
 from foundry.core.time import positive_time
 from foundry.distributed.parallelize import place_model
 from foundry.errors import ConfigError, TrainingError
+from foundry.kernels.weight_grad import WeightGradSums, accumulate_weight_grads_in_place
 from foundry.loggers import default_loggers
 from foundry.models.base import FoundryModel, ModuleModel
 from foundry.optim import build_optimizers, build_schedulers
@@ -72,6 +73,9 @@ class Trainer:
             rank FSDP is skipped (it would only add copies) but its activation checkpointing and mixed
             precision still apply. Without it a single process trains the plain module and several ranks
             replicate it (``NO_SHARD``, DDP's layout). See ``foundry.distributed.parallelize``.
+        fuse_weight_grad_accumulation: on an unsharded model, each ``nn.Linear`` sums its weight gradient
+            inside the GEMM and reads a bf16 copy of its weight cast once per change, instead of autograd's
+            cast + add per microbatch (``foundry.kernels.weight_grad``). False: plain autograd.
         save_folder / save_interval / load_path / autoresume: checkpointing (see ``foundry.checkpoint``);
             ``{run_name}`` in ``save_folder`` is filled in. ``save_interval`` defaults to ``"1000ba"``.
         save_async: write checkpoints in a background thread while training goes on; each is published
@@ -99,6 +103,7 @@ class Trainer:
         device: str | torch.device | None = TRAIN_DEFAULTS.device,
         fsdp_config: FSDPConfig | Mapping[str, Any] | None = TRAIN_DEFAULTS.fsdp_config,
         device_train_microbatch_size: int | str | None = TRAIN_DEFAULTS.device_train_microbatch_size,
+        fuse_weight_grad_accumulation: bool = TRAIN_DEFAULTS.fuse_weight_grad_accumulation,
         save_folder: str | None = TRAIN_DEFAULTS.save_folder,
         save_interval: str | Time | int = TRAIN_DEFAULTS.save_interval,
         save_num_checkpoints_to_keep: int = TRAIN_DEFAULTS.save_num_checkpoints_to_keep,
@@ -165,6 +170,9 @@ class Trainer:
 
         self.engine.run_event(Event.INIT)  # before sharding, so that algorithms' model surgery is sharded too
         place_model(model, device, fsdp_config, self.state.precision)
+        # Unsharded, each linear sums its weight gradient inside the GEMM (FSDP2 owns a sharded model's).
+        fuse = fuse_weight_grad_accumulation and not isinstance(model, FSDPModule)
+        self._weight_grad_sums: WeightGradSums | None = accumulate_weight_grads_in_place(model) if fuse else None
         self._grad_scaler = grad_scaler(precision, sharded=isinstance(model, FSDPModule))
         self.state.optimizers = build_optimizers(optimizers, self.state.model)
         self.state.schedulers = build_schedulers(schedulers, self.state)
@@ -205,6 +213,8 @@ class Trainer:
             self.checkpoints.settle_after_error()
             raise
         finally:
+            if self._weight_grad_sums is not None:  # the model trains as plain nn.Linear layers outside fit()
+                self._weight_grad_sums.release()
             self.logger.flush()  # queued metrics reach the loggers before they close
             self.engine.close()
 
@@ -301,6 +311,8 @@ class Trainer:
         """Forward, loss and backward of one microbatch; returns its loss's share of the batch loss."""
         state, engine = self.state, self.engine
         state.microbatch = microbatch
+        if self._weight_grad_sums is not None:
+            self._weight_grad_sums.prepare(compute_dtype(state.precision))
         engine.run_event(Event.BEFORE_FORWARD)
         with autocast(state.precision, state.device):
             state.outputs = state.model(microbatch)

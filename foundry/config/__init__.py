@@ -171,6 +171,13 @@ class TrainConfig:
             "false = eager; true = everywhere; a mapping = algorithms.torch_compile's keys"
         ),
     )
+    fuse_weight_grad_accumulation: bool = field(
+        default=True,
+        metadata=doc(
+            "unsharded runs: each linear sums its weight gradient inside the GEMM and casts its weight once a "
+            "batch (docs/PERFORMANCE.md); false = autograd's accumulation"
+        ),
+    )
     dist_timeout: float = field(default=600.0, metadata=doc("seconds before a stuck collective fails"))
     expandable_segments: bool = field(
         default=True, metadata=doc("CUDA allocator expandable segments (less fragmentation)")

@@ -31,9 +31,13 @@ def autocast(precision: str, device: torch.device) -> Iterator[None]:
     if precision == "fp32":
         yield
         return
-    dtype = torch.bfloat16 if precision == "amp_bf16" else torch.float16
-    with torch.autocast(device_type=device.type, dtype=dtype):
+    with torch.autocast(device_type=device.type, dtype=compute_dtype(precision)):
         yield
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The dtype the amp precisions compute in; None for fp32."""
+    return {"amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}.get(precision)
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:

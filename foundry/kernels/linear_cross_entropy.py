@@ -14,12 +14,11 @@ slower than the compiled unfused one (docs/PERFORMANCE.md).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from foundry.core.precision import autocast_dtype
 from foundry.kernels.device import kernels_run_on
+from foundry.kernels.weight_grad import add_weight_grad_
 
 IGNORE_INDEX = -100
 CHUNK_LOGITS_BYTES = 1 << 30
@@ -58,35 +57,6 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return autocast_dtype(hidden.device.type) or torch.promote_types(hidden.dtype, weight.dtype)
 
 
-@functools.cache
-def _gemm_accumulates_in_fp32(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch.addmm(..., out_dtype=float32)`` of ``dtype`` matrices into an fp32 sum runs on ``device``.
-
-    CUDA builds of torch 2.11 have it (the GPU test); CPU does not. Asked once per device and dtype.
-    """
-    total = torch.zeros(2, 2, dtype=torch.float32, device=device)
-    ones = torch.ones(2, 2, dtype=dtype, device=device)
-    try:
-        torch.addmm(total, ones, ones, out_dtype=torch.float32, out=total)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-    return bool((total == 2).all())
-
-
-def _add_weight_grad_(grad_weight: torch.Tensor, dlogits: torch.Tensor, hidden_chunk: torch.Tensor) -> None:
-    """``grad_weight += dlogits.T @ hidden_chunk`` with the fp32 sum accumulated inside the GEMM where it can be.
-
-    Adding a bf16 product to the fp32 sum instead is one more pass over a (vocab, d_model) fp32 tensor per
-    chunk (1% of an MPT-125M step on an H100, docs/PERFORMANCE.md) and rounds each chunk's share to bf16.
-    """
-    if dlogits.dtype == grad_weight.dtype:
-        grad_weight.addmm_(dlogits.T, hidden_chunk)
-    elif _gemm_accumulates_in_fp32(grad_weight.device, dlogits.dtype):
-        torch.addmm(grad_weight, dlogits.T, hidden_chunk, out_dtype=grad_weight.dtype, out=grad_weight)
-    else:
-        grad_weight += dlogits.T @ hidden_chunk
-
-
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, logit_scale, ignore_index, chunk_tokens):  # type: ignore[override]
@@ -108,7 +78,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if grad_hidden is not None:
                     torch.mm(logits, weight_c, out=grad_hidden[start : start + chunk_tokens])
                 if ctx.needs_input_grad[1]:
-                    _add_weight_grad_(grad_weight, logits, hidden_chunk)
+                    add_weight_grad_(grad_weight, logits, hidden_chunk)  # fp32 sum inside the GEMM
         ctx.save_for_backward(grad_hidden, grad_weight if ctx.needs_input_grad[1] else None)
         ctx.dtypes = hidden.dtype, weight.dtype
         return loss_sum * inv_count

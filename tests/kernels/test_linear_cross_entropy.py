@@ -7,9 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from foundry.kernels.linear_cross_entropy import (
     CHUNK_LOGITS_BYTES,
-    _add_weight_grad_,
     _cross_entropy_rows_torch_,
-    _gemm_accumulates_in_fp32,
     chunk_tokens_for,
     linear_cross_entropy,
 )
@@ -138,32 +136,3 @@ def test_kernel_at_any_warp_count_gives_the_losses_and_gradients_of_pytorch(
     assert_close(loss, expected_loss, torch.float32)
     assert_close(logits, expected_logits, dtype)
     assert loss[4] == 0 and (logits[4] == 0).all()  # an ignored row: no loss, no gradient
-
-
-def _accumulated_weight_grad(device: str, chunks: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_add_weight_grad_`` over ``chunks`` bf16 products, and their exact sum in fp64."""
-    torch.manual_seed(0)
-    products = [(torch.randn(32, 48, device=device).bfloat16(), torch.randn(32, 16, device=device).bfloat16())
-                for _ in range(chunks)]  # fmt: skip
-    weight_grad = torch.zeros(48, 16, device=device)
-    for dlogits, hidden in products:
-        _add_weight_grad_(weight_grad, dlogits, hidden)
-    return weight_grad, sum(dlogits.double().T @ hidden.double() for dlogits, hidden in products)
-
-
-def test_weight_gradient_falls_back_to_adding_bf16_chunks_where_gemms_cannot_accumulate_in_fp32() -> None:
-    assert not _gemm_accumulates_in_fp32(torch.device("cpu"), torch.bfloat16)
-    weight_grad, exact = _accumulated_weight_grad("cpu")
-    torch.testing.assert_close(weight_grad.double(), exact, rtol=2e-2, atol=0.3)  # each chunk rounded to bf16
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_on_gpu_the_weight_gradient_accumulates_in_fp32_inside_the_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The fp32-accumulating GEMM keeps the sum of 64 chunks to fp32 precision; adding bf16 products does not."""
-    assert _gemm_accumulates_in_fp32(torch.device("cuda", torch.cuda.current_device()), torch.bfloat16)
-    weight_grad, exact = _accumulated_weight_grad("cuda")
-    accumulated = (weight_grad.double() - exact).abs().max().item()
-    monkeypatch.setattr("foundry.kernels.linear_cross_entropy._gemm_accumulates_in_fp32", lambda device, dtype: False)
-    weight_grad, _ = _accumulated_weight_grad("cuda")
-    rounded_per_chunk = (weight_grad.double() - exact).abs().max().item()
-    assert accumulated < 1e-3 < rounded_per_chunk, (accumulated, rounded_per_chunk)
