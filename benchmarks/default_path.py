@@ -34,14 +34,15 @@ from typing import Any
 
 from bench_utils import REPO_ROOT, markdown_table, save_json
 
-# name -> (YAML, batches to train, batches left out of the averages). A 1B batch is 512 x 2048 tokens (~17 s on
-# an H100), so one warm-up batch (compile included) and two timed ones; MPT-125M's batch is 256 x 2048 (~1 s).
+# name -> (YAML, batches to train, batches left out of the averages). A 1B batch is 512 x 2048 tokens (~16 s on
+# an H100, 32-128 microbatches), so one warm-up batch (compile included) and one timed one: all rows and the
+# baseline then fit one 10-minute device call. MPT-125M's batch is 256 x 2048 (~1 s): 2 warm-up, 6 timed.
 ROWS: dict[str, tuple[str, int, int]] = {
-    "mpt-125m": ("yamls/pretrain/mpt-125m.yaml", 10, 2),
-    "mpt-1b": ("yamls/pretrain/mpt-1b.yaml", 3, 1),
-    "llama-1b": ("yamls/pretrain/llama-1b.yaml", 3, 1),
-    "llm-foundry-mpt-1b": ("llm-foundry-yamls/pretrain/mpt-1b.yaml", 3, 1),  # under --reference-yamls
-    "llm-foundry-mpt-125m": ("llm-foundry-yamls/pretrain/mpt-125m.yaml", 10, 2),
+    "mpt-125m": ("yamls/pretrain/mpt-125m.yaml", 8, 2),
+    "mpt-1b": ("yamls/pretrain/mpt-1b.yaml", 2, 1),
+    "llama-1b": ("yamls/pretrain/llama-1b.yaml", 2, 1),
+    "llm-foundry-mpt-1b": ("llm-foundry-yamls/pretrain/mpt-1b.yaml", 2, 1),  # under --reference-yamls
+    "llm-foundry-mpt-125m": ("llm-foundry-yamls/pretrain/mpt-125m.yaml", 8, 2),
 }
 BASELINES = ("hf-llama", "hf-llama-compiled")
 SEQ_LEN = 2048
