@@ -50,6 +50,7 @@ def yaml_trainer(
         precision=cfg.precision,
         device="cuda",
         device_train_microbatch_size=microbatch,
+        fuse_weight_grad_accumulation=cfg.fuse_weight_grad_accumulation,
         seed=cfg.seed,
         log_to_console=False,
         console_log_interval=f"{len(batches) + 1}ba",

@@ -6,7 +6,8 @@ Trains the YAML's model (default MPT-125M) through the Trainer for ``--steps`` b
 text (tokenized with ``tokenizers`` in memory, no MDS conversion), in the same order and from the
 same seed, as: ``default`` (the YAML as shipped, with what ``foundry train`` picks on the device: the
 compile_config default, loss_fn auto, its fsdp_config on one rank, attn_impl flash), ``eager`` (the
-plain path: no compile, the unfused loss, no fsdp_config so an fp32 residual stream, SDPA, amp_bf16),
+plain path: no compile, the unfused loss, no fsdp_config so an fp32 residual stream, SDPA, amp_bf16,
+autograd's own weight-gradient accumulation),
 ``eager_again`` (the same run repeated: the GPU's own run-to-run nondeterminism) and ``fp32`` (eager
 without autocast: the bf16 rounding gap); ``float8`` (the default path with ``algorithms.float8``, on a GPU
 with float8 matrix units) is there to be asked for. Reports the max and mean absolute per-step loss difference
@@ -30,6 +31,7 @@ PLAIN = [
     "model.loss_fn=torch_crossentropy",
     "model.attn_config.attn_impl=sdpa",
     "fsdp_config=null",
+    "fuse_weight_grad_accumulation=false",
 ]
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
