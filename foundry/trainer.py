@@ -264,6 +264,8 @@ class Trainer:
     def _train_batch(self, batch_start_s: float) -> None:
         state, engine = self.state, self.engine
         engine.run_event(Event.BATCH_START)
+        if self._weight_grad_sums is not None:  # the optimizer (or a load, or BATCH_START) moved the weights
+            self._weight_grad_sums.start_batch()
         if self._find_microbatch_size:
             self._choose_microbatch_size()
         microbatches = split_batch(state.batch, state.device_train_microbatch_size)

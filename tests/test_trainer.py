@@ -324,3 +324,56 @@ def test_default_run_name_and_run_folder_are_the_yamls(tmp_path, monkeypatch):
     trainer = Trainer(model=TinyLM(), train_dataloader=token_batches(1, 4), max_duration="1ba", log_to_console=False)
     assert trainer.state.run_name == "from-env"
     assert trainer.run_folder == Path("runs/from-env")
+
+
+class _DataSGD(torch.optim.Optimizer):
+    """SGD that writes ``p.data``, as some optimizers do: the weights change without a version-counter bump."""
+
+    def __init__(self, params, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.data.add_(param.grad, alpha=-group["lr"])
+
+
+class RecordLosses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def batch_end(self, state, logger) -> None:
+        self.losses.append(state.loss.item())
+
+
+def _losses_and_head(tmp_path, precision: str, fuse: bool) -> tuple[list[float], torch.nn.Module]:
+    torch.manual_seed(0)
+    model, record = TinyLM(), RecordLosses()
+    _trainer(
+        tmp_path / f"{precision}-{fuse}",
+        model=model,
+        train_dataloader=token_batches(1, batch_size=4) * 6,  # one batch again: the loss falls fast
+        max_duration="6ba",
+        precision=precision,
+        device_train_microbatch_size=2,
+        optimizers=lambda params: _DataSGD(params, lr=2.0),
+        fuse_weight_grad_accumulation=fuse,
+        callbacks=[record],
+    ).fit()
+    return record.losses, model.head
+
+
+@pytest.mark.parametrize("precision", ["fp32", "amp_bf16"])
+def test_summing_weight_gradients_in_the_gemm_trains_like_autograd(tmp_path, precision):
+    """The default (each linear sums its weight gradient, bf16 weights cast once a batch) against plain autograd."""
+    from foundry.kernels.weight_grad import AccumulatingLinear
+
+    fused, fused_head = _losses_and_head(tmp_path, precision, fuse=True)
+    plain, plain_head = _losses_and_head(tmp_path, precision, fuse=False)
+    assert type(fused_head) is AccumulatingLinear and type(plain_head) is torch.nn.Linear
+    assert fused_head.weight_grad_sum is None  # released after fit: a plain linear for loops of one's own
+    assert plain[-1] < plain[0] - 0.1  # the weights move enough that a stale bf16 copy would show
+    tolerance = {"fp32": 1e-5, "amp_bf16": 1e-2}[precision]
+    torch.testing.assert_close(torch.tensor(fused), torch.tensor(plain), rtol=tolerance, atol=tolerance)

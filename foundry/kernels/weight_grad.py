@@ -7,8 +7,9 @@ autograd casts the bf16 weight gradient back to fp32, and ``AccumulateGrad`` add
 traffic per microbatch, 3-4% of an H100 step (docs/PERFORMANCE.md). ``accumulate_weight_grads_in_place``
 swaps each trainable ``nn.Linear`` for ``AccumulatingLinear``, whose backward adds
 ``grad_output.T @ input`` to an fp32 sum inside the GEMM (``add_weight_grad_``) and whose
-forward reads a bf16 copy of the weight refreshed only when the weight changed. Megatron-LM's
-``gradient_accumulation_fusion`` is the same idea.
+forward reads a bf16 copy of the weight cast once a batch. Megatron-LM's
+``gradient_accumulation_fusion`` is the same idea. The weights must change only between batches
+(optimizer steps, checkpoint loads, algorithms at BATCH_START or earlier): ``start_batch`` marks them for a new cast.
 
 The sum *is* the parameter's ``.grad``: ``WeightGradSums.prepare`` (the Trainer calls it before each
 microbatch) points ``.grad`` at it, and zeroes it when ``.grad`` was cleared (``zero_grad``), so
@@ -94,8 +95,8 @@ class _LinearSummingWeightGrad(torch.autograd.Function):
 class AccumulatingLinear(nn.Linear):
     """``nn.Linear`` that, once prepared, sums its weight gradient into ``weight_grad_sum`` (the weight's ``.grad``).
 
-    ``compute_weight`` is the weight in the autocast dtype, refreshed by ``WeightGradSums.prepare``
-    when the weight changed; None (fp32 runs) means the weight itself.
+    ``compute_weight`` is the weight in the autocast dtype, cast again by ``WeightGradSums.prepare``
+    after each ``start_batch``; None (fp32 runs) means the weight itself.
     """
 
     weight_grad_sum: torch.Tensor | None
@@ -115,14 +116,22 @@ class WeightGradSums:
 
     def __init__(self, modules_by_weight: dict[nn.Parameter, list[AccumulatingLinear]]) -> None:
         self._modules_by_weight = modules_by_weight
-        self._cast_of: dict[nn.Parameter, tuple[int, int]] = {}  # weight -> (version, data_ptr) last cast
+        self._recast = True  # the weights may have changed since the last cast
 
     def __len__(self) -> int:
         return len(self._modules_by_weight)
 
+    def start_batch(self) -> None:
+        """The weights may have changed (an optimizer step, a checkpoint load, an EMA swap): cast them again.
+
+        Called by the Trainer at every batch start. A flag, not a check of the weights' version counters:
+        optimizers that write ``p.data`` (or fused kernels) change a weight without bumping its version.
+        """
+        self._recast = True
+
     def prepare(self, compute_dtype: torch.dtype | None) -> None:
         """Before a training microbatch: every weight's ``.grad`` is its sum (zeroed if ``.grad`` was cleared),
-        and its ``compute_dtype`` copy (None: fp32, no copy) matches the weight."""
+        and its ``compute_dtype`` copy (None: fp32, no copy) is the weight as of the last ``start_batch``."""
         for weight, modules in self._modules_by_weight.items():
             if not weight.requires_grad:
                 for module in modules:
@@ -141,6 +150,7 @@ class WeightGradSums:
             self._refresh_compute_weight(weight, modules, compute_dtype)
             for module in modules:
                 module.weight_grad_sum = grad_sum
+        self._recast = False
 
     def release(self) -> None:
         """Back to plain ``nn.Linear`` behaviour (autograd accumulates ``.grad``) until the next ``prepare``.
@@ -151,25 +161,23 @@ class WeightGradSums:
         for modules in self._modules_by_weight.values():
             for module in modules:
                 module.weight_grad_sum = module.compute_weight = None
-        self._cast_of.clear()
+        self._recast = True
 
     def _refresh_compute_weight(
         self, weight: nn.Parameter, modules: list[AccumulatingLinear], dtype: torch.dtype | None
     ) -> None:
-        """Cast the weight once per change (an optimizer step, a load), not once per microbatch."""
+        """Cast the weight once a batch (after ``start_batch``), not once per microbatch."""
         if dtype is None or dtype == weight.dtype:
             for module in modules:
                 module.compute_weight = None
             return
         compute_weight = modules[0].compute_weight
-        stamp = (weight._version, weight.data_ptr())
         if compute_weight is None or compute_weight.dtype != dtype or compute_weight.device != weight.device:
             compute_weight = torch.empty(weight.shape, dtype=dtype, device=weight.device)
-        elif self._cast_of.get(weight) == stamp:
+        elif not self._recast:
             return
         with torch.no_grad():
             compute_weight.copy_(weight)
-        self._cast_of[weight] = stamp
         for module in modules:
             module.compute_weight = compute_weight
 

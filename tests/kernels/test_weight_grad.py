@@ -37,6 +37,8 @@ def _train(model: nn.Module, microbatches: list[torch.Tensor], dtype: torch.dtyp
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
     grads = []
     for _ in range(2):
+        if sums is not None:
+            sums.start_batch()
         for x in microbatches:
             if sums is not None:
                 sums.prepare(dtype)
@@ -88,6 +90,7 @@ def test_bf16_gradients_match_autograds_and_the_cast_weight_follows_each_step(ke
         for name in step_want:  # autograd rounds each microbatch's product (and the bias sum) to bf16 first
             torch.testing.assert_close(step_got[name], step_want[name], rtol=2e-2, atol=2e-3, msg=name)
     # The weights moved twice: a stale bf16 copy would show as a different output than plain autocast's.
+    sums.start_batch()
     sums.prepare(torch.bfloat16)
     x = _microbatches(kernel_device, 1)[0]
     with torch.autocast(kernel_device.type, dtype=torch.bfloat16):
@@ -107,11 +110,34 @@ def test_a_weight_changed_outside_the_optimizer_is_cast_again(kernel_device):
         model(x).float().sum().backward()
     model.load_state_dict(other.state_dict())
     model.zero_grad(set_to_none=True)
+    sums.start_batch()
     sums.prepare(torch.bfloat16)
     with torch.autocast(kernel_device.type, dtype=torch.bfloat16):
         got = model(x)
         want = other(x)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_weight_written_through_data_without_a_version_bump_is_cast_again_at_the_next_batch(kernel_device):
+    """Optimizers that write ``p.data`` (and fused ones) leave the version counter alone: the cast must not rely on it."""
+    model = _net(kernel_device)
+    sums = accumulate_weight_grads_in_place(model)
+    x = _microbatches(kernel_device, 1)[0]
+
+    def forward() -> torch.Tensor:
+        sums.prepare(torch.bfloat16)
+        with torch.autocast(kernel_device.type, dtype=torch.bfloat16):
+            return model(x)
+
+    before = forward()
+    with torch.no_grad():
+        model.out.weight.data.mul_(-1)
+    sums.start_batch()
+    after = forward()
+    with torch.no_grad(), torch.autocast(kernel_device.type, dtype=torch.bfloat16):
+        plain = model(x)
+    torch.testing.assert_close(after, plain, rtol=0, atol=0)
+    assert not torch.equal(after, before)
 
 
 def test_zero_grad_without_set_to_none_and_a_grad_set_by_hand_are_honoured(kernel_device):
