@@ -340,7 +340,7 @@ class _DataSGD(torch.optim.Optimizer):
                     param.data.add_(param.grad, alpha=-group["lr"])
 
 
-class RecordLosses(Callback):
+class BatchLosses(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
 
@@ -350,7 +350,7 @@ class RecordLosses(Callback):
 
 def _losses_and_head(tmp_path, precision: str, fuse: bool) -> tuple[list[float], torch.nn.Module]:
     torch.manual_seed(0)
-    model, record = TinyLM(), RecordLosses()
+    model, record = TinyLM(), BatchLosses()
     _trainer(
         tmp_path / f"{precision}-{fuse}",
         model=model,
