@@ -62,7 +62,7 @@ def _net(device: torch.device) -> _Net:
 
 
 @pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "compiled"])
-def test_fp32_gradients_and_weights_equal_autograds_over_accumulated_microbatches_and_steps(compile_model, kernel_device):
+def test_fp32_gradients_and_weights_equal_autograds_over_microbatches_and_steps(compile_model, kernel_device):
     reference = _net(kernel_device)
     model = copy.deepcopy(reference)
     sums = accumulate_weight_grads_in_place(model)
@@ -119,7 +119,7 @@ def test_a_weight_changed_outside_the_optimizer_is_cast_again(kernel_device):
 
 
 def test_a_weight_written_through_data_without_a_version_bump_is_cast_again_at_the_next_batch(kernel_device):
-    """Optimizers that write ``p.data`` (and fused ones) leave the version counter alone: the cast must not rely on it."""
+    """Optimizers that write ``p.data`` (and fused ones) leave the version counter alone: no cast may rely on it."""
     model = _net(kernel_device)
     sums = accumulate_weight_grads_in_place(model)
     x = _microbatches(kernel_device, 1)[0]
