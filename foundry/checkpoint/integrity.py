@@ -25,7 +25,7 @@ import xxhash
 from foundry.checkpoint.layout import MANIFEST_FILE, META_FILE, named_folders
 from foundry.checkpoint.safe_reader import METADATA_FILE
 from foundry.distributed.env import all_gather_object, get_rank, get_world_size
-from foundry.errors import DamagedCheckpointError
+from foundry.errors import CheckpointError, DamagedCheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -212,4 +212,14 @@ def damaged(folder: Path, problems: list[str]) -> DamagedCheckpointError:
         f"was saved (a storage or copy fault, or a changed file), so nothing of it is loaded. {alternatives}"
         "Load an earlier checkpoint (load_path), or let autoresume: true fall back to the newest intact one.",
         problems,
+    )
+
+
+def no_intact_checkpoint(location: str, skipped: list[tuple[str, DamagedCheckpointError]]) -> CheckpointError:
+    """Autoresume's error when every checkpoint in ``location`` (a folder or a store URL) is damaged."""
+    found = "; ".join(f"{name}: {', '.join(damage.problems)}" for name, damage in skipped)
+    return CheckpointError(
+        f"autoresume found no intact checkpoint in {location}, only damaged ones ({found}): their files no longer "
+        "match the checksums written when they were saved. Restore one from a copy, or move these folders away "
+        "to start the run afresh."
     )

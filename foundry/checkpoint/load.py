@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from foundry.checkpoint.adapters import base_checkpoint, holds_adapters_only, loadable_without, model_lora_config
 from foundry.checkpoint.find import checkpoint_folders, resolve_checkpoint_path
-from foundry.checkpoint.integrity import verify_checkpoint
+from foundry.checkpoint.integrity import no_intact_checkpoint, verify_checkpoint
 from foundry.checkpoint.layout import (
     DAMAGED_SUFFIX,
     FORMAT_VERSION,
@@ -114,12 +114,7 @@ def newest_intact_checkpoint(save_folder: Path, rank: int) -> Path | None:
         barrier()
         return folder
     if skipped:
-        found = "; ".join(f"{folder.name}: {', '.join(damage.problems)}" for folder, damage in skipped)
-        raise CheckpointError(
-            f"autoresume found no intact checkpoint in {save_folder}, only damaged ones ({found}): their files no "
-            "longer match the checksums written when they were saved. Restore one from a copy, or move these folders "
-            "away to start the run afresh."
-        )
+        raise no_intact_checkpoint(str(save_folder), [(folder.name, damage) for folder, damage in skipped])
     return None
 
 

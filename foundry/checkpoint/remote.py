@@ -21,7 +21,7 @@ import urllib.parse
 from collections import defaultdict
 from pathlib import Path
 
-from foundry.checkpoint.integrity import publish_sequence, read_manifest, verify_checkpoint
+from foundry.checkpoint.integrity import no_intact_checkpoint, publish_sequence, read_manifest, verify_checkpoint
 from foundry.checkpoint.kill_points import kill_point
 from foundry.checkpoint.layout import (
     CHECKPOINT_NAME,
@@ -168,11 +168,7 @@ def newest_intact_on_store(url: str, rank: int) -> Path | None:
             )
         return folder
     if skipped:
-        found = "; ".join(f"{name}: {', '.join(damage.problems)}" for name, damage in skipped)
-        raise CheckpointError(
-            f"autoresume found no intact checkpoint in {url}, only damaged ones ({found}): their files no longer match "
-            "the checksums written when they were saved. Restore one, or delete these folders to start afresh."
-        )
+        raise no_intact_checkpoint(url, skipped)
     return None
 
 

@@ -210,3 +210,17 @@ def test_on_gpu_the_weight_gradient_accumulates_in_fp32_inside_the_gemm(monkeypa
     weight_grad, _ = _accumulated_weight_grad("cuda")
     rounded_per_chunk = (weight_grad.double() - exact).abs().max().item()
     assert accumulated < 1e-3 < rounded_per_chunk, (accumulated, rounded_per_chunk)
+
+
+def test_a_bias_free_layer_on_an_input_without_gradient_still_starts_backward(kernel_device):
+    """Its cast weight holds no graph: the weight itself must tie the output to it."""
+    torch.manual_seed(0)
+    layer = nn.Linear(12, 4, bias=False).to(kernel_device)
+    reference = copy.deepcopy(layer)
+    sums = accumulate_weight_grads_in_place(layer)
+    x = _microbatches(kernel_device, 1)[0]
+    sums.prepare(torch.bfloat16)
+    with torch.autocast(kernel_device.type, dtype=torch.bfloat16):
+        layer(x).float().sum().backward()
+        reference(x).float().sum().backward()
+    torch.testing.assert_close(layer.weight.grad, reference.weight.grad, rtol=2e-2, atol=2e-2)
