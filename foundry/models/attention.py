@@ -4,15 +4,17 @@ Six kernels compute the same thing, chosen by ``attn_impl``:
 
 - ``sdpa``: ``F.scaled_dot_product_attention``; torch picks the fastest backend that can run.
 - ``flash``: the fastest fused, flash-class kernel for the input: on a GPU, FlexAttention when a mask
-  or bias is needed (document masking, ALiBi, sliding window, padding) and otherwise SDPA restricted to
-  its fused backends (cuDNN, FlashAttention-2, memory-efficient); on a CPU, SDPA's fused backends (its
-  flash kernel). Never the unfused math fallback. LLM Foundry YAMLs write ``flash`` to ask for a
-  FlashAttention-class kernel; on an H100 cuDNN's is faster than FlashAttention-2's, so pinning FA2
-  would lose 3-7% of a step.
+  or bias is needed (document masking, ALiBi, sliding window, padding); otherwise FlashAttention-4
+  (``foundry/models/flash_attention4.py``) on a Hopper or Blackwell GPU where the optional package is
+  installed, else SDPA restricted to its fused backends (cuDNN, FlashAttention-2, memory-efficient);
+  on a CPU, SDPA's fused backends (its flash kernel). Never the unfused math fallback. LLM Foundry
+  YAMLs write ``flash`` to ask for a FlashAttention-class kernel; on an H100 FlashAttention-4 and
+  cuDNN's kernel are both faster than FlashAttention-2's, so pinning FA2 would lose 3-7% of a step.
 - ``flex``: FlexAttention (``foundry/models/flex_attention.py``) for every forward on a GPU, masked or
   not; on a CPU, where it has no backward, SDPA with the same masks (with a warning).
 - ``flash2``: exactly FlashAttention-2 (CUDA, fp16/bf16, no mask); fails rather than run another kernel.
 - ``cudnn``: exactly cuDNN's fused attention (CUDA, fp16/bf16, no mask).
+- ``fa4``: exactly FlashAttention-4 (Hopper/Blackwell, fp16/bf16, no mask, no dropout, ``foundry[flash]``).
 - ``torch``: the explicit math, ``softmax(QK^T * scale + bias + mask) V`` in fp32; the reference.
 
 Masks and biases that every layer shares (padding, sliding window, ALiBi, RoPE angles) are built
@@ -41,6 +43,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask
 
 from foundry.errors import ConfigError, did_you_mean
+from foundry.models import flash_attention4
 from foundry.models.flex_attention import ScoreMod, alibi_score_mod, block_mask, flex_attention_fn, flex_runs_on
 from foundry.models.kv_cache import LayerKVCache
 from foundry.models.layers import (
@@ -54,8 +57,8 @@ from foundry.models.layers import (
 )
 
 AttnType = Literal["multihead_attention", "grouped_query_attention", "multiquery_attention"]
-AttnImpl = str  # a key of ATTENTION_IMPLS: sdpa, flash, flash2, cudnn, flex, torch, or a registered kernel
-PINNED_IMPLS = ("flash2", "cudnn")  # one SDPA backend each: no mask or bias reaches them
+AttnImpl = str  # a key of ATTENTION_IMPLS: sdpa, flash, flash2, cudnn, fa4, flex, torch, or a registered kernel
+PINNED_IMPLS = ("flash2", "cudnn", "fa4")  # one kernel each: no mask or bias reaches them
 _KEY = "model.attn_config"
 
 
@@ -156,10 +159,11 @@ class AttnConfig:
                 "(or a kernel registered in foundry.models.attention.ATTENTION_IMPLS)."
                 + did_you_mean(self.attn_impl, ATTENTION_IMPLS)
             )
-        if self.attn_impl == "flex" and self.attn_pdrop > 0:
+        kernels_without_dropout = {"flex": "FlexAttention", "fa4": "FlashAttention-4"}
+        if self.attn_impl in kernels_without_dropout and self.attn_pdrop > 0:
             raise ConfigError(
-                f"'{_KEY}.attn_pdrop' is {self.attn_pdrop}, but FlexAttention (attn_impl 'flex') has no attention "
-                "dropout. Set attn_pdrop: 0, or use attn_impl 'sdpa'."
+                f"'{_KEY}.attn_pdrop' is {self.attn_pdrop}, but {kernels_without_dropout[self.attn_impl]} (attn_impl "
+                f"'{self.attn_impl}') has no attention dropout. Set attn_pdrop: 0, or use attn_impl 'sdpa'."
             )
         masked = {"alibi": self.alibi, "sliding_window_size": self.sliding_window_size != -1}
         masked["attn_uses_sequence_id"] = self.attn_uses_sequence_id
@@ -358,9 +362,11 @@ FUSED_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBac
 def fused_sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, scale: float, dropout_p: float
 ) -> torch.Tensor:
-    """FlexAttention where the inputs carry a block mask, else ``sdpa_attention`` on a fused backend only."""
+    """FlexAttention where the inputs carry a block mask, else FlashAttention-4 where it runs, else SDPA fused."""
     if inputs.block_mask is not None:
         return flex_attention_fn(q, k, v, inputs.block_mask, inputs.score_mod, scale)
+    if _plain_causal(inputs, dropout_p) and not _flash_attention4_unsupported(q):
+        return flash_attention4.flash_attention4(q, k, v, scale)
     try:
         with sdpa_kernel(FUSED_BACKENDS):
             return sdpa_attention(q, k, v, inputs, scale, dropout_p)
@@ -372,6 +378,30 @@ def fused_sdpa_attention(
             f"(q {tuple(q.shape)}, {q.dtype} on {q.device.type}, mask: {inputs.allowed is not None}): {error} "
             "Use attn_impl 'sdpa', which may fall back to the unfused math."
         ) from error
+
+
+def _plain_causal(inputs: AttentionInputs, dropout_p: float) -> bool:
+    return inputs.allowed is None and inputs.bias is None and dropout_p == 0
+
+
+def _flash_attention4_unsupported(q: torch.Tensor) -> str:
+    """Why FlashAttention-4 cannot take q's device, dtype and head width; '' when it can."""
+    return flash_attention4.unsupported_reason(q.device.type, q.device.index or 0, q.dtype, q.shape[-1])
+
+
+def flash_attention4_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, scale: float, dropout_p: float
+) -> torch.Tensor:
+    """Exactly FlashAttention-4: fails with the reason rather than run another kernel."""
+    reason = _flash_attention4_unsupported(q)
+    if not reason and not _plain_causal(inputs, dropout_p):
+        reason = "it takes plain causal attention only, and this forward has padding or attention dropout"
+    if reason:
+        raise ConfigError(
+            f"'{_KEY}.attn_impl' is 'fa4', but FlashAttention-4 cannot run here: {reason}. Use attn_impl 'flash', "
+            "which runs FlashAttention-4 where it can and the fastest other fused kernel elsewhere."
+        )
+    return flash_attention4.flash_attention4(q, k, v, scale)
 
 
 def flex_or_sdpa_attention(
@@ -446,6 +476,7 @@ ATTENTION_IMPLS: dict[str, AttentionFn] = {
     "flash": fused_sdpa_attention,
     "flash2": flash2_attention,
     "cudnn": cudnn_attention,
+    "fa4": flash_attention4_attention,
     "flex": flex_or_sdpa_attention,
     "torch": torch_attention,
 }

@@ -1,0 +1,158 @@
+"""FlashAttention-4 (the optional ``flash-attn-4`` package) as two custom ops a compiled model keeps in its graph.
+
+On an H100 its causal forward + backward is 10-15% faster than cuDNN's, the fastest kernel SDPA has
+(docs/PERFORMANCE.md), mostly in the backward. ``attn_impl: flash`` runs it wherever it can: a Hopper
+or Blackwell GPU, fp16/bf16, plain causal attention (no mask or bias, no dropout), heads a multiple
+of 8 wide (up to 256 on Hopper, 128 on Blackwell). ``attn_impl: fa4`` pins it. Install it with
+``pip install 'foundry[flash]'``; without it ``flash`` runs SDPA's fused kernels as before.
+
+The package's autograd function is Python around kernels compiled on first use (a few seconds per
+shape), which dynamo cannot trace: a compiled model would break its graph at every layer. Here the
+forward (output and log-sum-exp) and the backward (dq, dk, dv) are two opaque custom ops with
+shape-only fake implementations, so ``torch.compile`` sees one op per call. They call the package's
+``_flash_attn_fwd`` / ``_flash_attn_bwd``, the functions its own autograd function calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from types import ModuleType
+
+import torch
+
+PACKAGE = "flash-attn-4"
+INSTALL_HINT = f"pip install 'foundry[flash]' (the {PACKAGE} package)"
+# Compute capabilities (major) the package has kernels for, and the widest head each takes.
+MAX_HEAD_DIM = {9: 256, 10: 128}
+HEAD_DIM_MULTIPLE = 8  # 16 bytes of fp16/bf16
+
+
+@functools.cache
+def _interface() -> ModuleType:
+    return importlib.import_module("flash_attn.cute.interface")
+
+
+@functools.cache
+def installed() -> bool:
+    """Whether ``flash_attn.cute`` (FlashAttention-4) can be imported."""
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ModuleNotFoundError:  # a flash_attn without the cute subpackage (FlashAttention-2)
+        return False
+
+
+@torch.compiler.assume_constant_result
+def unsupported_reason(device_type: str, device_index: int, dtype: torch.dtype, head_dim: int) -> str:
+    """Why FlashAttention-4 cannot run attention on this device, dtype and head width; '' when it can.
+
+    A trace-time constant under ``torch.compile``; cached, so an eager forward pays for it once.
+    """
+    return _unsupported_reason(device_type, device_index, dtype, head_dim)
+
+
+@functools.cache
+def _unsupported_reason(device_type: str, device_index: int, dtype: torch.dtype, head_dim: int) -> str:
+    if device_type != "cuda":
+        return f"it runs on NVIDIA GPUs only, not on {device_type}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"it takes fp16/bf16 activations, not {dtype} (use precision: amp_bf16)"
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if major not in MAX_HEAD_DIM:
+        return f"it has kernels for Hopper (9.x) and Blackwell (10.x) GPUs, not compute capability {major}.{minor}"
+    if head_dim % HEAD_DIM_MULTIPLE or head_dim > MAX_HEAD_DIM[major]:
+        return (
+            f"heads must be a multiple of {HEAD_DIM_MULTIPLE} and at most {MAX_HEAD_DIM[major]} wide on "
+            f"compute capability {major}.x, not {head_dim}"
+        )
+    if not installed():
+        return f"the {PACKAGE} package is not installed ({INSTALL_HINT})"
+    return ""
+
+
+# No device_types: the selection above only routes CUDA tensors here, and tests stand a reference in
+# for the package on CPU tensors.
+@torch.library.custom_op("foundry::flash_attention4_forward", mutates_args=())
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of q (batch, seq, heads, head_dim), k and v (batch, seq, kv_heads, head_dim).
+
+    Returns the output (q's shape, contiguous) and the log-sum-exp of each query row (batch, heads, seq) in fp32.
+    """
+    out, lse = _forward_outputs(q, v)
+    _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, out=out, lse=lse, return_lse=True)
+    return out, lse
+
+
+@_forward.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward_outputs(q, v)
+
+
+def _forward_outputs(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, seq, heads, _ = q.shape
+    out = q.new_empty(batch, seq, heads, v.shape[-1])
+    return out, torch.empty(batch, heads, seq, dtype=torch.float32, device=q.device)
+
+
+@torch.library.custom_op("foundry::flash_attention4_backward", mutates_args=())
+def _backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv (contiguous, the shapes of q, k, v) of ``_forward``'s output given its gradient."""
+    dq, dk, dv = _input_grads(q, k, v)
+    _interface()._flash_attn_bwd(
+        q, k, v, out, grad_out.contiguous(), lse, softmax_scale=scale, causal=True, dq=dq, dk=dk, dv=dv
+    )
+    return dq, dk, dv
+
+
+@_backward.register_fake
+def _(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, ...]:
+    return _input_grads(q, k, v)
+
+
+def _input_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+
+
+def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
+    q, k, v, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.scale = scale
+
+
+def _autograd_backward(
+    ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor, grad_lse: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.foundry.flash_attention4_backward(grad_out, q, k, v, out, lse, ctx.scale)
+    return dq, dk, dv, None
+
+
+_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def flash_attention4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention, q (batch, n_heads, seq, head_dim), k and v (batch, kv_heads, seq, head_dim) -> q's shape.
+
+    The kernels take (batch, seq, heads, head_dim): the models' q, k, v are transposed views of that
+    layout, so the transposes here cost nothing.
+    """
+    out, _ = torch.ops.foundry.flash_attention4_forward(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale)
+    return out.transpose(1, 2)

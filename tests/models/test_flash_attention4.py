@@ -1,0 +1,195 @@
+"""FlashAttention-4 behind ``attn_impl: flash`` / ``fa4``: when it is chosen, and the custom ops around it.
+
+On a CPU the package's two entry points are stood in for by fp32 math with the same signatures, so
+the op wiring (shapes, layouts, autograd, compile without graph breaks) is tested without a GPU; the
+last test runs the real kernels against SDPA where a Hopper GPU and the package are present.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from foundry.errors import ConfigError
+from foundry.models import attention as attention_module
+from foundry.models import flash_attention4
+from foundry.models.attention import ATTENTION_IMPLS, AttentionInputs, AttnConfig, torch_attention
+
+BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 16, 8
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
+    """Causal attention of (batch, seq, heads, head_dim) inputs in fp32: output and log-sum-exp (batch, heads, seq)."""
+    q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    scores = (q @ k.transpose(-2, -1)) * scale
+    scores = scores.masked_fill(~torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril(), float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2), scores.logsumexp(-1)
+
+
+def _reference_fwd(q, k, v, *, softmax_scale, causal, out, lse, return_lse):
+    assert causal and return_lse
+    assert out.is_contiguous() and out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    expected_out, expected_lse = _math_attention(q, k, v, softmax_scale)
+    out.copy_(expected_out)
+    lse.copy_(expected_lse)
+    return out, lse, None, None, None
+
+
+def _reference_bwd(q, k, v, out, dout, lse, *, softmax_scale, causal, dq, dk, dv):
+    """The attention backward written out (an op's body runs below autograd): dS = P * (dP - rowsum(dO * O))."""
+    assert causal and dout.is_contiguous()
+    assert all(grad.is_contiguous() and grad.shape == x.shape for grad, x in ((dq, q), (dk, k), (dv, v)))
+    group = q.shape[2] // k.shape[2]
+    q, k, v, out, dout = (x.float().transpose(1, 2) for x in (q, k, v, out, dout))  # (batch, heads, seq, dim)
+    k_heads, v_heads = (x.repeat_interleave(group, dim=1) for x in (k, v))
+    probs = torch.exp((q @ k_heads.transpose(-2, -1)) * softmax_scale - lse[..., None]).tril()
+    grad_scores = probs * (dout @ v_heads.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True))
+    per_query_head = {
+        dq: grad_scores @ k_heads * softmax_scale,
+        dk: grad_scores.transpose(-2, -1) @ q * softmax_scale,
+        dv: probs.transpose(-2, -1) @ dout,
+    }
+    for grad, value in per_query_head.items():
+        if grad is not dq:  # each kv head sums the gradients of the query heads it serves
+            value = value.unflatten(1, (-1, group)).sum(2)
+        grad.copy_(value.transpose(1, 2))
+    return dq, dk, dv
+
+
+@pytest.fixture
+def reference_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The package's entry points replaced by fp32 math, so the ops run on CPU tensors."""
+    interface = types.SimpleNamespace(_flash_attn_fwd=_reference_fwd, _flash_attn_bwd=_reference_bwd)
+    monkeypatch.setattr(flash_attention4, "_interface", lambda: interface)
+
+
+def _qkv(dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple[torch.Tensor, ...]:
+    """q, k, v as the models make them: transposed views of one projection (batch, seq, width)."""
+    torch.manual_seed(0)
+    widths = [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]
+    qkv = torch.randn(BATCH, SEQ, sum(widths), dtype=dtype, device=device, requires_grad=True)
+    parts = (part.unflatten(-1, (-1, HEAD_DIM)).transpose(1, 2) for part in qkv.split(widths, dim=-1))
+    return qkv, *parts
+
+
+def _loss_and_grad(attention_fn, qkv, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    out = attention_fn(q, k, v)
+    loss = (out.float() * torch.linspace(-1, 1, out.numel(), device=out.device).view_as(out)).sum()
+    (grad,) = torch.autograd.grad(loss, qkv)
+    return out, grad
+
+
+def test_the_ops_give_the_output_and_gradients_of_causal_attention(reference_kernels: None) -> None:
+    scale = 1 / math.sqrt(HEAD_DIM)
+    out, grad = _loss_and_grad(lambda q, k, v: flash_attention4.flash_attention4(q, k, v, scale), *_qkv())
+    expected_out, expected_grad = _loss_and_grad(
+        lambda q, k, v: torch_attention(q, k, v, AttentionInputs(), scale, 0.0), *_qkv()
+    )
+    assert out.shape == (BATCH, HEADS, SEQ, HEAD_DIM)
+    torch.testing.assert_close(out, expected_out)
+    torch.testing.assert_close(grad, expected_grad)
+
+
+def test_a_compiled_function_keeps_the_ops_in_one_graph(reference_kernels: None) -> None:
+    """fullgraph=True fails on any graph break: the ops must be opaque to dynamo, with fake shapes."""
+    scale = 0.3
+    compiled = torch.compile(lambda q, k, v: flash_attention4.flash_attention4(q, k, v, scale) * 2, fullgraph=True)
+    out, grad = _loss_and_grad(compiled, *_qkv())
+    expected_out, expected_grad = _loss_and_grad(
+        lambda q, k, v: torch_attention(q, k, v, AttentionInputs(), scale, 0.0) * 2, *_qkv()
+    )
+    torch.testing.assert_close(out, expected_out)
+    torch.testing.assert_close(grad, expected_grad)
+
+
+@pytest.mark.parametrize(
+    ("device_type", "dtype", "capability", "head_dim", "installed", "reason"),
+    [
+        ("cpu", torch.bfloat16, (9, 0), 64, True, "NVIDIA GPUs only"),
+        ("cuda", torch.float32, (9, 0), 64, True, "fp16/bf16"),
+        ("cuda", torch.bfloat16, (8, 0), 64, True, "compute capability 8.0"),
+        ("cuda", torch.bfloat16, (9, 0), 60, True, "multiple of 8"),
+        ("cuda", torch.bfloat16, (10, 0), 256, True, "at most 128"),
+        ("cuda", torch.bfloat16, (9, 0), 256, False, "foundry\\[flash\\]"),
+        ("cuda", torch.bfloat16, (9, 0), 256, True, None),
+        ("cuda", torch.float16, (10, 0), 128, True, None),
+    ],
+)
+def test_flash_attention4_runs_on_hopper_and_blackwell_in_half_precision_when_installed(
+    monkeypatch: pytest.MonkeyPatch,
+    device_type: str,
+    dtype: torch.dtype,
+    capability: tuple[int, int],
+    head_dim: int,
+    installed: bool,
+    reason: str | None,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+    monkeypatch.setattr(flash_attention4, "installed", lambda: installed)
+    flash_attention4._unsupported_reason.cache_clear()
+    try:
+        found = flash_attention4.unsupported_reason(device_type, 0, dtype, head_dim)
+    finally:
+        flash_attention4._unsupported_reason.cache_clear()
+    if reason is None:
+        assert found == ""
+    else:
+        assert re.search(reason, found), found
+
+
+def test_flash_runs_sdpa_where_flash_attention4_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU ``flash`` never reaches the package: the ops would raise if it did."""
+    monkeypatch.setattr(flash_attention4, "_interface", lambda: pytest.fail("FlashAttention-4 ran on a CPU"))
+    _, q, k, v = _qkv()
+    out = ATTENTION_IMPLS["flash"](q, k, v, AttentionInputs(), 0.25, 0.0)
+    expected = torch_attention(q, k, v, AttentionInputs(), 0.25, 0.0)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_flash_takes_flash_attention4_where_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plain causal attention goes to FlashAttention-4; attention dropout or a mask goes to SDPA."""
+    ran = []
+    monkeypatch.setattr(attention_module, "_flash_attention4_unsupported", lambda q: "")
+    monkeypatch.setattr(flash_attention4, "flash_attention4", lambda q, *args: ran.append("fa4") or q)
+    monkeypatch.setattr(attention_module, "sdpa_attention", lambda q, *args: ran.append("sdpa") or q)
+    _, q, k, v = _qkv()
+    mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).tril()
+    for inputs, dropout_p in [(AttentionInputs(), 0.0), (AttentionInputs(), 0.1), (AttentionInputs(allowed=mask), 0.0)]:
+        ATTENTION_IMPLS["flash"](q, k, v, inputs, 0.25, dropout_p)
+    assert ran == ["fa4", "sdpa", "sdpa"]
+
+
+def test_pinned_fa4_names_why_it_cannot_run() -> None:
+    _, q, k, v = _qkv()
+    with pytest.raises(ConfigError, match="attn_impl' is 'fa4'.*NVIDIA GPUs only.*'flash'"):
+        ATTENTION_IMPLS["fa4"](q, k, v, AttentionInputs(), 0.25, 0.0)
+
+
+@pytest.mark.parametrize("keys", [{"alibi": True}, {"sliding_window_size": 4}, {"attn_pdrop": 0.1}])
+def test_fa4_rejects_masks_and_dropout_in_the_config(keys: dict) -> None:
+    with pytest.raises(ConfigError, match="fa4"):
+        AttnConfig(attn_impl="fa4", **keys)
+
+
+def _hopper_with_flash_attention4() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and flash_attention4.installed()
+
+
+@pytest.mark.skipif(not _hopper_with_flash_attention4(), reason="needs a Hopper GPU and flash-attn-4")
+def test_flash_attention4_matches_sdpa_on_a_hopper_gpu() -> None:
+    scale = 1 / math.sqrt(HEAD_DIM)
+    out, grad = _loss_and_grad(
+        lambda q, k, v: flash_attention4.flash_attention4(q, k, v, scale), *_qkv(torch.bfloat16, "cuda")
+    )
+    expected_out, expected_grad = _loss_and_grad(
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True),
+        *_qkv(torch.bfloat16, "cuda"),
+    )
+    torch.testing.assert_close(out, expected_out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(grad, expected_grad, atol=5e-2, rtol=5e-2)
