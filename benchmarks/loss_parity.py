@@ -35,6 +35,8 @@ PLAIN = [
 ]
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
+    # the default path with SDPA's cuDNN kernel in place of FlashAttention-4 (where foundry[flash] is installed)
+    "default_cudnn": {"overrides": ["model.attn_config.attn_impl=cudnn"]},
     "float8": {"overrides": ["algorithms.float8={}"]},  # the default path with float8 linear layers (Hopper)
     "eager": {"overrides": PLAIN},
     "eager_again": {"overrides": PLAIN},
