@@ -15,6 +15,9 @@ Kernels:
 - ``fa4``: FlashAttention-4 (``flash_attn.cute``, the CuTe-DSL kernels with an SM90 path), where installed;
   it takes (batch, seq, heads, head_dim) views, so no transpose is needed. ``sdpa-fa4``: SDPA's flash
   backend after ``torch.nn.attention.activate_flash_attention_impl("FA4")`` (torch 2.11+; process-wide, so last).
+- ``foundry-fa4``: foundry's two custom ops around the same kernels (``foundry/models/flash_attention4.py``),
+  what ``attn_impl: flash`` runs; ``fa4-packed-grads``: the same kernels writing dq, dk and dv straight into
+  one gradient of the fused projection (no concatenation), to measure what that layout would save.
 A kernel that cannot run reports its error instead of a number.
 """
 
@@ -83,6 +86,41 @@ def fa4() -> Attention:
     return run
 
 
+def foundry_fa4() -> Attention:
+    from foundry.models.flash_attention4 import flash_attention4
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        scale = 1 / math.sqrt(q.shape[-1])
+        return flash_attention4(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
+
+    return run
+
+
+class _PackedGradsFA4(torch.autograd.Function):
+    """FA4 on views of a fused projection whose backward writes dq, dk, dv into one (b, s, width) gradient."""
+
+    @staticmethod
+    def forward(ctx, qkv: torch.Tensor, widths: list[int], head_dim: int) -> torch.Tensor:  # type: ignore[override]
+        from flash_attn.cute.interface import _flash_attn_fwd
+
+        q, k, v = split(qkv, widths, head_dim)
+        out, lse = _flash_attn_fwd(q, k, v, causal=True, return_lse=True)[:2]
+        ctx.save_for_backward(qkv, out, lse)
+        ctx.widths, ctx.head_dim = widths, head_dim
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        from flash_attn.cute.interface import _flash_attn_bwd
+
+        qkv, out, lse = ctx.saved_tensors
+        grad_qkv = torch.empty_like(qkv)
+        q, k, v = split(qkv, ctx.widths, ctx.head_dim)
+        dq, dk, dv = split(grad_qkv, ctx.widths, ctx.head_dim)
+        _flash_attn_bwd(q, k, v, out, grad_out.contiguous(), lse, causal=True, dq=dq, dk=dk, dv=dv)
+        return grad_qkv, None, None
+
+
 def sdpa_fa4() -> Attention:
     """SDPA's flash backend with torch's FA4 registration activated (process-wide: run it last)."""
     torch.nn.attention.activate_flash_attention_impl("FA4")
@@ -96,8 +134,10 @@ KERNELS: dict[str, Callable[[], Attention]] = {
     "flex": lambda: flex(None),
     "flex-autotune": lambda: flex("max-autotune-no-cudagraphs"),
     "fa4": fa4,
+    "foundry-fa4": foundry_fa4,
     "sdpa-fa4": sdpa_fa4,
 }
+PACKED_KERNELS = {"fa4-packed-grads"}  # take the fused projection itself, not its q, k, v views
 
 
 def packed_inputs(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int) -> tuple[torch.Tensor, list[int]]:
@@ -124,8 +164,13 @@ def measure(kernel: str, shape_name: str, warmup: int, iters: int) -> dict:
     row = {"kernel": kernel, "shape": shape_name, "batch": batch, "heads": heads, "kv_heads": kv_heads,
            "seq": seq, "head_dim": head_dim}  # fmt: skip
     try:
-        attention = KERNELS[kernel]()
         qkv, widths = packed_inputs(batch, heads, kv_heads, seq, head_dim)
+        if kernel in PACKED_KERNELS:
+
+            def attention(*_views: torch.Tensor) -> torch.Tensor:
+                return _PackedGradsFA4.apply(qkv, widths, head_dim)
+        else:
+            attention = KERNELS[kernel]()
         grad = torch.randn(batch, seq, heads, head_dim, device="cuda", dtype=torch.bfloat16)
         started = time.perf_counter()
         out = attention(*split(qkv, widths, head_dim))
@@ -163,7 +208,9 @@ def measure(kernel: str, shape_name: str, warmup: int, iters: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kernels", nargs="+", default=["cudnn", "flash2", "flex"], choices=sorted(KERNELS))
+    parser.add_argument(
+        "--kernels", nargs="+", default=["cudnn", "flash2", "flex"], choices=sorted([*KERNELS, *PACKED_KERNELS])
+    )
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=sorted(SHAPES))
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)

@@ -10,7 +10,8 @@ Every row is ``yamls/pretrain/mpt-125m.yaml`` on one device with SDPA, microbatc
   compiled loss;
 - ``whole``: ``torch_compile`` ``scope: model`` (fusions across block boundaries);
 - ``cd``: inductor's ``coordinate_descent_tuning`` (tunes the fused kernels' launch sizes);
-- ``fsdp-pure``: the YAML's own fsdp_config (FSDP2 on one rank, ``mixed_precision: PURE``).
+- ``fsdp-pure``: the YAML's own fsdp_config (FSDP2 on one rank, ``mixed_precision: PURE``);
+- ``fa4``: FlashAttention-4 pinned (``attn_impl: fa4``) instead of SDPA's cuDNN kernel.
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ WHOLE_CD_AGGRESSIVE = {
 }
 
 
-def row(algorithms: dict[str, Any], fused: bool = False, microbatch: int = 32, fsdp: bool = False) -> mfu.Row:
-    return mfu.Row(mfu.MPT_125M, microbatch, algorithms, mfu.SDPA + (mfu.FUSED_CE if fused else ()), fsdp)
+def row(
+    algorithms: dict[str, Any], fused: bool = False, microbatch: int = 32, fsdp: bool = False, attn: str = "sdpa"
+) -> mfu.Row:
+    attention = (f"model.attn_config.attn_impl={attn}",)
+    return mfu.Row(mfu.MPT_125M, microbatch, algorithms, attention + (mfu.FUSED_CE if fused else ()), fsdp)
 
 
 ROWS = {
@@ -53,6 +57,7 @@ ROWS = {
     "whole-fused-residual-cd-mb96": row({**WHOLE_CD, **RESIDUAL}, fused=True, microbatch=96),
     "whole-fused-residual-mb112": row({**WHOLE, **RESIDUAL}, fused=True, microbatch=112),
     "whole-fused-residual-mb128": row({**WHOLE, **RESIDUAL}, fused=True, microbatch=128),
+    "whole-fused-residual-mb128-fa4": row({**WHOLE, **RESIDUAL}, fused=True, microbatch=128, attn="fa4"),
     "whole-fused-residual-autotune-mb96": row({**WHOLE_AUTOTUNE, **RESIDUAL}, fused=True, microbatch=96),
     "whole-fused-residual-aggressive-mb96": row({**WHOLE_AGGRESSIVE, **RESIDUAL}, fused=True, microbatch=96),
     "whole-fused-residual-cd-aggressive-mb96": row({**WHOLE_CD_AGGRESSIVE, **RESIDUAL}, fused=True, microbatch=96),
