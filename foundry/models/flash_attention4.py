@@ -18,6 +18,8 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
+import logging
 from types import ModuleType
 
 import torch
@@ -27,6 +29,14 @@ INSTALL_HINT = f"pip install 'foundry[flash]' (the {PACKAGE} package)"
 # Compute capabilities (major) the package has kernels for, and the widest head each takes.
 MAX_HEAD_DIM = {9: 256, 10: 128}
 HEAD_DIM_MULTIPLE = 8  # 16 bytes of fp16/bf16
+# The package's internal entry points and the keywords foundry passes them (tested with 4.0.0b36). They are
+# not its public API, so a release that changes them is caught before a run, not at its first forward.
+ENTRY_POINTS = {
+    "_flash_attn_fwd": ("softmax_scale", "causal", "out", "lse", "return_lse"),
+    "_flash_attn_bwd": ("softmax_scale", "causal", "dq", "dk", "dv"),
+}
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -41,6 +51,30 @@ def installed() -> bool:
         return importlib.util.find_spec("flash_attn.cute") is not None
     except ModuleNotFoundError:  # a flash_attn without the cute subpackage (FlashAttention-2)
         return False
+
+
+@functools.cache
+def interface_problem() -> str:
+    """'' when the installed package imports and has the entry points and keywords foundry calls; else what not."""
+    try:
+        interface = _interface()
+    except Exception as error:  # a broken install (CUDA libraries, the CuTe DSL) is a reason, not a crash
+        return (
+            f"importing flash_attn.cute.interface failed ({type(error).__name__}: {error}); reinstall: {INSTALL_HINT}"
+        )
+    for name, keywords in ENTRY_POINTS.items():
+        function = getattr(interface, name, None)
+        if function is None:
+            return (
+                f"{PACKAGE} has no flash_attn.cute.interface.{name}; {INSTALL_HINT} installs a version foundry supports"
+            )
+        missing = [keyword for keyword in keywords if keyword not in inspect.signature(function).parameters]
+        if missing:
+            return (
+                f"{PACKAGE}'s {name} takes no {', '.join(missing)} argument(s); {INSTALL_HINT} installs a version "
+                "foundry supports"
+            )
+    return ""
 
 
 @torch.compiler.assume_constant_result
@@ -67,7 +101,16 @@ def _unsupported_reason(device_type: str, device_index: int, dtype: torch.dtype,
             f"compute capability {major}.x, not {head_dim}"
         )
     if not installed():
+        # Said once per shape (this function is cached): the one case a user can fix with a pip install.
+        log.info(
+            "FlashAttention-4 would run this attention (compute capability %d.%d, heads %d wide) and is faster than "
+            "SDPA's kernels on Hopper (docs/PERFORMANCE.md); using SDPA. To use it: %s.",
+            major, minor, head_dim, INSTALL_HINT,
+        )  # fmt: skip
         return f"the {PACKAGE} package is not installed ({INSTALL_HINT})"
+    if problem := interface_problem():
+        log.warning("FlashAttention-4 is installed but cannot be used: %s. Attention runs on SDPA.", problem)
+        return problem
     return ""
 
 

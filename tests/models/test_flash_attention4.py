@@ -7,6 +7,7 @@ last test runs the real kernels against SDPA where a Hopper GPU and the package 
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import types
@@ -132,6 +133,7 @@ def test_flash_attention4_runs_on_hopper_and_blackwell_in_half_precision_when_in
 ) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
     monkeypatch.setattr(flash_attention4, "installed", lambda: installed)
+    monkeypatch.setattr(flash_attention4, "interface_problem", lambda: "")
     flash_attention4._unsupported_reason.cache_clear()
     try:
         found = flash_attention4.unsupported_reason(device_type, 0, dtype, head_dim)
@@ -141,6 +143,63 @@ def test_flash_attention4_runs_on_hopper_and_blackwell_in_half_precision_when_in
         assert found == ""
     else:
         assert re.search(reason, found), found
+
+
+def test_a_hopper_gpu_without_the_package_says_once_how_to_install_it(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(flash_attention4, "installed", lambda: False)
+    flash_attention4._unsupported_reason.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger=flash_attention4.__name__):
+            for _ in range(3):
+                flash_attention4.unsupported_reason("cuda", 0, torch.bfloat16, 64)
+            flash_attention4.unsupported_reason("cuda", 0, torch.float32, 64)  # not fixable by installing: silent
+    finally:
+        flash_attention4._unsupported_reason.cache_clear()
+    hints = [record.getMessage() for record in caplog.records if "foundry[flash]" in record.getMessage()]
+    assert len(hints) == 1, hints
+
+
+@pytest.mark.parametrize(
+    ("interface", "problem"),
+    [
+        (types.SimpleNamespace(_flash_attn_fwd=_reference_fwd, _flash_attn_bwd=_reference_bwd), None),
+        (types.SimpleNamespace(_flash_attn_fwd=_reference_fwd), "no flash_attn.cute.interface._flash_attn_bwd"),
+        (
+            types.SimpleNamespace(
+                _flash_attn_fwd=lambda q, k, v, softmax_scale, causal: q, _flash_attn_bwd=_reference_bwd
+            ),
+            "_flash_attn_fwd takes no out, lse, return_lse",
+        ),
+        (ImportError("libcute_dsl_runtime.so: cannot open shared object file"), "importing .* failed .*libcute"),
+    ],
+)
+def test_an_installed_package_with_another_interface_is_a_reason_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, interface: object, problem: str | None
+) -> None:
+    def load() -> object:
+        if isinstance(interface, Exception):
+            raise interface
+        return interface
+
+    monkeypatch.setattr(flash_attention4, "_interface", load)
+    monkeypatch.setattr(flash_attention4, "installed", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    flash_attention4.interface_problem.cache_clear()
+    flash_attention4._unsupported_reason.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=flash_attention4.__name__):
+            found = flash_attention4.unsupported_reason("cuda", 0, torch.bfloat16, 64)
+    finally:
+        flash_attention4.interface_problem.cache_clear()
+        flash_attention4._unsupported_reason.cache_clear()
+    if problem is None:
+        assert found == "" and not caplog.records
+    else:
+        assert re.search(problem, found), found
+        assert "foundry[flash]" in found and len(caplog.records) == 1
 
 
 def test_flash_runs_sdpa_where_flash_attention4_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -183,6 +242,7 @@ def _hopper_with_flash_attention4() -> bool:
 
 @pytest.mark.skipif(not _hopper_with_flash_attention4(), reason="needs a Hopper GPU and flash-attn-4")
 def test_flash_attention4_matches_sdpa_on_a_hopper_gpu() -> None:
+    assert flash_attention4.interface_problem() == ""  # the installed package has the entry points foundry calls
     scale = 1 / math.sqrt(HEAD_DIM)
     out, grad = _loss_and_grad(
         lambda q, k, v: flash_attention4.flash_attention4(q, k, v, scale), *_qkv(torch.bfloat16, "cuda")
