@@ -365,7 +365,7 @@ def fused_sdpa_attention(
     """FlexAttention where the inputs carry a block mask, else FlashAttention-4 where it runs, else SDPA fused."""
     if inputs.block_mask is not None:
         return flex_attention_fn(q, k, v, inputs.block_mask, inputs.score_mod, scale)
-    if _plain_causal(inputs, dropout_p) and not _flash_attention4_unsupported(q):
+    if _plain_causal(inputs, dropout_p) and not _flash_attention4_unsupported(q, k):
         return flash_attention4.flash_attention4(q, k, v, scale)
     try:
         with sdpa_kernel(FUSED_BACKENDS):
@@ -384,16 +384,17 @@ def _plain_causal(inputs: AttentionInputs, dropout_p: float) -> bool:
     return inputs.allowed is None and inputs.bias is None and dropout_p == 0
 
 
-def _flash_attention4_unsupported(q: torch.Tensor) -> str:
-    """Why FlashAttention-4 cannot take q's device, dtype and head width; '' when it can."""
-    return flash_attention4.unsupported_reason(q.device.type, q.device.index or 0, q.dtype, q.shape[-1])
+def _flash_attention4_unsupported(q: torch.Tensor, k: torch.Tensor) -> str:
+    """Why FlashAttention-4 cannot take q's device, dtype and (batch, heads, seq, head_dim) shape; '' when it can."""
+    index = q.device.index or 0
+    return flash_attention4.unsupported_reason(q.device.type, index, q.dtype, q.shape[-1], q.shape[1], k.shape[1])
 
 
 def flash_attention4_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, scale: float, dropout_p: float
 ) -> torch.Tensor:
     """Exactly FlashAttention-4: fails with the reason rather than run another kernel."""
-    reason = _flash_attention4_unsupported(q)
+    reason = _flash_attention4_unsupported(q, k)
     if not reason and not _plain_causal(inputs, dropout_p):
         reason = "it takes plain causal attention only, and this forward has padding or attention dropout"
     if reason:

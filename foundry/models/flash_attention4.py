@@ -6,6 +6,9 @@ or Blackwell GPU, fp16/bf16, plain causal attention (no mask or bias, no dropout
 of 8 wide (up to 256 on Hopper, 128 on Blackwell). ``attn_impl: fa4`` pins it. Install it with
 ``pip install 'foundry[flash]'``; without it ``flash`` runs SDPA's fused kernels as before.
 
+Before a shape first runs here, ``probe_problem`` checks its kernels against fp32 math on a small input;
+a kernel that fails or disagrees sends that shape to SDPA with one warning.
+
 The package's autograd function is Python around kernels compiled on first use (a few seconds per
 shape), which dynamo cannot trace: a compiled model would break its graph at every layer. Here the
 forward (output and log-sum-exp) and the backward (dq, dk, dv) are two opaque custom ops with
@@ -20,9 +23,11 @@ import importlib
 import importlib.util
 import inspect
 import logging
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
+import torch.nn.functional as F
 
 PACKAGE = "flash-attn-4"
 INSTALL_HINT = f"pip install 'foundry[flash]' (the {PACKAGE} package)"
@@ -78,16 +83,20 @@ def interface_problem() -> str:
 
 
 @torch.compiler.assume_constant_result
-def unsupported_reason(device_type: str, device_index: int, dtype: torch.dtype, head_dim: int) -> str:
-    """Why FlashAttention-4 cannot run attention on this device, dtype and head width; '' when it can.
+def unsupported_reason(
+    device_type: str, device_index: int, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int
+) -> str:
+    """Why FlashAttention-4 cannot run attention of this shape on this device and dtype; '' when it can.
 
     A trace-time constant under ``torch.compile``; cached, so an eager forward pays for it once.
     """
-    return _unsupported_reason(device_type, device_index, dtype, head_dim)
+    return _unsupported_reason(device_type, device_index, dtype, head_dim, heads, kv_heads)
 
 
 @functools.cache
-def _unsupported_reason(device_type: str, device_index: int, dtype: torch.dtype, head_dim: int) -> str:
+def _unsupported_reason(
+    device_type: str, device_index: int, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int
+) -> str:
     if device_type != "cuda":
         return f"it runs on NVIDIA GPUs only, not on {device_type}"
     if dtype not in (torch.float16, torch.bfloat16):
@@ -108,10 +117,86 @@ def _unsupported_reason(device_type: str, device_index: int, dtype: torch.dtype,
             major, minor, head_dim, INSTALL_HINT,
         )  # fmt: skip
         return f"the {PACKAGE} package is not installed ({INSTALL_HINT})"
-    if problem := interface_problem():
+    if problem := interface_problem() or probe_problem(
+        torch.device("cuda", device_index), dtype, head_dim, heads, kv_heads
+    ):
         log.warning("FlashAttention-4 is installed but cannot be used: %s. Attention runs on SDPA.", problem)
         return problem
     return ""
+
+
+PROBE_SEQ = 192  # a few tiles of every kernel configuration, causal diagonal included
+PROBE_TOLERANCE = 4.0  # FlashAttention-4 may be this many times further from fp32 math than SDPA is (both bf16)
+
+
+@functools.cache
+def probe_problem(device: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int) -> str:
+    """'' when the kernels for this shape build and agree with fp32 math as closely as SDPA does; else why not.
+
+    The package compiles kernels per shape on first use, and a beta release can fail to build one or build
+    a wrong one. Probing a small causal input first (once per shape, a few seconds of compiling the run
+    would pay anyway) turns either into SDPA and a warning, instead of a crash or silently wrong attention.
+    """
+    try:
+        return _probe(device, dtype, head_dim, heads, kv_heads)
+    except Exception as error:  # the probe's own failure must not stop a run SDPA can carry
+        return f"the {PROBE_SEQ}-token probe of this shape failed ({type(error).__name__}: {error})"
+
+
+def _probe(device: torch.device, dtype: torch.dtype, head_dim: int, heads: int, kv_heads: int) -> str:
+    generator = torch.Generator(device).manual_seed(0)
+    with torch.inference_mode(False):  # tensors autograd can differentiate, even when called during eval
+        q, k, v, grad_out = (
+            torch.randn(1, PROBE_SEQ, count, head_dim, device=device, dtype=dtype, generator=generator)
+            for count in (heads, kv_heads, kv_heads, heads)
+        )
+    scale = head_dim**-0.5
+    try:
+        out, lse = _forward_outputs(q, v)
+        _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, out=out, lse=lse, return_lse=True)
+        grads = _input_grads(q, k, v)
+        dq, dk, dv = grads
+        _interface()._flash_attn_bwd(q, k, v, out, grad_out, lse, softmax_scale=scale, causal=True, dq=dq, dk=dk, dv=dv)
+    except Exception as error:  # any failure to build or launch is a reason to use SDPA
+        return f"its kernels failed on a {PROBE_SEQ}-token probe of this shape ({type(error).__name__}: {error})"
+    reference = _causal_attention_and_grads(q.float(), k.float(), v.float(), grad_out.float(), scale, _math_attention)
+    sdpa = _causal_attention_and_grads(q, k, v, grad_out, scale, _sdpa_attention)
+    for name, got, exact, fused in zip(("output", "dq", "dk", "dv"), (out, *grads), reference, sdpa, strict=True):
+        error, allowed = (got.float() - exact).abs().max().item(), (fused.float() - exact).abs().max().item()
+        if not error <= PROBE_TOLERANCE * allowed + 1e-3:  # NaN fails too
+            return (
+                f"its {name} on a {PROBE_SEQ}-token probe of this shape is {error:.3g} from fp32 math, SDPA's "
+                f"{allowed:.3g}"
+            )
+    return ""
+
+
+def _causal_attention_and_grads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    scale: float,
+    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor],
+) -> tuple[torch.Tensor, ...]:
+    """Output, dq, dk, dv of ``attention`` on (batch, seq, heads, head_dim) inputs, in their own dtype."""
+    # The probe runs inside the model's forward, which may be under autocast (fp32 must stay fp32), no_grad or
+    # inference_mode (eval, generation): gradients on for these few tensors.
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
+        inputs = tuple(x.detach().requires_grad_() for x in (q, k, v))
+        out = attention(*(x.transpose(1, 2) for x in inputs), scale).transpose(1, 2)
+        return out.detach(), *torch.autograd.grad(out, inputs, grad_out)
+
+
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    scores = (q @ k.transpose(-2, -1)) * scale
+    causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    return scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+
+
+def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 # No device_types: the selection above only routes CUDA tensors here, and tests stand a reference in

@@ -134,9 +134,10 @@ def test_flash_attention4_runs_on_hopper_and_blackwell_in_half_precision_when_in
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
     monkeypatch.setattr(flash_attention4, "installed", lambda: installed)
     monkeypatch.setattr(flash_attention4, "interface_problem", lambda: "")
+    monkeypatch.setattr(flash_attention4, "probe_problem", lambda *shape: "")
     flash_attention4._unsupported_reason.cache_clear()
     try:
-        found = flash_attention4.unsupported_reason(device_type, 0, dtype, head_dim)
+        found = flash_attention4.unsupported_reason(device_type, 0, dtype, head_dim, 8, 8)
     finally:
         flash_attention4._unsupported_reason.cache_clear()
     if reason is None:
@@ -154,8 +155,8 @@ def test_a_hopper_gpu_without_the_package_says_once_how_to_install_it(
     try:
         with caplog.at_level(logging.INFO, logger=flash_attention4.__name__):
             for _ in range(3):
-                flash_attention4.unsupported_reason("cuda", 0, torch.bfloat16, 64)
-            flash_attention4.unsupported_reason("cuda", 0, torch.float32, 64)  # not fixable by installing: silent
+                flash_attention4.unsupported_reason("cuda", 0, torch.bfloat16, 64, 8, 8)
+            flash_attention4.unsupported_reason("cuda", 0, torch.float32, 64, 8, 8)  # not fixable by installing
     finally:
         flash_attention4._unsupported_reason.cache_clear()
     hints = [record.getMessage() for record in caplog.records if "foundry[flash]" in record.getMessage()]
@@ -187,11 +188,12 @@ def test_an_installed_package_with_another_interface_is_a_reason_not_a_crash(
     monkeypatch.setattr(flash_attention4, "_interface", load)
     monkeypatch.setattr(flash_attention4, "installed", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    monkeypatch.setattr(flash_attention4, "probe_problem", lambda *shape: "")
     flash_attention4.interface_problem.cache_clear()
     flash_attention4._unsupported_reason.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=flash_attention4.__name__):
-            found = flash_attention4.unsupported_reason("cuda", 0, torch.bfloat16, 64)
+            found = flash_attention4.unsupported_reason("cuda", 0, torch.bfloat16, 64, 8, 8)
     finally:
         flash_attention4.interface_problem.cache_clear()
         flash_attention4._unsupported_reason.cache_clear()
@@ -200,6 +202,101 @@ def test_an_installed_package_with_another_interface_is_a_reason_not_a_crash(
     else:
         assert re.search(problem, found), found
         assert "foundry[flash]" in found and len(caplog.records) == 1
+
+
+def _kernels(fwd=_reference_fwd, bwd=_reference_bwd) -> types.SimpleNamespace:
+    return types.SimpleNamespace(_flash_attn_fwd=fwd, _flash_attn_bwd=bwd)
+
+
+def _raising(*args, **kwargs):
+    raise RuntimeError("no tile configuration for this head width")
+
+
+def _without_causal_mask(q, k, v, *, softmax_scale, causal, out, lse, return_lse):
+    """A wrong kernel: the right layout and lse, but every query also attends to the future."""
+    _reference_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal, out=out, lse=lse, return_lse=return_lse)
+    q32, k32, v32 = (x.float().transpose(1, 2) for x in (q, k, v))
+    k32, v32 = (x.repeat_interleave(q32.shape[1] // x.shape[1], dim=1) for x in (k32, v32))
+    out.copy_(((q32 @ k32.transpose(-2, -1)) * softmax_scale).softmax(-1).matmul(v32).transpose(1, 2))
+
+
+def _zero_dk(q, k, v, out, dout, lse, *, softmax_scale, causal, dq, dk, dv):
+    _reference_bwd(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal, dq=dq, dk=dk, dv=dv)
+    dk.zero_()
+
+
+@pytest.mark.parametrize(
+    ("kernels", "problem"),
+    [
+        (_kernels(), None),
+        (_kernels(fwd=_raising), "kernels failed on a 192-token probe .*no tile configuration"),
+        (_kernels(bwd=_raising), "kernels failed"),
+        (_kernels(fwd=_without_causal_mask), "its output on a 192-token probe of this shape is .* from fp32 math"),
+        (_kernels(bwd=_zero_dk), "its dk on a 192-token probe"),
+    ],
+)
+def test_a_probe_of_each_shape_catches_kernels_that_fail_or_compute_wrong_attention(
+    monkeypatch: pytest.MonkeyPatch, kernels: types.SimpleNamespace, problem: str | None
+) -> None:
+    monkeypatch.setattr(flash_attention4, "_interface", lambda: kernels)
+    flash_attention4.probe_problem.cache_clear()
+    try:
+        with torch.inference_mode():  # as when a shape is first seen during eval: the probe still differentiates
+            found = flash_attention4.probe_problem(torch.device("cpu"), torch.float32, HEAD_DIM, HEADS, KV_HEADS)
+    finally:
+        flash_attention4.probe_problem.cache_clear()
+    if problem is None:
+        assert found == ""
+    else:
+        assert re.search(problem, found), found
+
+
+def test_a_failed_probe_runs_sdpa_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(flash_attention4, "_interface", lambda: _kernels(fwd=_without_causal_mask))
+    monkeypatch.setattr(flash_attention4, "installed", lambda: True)
+    monkeypatch.setattr(flash_attention4, "interface_problem", lambda: "")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    probe = flash_attention4.probe_problem
+    # The probe itself on CPU tensors: this machine may have no GPU.
+    monkeypatch.setattr(flash_attention4, "probe_problem", lambda device, *shape: probe(torch.device("cpu"), *shape))
+    probe.cache_clear()
+    flash_attention4._unsupported_reason.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=flash_attention4.__name__):
+            reasons = [
+                flash_attention4.unsupported_reason("cuda", 0, torch.bfloat16, HEAD_DIM, HEADS, KV_HEADS)
+                for _ in range(2)
+            ]
+    finally:
+        probe.cache_clear()
+        flash_attention4._unsupported_reason.cache_clear()
+    assert reasons[0] == reasons[1] and "from fp32 math" in reasons[0]
+    assert len(caplog.records) == 1 and "cannot be used" in caplog.records[0].getMessage()
+
+
+def test_the_probe_runs_while_torch_compile_traces_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under compile the choice is made at trace time (a constant): the probe must run there, on real tensors."""
+    monkeypatch.setattr(flash_attention4, "_interface", lambda: _kernels())
+    monkeypatch.setattr(flash_attention4, "installed", lambda: True)
+    monkeypatch.setattr(flash_attention4, "interface_problem", lambda: "")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    probe = flash_attention4.probe_problem
+    monkeypatch.setattr(flash_attention4, "probe_problem", lambda device, *shape: probe(torch.device("cpu"), *shape))
+    probe.cache_clear()
+    flash_attention4._unsupported_reason.cache_clear()
+
+    def choose(x: torch.Tensor) -> torch.Tensor:
+        reason = flash_attention4.unsupported_reason("cuda", 0, torch.bfloat16, HEAD_DIM, HEADS, KV_HEADS)
+        return x * 3 if reason else x * 2
+
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # as inside a model's forward
+            assert torch.equal(torch.compile(choose, fullgraph=True)(torch.ones(2)), torch.full((2,), 2.0))
+    finally:
+        probe.cache_clear()
+        flash_attention4._unsupported_reason.cache_clear()
 
 
 def test_flash_runs_sdpa_where_flash_attention4_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -214,7 +311,7 @@ def test_flash_runs_sdpa_where_flash_attention4_cannot(monkeypatch: pytest.Monke
 def test_flash_takes_flash_attention4_where_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
     """Plain causal attention goes to FlashAttention-4; attention dropout or a mask goes to SDPA."""
     ran = []
-    monkeypatch.setattr(attention_module, "_flash_attention4_unsupported", lambda q: "")
+    monkeypatch.setattr(attention_module, "_flash_attention4_unsupported", lambda q, k: "")
     monkeypatch.setattr(flash_attention4, "flash_attention4", lambda q, *args: ran.append("fa4") or q)
     monkeypatch.setattr(attention_module, "sdpa_attention", lambda q, *args: ran.append("sdpa") or q)
     _, q, k, v = _qkv()
@@ -243,6 +340,9 @@ def _hopper_with_flash_attention4() -> bool:
 @pytest.mark.skipif(not _hopper_with_flash_attention4(), reason="needs a Hopper GPU and flash-attn-4")
 def test_flash_attention4_matches_sdpa_on_a_hopper_gpu() -> None:
     assert flash_attention4.interface_problem() == ""  # the installed package has the entry points foundry calls
+    # and its kernels pass the probe at the shipped configs' head shapes (MPT: 64 and 128 wide; Llama: GQA)
+    for head_dim, heads, kv_heads in ((64, 12, 12), (128, 16, 16), (64, 32, 8)):
+        assert flash_attention4.probe_problem(torch.device("cuda"), torch.bfloat16, head_dim, heads, kv_heads) == ""
     scale = 1 / math.sqrt(HEAD_DIM)
     out, grad = _loss_and_grad(
         lambda q, k, v: flash_attention4.flash_attention4(q, k, v, scale), *_qkv(torch.bfloat16, "cuda")
