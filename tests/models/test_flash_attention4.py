@@ -11,6 +11,7 @@ import logging
 import math
 import re
 import types
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -61,6 +62,17 @@ def _reference_bwd(q, k, v, out, dout, lse, *, softmax_scale, causal, dq, dk, dv
             value = value.unflatten(1, (-1, group)).sum(2)
         grad.copy_(value.transpose(1, 2))
     return dq, dk, dv
+
+
+@pytest.fixture(autouse=True)
+def fresh_choices() -> Iterator[None]:
+    """The choice of kernel is cached per process (per shape): each test starts and leaves with none made."""
+    caches = (flash_attention4._unsupported_reason, flash_attention4.interface_problem, flash_attention4.probe_problem)
+    for cache in caches:
+        cache.cache_clear()
+    yield
+    for cache in caches:
+        cache.cache_clear()
 
 
 @pytest.fixture
@@ -135,11 +147,7 @@ def test_flash_attention4_runs_on_hopper_and_blackwell_in_half_precision_when_in
     monkeypatch.setattr(flash_attention4, "installed", lambda: installed)
     monkeypatch.setattr(flash_attention4, "interface_problem", lambda: "")
     monkeypatch.setattr(flash_attention4, "probe_problem", lambda *shape: "")
-    flash_attention4._unsupported_reason.cache_clear()
-    try:
-        found = flash_attention4.unsupported_reason(device_type, 0, dtype, head_dim, 8, 8)
-    finally:
-        flash_attention4._unsupported_reason.cache_clear()
+    found = flash_attention4.unsupported_reason(device_type, 0, dtype, head_dim, 8, 8)
     if reason is None:
         assert found == ""
     else:
@@ -151,14 +159,10 @@ def test_a_hopper_gpu_without_the_package_says_once_how_to_install_it(
 ) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     monkeypatch.setattr(flash_attention4, "installed", lambda: False)
-    flash_attention4._unsupported_reason.cache_clear()
-    try:
-        with caplog.at_level(logging.INFO, logger=flash_attention4.__name__):
-            for _ in range(3):
-                flash_attention4.unsupported_reason("cuda", 0, torch.bfloat16, 64, 8, 8)
-            flash_attention4.unsupported_reason("cuda", 0, torch.float32, 64, 8, 8)  # not fixable by installing
-    finally:
-        flash_attention4._unsupported_reason.cache_clear()
+    with caplog.at_level(logging.INFO, logger=flash_attention4.__name__):
+        for _ in range(3):
+            flash_attention4.unsupported_reason("cuda", 0, torch.bfloat16, 64, 8, 8)
+        flash_attention4.unsupported_reason("cuda", 0, torch.float32, 64, 8, 8)  # not fixable by installing
     hints = [record.getMessage() for record in caplog.records if "foundry[flash]" in record.getMessage()]
     assert len(hints) == 1, hints
 
@@ -189,14 +193,8 @@ def test_an_installed_package_with_another_interface_is_a_reason_not_a_crash(
     monkeypatch.setattr(flash_attention4, "installed", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     monkeypatch.setattr(flash_attention4, "probe_problem", lambda *shape: "")
-    flash_attention4.interface_problem.cache_clear()
-    flash_attention4._unsupported_reason.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger=flash_attention4.__name__):
-            found = flash_attention4.unsupported_reason("cuda", 0, torch.bfloat16, 64, 8, 8)
-    finally:
-        flash_attention4.interface_problem.cache_clear()
-        flash_attention4._unsupported_reason.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=flash_attention4.__name__):
+        found = flash_attention4.unsupported_reason("cuda", 0, torch.bfloat16, 64, 8, 8)
     if problem is None:
         assert found == "" and not caplog.records
     else:
@@ -239,64 +237,46 @@ def test_a_probe_of_each_shape_catches_kernels_that_fail_or_compute_wrong_attent
     monkeypatch: pytest.MonkeyPatch, kernels: types.SimpleNamespace, problem: str | None
 ) -> None:
     monkeypatch.setattr(flash_attention4, "_interface", lambda: kernels)
-    flash_attention4.probe_problem.cache_clear()
-    try:
-        with torch.inference_mode():  # as when a shape is first seen during eval: the probe still differentiates
-            found = flash_attention4.probe_problem(torch.device("cpu"), torch.float32, HEAD_DIM, HEADS, KV_HEADS)
-    finally:
-        flash_attention4.probe_problem.cache_clear()
+    with torch.inference_mode():  # as when a shape is first seen during eval: the probe still differentiates
+        found = flash_attention4.probe_problem(torch.device("cpu"), torch.float32, HEAD_DIM, HEADS, KV_HEADS)
     if problem is None:
         assert found == ""
     else:
         assert re.search(problem, found), found
 
 
-def test_a_failed_probe_runs_sdpa_with_one_warning(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setattr(flash_attention4, "_interface", lambda: _kernels(fwd=_without_causal_mask))
+def _installed_on_a_hopper_gpu(monkeypatch: pytest.MonkeyPatch, kernels: types.SimpleNamespace) -> None:
+    """The package installed with these kernels on a Hopper GPU; the probe runs on CPU tensors (no GPU needed)."""
+    monkeypatch.setattr(flash_attention4, "_interface", lambda: kernels)
     monkeypatch.setattr(flash_attention4, "installed", lambda: True)
     monkeypatch.setattr(flash_attention4, "interface_problem", lambda: "")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     probe = flash_attention4.probe_problem
-    # The probe itself on CPU tensors: this machine may have no GPU.
     monkeypatch.setattr(flash_attention4, "probe_problem", lambda device, *shape: probe(torch.device("cpu"), *shape))
-    probe.cache_clear()
-    flash_attention4._unsupported_reason.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger=flash_attention4.__name__):
-            reasons = [
-                flash_attention4.unsupported_reason("cuda", 0, torch.bfloat16, HEAD_DIM, HEADS, KV_HEADS)
-                for _ in range(2)
-            ]
-    finally:
-        probe.cache_clear()
-        flash_attention4._unsupported_reason.cache_clear()
+
+
+def test_a_failed_probe_runs_sdpa_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    _installed_on_a_hopper_gpu(monkeypatch, _kernels(fwd=_without_causal_mask))
+    with caplog.at_level(logging.WARNING, logger=flash_attention4.__name__):
+        reasons = [
+            flash_attention4.unsupported_reason("cuda", 0, torch.bfloat16, HEAD_DIM, HEADS, KV_HEADS) for _ in range(2)
+        ]
     assert reasons[0] == reasons[1] and "from fp32 math" in reasons[0]
     assert len(caplog.records) == 1 and "cannot be used" in caplog.records[0].getMessage()
 
 
 def test_the_probe_runs_while_torch_compile_traces_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under compile the choice is made at trace time (a constant): the probe must run there, on real tensors."""
-    monkeypatch.setattr(flash_attention4, "_interface", lambda: _kernels())
-    monkeypatch.setattr(flash_attention4, "installed", lambda: True)
-    monkeypatch.setattr(flash_attention4, "interface_problem", lambda: "")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
-    probe = flash_attention4.probe_problem
-    monkeypatch.setattr(flash_attention4, "probe_problem", lambda device, *shape: probe(torch.device("cpu"), *shape))
-    probe.cache_clear()
-    flash_attention4._unsupported_reason.cache_clear()
+    _installed_on_a_hopper_gpu(monkeypatch, _kernels())
 
     def choose(x: torch.Tensor) -> torch.Tensor:
         reason = flash_attention4.unsupported_reason("cuda", 0, torch.bfloat16, HEAD_DIM, HEADS, KV_HEADS)
         return x * 3 if reason else x * 2
 
-    try:
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # as inside a model's forward
-            assert torch.equal(torch.compile(choose, fullgraph=True)(torch.ones(2)), torch.full((2,), 2.0))
-    finally:
-        probe.cache_clear()
-        flash_attention4._unsupported_reason.cache_clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as inside a model's forward
+        assert torch.equal(torch.compile(choose, fullgraph=True)(torch.ones(2)), torch.full((2,), 2.0))
 
 
 def test_flash_runs_sdpa_where_flash_attention4_cannot(monkeypatch: pytest.MonkeyPatch) -> None:
