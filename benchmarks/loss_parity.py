@@ -10,8 +10,8 @@ plain path: no compile, the unfused loss, no fsdp_config so an fp32 residual str
 autograd's own weight-gradient accumulation),
 ``eager_again`` (the same run repeated: the GPU's own run-to-run nondeterminism) and ``fp32`` (eager
 without autocast: the bf16 rounding gap); ``float8`` (the default path with ``algorithms.float8``, on a GPU
-with float8 matrix units) is there to be asked for. Reports the max and mean absolute per-step loss difference
-of each against ``eager``.
+with float8 matrix units) and ``float8_rowwise`` (its rowwise recipe) are there to be asked for. Reports the
+max and mean absolute per-step loss difference of each against ``eager``.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the default path with SDPA's cuDNN kernel in place of FlashAttention-4 (where foundry[flash] is installed)
     "default_cudnn": {"overrides": ["model.attn_config.attn_impl=cudnn"]},
     "float8": {"overrides": ["algorithms.float8={}"]},  # the default path with float8 linear layers (Hopper)
+    "float8_rowwise": {"overrides": ["algorithms.float8={recipe: rowwise}"]},  # one scale per row: finer, slower
     "eager": {"overrides": PLAIN},
     "eager_again": {"overrides": PLAIN},
     "fp32": {"precision": "fp32", "overrides": PLAIN},

@@ -107,6 +107,12 @@ ROWS: dict[str, Row] = {
     "mpt-1b-fused-residual-mb8": fast(MPT_1B, microbatch=8, fused_ce=True, residual=True),
     "mpt-1b-whole-fused-residual-mb8": Row(MPT_1B, 8, {**WHOLE, **RESIDUAL}, SDPA + FUSED_CE, False),
     "mpt-1b-fused-mb8": fast(MPT_1B, microbatch=8, fused_ce=True),
+    # What `foundry train` picks for the YAML on one GPU (compile_config's whole-model compile, spelled out:
+    # the Trainer alone does not compile; its fsdp_config skipped on one rank), with and without float8.
+    "mpt-1b-default-mb8": Row(MPT_1B, 8, WHOLE),
+    "mpt-1b-float8-mb8": Row(MPT_1B, 8, {"float8": {}, **WHOLE}),
+    "mpt-1b-float8-all-blocks-mb8": Row(MPT_1B, 8, {"float8": {"keep_first_and_last_blocks": False}, **WHOLE}),
+    "mpt-1b-float8-rowwise-mb8": Row(MPT_1B, 8, {"float8": {"recipe": "rowwise"}, **WHOLE}),
     "mpt-1b-fused-mb12": fast(MPT_1B, microbatch=12, fused_ce=True),
     "mpt-1b-fast-fsdp": fast(MPT_1B, microbatch=4, use_fsdp_config=True),
     "llama-1b": Row(LLAMA_1B, microbatch=4),

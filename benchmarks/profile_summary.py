@@ -21,6 +21,9 @@ CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("data", re.compile(r"memcpy htod|memcpy dtoh")),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn_generated")),
     ("optimizer", re.compile(r"adam|multi_tensor_apply|foreach|lerp")),
+    # inductor's float8 casts (a scaled, clamped copy, with what it fused into them); the amax reductions
+    # before them are usually fused into a GELU or layer norm kernel and stay under elementwise+norm
+    ("float8 cast", re.compile(r"^triton_.*(amax|clamp)")),
     ("gemm", re.compile(r"gemm|nvjet|sm\d+_xmma|cutlass|wgmma|splitk|matmul|mm_")),
     ("elementwise+norm", re.compile(r".")),
 )

@@ -177,6 +177,7 @@ def compile_forward(
     """
     eager = module.forward
     wrapped = (compiled or CompiledForwards()).wrap(eager, compile_kwargs)
+    module.foundry_compiled = True  # read by is_compiled
     if not training_only:
         module.forward = wrapped
         return
@@ -186,6 +187,13 @@ def compile_forward(
         return wrapped(*args, **kwargs) if module.training else eager(*args, **kwargs)
 
     module.forward = forward
+
+
+def is_compiled(model: torch.nn.Module) -> bool:
+    """Whether training forwards of ``model`` run compiled: the whole model or its blocks, by this algorithm or
+    by ``torch.compile`` (an ``OptimizedModule``)."""
+    modules = [model, *fsdp_blocks(model)]
+    return any(getattr(module, "foundry_compiled", False) or hasattr(module, "_orig_mod") for module in modules)
 
 
 class CompiledForwards:

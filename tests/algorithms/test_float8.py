@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
 import pytest
 import torch
 from helpers import TINY_MPT
 
 from foundry import registry
-from foundry.algorithms import Float8Training
+from foundry.algorithms import Float8Training, TorchCompile
 from foundry.algorithms.float8 import convert_to_float8, float8_module_names
+from foundry.core.event import Event
+from foundry.core.logger import Logger
 from foundry.errors import ConfigError
 from foundry.models import MPTCausalLM
 from foundry.registry import build_components
@@ -55,6 +60,20 @@ def test_float8_on_a_cpu_is_a_config_error_naming_the_hardware(tmp_path) -> None
 def test_unknown_recipe_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"'algorithms\.float8\.recipe' is 'blockwise'"):
         build_components(registry.algorithms, {"float8": {"recipe": "blockwise"}}, "algorithms")
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_run_without_compile_is_warned_that_float8_is_slow_eagerly(compiled, caplog) -> None:
+    state = SimpleNamespace(model=MPTCausalLM(**FOUR_BLOCKS))
+    if compiled:
+        TorchCompile(backend="eager").apply(Event.INIT, state, Logger(state))
+    algorithm = Float8Training()
+    algorithm.converted = names_in(range(1, 3))  # as INIT leaves it on a float8 GPU
+    assert algorithm.match(Event.FIT_START, state)
+    with caplog.at_level(logging.WARNING, logger="foundry.algorithms.float8"):
+        algorithm.apply(Event.FIT_START, state, Logger(state))
+    warned = [record.getMessage() for record in caplog.records]
+    assert warned == [] if compiled else "runs without torch.compile" in warned[0] and "compile_config" in warned[0]
 
 
 def test_conversion_swaps_exactly_the_chosen_layers() -> None:
