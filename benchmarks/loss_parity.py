@@ -38,7 +38,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # the default path with SDPA's cuDNN kernel in place of FlashAttention-4 (where foundry[flash] is installed)
     "default_cudnn": {"overrides": ["model.attn_config.attn_impl=cudnn"]},
     "float8": {"overrides": ["algorithms.float8={}"]},  # the default path with float8 linear layers (Hopper)
-    "float8_rowwise": {"overrides": ["algorithms.float8={recipe: rowwise}"]},  # one scale per row: finer, slower
+    "float8_rowwise": {"overrides": ["algorithms.float8={recipe: rowwise}"]},  # one scale per row
     "eager": {"overrides": PLAIN},
     "eager_again": {"overrides": PLAIN},
     "fp32": {"precision": "fp32", "overrides": PLAIN},

@@ -62,11 +62,13 @@ def test_unknown_recipe_is_a_config_error() -> None:
         build_components(registry.algorithms, {"float8": {"recipe": "blockwise"}}, "algorithms")
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", [None, "blocks", "model", "torch.compile"])
 def test_a_run_without_compile_is_warned_that_float8_is_slow_eagerly(compiled, caplog) -> None:
     state = SimpleNamespace(model=MPTCausalLM(**FOUR_BLOCKS))
-    if compiled:
-        TorchCompile(backend="eager").apply(Event.INIT, state, Logger(state))
+    if compiled == "torch.compile":  # a model the user compiled before handing it over
+        state.model = torch.compile(state.model, backend="eager")
+    elif compiled is not None:
+        TorchCompile(backend="eager", scope=compiled).apply(Event.INIT, state, Logger(state))
     algorithm = Float8Training()
     algorithm.converted = names_in(range(1, 3))  # as INIT leaves it on a float8 GPU
     assert algorithm.match(Event.FIT_START, state)
