@@ -33,7 +33,6 @@ def yaml_trainer(
     import tempfile
 
     from foundry import registry
-    from foundry.builders import build_compile
     from foundry.registry import build_components, component_factory
     from foundry.trainer import Trainer
 
@@ -44,7 +43,8 @@ def yaml_trainer(
         max_duration=f"{len(batches)}ba",
         optimizers=component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",)),
         schedulers=scheduler,
-        algorithms=build_components(registry.algorithms, cfg.algorithms, "algorithms") + build_compile(cfg),
+        algorithms=build_components(registry.algorithms, cfg.algorithms, "algorithms"),
+        compile_config=cfg.compile_config,
         fsdp_config=cfg.fsdp_config,
         callbacks=list(callbacks),
         precision=cfg.precision,

@@ -5,7 +5,7 @@ command's arguments are built and its modules imported, so ``foundry --help`` st
 ``foundry eval``, write its two functions and add an entry; ``"data convert"`` shows a nested one.
 
 This is the one module that imports foundry lazily (inside functions, and through ``_lazy``), on
-purpose: ``import foundry.cli`` takes about 0.03 s, ``import foundry.builders`` (torch, the trainer,
+purpose: ``import foundry.cli`` takes about 0.03 s, ``import foundry.config.build`` (torch, the trainer,
 every component) 6 to 10 s on a CPU machine (``python -X importtime``), and ``foundry --help`` should
 not wait for torch.
 """
@@ -69,7 +69,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
     from foundry import distributed
-    from foundry.builders import build_trainer
+    from foundry.config.build import build_trainer
     from foundry.callbacks.hand_over import HANDED_OVER_EXIT_CODE, handed_over
 
     if distributed.launched_by_torchrun():
@@ -80,9 +80,6 @@ def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
             cfg.run_name = resolved["run_name"] = distributed.broadcast_object(cfg.run_name)
             trainer = build_trainer(cfg, resolved)
             main_process = trainer.state.is_main_process
-            if main_process:
-                checkpoints = f"; checkpoints in {trainer.save_folder}" if trainer.save_folder else ""
-                print(f"foundry: run '{cfg.run_name}': metrics in {trainer.run_folder}{checkpoints}")
             trainer.fit()
     finally:
         distributed.destroy_process_group()
@@ -220,8 +217,8 @@ COMMANDS: dict[str, Command] = {
     ),
     "eval": Command(
         "evaluate checkpoints or Hugging Face models on ICL tasks (and compare them)",
-        _lazy("foundry.eval.command", "add_eval_arguments"),
-        _lazy("foundry.eval.command", "run_eval"),
+        _lazy("foundry.eval_command", "add_eval_arguments"),
+        _lazy("foundry.eval_command", "run_eval"),
     ),
     "convert consolidate": Command(
         "one file (safetensors, or .pt with the optimizer) from a sharded checkpoint",

@@ -58,6 +58,11 @@ class Registry:
             )
         return self._entries[name]
 
+    def name_of(self, target: Any) -> str | None:
+        """The name ``target`` itself is registered under (not a parent class's), or None."""
+        self._load()
+        return next((name for name, entry in self._entries.items() if entry is target), None)
+
     def __contains__(self, name: str) -> bool:
         self._load()
         return name in self._entries

@@ -13,12 +13,44 @@ import inspect
 import types
 import typing
 from collections.abc import Callable, Collection, Mapping
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 from foundry.core.time import Time
 from foundry.errors import ConfigError, did_you_mean
 
 T = TypeVar("T")
+
+
+def doc(text: str) -> dict[str, str]:
+    """Field metadata: the one-line description ``foundry train --help`` prints for a key."""
+    return {"doc": text}
+
+
+def field_defaults(cls: type) -> SimpleNamespace:
+    """The defaults of dataclass ``cls``'s fields by name (fields without one are left out), e.g. ``.precision``."""
+    defaults = {}
+    for config_field in dataclasses.fields(cls):
+        if config_field.default is not dataclasses.MISSING:
+            defaults[config_field.name] = config_field.default
+        elif config_field.default_factory is not dataclasses.MISSING:
+            defaults[config_field.name] = config_field.default_factory()
+    return SimpleNamespace(**defaults)
+
+
+def split_settings(settings: Mapping[str, Any], sections: Collection[type], owner: str) -> list[Any]:
+    """One instance of each section dataclass, built from the flat keys of ``settings`` that it owns.
+
+    A run's settings are flat (LLM Foundry's top-level YAML keys, or a ``Trainer``'s keywords); each
+    key belongs to exactly one section, whose dataclass checks its type and value.
+    """
+    owners = {field.name: section for section in sections for field in dataclasses.fields(section) if field.init}
+    grouped: dict[type, dict[str, Any]] = {section: {} for section in sections}
+    for key, value in settings.items():
+        if key not in owners:
+            raise ConfigError(f"{owner} got an unknown setting '{key}'.{did_you_mean(key, owners)}")
+        grouped[owners[key]][key] = value
+    return [parse_dataclass(section, grouped[section], "") for section in sections]
 
 
 def parse_dataclass(cls: type[T], data: Mapping[str, Any] | T | None, key_path: str) -> T:

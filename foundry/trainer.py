@@ -23,7 +23,8 @@ from foundry import distributed
 from foundry.batches import RepeatedSampleMask, batch_num_samples, batch_num_tokens, batch_to_device, split_batch
 from foundry.checkpoint.load import resume_or_load
 from foundry.checkpoint.saver import CheckpointSaver
-from foundry.config import TRAIN_DEFAULTS, FSDPConfig, check_eval_subset, default_run_name, fill_run_name
+from foundry.algorithms.torch_compile import compile_algorithm
+from foundry.checkpoint.config import CheckpointConfig
 from foundry.core import (
     Algorithm,
     Callback,
@@ -36,53 +37,60 @@ from foundry.core import (
     Time,
     seed_everything,
 )
-from foundry.core.paths import check_storage_path
+from foundry.core.cuda_allocator import apply_allocator_settings
 from foundry.core.precision import autocast, check_precision, compute_dtype, grad_scaler
+from foundry.run_config import RunConfig, fill_run_name
 from foundry.core.time import positive_time
+from foundry.distributed.config import FSDPConfig
 from foundry.distributed.parallelize import place_model
 from foundry.errors import ConfigError, TrainingError
+from foundry.eval.config import EvalConfig
+from foundry.eval.during_training import build_icl_evaluation
 from foundry.kernels.weight_grad import WeightGradSums, accumulate_weight_grads_in_place
 from foundry.loggers import default_loggers
+from foundry.loggers.config import ConsoleConfig
 from foundry.models.base import FoundryModel, ModuleModel
 from foundry.optim import build_optimizers, build_schedulers
 from foundry.optim.schedulers import TimeScheduler
+from foundry.schema import split_settings
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+# The sections whose keys are the Trainer's settings (and a train YAML's top-level keys), in this order.
+TRAINER_SECTIONS = (RunConfig, CheckpointConfig, EvalConfig, ConsoleConfig)
 
 
 class Trainer:
     """Coordinates a model, data, optimizers, algorithms, callbacks and loggers through ``fit()``.
 
-    A keyword that is also a train YAML key has the YAML's default (``foundry.config.TRAIN_DEFAULTS``;
-    ``foundry train --help`` lists them): ``Trainer(...)`` and ``foundry train`` run alike.
+    The run's settings are keywords named as LLM Foundry's top-level YAML keys, each owned by one
+    section (its dataclass holds the default, type and range): ``RunConfig`` (``precision``,
+    ``device``, ``device_train_microbatch_size``, ``compile_config``, ``seed``, ``run_name``...),
+    ``CheckpointConfig`` (``save_folder``, ``save_interval``, ``autoresume``...), ``EvalConfig``
+    (``eval_interval``, ``icl_tasks``...) and ``ConsoleConfig``. ``foundry train`` passes a YAML's
+    values for the same keys, so ``Trainer(...)`` and ``foundry train`` apply the same defaults and
+    the same features (compile, ICL evaluation, the allocator setting); ``foundry train --help``
+    lists every key.
 
     Args:
-        model: a ``FoundryModel``, or any ``nn.Module`` whose forward returns a loss.
+        model: a ``FoundryModel``, or any ``nn.Module`` whose forward returns a loss. A registered model
+            (``foundry.registry.models``) is stored in checkpoints by name and config, so that
+            ``foundry.load_model``, ``foundry eval`` and ``foundry convert`` reopen them.
         train_dataloader: yields this device's whole batches (global batch / world size).
-        max_duration: how long ``fit()`` trains: ``"100ba"``, ``"2ep"``, ``"1000000tok"``...
+        max_duration: how long ``fit()`` trains: ``"100ba"``, ``"2ep"``, ``"1000000tok"``... (default ``1ep``).
         optimizers: an optimizer, or a function ``params -> optimizer`` (built after the model is on its
             device, so sharding and surgery happen first). Default: ``DecoupledAdamW(lr=3e-4)``.
         schedulers: ``TimeScheduler``s (or torch LR schedulers) stepped once per batch.
         eval_dataloader: one loader or ``{label: loader}``, evaluated every ``eval_interval`` and at the end.
-        device_train_microbatch_size: samples per forward/backward; batches are split and gradients
-            accumulated exactly (each microbatch weighs its share of loss tokens, not 1/n). ``"auto"``:
-            the largest size that fits in device memory, found on the first batch (``foundry.distributed``).
-        precision: ``"amp_bf16"`` (the default: bf16 autocast, fp32 weights; on a CPU too), ``"fp32"``, or
-            ``"amp_fp16"`` (CUDA only).
+        callbacks / algorithms / loggers: what observes the run, what changes it, where metrics go.
+        tokenizer: the model's tokenizer, stored in checkpoints by name and used by ``icl_tasks``
+            (default: the train dataloader's ``tokenizer``, if it has one).
         fsdp_config: an ``FSDPConfig`` (or its keys): shard the model with FSDP2 over several ranks. On one
             rank FSDP is skipped (it would only add copies) but its activation checkpointing and mixed
             precision still apply. Without it a single process trains the plain module and several ranks
             replicate it (``NO_SHARD``, DDP's layout). See ``foundry.distributed.parallelize``.
-        fuse_weight_grad_accumulation: on an unsharded model, each ``nn.Linear`` sums its weight gradient
-            inside the GEMM and reads a bf16 copy of its weight cast once per change, instead of autograd's
-            cast + add per microbatch (``foundry.kernels.weight_grad``). False: plain autograd.
-        save_folder / save_interval / load_path / autoresume: checkpointing (see ``foundry.checkpoint``);
-            ``{run_name}`` in ``save_folder`` is filled in. ``save_interval`` defaults to ``"1000ba"``.
-        save_async: write checkpoints in a background thread while training goes on; each is published
-            (renamed into place, ``latest`` updated) once written, at the latest by the next save or fit's end.
-        run_name: default ``$RUN_NAME`` (or ``$COMPOSER_RUN_NAME``), else ``foundry-<date>-<time>``.
-        run_folder: where ``metrics.jsonl`` goes (default ``runs/{run_name}``, ``{run_name}`` filled in).
-        config: the resolved YAML, stored in checkpoints and sent to loggers.
+        config: the resolved YAML of a ``foundry train`` run, stored in checkpoints and sent to loggers.
+        **settings: any key of the sections above.
     """
 
     def __init__(
@@ -93,76 +101,63 @@ class Trainer:
         optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | OptimizerFactory | None = None,
         schedulers: TimeScheduler | Sequence[Any] | None = None,
         eval_dataloader: Iterable | Mapping[str, Iterable] | None = None,
-        eval_interval: str | Time | int = TRAIN_DEFAULTS.eval_interval,
-        eval_first: bool = TRAIN_DEFAULTS.eval_first,
-        eval_subset_num_batches: int = TRAIN_DEFAULTS.eval_subset_num_batches,
         callbacks: Sequence[Callback] = (),
         algorithms: Sequence[Algorithm] = (),
         loggers: Sequence[LoggerDestination] = (),
-        precision: str = TRAIN_DEFAULTS.precision,
-        device: str | torch.device | None = TRAIN_DEFAULTS.device,
-        fsdp_config: FSDPConfig | Mapping[str, Any] | None = TRAIN_DEFAULTS.fsdp_config,
-        device_train_microbatch_size: int | str | None = TRAIN_DEFAULTS.device_train_microbatch_size,
-        fuse_weight_grad_accumulation: bool = TRAIN_DEFAULTS.fuse_weight_grad_accumulation,
-        save_folder: str | None = TRAIN_DEFAULTS.save_folder,
-        save_interval: str | Time | int = TRAIN_DEFAULTS.save_interval,
-        save_num_checkpoints_to_keep: int = TRAIN_DEFAULTS.save_num_checkpoints_to_keep,
-        save_overwrite: bool = TRAIN_DEFAULTS.save_overwrite,
-        save_async: bool = TRAIN_DEFAULTS.save_async,
-        load_path: str | None = TRAIN_DEFAULTS.load_path,
-        load_weights_only: bool = TRAIN_DEFAULTS.load_weights_only,
-        autoresume: bool = TRAIN_DEFAULTS.autoresume,
-        seed: int = TRAIN_DEFAULTS.seed,
-        run_name: str | None = TRAIN_DEFAULTS.run_name,
-        run_folder: str = TRAIN_DEFAULTS.run_folder,
-        log_to_console: bool = TRAIN_DEFAULTS.log_to_console,
-        progress_bar: bool | None = TRAIN_DEFAULTS.progress_bar,
-        console_log_interval: str | Time | int = TRAIN_DEFAULTS.console_log_interval,
+        *,
+        tokenizer: Any = None,
+        fsdp_config: FSDPConfig | Mapping[str, Any] | None = None,
         config: dict[str, Any] | None = None,
+        **settings: Any,
     ) -> None:
-        seed_everything(seed)
+        if isinstance(settings.get("device"), torch.device):
+            settings["device"] = str(settings["device"])
+        run, checkpointing, evaluation, console = split_settings(settings, TRAINER_SECTIONS, "Trainer")
+        self.settings = (run, checkpointing, evaluation, console)
+        seed_everything(run.seed)
+        apply_allocator_settings(run.expandable_segments)
         fsdp_config = distributed.prepare_sharding(fsdp_config, optimizers)
-        device = torch.device(device) if device is not None else distributed.default_device()
-        self._find_microbatch_size = device_train_microbatch_size == "auto"
-        if self._find_microbatch_size:
-            device_train_microbatch_size = None  # set by the first batch
+        device = torch.device(run.device) if run.device is not None else distributed.default_device()
+        self._find_microbatch_size = run.device_train_microbatch_size == "auto"
         model = model if isinstance(model, FoundryModel) else ModuleModel(model)
-        run_name = run_name or default_run_name()
-        self.run_folder = Path(fill_run_name(run_folder, run_name))
+        self.run_folder = Path(fill_run_name(run.run_folder, run.run_name))
         self.state = State(
             model=model,
             max_duration=positive_time(max_duration if max_duration is not None else "1ep", "max_duration"),
-            run_name=run_name,
+            run_name=run.run_name,
             run_folder=str(self.run_folder),
             train_dataloader=train_dataloader,
             eval_dataloaders=_eval_loaders(eval_dataloader),
-            precision=check_precision(precision, device),
+            precision=check_precision(run.precision, device),
             device=device,
             rank=distributed.get_rank(),
             local_rank=distributed.get_local_rank(),
             world_size=distributed.get_world_size(),
-            seed=seed,
-            device_train_microbatch_size=device_train_microbatch_size,  # type: ignore[arg-type]
+            seed=run.seed,
+            device_train_microbatch_size=None if self._find_microbatch_size else run.device_train_microbatch_size,
             train_dataloader_len=_dataloader_len(train_dataloader),
+            tokenizer=tokenizer if tokenizer is not None else getattr(train_dataloader, "tokenizer", None),
         )
-        defaults = default_loggers(loggers, self.run_folder, log_to_console, progress_bar, console_log_interval)
+        sharded = self.state.world_size > 1 or (fsdp_config is not None and distributed.shards(fsdp_config, device))
+        algorithms = [*algorithms, *compile_algorithm(run.compile_config, algorithms, device, sharded)]
+        defaults = default_loggers(
+            loggers, self.run_folder, console.log_to_console, console.progress_bar, console.console_log_interval
+        )
         self.logger = Logger(self.state, [*loggers, *defaults])
         self.engine = Engine(self.state, self.logger, algorithms, callbacks)
-        self.eval_interval = Interval(positive_time(eval_interval, "eval_interval"))
-        self.eval_first = eval_first
-        check_eval_subset(eval_subset_num_batches)
-        self.eval_subset_num_batches = eval_subset_num_batches
-        self.log_interval = Interval(positive_time(console_log_interval, "console_log_interval"))
-        check_storage_path(load_path, "'load_path'")
-        check_storage_path(save_folder, "'save_folder'")
-        self.save_folder = fill_run_name(save_folder, run_name) or None
-        self.save_interval = Interval(positive_time(save_interval, "save_interval"))
+        self.eval_interval = Interval(evaluation.eval_interval)
+        self.eval_first = evaluation.eval_first
+        self.eval_subset_num_batches = evaluation.eval_subset_num_batches
+        self.icl = build_icl_evaluation(evaluation, self.state.tokenizer, model)
+        self.log_interval = Interval(console.console_log_interval)
+        self.save_folder = fill_run_name(checkpointing.save_folder, run.run_name) or None
+        self.save_interval = Interval(checkpointing.save_interval)
         self.checkpoints = CheckpointSaver(
             self.engine,
             self.save_folder,
-            overwrite=save_overwrite,
-            num_to_keep=save_num_checkpoints_to_keep,
-            save_async=save_async,
+            overwrite=checkpointing.save_overwrite,
+            num_to_keep=checkpointing.save_num_checkpoints_to_keep,
+            save_async=checkpointing.save_async,
             config=config,
         )
         self.config = config
@@ -171,14 +166,15 @@ class Trainer:
         self.engine.run_event(Event.INIT)  # before sharding, so that algorithms' model surgery is sharded too
         place_model(model, device, fsdp_config, self.state.precision)
         # Unsharded, each linear sums its weight gradient inside the GEMM (FSDP2 owns a sharded model's).
-        fuse = fuse_weight_grad_accumulation and not isinstance(model, FSDPModule)
+        fuse = run.fuse_weight_grad_accumulation and not isinstance(model, FSDPModule)
         self._weight_grad_sums: WeightGradSums | None = accumulate_weight_grads_in_place(model) if fuse else None
-        self._grad_scaler = grad_scaler(precision, sharded=isinstance(model, FSDPModule))
+        self._grad_scaler = grad_scaler(run.precision, sharded=isinstance(model, FSDPModule))
         self.state.optimizers = build_optimizers(optimizers, self.state.model)
         self.state.schedulers = build_schedulers(schedulers, self.state)
         if config is not None:
             self.logger.log_hyperparameters(config)
-        self._load(load_path, load_weights_only, autoresume)
+        load_path = fill_run_name(checkpointing.load_path, run.run_name)
+        self._load(load_path, checkpointing.load_weights_only, checkpointing.autoresume)
         self.engine.run_event(Event.AFTER_LOAD)
 
     def _load(self, load_path: str | None, weights_only: bool, autoresume: bool) -> None:
@@ -201,6 +197,9 @@ class Trainer:
         state = self.state
         if state.train_dataloader is None:
             raise ConfigError("Trainer.fit() needs a train_dataloader.")
+        if state.is_main_process:
+            checkpoints = f"; checkpoints in {self.save_folder}" if self.save_folder else ""
+            print(f"foundry: run '{state.run_name}': metrics in {self.run_folder}{checkpoints}", flush=True)
         try:
             self.engine.run_event(Event.FIT_START)
             if self.eval_first and state.timestamp.batch == 0:
@@ -359,7 +358,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------ eval
     @torch.no_grad()
     def eval(self) -> dict[str, dict[str, float]]:
-        """Evaluate every eval loader; returns and logs ``{label: {metric: value}}``."""
+        """Evaluate every eval loader, then the ICL tasks; returns and logs ``{label: {metric: value}}``."""
         state, engine = self.state, self.engine
         self.logger.flush()  # train metrics come out before the eval lines
         state.model.eval()
@@ -390,6 +389,8 @@ class Trainer:
             state.eval_metrics[label] = state.model.eval_metrics_from_loss((loss_sum / weight_sum).item())
             self.logger.log_metrics({f"metrics/{label}/{k}": v for k, v in state.eval_metrics[label].items()})
             engine.run_event(Event.EVAL_END)
+        if self.icl is not None:
+            self.icl.run(state, self.logger)
         state.outputs = None
         state.model.train()
         self._last_eval_batch = state.timestamp.batch
@@ -398,7 +399,7 @@ class Trainer:
     def _at_fit_end(self) -> None:
         """Evaluate and checkpoint the final model unless the last batch already did."""
         state = self.state
-        if state.eval_dataloaders and self._last_eval_batch != state.timestamp.batch:
+        if (state.eval_dataloaders or self.icl) and self._last_eval_batch != state.timestamp.batch:
             self.eval()
         if self.save_folder and self.checkpoints.last_save_batch != state.timestamp.batch:
             self.checkpoints.save(Event.BATCH_CHECKPOINT)

@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 from helpers import TinyLM, token_batches
 
-from foundry import builders, registry
-from foundry.builders import build_compile, build_eval_dataloaders, build_trainer, device_train_batch_size
-from foundry.config import LoaderConfig, TokenizerConfig, TrainConfig
+from foundry import registry
+from foundry.config import build as builders
+from foundry.config.build import build_eval_dataloaders, build_trainer, device_train_batch_size
+from foundry.config import TrainConfig
+from foundry.data.config import LoaderConfig, TokenizerConfig
 from foundry.core import Callback
 from foundry.core.time import Time
 from foundry.errors import ConfigError

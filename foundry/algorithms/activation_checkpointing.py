@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from foundry import registry
-from foundry.config import FSDP_DEFAULTS
+from foundry.distributed.config import FSDP_DEFAULTS
 from foundry.core.algorithm import Algorithm
 from foundry.core.event import Event
 from foundry.core.logger import Logger

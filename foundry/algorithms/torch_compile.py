@@ -32,7 +32,7 @@ import functools
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -259,3 +259,22 @@ def _out_of_memory_cause(error: BaseException) -> torch.OutOfMemoryError | None:
             return cause
         cause = cause.__cause__ or cause.__context__
     return None
+
+
+def compile_algorithm(
+    setting: bool | str | dict[str, Any], algorithms: Sequence[Any], device: torch.device, sharded: bool
+) -> list[TorchCompile]:
+    """What a run's ``compile_config`` adds to ``algorithms``: one ``TorchCompile``, or nothing.
+
+    Nothing when the run is eager, or when ``algorithms`` has a ``TorchCompile`` of its own (which then
+    configures compilation; a ``compile_config`` other than ``auto`` beside it is a contradiction).
+    """
+    if any(isinstance(algorithm, TorchCompile) for algorithm in algorithms):
+        if setting != "auto":
+            raise ConfigError(
+                f"compile_config is {setting!r} and a torch_compile algorithm is given: both configure torch.compile. "
+                "Keep one (compile_config: false with algorithms.torch_compile is a contradiction)."
+            )
+        return []
+    algorithm = from_compile_config(setting, device, sharded)
+    return [algorithm] if algorithm is not None else []

@@ -8,7 +8,6 @@ past damaged checkpoints to the newest intact one; an explicit ``load_path`` nev
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -18,18 +17,17 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-from foundry.checkpoint.adapters import base_checkpoint, holds_adapters_only, loadable_without, model_lora_config
+from foundry.checkpoint.hooks import checkpoint_hooks
 from foundry.checkpoint.find import checkpoint_folders, resolve_checkpoint_path
 from foundry.checkpoint.integrity import no_intact_checkpoint, verify_checkpoint
 from foundry.checkpoint.layout import (
     DAMAGED_SUFFIX,
-    FORMAT_VERSION,
-    META_FILE,
     root_cause,
     single_process_quiet,
     stateful_key_pairs,
     tensor_state,
 )
+from foundry.checkpoint.meta import read_meta
 from foundry.checkpoint.remote import newest_intact_on_store
 from foundry.checkpoint.rng import load_rng_file, rng_file_for_rank
 from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
@@ -40,9 +38,6 @@ from foundry.distributed.env import barrier
 from foundry.errors import CheckpointError, ConfigError, DamagedCheckpointError
 
 log = logging.getLogger(__name__)
-
-_MAX_BASE_DEPTH = 8  # adapters trained from adapters: a chain this long is surely a loop
-
 
 def resume_or_load(
     state: State,
@@ -74,25 +69,11 @@ def resume_or_load(
         path = resolve_checkpoint_path(load_path)
     if path is None:
         return None
-    load_adapter_base(path, state)  # an adapters-only LoRA checkpoint needs its base weights first
+    # A model may need other weights first (a checkpoint of part of its weights loads its base).
+    checkpoint_hooks(state.model).before_load(path, state, lambda base: load_checkpoint(base, state, weights_only=True))
     load_checkpoint(path, state, callbacks=callbacks, algorithms=algorithms, weights_only=weights_only)
     state.last_checkpoint_path = str(path)
     return path
-
-
-def load_adapter_base(folder: Path, state: State, depth: int = 0) -> None:
-    """Before loading ``folder``: if it holds adapters only, load its base weights into ``state.model``."""
-    if model_lora_config(state.model) is None or not holds_adapters_only(folder):
-        return
-    if depth >= _MAX_BASE_DEPTH:
-        raise CheckpointError(f"Checkpoint {folder}: its chain of adapters-only bases is longer than {depth}; a loop?")
-    base = base_checkpoint(folder)
-    if base is None:  # an hf_causal_lm base: its pretrained weights, read when the model was built (or now)
-        if not state.model.holds_pretrained_weights:
-            state.model.load_pretrained_weights()
-        return
-    load_adapter_base(base, state, depth + 1)
-    load_checkpoint(base, state, weights_only=True)
 
 
 def newest_intact_checkpoint(save_folder: Path, rank: int) -> Path | None:
@@ -152,23 +133,10 @@ def load_checkpoint(
     tolerates model keys missing on either side.
     """
     path = resolve_checkpoint_path(path)
-    meta = _read_meta(path)
+    meta = read_meta(path)
     _load_tensors(path, state, weights_only=weights_only, strict=strict)
     if not weights_only:
         _restore_training_state(path, meta, state, callbacks, algorithms)
-    return meta
-
-
-def _read_meta(path: Path) -> dict:
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-    except ValueError as exc:
-        raise CheckpointError(f"{path / META_FILE} is not valid JSON ({exc}); load an earlier checkpoint.") from exc
-    if meta.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointError(
-            f"Checkpoint {path} has format version {meta['format_version']}, newer than this foundry reads "
-            f"({FORMAT_VERSION}). Upgrade foundry."
-        )
     return meta
 
 
@@ -178,7 +146,7 @@ def _load_tensors(path: Path, state: State, *, weights_only: bool, strict: bool)
     wanted = tensor_state(state, model_only=weights_only)
     absent: set[str] = set()
     if strict:
-        absent = _check_model_keys(path, set(wanted["model"]), saved_keys)
+        absent = _check_model_keys(path, state.model, set(wanted["model"]), saved_keys)
         wanted["model"] = {key: value for key, value in wanted["model"].items() if key not in absent}
     if "optim" in wanted and not any(key.startswith("optim.") for key in saved_keys):
         raise CheckpointError(
@@ -207,11 +175,11 @@ def _load_tensors(path: Path, state: State, *, weights_only: bool, strict: bool)
         set_model_state_dict(state.model, wanted["model"], options=options)
 
 
-def _check_model_keys(path: Path, model_keys: set[str], saved_keys: set[str]) -> set[str]:
-    """The model keys the checkpoint may lack (LoRA adapters or their base); raises on any other mismatch."""
+def _check_model_keys(path: Path, model: Any, model_keys: set[str], saved_keys: set[str]) -> set[str]:
+    """The model keys the checkpoint may lack (the model's hooks say which); raises on any other mismatch."""
     saved_model_keys = {key.removeprefix("model.") for key in saved_keys if key.startswith("model.")}
     missing, unexpected = sorted(model_keys - saved_model_keys), sorted(saved_model_keys - model_keys)
-    if not unexpected and loadable_without(missing, saved_model_keys):
+    if not unexpected and checkpoint_hooks(model).loadable_without(missing, saved_model_keys):
         return set(missing)
     if missing or unexpected:
         raise CheckpointError(

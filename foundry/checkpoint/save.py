@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from foundry.checkpoint.adapters import model_state_to_save
+from foundry.checkpoint.hooks import checkpoint_hooks
 from foundry.checkpoint.find import checkpoint_folders
 from foundry.checkpoint.integrity import hash_files, manifest_text, publish_sequence
 from foundry.checkpoint.kill_points import kill_point
+from foundry.checkpoint.meta import model_section_of, tokenizer_section_of
 from foundry.checkpoint.layout import (
     FORMAT_VERSION,
     LATEST_FILE,
@@ -92,7 +93,7 @@ def start_checkpoint(
         )
     rng_json = json.dumps(get_rng_state())  # first, so nothing below can draw from the generators before
     tensors = tensor_state(state)
-    tensors["model"] = model_state_to_save(state.model, tensors["model"])  # LoRA: maybe the adapters alone
+    tensors["model"] = checkpoint_hooks(state.model).state_to_save(tensors["model"])  # maybe part of the weights
     meta_json = _meta_json(state, name, callbacks, algorithms, config)
 
     if state.rank == 0:
@@ -225,6 +226,8 @@ def _meta_json(state: State, name: str, callbacks: Sequence, algorithms: Sequenc
         "algorithms": _stateful_states(algorithms),
         "dataloader": _dataloader_state(state.train_dataloader),
         "config": scrub_secrets(_checked_json(config, "the run config")),
+        "model": _checked_json(model_section_of(state.model), "the model's config"),
+        "tokenizer": tokenizer_section_of(state.tokenizer),
         "run": _run_info(state),
     }
     return json.dumps(meta, indent=2)

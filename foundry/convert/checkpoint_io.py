@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -11,8 +10,8 @@ import torch
 from torch import nn
 
 from foundry.checkpoint import load_checkpoint, resolve_checkpoint_path, save_checkpoint
-from foundry.checkpoint.layout import META_FILE
-from foundry.checkpoint.load import load_adapter_base
+from foundry.checkpoint.hooks import checkpoint_hooks
+from foundry.checkpoint.meta import model_section, read_meta, tokenizer_section
 from foundry.core.state import State
 from foundry.core.time import Time
 from foundry.errors import CheckpointError, ConfigError
@@ -21,16 +20,21 @@ from foundry.models.hf import refill_computed_buffers
 
 
 def checkpoint_config(folder: Path) -> dict[str, Any]:
-    """The resolved train config a checkpoint was saved with (``meta.json``'s ``config``)."""
-    try:
-        config = json.loads((folder / META_FILE).read_text()).get("config") or {}
-    except ValueError as error:
-        raise CheckpointError(f"{folder / META_FILE} is not valid JSON ({error}); use another checkpoint.") from None
-    if not isinstance(config.get("model"), dict) or "name" not in config["model"]:
+    """What rebuilds a checkpoint's model: its run's config, with ``model`` (and ``tokenizer`` when known)
+    taken from the model's own record in ``meta.json`` (``foundry.checkpoint.meta``)."""
+    meta = read_meta(folder)
+    model = model_section(meta)
+    if model is None:
         raise CheckpointError(
-            f"Checkpoint {folder} holds no model config (its run passed no `config` to the Trainer), so foundry "
-            "cannot tell which architecture the weights belong to. Save checkpoints with `foundry train`."
+            f"Checkpoint {folder} does not say which model it holds: its model is not a registered foundry model "
+            "(foundry.registry.models) with a config dataclass, and its run passed no config. Register the model "
+            "class (@foundry.registry.models.register('name')) so its checkpoints record it."
         )
+    config = dict(meta.get("config") or {})
+    config["model"] = model
+    tokenizer = tokenizer_section(meta)
+    if tokenizer is not None:
+        config["tokenizer"] = tokenizer
     return config
 
 
@@ -43,7 +47,7 @@ def load_checkpoint_model(folder: Path, model_section: Mapping[str, Any], *, wit
     """``model_section``'s model on CPU holding the weights of checkpoint ``folder`` (nothing else is read).
 
     An adapters-only LoRA checkpoint holds no base weights: its base is loaded first, from where its
-    run loaded it (``foundry.checkpoint.load.load_adapter_base``). ``with_base=False`` reads the
+    run loaded it (the model's ``checkpoint_hooks``). ``with_base=False`` reads the
     adapters alone (exporting them needs nothing else); every other weight is then NaN. Otherwise a
     weight that no checkpoint filled is an error (``check_weights_loaded``), never a model with
     uninitialised memory for weights.
@@ -51,7 +55,7 @@ def load_checkpoint_model(folder: Path, model_section: Mapping[str, Any], *, wit
     model = unloaded_model(model_section)
     state = State(model=model, max_duration=Time.parse("1ba"))
     if with_base:
-        load_adapter_base(folder, state)
+        checkpoint_hooks(model).before_load(folder, state, lambda base: load_checkpoint(base, state, weights_only=True))
     load_checkpoint(folder, state, weights_only=True)
     if with_base:
         check_weights_loaded(model, f"Checkpoint {folder}")

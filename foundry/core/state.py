@@ -36,6 +36,7 @@ class State:
     seed: int = 17
     device_train_microbatch_size: int | None = None
     train_dataloader_len: int | None = None  # batches per epoch, when the loader knows it
+    tokenizer: Any = None  # the model's tokenizer, when the run knows it (checkpoints name it)
 
     # Per-batch values, set by the loop as it goes.
     batch: Any = None

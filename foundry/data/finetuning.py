@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from foundry import registry
-from foundry.config import LOADER_DEFAULTS
+from foundry.data.config import LOADER_DEFAULTS
 from foundry.data.chat import RowFormatError, chat_renderer
 from foundry.data.finetuning_examples import FinetuningCounts, LabelPolicy, Truncation, build_example, token_turns
 from foundry.data.finetuning_rows import read_rows

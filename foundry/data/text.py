@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from foundry import registry
-from foundry.config import LOADER_DEFAULTS
+from foundry.data.config import LOADER_DEFAULTS
 from foundry.data.collate import collate_lm_samples
 from foundry.data.mds import build_checked_streams, import_streaming
 from foundry.errors import ConfigError
@@ -110,7 +110,7 @@ def build_text_dataloader(
 ) -> DataLoader:
     """Build LLM Foundry's ``text`` loader over a local (or remote) MDS dataset.
 
-    The loader keys (``drop_last``, ``num_workers``...) default to the YAML's (``foundry.config.LoaderConfig``).
+    The loader keys (``drop_last``, ``num_workers``...) default to the YAML's (``foundry.data.config.LoaderConfig``).
 
     Args:
         tokenizer: needed only for datasets with a raw ``text`` column.

@@ -18,7 +18,7 @@ from foundry.distributed.env import (
     get_world_size,
     is_distributed,
 )
-from foundry.distributed.parallelize import parallelize, prepare_sharding, set_gradient_sync
+from foundry.distributed.parallelize import parallelize, prepare_sharding, set_gradient_sync, shards
 from foundry.distributed.process_group import (
     destroy_process_group,
     explain_lost_ranks,
@@ -49,4 +49,5 @@ __all__ = [
     "parallelize",
     "prepare_sharding",
     "set_gradient_sync",
+    "shards",
 ]

@@ -24,7 +24,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from foundry import distributed
-from foundry.config.icl import ICLTaskConfig
+from foundry.eval.task_config import ICLTaskConfig
 from foundry.errors import TrainingError
 from foundry.eval.batching import Batch, TokenizedExample, make_batches, needs_prefix_space, tokenize_examples
 from foundry.eval.metrics import GenerationAccuracy, LanguageModelingAccuracy, MultipleChoiceAccuracy

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from foundry.config.icl import GauntletConfig
+from foundry.eval.task_config import GauntletConfig
 from foundry.errors import ConfigError
 from foundry.eval.metrics import GENERATION_ACCURACY, LM_ACCURACY, MC_ACCURACY
 

@@ -25,7 +25,7 @@ import dataclasses
 import random
 from typing import Any
 
-from foundry.config.icl import ICLTaskConfig
+from foundry.eval.task_config import ICLTaskConfig
 
 
 @dataclasses.dataclass

@@ -21,7 +21,7 @@ import dataclasses
 import math
 from pathlib import Path
 
-from foundry.config.yaml import yaml_section
+from foundry.yaml_config import yaml_section
 from foundry.errors import ConfigError
 from foundry.eval.report import ModelResults
 from foundry.schema import parse_dataclass

@@ -1,7 +1,7 @@
 """One model through the ICL tasks: its evaluator (tasks tokenized at its sequence length) and its scores.
 
 Shared by ``foundry eval`` (one model, or several with --compare) and adapter evaluation (one base, its
-adapters switched in place). ``cfg`` is an ``EvalConfig`` (foundry.eval.command).
+adapters switched in place). ``cfg`` is an ``EvalConfig`` (foundry.eval_command).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from foundry.config.icl import ICLTaskConfig
+from foundry.eval.task_config import ICLTaskConfig
 from foundry.errors import ConfigError, DataError
 
 # The fields each task type reads from a jsonl row, and their types.

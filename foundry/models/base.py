@@ -14,7 +14,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from foundry import registry
 from foundry.batches import IGNORE_INDEX, batch_num_samples
+from foundry.checkpoint.hooks import CheckpointHooks
+from foundry.yaml_config import config_to_dict
 
 
 class FoundryModel(nn.Module):
@@ -44,6 +47,31 @@ class FoundryModel(nn.Module):
     def eval_metrics_from_loss(self, loss: float) -> dict[str, float]:
         """Eval metrics derived from the token-weighted eval loss."""
         return {"loss": loss}
+
+    def model_section(self) -> dict[str, Any] | None:
+        """``{"name": <registered name>, **config}``: what rebuilds this model, stored in its checkpoints.
+
+        None unless the model's class is registered in ``foundry.registry.models`` (a subclass is
+        not its parent: register it too) and holds its config dataclass as ``self.config``.
+        """
+        name = registry.models.name_of(model_class(self))
+        config = getattr(self, "config", None)
+        if name is None or not dataclasses.is_dataclass(config):
+            return None
+        return {"name": name, **config_to_dict(config)}
+
+    @property
+    def checkpoint_hooks(self) -> CheckpointHooks:
+        """How checkpoints save and load this model (``foundry.checkpoint.hooks``): all of its weights."""
+        return CheckpointHooks()
+
+
+def model_class(model: nn.Module) -> type:
+    """The class ``model`` was built as: FSDP2's ``fully_shard`` swaps in ``FSDP<Class>(FSDPModule, Class)``."""
+    cls = type(model)
+    while cls.__module__.startswith("torch.distributed.fsdp") and len(cls.__bases__) > 1:
+        cls = cls.__bases__[-1]
+    return cls
 
 
 @dataclasses.dataclass

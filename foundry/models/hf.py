@@ -18,9 +18,11 @@ import torch
 from torch import nn
 
 from foundry import registry
+from foundry.checkpoint.hooks import CheckpointHooks
 from foundry.errors import ConfigError, did_you_mean
 from foundry.models import flops
 from foundry.models.base import CausalLM
+from foundry.models.lora_checkpoint import lora_checkpoint_hooks
 from foundry.models.lora import LoraConfig, inject_lora, is_adapter_key, reset_lora_parameters
 from foundry.schema import parse_dataclass
 
@@ -83,6 +85,11 @@ class HFCausalLM(CausalLM):
         self.holds_pretrained_weights = False
         reset_lora_parameters(self)  # the adapters start as PEFT's init until a checkpoint fills them
         return self
+
+    @property
+    def checkpoint_hooks(self) -> CheckpointHooks:
+        """With a ``peft_config``: LoRA's checkpoints (maybe adapters only, their base loaded first)."""
+        return lora_checkpoint_hooks(self)
 
     def load_pretrained_weights(self) -> None:
         """Read ``pretrained_model_name_or_path``'s weights again (the base of an adapters-only LoRA checkpoint)."""

@@ -21,6 +21,7 @@ from torch import nn
 
 from foundry import registry
 from foundry.distributed.env import get_local_rank
+from foundry.checkpoint.hooks import CheckpointHooks
 from foundry.errors import ConfigError, FoundryError
 from foundry.kernels.device import kernels_run_on
 from foundry.kernels.linear_cross_entropy import linear_cross_entropy
@@ -30,6 +31,7 @@ from foundry.models.base import CausalLM, LossOutput, shifted_targets
 from foundry.models.init import InitConfig, InitName, init_weights_
 from foundry.models.kv_cache import KVCache, LayerKVCache
 from foundry.models.layers import FFNConfig, NormType, build_ffn, build_norm, ffn_hidden_size
+from foundry.models.lora_checkpoint import lora_checkpoint_hooks
 from foundry.models.lora import LoraConfig, inject_lora, reset_lora_parameters
 from foundry.schema import parse_dataclass
 
@@ -342,6 +344,11 @@ class MPTCausalLM(CausalLM):
         """(Re)initialise every parameter in place with ``config.init_config``'s scheme."""
         init_weights_(self, self.config.init_config, self.config.n_layers, self.config.d_model)
         reset_lora_parameters(self)
+
+    @property
+    def checkpoint_hooks(self) -> CheckpointHooks:
+        """With a ``peft_config``: LoRA's checkpoints (maybe adapters only, their base loaded first)."""
+        return lora_checkpoint_hooks(self)
 
     @property
     def output_weight(self) -> torch.Tensor:

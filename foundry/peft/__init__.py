@@ -1,4 +1,4 @@
-"""Parameter-efficient finetuning: LoRA layers (``lora``), adapters-only checkpoints (``foundry.checkpoint.adapters``),
+"""Parameter-efficient finetuning: LoRA layers (``lora``), adapters-only checkpoints (``foundry.models.lora_checkpoint``),
 switching adapters on one base (``adapters``) and PEFT-format export and merging (``export``).
 
 docs/LORA.md describes ``model.peft_config`` and the commands.

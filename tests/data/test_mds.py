@@ -25,7 +25,7 @@ sys.modules["wandb"] = None
 tokenizer_dir, jsonl_path, mds_dir = sys.argv[1:4]
 report = {}
 
-import foundry, foundry.builders, foundry.data, foundry.eval.command, foundry.loggers, foundry.trainer
+import foundry, foundry.config.build, foundry.data, foundry.eval_command, foundry.loggers, foundry.trainer
 from foundry import registry
 from foundry.data import build_finetuning_dataloader, build_text_dataloader, load_tokenizer
 from foundry.errors import FoundryError

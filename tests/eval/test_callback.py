@@ -6,7 +6,7 @@ from pathlib import Path
 
 from helpers import TinyLM, token_batches
 
-from foundry.config.icl import parse_gauntlet, parse_icl_tasks
+from foundry.eval.task_config import parse_gauntlet, parse_icl_tasks
 from foundry.core import LoggerDestination
 from foundry.eval.callback import ICLEval
 from foundry.eval.evaluator import ICLEvaluator

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import ByteTokenizer
 
-from foundry.config.icl import parse_icl_tasks
+from foundry.eval.task_config import parse_icl_tasks
 from foundry.errors import DataError, TrainingError
 from foundry.eval.evaluator import ICLEvaluator
 from foundry.eval.metrics import GENERATION_ACCURACY, LM_ACCURACY, MC_ACCURACY, MC_ACCURACY_RAW, GenerationAccuracy

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from foundry.config.icl import parse_gauntlet
+from foundry.eval.task_config import parse_gauntlet
 from foundry.errors import ConfigError
 from foundry.eval.gauntlet import gauntlet_scores
 from foundry.eval.metrics import LM_ACCURACY, MC_ACCURACY, MC_ACCURACY_RAW
@@ -55,7 +55,7 @@ def test_average_of_unknown_category_is_refused() -> None:
 
 
 def test_light_gauntlet_matches_the_light_tasks(repo_root) -> None:
-    from foundry.config.icl import parse_icl_tasks
+    from foundry.eval.task_config import parse_icl_tasks
 
     gauntlet = parse_gauntlet(repo_root / "yamls/eval/eval_gauntlet_light.yaml")
     tasks = {

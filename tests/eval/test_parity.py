@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from foundry.config.icl import ICLTaskConfig
+from foundry.eval.task_config import ICLTaskConfig
 from foundry.eval.evaluator import ICLEvaluator, Subtask
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from foundry.config.icl import ICLTaskConfig
+from foundry.eval.task_config import ICLTaskConfig
 from foundry.eval.prompts import build_prompts, fewshot_indices
 
 LM_ROWS = [{"context": "The sky is", "continuation": "blue"}, {"context": "Grass is", "continuation": "green"}]

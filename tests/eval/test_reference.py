@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from foundry.cli import main
-from foundry.config.icl import parse_icl_tasks
+from foundry.eval.task_config import parse_icl_tasks
 from foundry.errors import ConfigError
 from foundry.eval.metrics import MC_ACCURACY
 from foundry.eval.reference import ReferenceModel, ReferenceScore, deltas, load_references, reference_table

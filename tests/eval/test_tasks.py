@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from foundry.config.icl import parse_icl_tasks
+from foundry.eval.task_config import parse_icl_tasks
 from foundry.errors import ConfigError, DataError
 from foundry.eval.tasks import read_rows
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import TINY_LLAMA, TINY_MPT, token_batches
 
-from foundry.checkpoint.adapters import holds_adapters_only, saved_model_keys
+from foundry.models.lora_checkpoint import holds_adapters_only, saved_model_keys
 from foundry.convert.checkpoint_io import (
     check_weights_loaded,
     load_checkpoint_model,

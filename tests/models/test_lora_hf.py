@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import token_batches
 
-from foundry.checkpoint.adapters import holds_adapters_only, saved_model_keys
+from foundry.models.lora_checkpoint import holds_adapters_only, saved_model_keys
 from foundry.convert.checkpoint_io import load_checkpoint_model
 from foundry.errors import ConfigError
 from foundry.models.build import build_model

@@ -1,8 +1,9 @@
-"""Typed config → components → Trainer: one small function per component, each a registry lookup.
+"""A TrainConfig → its components → the Trainer: one small function per component, each a registry lookup.
 
-Every YAML section becomes ``registry.X.get(name)(**kwargs)`` with its kwargs checked against the
-constructor's signature first, so a typo fails before any model is built. Defaults live in
-``foundry.config``; nothing here invents one.
+Every YAML section that names a component becomes ``registry.X.get(name)(**kwargs)`` with its kwargs
+checked against the constructor's signature first, so a typo fails before any model is built. The
+run's settings reach the Trainer as they are (``trainer_settings``): nothing here relays a key or
+invents a default.
 """
 
 from __future__ import annotations
@@ -15,23 +16,21 @@ from typing import Any
 import torch
 
 from foundry import registry
-from foundry.algorithms.torch_compile import from_compile_config
 from foundry.checkpoint import latest_checkpoint
-from foundry.checkpoint.adapters import has_pretrained_base
-from foundry.config import LoaderConfig, TokenizerConfig, TrainConfig, config_to_dict, fill_run_name
-from foundry.config.icl import parse_gauntlet, parse_icl_tasks
+from foundry.config import TrainConfig, trainer_settings
 from foundry.core import seed_everything
 from foundry.core.paths import check_writable_folder, is_object_store_url
+from foundry.run_config import fill_run_name
 from foundry.data import load_tokenizer
+from foundry.data.config import LoaderConfig, TokenizerConfig
 from foundry.distributed import env
-from foundry.distributed.parallelize import shards
 from foundry.errors import ConfigError
-from foundry.eval.callback import ICLEval
-from foundry.eval.evaluator import ICLEvaluator
 from foundry.models.build import build_model
+from foundry.models.lora_checkpoint import has_pretrained_base
 from foundry.optim.optimizers import check_hyperparameters
 from foundry.registry import bound_component, build_components, component_factory
 from foundry.trainer import Trainer
+from foundry.yaml_config import config_to_dict
 
 
 def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -> Trainer:
@@ -41,74 +40,39 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
         cfg: the typed config (``foundry.config.load_train_config``).
         resolved: the resolved YAML, stored in checkpoints and sent to loggers (default: ``cfg`` as a dict).
     """
-    _reject_unimplemented(cfg)
     _check_hand_over(cfg)
     _check_checkpoint_paths(cfg)
     _check_adapters_only_base(cfg)
-    _apply_cuda_allocator_settings(cfg.expandable_segments)
     device_batch_size = device_train_batch_size(cfg.global_train_batch_size, env.get_world_size())
+    if cfg.device:
+        torch_device(cfg.device)
     # Cheapest first, the model last: a typo or a missing data folder fails before a big model is built.
     _check_sections(cfg)
     callbacks = build_components(registry.callbacks, cfg.callbacks, "callbacks")
-    algorithms = build_components(registry.algorithms, cfg.algorithms, "algorithms") + build_compile(cfg)
+    algorithms = build_components(registry.algorithms, cfg.algorithms, "algorithms")
     loggers = build_components(registry.loggers, cfg.loggers, "loggers")
     scheduler = component_factory(registry.schedulers, cfg.scheduler, "scheduler")() if cfg.scheduler else None
     optimizer_factory = component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",))
     check_hyperparameters(optimizer_factory.keywords)
     tokenizer = build_tokenizer(cfg.tokenizer)
-    callbacks += build_icl_eval(cfg, tokenizer)
     train_dataloader = build_dataloader(cfg.train_loader, tokenizer, device_batch_size, "train_loader")
     eval_dataloaders = build_eval_dataloaders(cfg, tokenizer)
     seed_everything(cfg.seed)  # the model's initial weights depend on the seed alone
     return Trainer(
-        model=build_model(cfg.model, tokenizer),
-        train_dataloader=train_dataloader,
-        eval_dataloader=eval_dataloaders or None,
-        optimizers=optimizer_factory,  # called with model.parameters() once the model is on its device
-        schedulers=scheduler,
-        max_duration=cfg.max_duration,
-        eval_interval=cfg.eval_interval,
-        eval_first=cfg.eval_first,
-        eval_subset_num_batches=cfg.eval_subset_num_batches,
-        callbacks=callbacks,
-        algorithms=algorithms,
-        loggers=loggers,
-        precision=cfg.precision,
-        device=cfg.device,
+        build_model(cfg.model, tokenizer),
+        train_dataloader,
+        cfg.max_duration,
+        optimizer_factory,  # called with model.parameters() once the model is on its device
+        scheduler,
+        eval_dataloaders or None,
+        callbacks,
+        algorithms,
+        loggers,
+        tokenizer=tokenizer,
         fsdp_config=cfg.fsdp_config,
-        device_train_microbatch_size=cfg.device_train_microbatch_size,
-        fuse_weight_grad_accumulation=cfg.fuse_weight_grad_accumulation,
-        save_folder=fill_run_name(cfg.save_folder, cfg.run_name),
-        save_interval=cfg.save_interval,
-        save_num_checkpoints_to_keep=cfg.save_num_checkpoints_to_keep,
-        save_async=cfg.save_async,
-        save_overwrite=cfg.save_overwrite,
-        load_path=fill_run_name(cfg.load_path, cfg.run_name),
-        load_weights_only=cfg.load_weights_only,
-        autoresume=cfg.autoresume,
-        seed=cfg.seed,
-        run_name=cfg.run_name,
-        run_folder=fill_run_name(cfg.run_folder, cfg.run_name),
-        log_to_console=cfg.log_to_console,
-        progress_bar=cfg.progress_bar,
-        console_log_interval=cfg.console_log_interval,
         config=dict(resolved) if resolved is not None else config_to_dict(cfg),
+        **trainer_settings(cfg),
     )
-
-
-def build_compile(cfg: TrainConfig) -> list:
-    """``compile_config`` as a ``torch_compile`` algorithm (none when off, or when ``algorithms`` has one)."""
-    if "torch_compile" in cfg.algorithms:
-        if cfg.compile_config != "auto":
-            raise ConfigError(
-                f"compile_config is {cfg.compile_config!r} and algorithms.torch_compile is set: both configure "
-                "torch.compile. Keep one (compile_config: false with algorithms.torch_compile is a contradiction)."
-            )
-        return []
-    device = torch_device(cfg.device) if cfg.device else env.default_device()
-    sharded = env.get_world_size() > 1 or (cfg.fsdp_config is not None and shards(cfg.fsdp_config, device))
-    algorithm = from_compile_config(cfg.compile_config, device, sharded)
-    return [algorithm] if algorithm is not None else []
 
 
 def torch_device(name: str) -> Any:
@@ -184,21 +148,6 @@ def build_eval_dataloaders(cfg: TrainConfig, tokenizer: Any) -> dict[str, Iterab
     return loaders
 
 
-def build_icl_eval(cfg: TrainConfig, tokenizer: Any) -> list:
-    """The ``ICLEval`` callback for ``icl_tasks`` (run at ``eval_interval``), or nothing."""
-    if cfg.icl_tasks is None:
-        return []
-
-    seq_len = cfg.icl_seq_len or cfg.max_seq_len or cfg.model.get("max_seq_len")
-    if not isinstance(seq_len, int):
-        raise ConfigError("'icl_tasks' is set but no sequence length is known: set 'icl_seq_len' (e.g. 1024).")
-    if cfg.device_eval_batch_size is None:
-        raise ConfigError("'icl_tasks' is set, so 'device_eval_batch_size' is needed (rows per ICL forward, e.g. 16).")
-    evaluator = ICLEvaluator(parse_icl_tasks(cfg.icl_tasks), tokenizer, seq_len, cfg.device_eval_batch_size)
-    gauntlet = parse_gauntlet(cfg.eval_gauntlet) if cfg.eval_gauntlet is not None else None
-    return [ICLEval(evaluator, cfg.eval_interval, gauntlet, cfg.eval_first)]
-
-
 def _check_sections(cfg: TrainConfig) -> None:
     """An algorithm listed under callbacks (or the reverse) names the section it belongs in."""
     for section, other, names in (
@@ -209,14 +158,6 @@ def _check_sections(cfg: TrainConfig) -> None:
             if name not in getattr(registry, section) and name in getattr(registry, other):
                 kind = "algorithm (it changes the run)" if other == "algorithms" else "callback (it observes the run)"
                 raise ConfigError(f"'{section}.{name}' is an {kind}: move it under '{other}'.")
-
-
-def _reject_unimplemented(cfg: TrainConfig) -> None:
-    """Keys the YAML schema accepts but the Trainer cannot honour yet: fail instead of ignoring them."""
-    if cfg.save_weights_only:
-        raise ConfigError("save_weights_only: true is not supported yet; remove it to save full checkpoints.")
-    if not cfg.load_strict_model_weights:
-        raise ConfigError("load_strict_model_weights: false is not supported yet; checkpoints load strictly.")
 
 
 def _check_checkpoint_paths(cfg: TrainConfig) -> None:
@@ -255,9 +196,3 @@ def _check_adapters_only_base(cfg: TrainConfig) -> None:
             "`foundry convert from-hf`), or set save_adapters_only: false. (An hf_causal_lm with pretrained: true "
             "needs none: its base is pretrained_model_name_or_path.)"
         )
-
-
-def _apply_cuda_allocator_settings(expandable_segments: bool) -> None:
-    """LLM Foundry's default: expandable segments cut fragmentation when sequence lengths vary."""
-    if expandable_segments and torch.cuda.is_available():
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")

@@ -2,14 +2,13 @@
 
 A checkpoint of a LoRA run holds every weight, unless ``model.peft_config.save_adapters_only`` is
 set: then its model part is the adapter tensors alone (its optimizer state is adapters-only anyway).
-Such a checkpoint names its base through its run's ``load_path``: ``foundry.checkpoint.load`` loads
-that base first.
+Such a checkpoint names its base through its run's ``load_path``, which ``LoraCheckpointHooks``
+loads first: LoRA models hand these hooks to ``foundry.checkpoint`` (``model.checkpoint_hooks``).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from foundry.checkpoint.find import resolve_checkpoint_path
-from foundry.checkpoint.layout import META_FILE
+from foundry.checkpoint.hooks import CheckpointHooks
+from foundry.checkpoint.meta import read_meta
 from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from foundry.errors import CheckpointError
 from foundry.models.lora import LoraConfig, is_adapter_key
@@ -26,29 +26,53 @@ if TYPE_CHECKING:
     from torch import nn
 
 
+_MAX_BASE_DEPTH = 8  # adapters trained from adapters: a chain this long is surely a loop
+
+
+class LoraCheckpointHooks(CheckpointHooks):
+    """A LoRA model's checkpoints: maybe the adapters alone, whose base weights load first."""
+
+    def __init__(self, config: LoraConfig) -> None:
+        self.config = config
+
+    def state_to_save(self, model_state: dict[str, Any]) -> dict[str, Any]:
+        if not self.config.save_adapters_only:
+            return model_state
+        return {name: tensor for name, tensor in model_state.items() if is_adapter_key(name)}
+
+    def loadable_without(self, missing: Collection[str], saved: Collection[str]) -> bool:
+        """Two cases load although keys are missing: a base checkpoint into a LoRA model (only adapters
+        missing: they keep their init), and an adapters-only checkpoint (only base weights missing: its
+        base was loaded first)."""
+        if not missing:
+            return True
+        return all(is_adapter_key(key) for key in missing) or (bool(saved) and all(map(is_adapter_key, saved)))
+
+    def before_load(self, folder: Path, state: Any, load: Callable[[Path], None], depth: int = 0) -> None:
+        """If ``folder`` holds adapters only, load its base weights into ``state.model`` first."""
+        if not holds_adapters_only(folder):
+            return
+        if depth >= _MAX_BASE_DEPTH:
+            raise CheckpointError(f"Checkpoint {folder}: its chain of adapters-only bases is longer than {depth}; a loop?")
+        base = base_checkpoint(folder)
+        if base is None:  # an hf_causal_lm base: its pretrained weights, read when the model was built (or now)
+            if not state.model.holds_pretrained_weights:
+                state.model.load_pretrained_weights()
+            return
+        self.before_load(base, state, load, depth + 1)
+        load(base)
+
+
+def lora_checkpoint_hooks(model: nn.Module) -> CheckpointHooks:
+    """``LoraCheckpointHooks`` for a model built with a ``peft_config``, else the defaults."""
+    config = model_lora_config(model)
+    return LoraCheckpointHooks(config) if config is not None else CheckpointHooks()
+
+
 def model_lora_config(model: nn.Module) -> LoraConfig | None:
     """The ``peft_config`` a model was built with (None: no LoRA)."""
     config = getattr(getattr(model, "config", None), "peft_config", None)
     return config if isinstance(config, LoraConfig) else None
-
-
-def model_state_to_save(model: nn.Module, model_state: dict[str, Any]) -> dict[str, Any]:
-    """``model_state`` as a checkpoint stores it: only the adapters when the model says so."""
-    config = model_lora_config(model)
-    if config is None or not config.save_adapters_only:
-        return model_state
-    return {name: tensor for name, tensor in model_state.items() if is_adapter_key(name)}
-
-
-def loadable_without(missing: Collection[str], saved: Collection[str]) -> bool:
-    """Whether a checkpoint lacking the model keys ``missing`` still loads (those keep their values).
-
-    Two cases: a base checkpoint into a LoRA model (only adapters missing: they keep their init), and
-    an adapters-only checkpoint (only base weights missing: its base was loaded first).
-    """
-    if not missing:
-        return True
-    return all(is_adapter_key(key) for key in missing) or (bool(saved) and all(map(is_adapter_key, saved)))
 
 
 def saved_model_keys(folder: Path) -> set[str]:
@@ -73,7 +97,7 @@ def base_checkpoint(folder: Path) -> Path | None:
     None: the run had no load_path and its model is a pretrained ``hf_causal_lm``, whose base is its
     ``pretrained_model_name_or_path``.
     """
-    config = json.loads((folder / META_FILE).read_text()).get("config") or {}
+    config = read_meta(folder).get("config") or {}
     load_path = config.get("load_path")
     if not load_path and has_pretrained_base(config.get("model") or {}):
         return None

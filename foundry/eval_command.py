@@ -19,8 +19,8 @@ from typing import Any, Literal
 import torch
 
 from foundry import distributed
-from foundry.config import apply_overrides, load_yaml, resolve_interpolations
-from foundry.config.icl import parse_gauntlet, parse_icl_tasks
+from foundry.yaml_config import apply_overrides, load_yaml, resolve_interpolations
+from foundry.eval.task_config import parse_gauntlet, parse_icl_tasks
 from foundry.core import seed_everything
 from foundry.core.precision import check_precision
 from foundry.errors import ConfigError

@@ -13,7 +13,7 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal
 
-from foundry.config.yaml import yaml_section
+from foundry.yaml_config import yaml_section
 from foundry.errors import ConfigError
 from foundry.schema import parse_dataclass
 

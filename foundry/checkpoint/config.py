@@ -1,0 +1,41 @@
+"""The checkpoint section of a run: where checkpoints go, how often, how many stay, and where a run starts from.
+
+Its keys are LLM Foundry's top-level YAML keys and ``Trainer`` keywords of the same names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+
+from foundry.core.paths import check_storage_path
+from foundry.core.time import Time, positive_time
+from foundry.errors import ConfigError
+from foundry.schema import doc
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointConfig:
+    save_folder: str | None = field(
+        default=None, metadata=doc("checkpoint folder or object-store URL; {run_name} is filled in")
+    )
+    save_interval: Time = field(default=Time.parse("1000ba"), metadata=doc("how often to checkpoint"))
+    save_num_checkpoints_to_keep: int = field(default=-1, metadata=doc("newest checkpoints kept on disk (-1 = all)"))
+    save_overwrite: bool = field(default=False, metadata=doc("overwrite existing checkpoints"))
+    save_async: bool = field(default=False, metadata=doc("write checkpoints in the background while training goes on"))
+    save_weights_only: bool = field(default=False, metadata=doc("save only model weights (not supported: false)"))
+    load_path: str | None = field(default=None, metadata=doc("checkpoint to start from; {run_name} is filled in"))
+    load_weights_only: bool = field(default=False, metadata=doc("load only weights (fresh optimizer and schedule)"))
+    load_strict_model_weights: bool = field(
+        default=True, metadata=doc("fail on missing or unexpected weight names (false is not supported)")
+    )
+    autoresume: bool = field(default=False, metadata=doc("resume from the newest checkpoint in save_folder"))
+
+    def __post_init__(self) -> None:
+        positive_time(self.save_interval, "save_interval")
+        check_storage_path(self.save_folder, "'save_folder'")
+        check_storage_path(self.load_path, "'load_path'")
+        if self.save_weights_only:
+            raise ConfigError("save_weights_only: true is not supported yet; remove it to save full checkpoints.")
+        if not self.load_strict_model_weights:
+            raise ConfigError("load_strict_model_weights: false is not supported yet; checkpoints load strictly.")

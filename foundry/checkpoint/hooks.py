@@ -1,0 +1,32 @@
+"""What a model may change about how checkpoints save and load it, without checkpoint code knowing why.
+
+A model that saves only part of its weights (LoRA's adapters-only checkpoints, ``foundry.models``)
+exposes ``checkpoint_hooks``; every other model gets these defaults: save everything, load everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from pathlib import Path
+from typing import Any
+
+
+class CheckpointHooks:
+    """The defaults: a checkpoint holds every model tensor, and loading needs every one of them."""
+
+    def state_to_save(self, model_state: dict[str, Any]) -> dict[str, Any]:
+        """The model tensors a checkpoint stores (of ``model_state``, the model's whole state)."""
+        return model_state
+
+    def loadable_without(self, missing: Collection[str], saved: Collection[str]) -> bool:
+        """Whether a checkpoint holding the model keys ``saved`` loads although it lacks ``missing``."""
+        return not missing
+
+    def before_load(self, folder: Path, state: Any, load: Callable[[Path], None]) -> None:
+        """Run before checkpoint ``folder`` loads into ``state``; ``load(path)`` loads another one's weights."""
+
+
+def checkpoint_hooks(model: Any) -> CheckpointHooks:
+    """``model.checkpoint_hooks`` where the model has them, else the defaults."""
+    hooks = getattr(model, "checkpoint_hooks", None)
+    return hooks if isinstance(hooks, CheckpointHooks) else CheckpointHooks()

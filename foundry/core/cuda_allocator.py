@@ -1,0 +1,14 @@
+"""The CUDA caching allocator's settings a run applies before it allocates."""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_allocator_settings(expandable_segments: bool) -> None:
+    """LLM Foundry's default: expandable segments cut fragmentation when sequence lengths vary.
+
+    It applies only before the first CUDA allocation of the process; later calls change nothing.
+    """
+    if expandable_segments and torch.cuda.is_available():
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")

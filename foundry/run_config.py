@@ -1,0 +1,63 @@
+"""The run section the Trainer owns: identity, seed, numerics, batching and compilation.
+
+Its keys are LLM Foundry's top-level YAML keys and ``Trainer`` keywords of the same names; the
+other sections belong to their components (``CheckpointConfig``, ``EvalConfig``, ``ConsoleConfig``,
+``FSDPConfig``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import field
+from typing import Any, Literal
+
+from foundry.schema import doc
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunConfig:
+    run_name: str | None = field(default=None, metadata=doc("default: $RUN_NAME, else foundry-<date>-<time>"))
+    seed: int = field(default=17, metadata=doc("seed for weights, data order and dropout"))
+    run_folder: str = field(default="runs/{run_name}", metadata=doc("where metrics.jsonl goes"))
+    precision: Literal["fp32", "amp_bf16", "amp_fp16"] = field(default="amp_bf16", metadata=doc("compute precision"))
+    device: str | None = field(default=None, metadata=doc("cpu, cuda, ... (none = this rank's GPU if any)"))
+    device_train_microbatch_size: int | Literal["auto"] | None = field(
+        default=None, metadata=doc("samples per forward/backward (gradients accumulate); none = the whole device batch")
+    )
+    compile_config: bool | Literal["auto"] | dict[str, Any] = field(
+        default="auto",
+        metadata=doc(
+            "torch.compile: auto = on a GPU (whole model on one rank, each block when sharded), never on CPU; "
+            "false = eager; true = everywhere; a mapping = algorithms.torch_compile's keys"
+        ),
+    )
+    fuse_weight_grad_accumulation: bool = field(
+        default=True,
+        metadata=doc(
+            "unsharded runs: each linear sums its weight gradient inside the GEMM and casts its weight once a "
+            "batch (docs/PERFORMANCE.md); false = autograd's accumulation"
+        ),
+    )
+    expandable_segments: bool = field(
+        default=True, metadata=doc("CUDA allocator expandable segments (less fragmentation)")
+    )
+
+    def __post_init__(self) -> None:
+        if self.run_name is None:
+            self.run_name = default_run_name()
+
+
+def default_run_name() -> str:
+    """``$RUN_NAME`` (or Composer's ``$COMPOSER_RUN_NAME``), else ``foundry-<date>-<time>``."""
+    return (
+        os.environ.get("RUN_NAME") or os.environ.get("COMPOSER_RUN_NAME") or f"foundry-{time.strftime('%Y%m%d-%H%M%S')}"
+    )
+
+
+def fill_run_name(path: str | None, run_name: str | None) -> str | None:
+    """``path`` with ``{run_name}`` filled in (Composer's convention); other braces, like ``{rank}``, stay."""
+    if path is None or run_name is None:
+        return path
+    return path.replace("{run_name}", run_name)
