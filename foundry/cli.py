@@ -54,7 +54,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     Returns 0 when the run finished, ``HANDED_OVER_EXIT_CODE`` (3) when a ``hand_over`` callback stopped it.
     """
-    from foundry.config import load_train_config, to_yaml
+    from foundry.config import load_train_config
+    from foundry.yaml_config import to_yaml
     from foundry.distributed import launched_by_torchrun
 
     cfg, resolved = load_train_config(args.config, args.overrides)  # every key is checked before any work
@@ -146,16 +147,17 @@ def _sections(cls: type) -> dict[type, list[str]]:
     """Nested config dataclasses and the keys that hold them, e.g. ``LoaderConfig: [train_loader, ...]``."""
     owners: dict[type, list[str]] = {}
     for name, hint in typing.get_type_hints(cls).items():
-        for section in _config_classes(hint, cls.__module__):
+        for section in _config_classes(hint):
             owners.setdefault(section, []).append(name)
     return owners
 
 
-def _config_classes(hint: Any, module: str) -> list[type]:
-    """Dataclasses of ``module`` inside a type hint (``LoaderConfig | None`` → ``[LoaderConfig]``)."""
+def _config_classes(hint: Any) -> list[type]:
+    """Config dataclasses (of a component's ``config`` module) inside a type hint (``LoaderConfig | None`` →
+    ``[LoaderConfig]``)."""
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        return [hint] if hint.__module__ == module else []
-    return [found for arg in typing.get_args(hint) for found in _config_classes(arg, module)]
+        return [hint] if hint.__module__.endswith(".config") else []
+    return [found for arg in typing.get_args(hint) for found in _config_classes(arg)]
 
 
 def _configure_logging(level: str | None) -> None:

@@ -8,10 +8,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 from helpers import TinyLM, token_batches
 
 from foundry import registry
 from foundry.config import build as builders
+from foundry.algorithms.torch_compile import TorchCompile, compile_algorithm
 from foundry.config.build import build_eval_dataloaders, build_trainer, device_train_batch_size
 from foundry.config import TrainConfig
 from foundry.data.config import LoaderConfig, TokenizerConfig
@@ -20,6 +22,7 @@ from foundry.core.time import Time
 from foundry.errors import ConfigError
 from foundry.models.build import build_model
 from foundry.registry import build_components, component_factory
+from foundry.trainer import Trainer
 
 VOCAB_SIZE = 32
 
@@ -212,33 +215,40 @@ def test_unimplemented_setting_is_rejected_not_ignored(tmp_path: Path) -> None:
 
 
 # -------------------------------------------------------------------------------------- compile_config
-def test_compile_config_auto_compiles_nothing_on_a_cpu(tmp_path: Path) -> None:
-    assert build_compile(make_config(tmp_path)) == []
+CPU, GPU = torch.device("cpu"), torch.device("cuda")
 
 
-def test_compile_config_auto_compiles_the_whole_model_on_one_gpu_and_blocks_when_sharded(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    (one_gpu,) = build_compile(make_config(tmp_path, device="cuda"))
-    assert one_gpu.scope == "model"
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    (sharded,) = build_compile(make_config(tmp_path, device="cuda"))
-    assert sharded.scope == "blocks"
+def test_compile_config_auto_compiles_nothing_on_a_cpu() -> None:
+    assert compile_algorithm("auto", [], CPU, sharded=False) == []
 
 
-def test_compile_config_false_turns_compile_off_on_a_gpu(tmp_path: Path) -> None:
-    assert build_compile(make_config(tmp_path, device="cuda", compile_config=False)) == []
+def test_compile_config_auto_compiles_the_whole_model_on_one_gpu_and_blocks_when_sharded() -> None:
+    (one_gpu,) = compile_algorithm("auto", [], GPU, sharded=False)
+    (sharded,) = compile_algorithm("auto", [], GPU, sharded=True)
+    assert one_gpu.scope == "model" and sharded.scope == "blocks"
 
 
-def test_compile_config_auto_yields_to_an_explicit_torch_compile_algorithm(tmp_path: Path) -> None:
-    assert build_compile(make_config(tmp_path, device="cuda", algorithms={"torch_compile": {}})) == []
+def test_compile_config_false_turns_compile_off_on_a_gpu() -> None:
+    assert compile_algorithm(False, [], GPU, sharded=False) == []
+
+
+def test_compile_config_auto_yields_to_an_explicit_torch_compile_algorithm() -> None:
+    assert compile_algorithm("auto", [TorchCompile()], GPU, sharded=False) == []
 
 
 @pytest.mark.parametrize("setting", [False, True, {"scope": "blocks"}])
 def test_compile_config_and_torch_compile_algorithm_together_is_an_error(tmp_path: Path, setting: Any) -> None:
     cfg = make_config(tmp_path, compile_config=setting, algorithms={"torch_compile": {}})
-    with pytest.raises(ConfigError, match="compile_config is .* and algorithms.torch_compile is set.*Keep one"):
+    with pytest.raises(ConfigError, match="compile_config is .* and a torch_compile algorithm is given.*Keep one"):
         build_trainer(cfg)
+
+
+def test_the_python_trainer_applies_compile_config_itself(tmp_path: Path) -> None:
+    # The same selection foundry train makes: Trainer(...) adds the compile algorithm without a YAML.
+    compiled = Trainer(VocabLM(), run_folder=str(tmp_path), compile_config=True)
+    eager = Trainer(VocabLM(), run_folder=str(tmp_path))  # auto: never on a CPU
+    assert [type(a) for a in compiled.engine.algorithms] == [TorchCompile]
+    assert eager.engine.algorithms == []
 
 
 def test_an_algorithm_listed_under_callbacks_names_its_section(tmp_path: Path) -> None:

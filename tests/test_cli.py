@@ -11,7 +11,8 @@ import pytest
 import yaml
 from helpers import TinyLM, token_batches
 
-from foundry import builders, cli, registry
+from foundry import cli, registry
+from foundry.config import build as builders
 
 CONFIG = """\
 variables:
@@ -94,7 +95,7 @@ def test_top_level_help_does_not_import_the_trainer_or_data_tools() -> None:
     code = "import sys; from foundry import cli; cli.build_parser(None).format_help(); print(*sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     modules = set(result.stdout.split())
-    assert not modules & {"foundry.trainer", "foundry.builders", "foundry.data.convert", "transformers", "streaming"}
+    assert not modules & {"foundry.trainer", "foundry.config.build", "foundry.data.convert", "transformers", "streaming"}
 
 
 def tiny_loader(tokenizer: object, device_batch_size: int, **settings: object) -> list:

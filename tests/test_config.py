@@ -7,26 +7,18 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers import TinyLM
 
 from foundry.algorithms import ActivationCheckpointing
-from foundry.config import (
-    FSDP_DEFAULTS,
-    LOADER_DEFAULTS,
-    TRAIN_DEFAULTS,
-    FSDPConfig,
-    LoaderConfig,
-    TokenizerConfig,
-    TrainConfig,
-    apply_overrides,
-    load_train_config,
-    load_yaml,
-    resolve_interpolations,
-    to_yaml,
-)
+from foundry.config import TrainConfig, load_train_config
+from foundry.data.config import LOADER_DEFAULTS, LoaderConfig, TokenizerConfig
+from foundry.distributed.config import FSDP_DEFAULTS, FSDPConfig
 from foundry.core.time import Time
 from foundry.data import build_finetuning_dataloader, build_text_dataloader
 from foundry.errors import ConfigError
-from foundry.trainer import Trainer
+from foundry.schema import field_defaults
+from foundry.trainer import TRAINER_SECTIONS, Trainer
+from foundry.yaml_config import apply_overrides, load_yaml, resolve_interpolations, to_yaml
 
 MINIMAL = """\
 variables:
@@ -266,12 +258,31 @@ def keyword_defaults(function: object, defaults: object, leave_out: tuple[str, .
     return {name: parameters[name].default for name in shared}, {name: getattr(defaults, name) for name in shared}
 
 
-def test_trainer_keywords_default_to_the_yaml_defaults() -> None:
-    # The Trainer takes callback, algorithm and logger objects where the YAML names them (both: none).
-    trainer, yaml = keyword_defaults(Trainer, TRAIN_DEFAULTS, leave_out=("callbacks", "algorithms", "loggers"))
-    assert {"precision", "save_interval", "run_name", "run_folder", "progress_bar", "seed"} <= set(trainer)
-    assert trainer == yaml
-    assert yaml["precision"] == "amp_bf16" and yaml["save_interval"] == Time.parse("1000ba")
+def test_the_trainers_settings_and_the_yamls_keys_are_the_same_sections() -> None:
+    # One field per setting: a train YAML's keys are the Trainer's sections, never copies of them.
+    assert all(issubclass(TrainConfig, section) for section in TRAINER_SECTIONS)
+    assert TrainConfig.__dataclass_fields__["precision"] is not None
+
+
+def test_a_trainer_given_no_settings_runs_with_the_yamls_defaults(tmp_path: Path) -> None:
+    trainer = Trainer(TinyLM(), run_folder=str(tmp_path), run_name="defaults")
+    yaml = field_defaults(TrainConfig)
+    given = {"run_name", "run_folder"}
+    settings = {f: getattr(section, f) for section in trainer.settings for f in section.__dataclass_fields__}
+    assert {key: value for key, value in settings.items() if key not in given} == {
+        key: getattr(yaml, key) for key in settings if key not in given
+    }
+    assert settings["precision"] == "amp_bf16" and settings["save_interval"] == Time.parse("1000ba")
+
+
+def test_an_unknown_trainer_setting_names_the_closest_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown setting 'save_foldr'.*save_folder"):
+        Trainer(TinyLM(), run_folder=str(tmp_path), save_foldr="x")
+
+
+def test_a_trainer_setting_of_the_wrong_type_names_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="'precision' is 'bf16'"):
+        Trainer(TinyLM(), run_folder=str(tmp_path), precision="bf16")
 
 
 @pytest.mark.parametrize("build", [build_text_dataloader, build_finetuning_dataloader])

@@ -11,9 +11,10 @@ import pytest
 from helpers import TinyLM, token_batches
 
 from foundry import registry
-from foundry.builders import build_trainer
+from foundry.config.build import build_trainer
 from foundry.cli import main
-from foundry.config import LoaderConfig, TokenizerConfig, TrainConfig, load_train_config
+from foundry.config import TrainConfig, load_train_config
+from foundry.data.config import LoaderConfig, TokenizerConfig
 from foundry.core.time import Time
 from foundry.errors import ConfigError
 from foundry.trainer import Trainer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from distributed.jobs import train
-from foundry.config import FSDPConfig
+from foundry.distributed.config import FSDPConfig
 
 KEYS = {field.name for field in dataclasses.fields(FSDPConfig)}
 

@@ -12,7 +12,7 @@ MAX_NEW_TOKENS = 6
 def generate(prompts_of_ranks: list, eos: int, fsdp: bool) -> list[str]:
     """This rank's prompts, greedily continued by a tiny MPT (FSDP-sharded when ``fsdp``)."""
     from foundry import distributed
-    from foundry.config import FSDPConfig
+    from foundry.distributed.config import FSDPConfig
     from foundry.models import MPTCausalLM
     from foundry.models.generation import greedy_generate
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distributed.jobs import build_trainer, train
-from foundry import builders
+from foundry.config import build as builders
 from foundry.callbacks.hand_over import HandOver, handed_over
 from foundry.checkpoint import latest_checkpoint
 from foundry.config import load_train_config

@@ -67,7 +67,7 @@ def test_light_suite_runs_end_to_end_on_cpu(shared_data, tiny_checkpoint, repo_r
 
 
 def test_importing_the_evaluator_does_not_import_streaming() -> None:
-    modules = "foundry.eval.evaluator, foundry.eval.callback, foundry.eval.report"
+    modules = "foundry.eval.evaluator, foundry.eval.during_training, foundry.eval.report"
     code = f"import sys, {modules}; print('streaming' in sys.modules)"
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert output.strip() == "False"

@@ -128,7 +128,7 @@ def test_merge_command_writes_weights_that_give_the_lora_logits(adapters_run, ll
 
 
 def test_adapters_only_hf_run_needs_no_load_path(llama_dir):
-    from foundry.builders import _check_adapters_only_base
+    from foundry.config.build import _check_adapters_only_base
 
     section = hf_section(llama_dir, save_adapters_only=True)
     _check_adapters_only_base(SimpleNamespace(model=section, load_path=None))  # the HF directory is the base
