@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from bench_utils import REPO_ROOT, model_from_yaml, write_results
 
-from foundry.eval.task_config import parse_icl_tasks
 from foundry.eval.evaluator import ICLEvaluator
 from foundry.eval.gauntlet import primary_accuracy
+from foundry.eval.task_config import parse_icl_tasks
 
 
 def main() -> None:

@@ -55,8 +55,8 @@ def run_train(args: argparse.Namespace) -> int:
     Returns 0 when the run finished, ``HANDED_OVER_EXIT_CODE`` (3) when a ``hand_over`` callback stopped it.
     """
     from foundry.config import load_train_config
-    from foundry.yaml_config import to_yaml
     from foundry.distributed import launched_by_torchrun
+    from foundry.yaml_config import to_yaml
 
     cfg, resolved = load_train_config(args.config, args.overrides)  # every key is checked before any work
     if args.print_config:
@@ -70,8 +70,8 @@ def run_train(args: argparse.Namespace) -> int:
 
 def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
     from foundry import distributed
-    from foundry.config.build import build_trainer
     from foundry.callbacks.hand_over import HANDED_OVER_EXIT_CODE, handed_over
+    from foundry.config.build import build_trainer
 
     if distributed.launched_by_torchrun():
         distributed.init_process_group(cfg.dist_timeout)

@@ -19,8 +19,6 @@ from typing import Any, Literal
 import torch
 
 from foundry import distributed
-from foundry.yaml_config import apply_overrides, load_yaml, resolve_interpolations
-from foundry.eval.task_config import parse_gauntlet, parse_icl_tasks
 from foundry.core import seed_everything
 from foundry.core.precision import check_precision
 from foundry.errors import ConfigError
@@ -29,8 +27,10 @@ from foundry.eval.loading import build_model_entry, load_model
 from foundry.eval.reference import load_references, reference_table
 from foundry.eval.report import markdown_table, write_reports
 from foundry.eval.runner import build_evaluator, score
+from foundry.eval.task_config import parse_gauntlet, parse_icl_tasks
 from foundry.eval.tasks import check_dataset_uris
 from foundry.schema import parse_dataclass
+from foundry.yaml_config import apply_overrides, load_yaml, resolve_interpolations
 
 
 @dataclasses.dataclass(kw_only=True)

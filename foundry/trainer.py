@@ -20,11 +20,11 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from foundry import distributed
+from foundry.algorithms.torch_compile import compile_algorithm
 from foundry.batches import RepeatedSampleMask, batch_num_samples, batch_num_tokens, batch_to_device, split_batch
+from foundry.checkpoint.config import CheckpointConfig
 from foundry.checkpoint.load import resume_or_load
 from foundry.checkpoint.saver import CheckpointSaver
-from foundry.algorithms.torch_compile import compile_algorithm
-from foundry.checkpoint.config import CheckpointConfig
 from foundry.core import (
     Algorithm,
     Callback,
@@ -39,7 +39,6 @@ from foundry.core import (
 )
 from foundry.core.cuda_allocator import apply_allocator_settings
 from foundry.core.precision import autocast, check_precision, compute_dtype, grad_scaler
-from foundry.run_config import RunConfig, fill_run_name
 from foundry.core.time import positive_time
 from foundry.distributed.config import FSDPConfig
 from foundry.distributed.parallelize import place_model
@@ -52,6 +51,7 @@ from foundry.loggers.config import ConsoleConfig
 from foundry.models.base import FoundryModel, ModuleModel
 from foundry.optim import build_optimizers, build_schedulers
 from foundry.optim.schedulers import TimeScheduler
+from foundry.run_config import RunConfig, fill_run_name
 from foundry.schema import split_settings
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]

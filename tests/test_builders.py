@@ -12,13 +12,13 @@ import torch
 from helpers import TinyLM, token_batches
 
 from foundry import registry
-from foundry.config import build as builders
 from foundry.algorithms.torch_compile import TorchCompile, compile_algorithm
-from foundry.config.build import build_eval_dataloaders, build_trainer, device_train_batch_size
 from foundry.config import TrainConfig
-from foundry.data.config import LoaderConfig, TokenizerConfig
+from foundry.config import build as builders
+from foundry.config.build import build_eval_dataloaders, build_trainer, device_train_batch_size
 from foundry.core import Callback
 from foundry.core.time import Time
+from foundry.data.config import LoaderConfig, TokenizerConfig
 from foundry.errors import ConfigError
 from foundry.models.build import build_model
 from foundry.registry import build_components, component_factory

@@ -95,7 +95,13 @@ def test_top_level_help_does_not_import_the_trainer_or_data_tools() -> None:
     code = "import sys; from foundry import cli; cli.build_parser(None).format_help(); print(*sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     modules = set(result.stdout.split())
-    assert not modules & {"foundry.trainer", "foundry.config.build", "foundry.data.convert", "transformers", "streaming"}
+    assert not modules & {
+        "foundry.trainer",
+        "foundry.config.build",
+        "foundry.data.convert",
+        "transformers",
+        "streaming",
+    }
 
 
 def tiny_loader(tokenizer: object, device_batch_size: int, **settings: object) -> list:

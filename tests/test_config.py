@@ -11,10 +11,10 @@ from helpers import TinyLM
 
 from foundry.algorithms import ActivationCheckpointing
 from foundry.config import TrainConfig, load_train_config
-from foundry.data.config import LOADER_DEFAULTS, LoaderConfig, TokenizerConfig
-from foundry.distributed.config import FSDP_DEFAULTS, FSDPConfig
 from foundry.core.time import Time
 from foundry.data import build_finetuning_dataloader, build_text_dataloader
+from foundry.data.config import LOADER_DEFAULTS, LoaderConfig, TokenizerConfig
+from foundry.distributed.config import FSDP_DEFAULTS, FSDPConfig
 from foundry.errors import ConfigError
 from foundry.schema import field_defaults
 from foundry.trainer import TRAINER_SECTIONS, Trainer

@@ -11,11 +11,11 @@ import pytest
 from helpers import TinyLM, token_batches
 
 from foundry import registry
-from foundry.config.build import build_trainer
 from foundry.cli import main
 from foundry.config import TrainConfig, load_train_config
-from foundry.data.config import LoaderConfig, TokenizerConfig
+from foundry.config.build import build_trainer
 from foundry.core.time import Time
+from foundry.data.config import LoaderConfig, TokenizerConfig
 from foundry.errors import ConfigError
 from foundry.trainer import Trainer
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 from foundry import registry
-from foundry.distributed.config import FSDP_DEFAULTS
 from foundry.core.algorithm import Algorithm
 from foundry.core.event import Event
 from foundry.core.logger import Logger
 from foundry.core.state import State
 from foundry.distributed.activation_checkpoint import apply_activation_checkpointing
+from foundry.distributed.config import FSDP_DEFAULTS
 from foundry.distributed.parallelize import fsdp_blocks
 
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
-from foundry.checkpoint.hooks import checkpoint_hooks
 from foundry.checkpoint.find import checkpoint_folders, resolve_checkpoint_path
+from foundry.checkpoint.hooks import checkpoint_hooks
 from foundry.checkpoint.integrity import no_intact_checkpoint, verify_checkpoint
 from foundry.checkpoint.layout import (
     DAMAGED_SUFFIX,
@@ -38,6 +38,7 @@ from foundry.distributed.env import barrier
 from foundry.errors import CheckpointError, ConfigError, DamagedCheckpointError
 
 log = logging.getLogger(__name__)
+
 
 def resume_or_load(
     state: State,

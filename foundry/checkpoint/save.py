@@ -28,11 +28,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from foundry.checkpoint.hooks import checkpoint_hooks
 from foundry.checkpoint.find import checkpoint_folders
+from foundry.checkpoint.hooks import checkpoint_hooks
 from foundry.checkpoint.integrity import hash_files, manifest_text, publish_sequence
 from foundry.checkpoint.kill_points import kill_point
-from foundry.checkpoint.meta import model_section_of, tokenizer_section_of
 from foundry.checkpoint.layout import (
     FORMAT_VERSION,
     LATEST_FILE,
@@ -47,6 +46,7 @@ from foundry.checkpoint.layout import (
     tensor_state,
     write_durably,
 )
+from foundry.checkpoint.meta import model_section_of, tokenizer_section_of
 from foundry.checkpoint.rng import get_rng_state, rng_file_name
 from foundry.checkpoint.safe_reader import METADATA_FILE
 from foundry.core.redact import scrub_secrets

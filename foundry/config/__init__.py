@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from foundry.checkpoint.config import CheckpointConfig
-from foundry.run_config import RunConfig
 from foundry.core.time import Time, positive_time
 from foundry.data.config import LoaderConfig, TokenizerConfig
 from foundry.distributed.config import FSDPConfig
 from foundry.errors import ConfigError, did_you_mean
 from foundry.eval.config import EvalConfig
 from foundry.loggers.config import ConsoleConfig
+from foundry.run_config import RunConfig
 from foundry.schema import doc, parse_dataclass
 from foundry.trainer import TRAINER_SECTIONS
 from foundry.yaml_config import apply_overrides, load_yaml, resolve_interpolations
@@ -86,7 +86,9 @@ class TrainConfig(RunConfig, CheckpointConfig, EvalConfig, ConsoleConfig):
 
 def trainer_settings(cfg: TrainConfig) -> dict[str, Any]:
     """The keys of ``cfg`` that the Trainer takes as they are: every field of ``TRAINER_SECTIONS``."""
-    return {field.name: getattr(cfg, field.name) for section in TRAINER_SECTIONS for field in dataclasses.fields(section)}
+    return {
+        field.name: getattr(cfg, field.name) for section in TRAINER_SECTIONS for field in dataclasses.fields(section)
+    }
 
 
 # ------------------------------------------------------------------------------------ loading

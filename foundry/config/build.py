@@ -20,7 +20,6 @@ from foundry.checkpoint import latest_checkpoint
 from foundry.config import TrainConfig, trainer_settings
 from foundry.core import seed_everything
 from foundry.core.paths import check_writable_folder, is_object_store_url
-from foundry.run_config import fill_run_name
 from foundry.data import load_tokenizer
 from foundry.data.config import LoaderConfig, TokenizerConfig
 from foundry.distributed import env
@@ -29,6 +28,7 @@ from foundry.models.build import build_model
 from foundry.models.lora_checkpoint import has_pretrained_base
 from foundry.optim.optimizers import check_hyperparameters
 from foundry.registry import bound_component, build_components, component_factory
+from foundry.run_config import fill_run_name
 from foundry.trainer import Trainer
 from foundry.yaml_config import config_to_dict
 

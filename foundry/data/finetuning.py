@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from foundry import registry
-from foundry.data.config import LOADER_DEFAULTS
 from foundry.data.chat import RowFormatError, chat_renderer
+from foundry.data.config import LOADER_DEFAULTS
 from foundry.data.finetuning_examples import FinetuningCounts, LabelPolicy, Truncation, build_example, token_turns
 from foundry.data.finetuning_rows import read_rows
 from foundry.data.packing import Row, collate_packed_rows, pack_rows, profile_packing_ratio, rank_batches

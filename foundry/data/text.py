@@ -33,8 +33,8 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from foundry import registry
-from foundry.data.config import LOADER_DEFAULTS
 from foundry.data.collate import collate_lm_samples
+from foundry.data.config import LOADER_DEFAULTS
 from foundry.data.mds import build_checked_streams, import_streaming
 from foundry.errors import ConfigError
 from foundry.schema import parse_dataclass

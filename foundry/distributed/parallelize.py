@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from foundry.distributed.config import FSDPConfig
 from foundry.core.precision import cast_embeddings_to_autocast_dtype
 from foundry.distributed.activation_checkpoint import apply_activation_checkpointing, apply_activation_offload
+from foundry.distributed.config import FSDPConfig
 from foundry.distributed.env import all_reduce_sum, get_local_world_size, get_rank, get_world_size
 from foundry.distributed.process_group import init_process_group
 from foundry.errors import ConfigError

@@ -24,12 +24,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from foundry import distributed
-from foundry.eval.task_config import ICLTaskConfig
 from foundry.errors import TrainingError
 from foundry.eval.batching import Batch, TokenizedExample, make_batches, needs_prefix_space, tokenize_examples
 from foundry.eval.metrics import GenerationAccuracy, LanguageModelingAccuracy, MultipleChoiceAccuracy
 from foundry.eval.prompts import answer_texts, build_prompts
 from foundry.eval.scoring import ContinuationScores, score_continuations
+from foundry.eval.task_config import ICLTaskConfig
 from foundry.eval.tasks import check_dataset_uris, read_rows, split_by_category
 from foundry.models.generation import greedy_generate
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from foundry.eval.task_config import GauntletConfig
 from foundry.errors import ConfigError
 from foundry.eval.metrics import GENERATION_ACCURACY, LM_ACCURACY, MC_ACCURACY
+from foundry.eval.task_config import GauntletConfig
 
 PRIMARY_METRICS = (MC_ACCURACY, LM_ACCURACY, GENERATION_ACCURACY)
 

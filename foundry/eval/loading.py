@@ -15,10 +15,10 @@ from torch import nn
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from foundry.data.config import TokenizerConfig
 from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint, resolve_checkpoint_path
 from foundry.core.paths import is_object_store_url
 from foundry.data import load_tokenizer
+from foundry.data.config import TokenizerConfig
 from foundry.errors import ConfigError
 from foundry.models.build import build_model
 from foundry.models.hf import HFCausalLM

@@ -21,10 +21,10 @@ import dataclasses
 import math
 from pathlib import Path
 
-from foundry.yaml_config import yaml_section
 from foundry.errors import ConfigError
 from foundry.eval.report import ModelResults
 from foundry.schema import parse_dataclass
+from foundry.yaml_config import yaml_section
 
 NOISE_STANDARD_ERRORS = 2.0
 

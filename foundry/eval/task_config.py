@@ -13,9 +13,9 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal
 
-from foundry.yaml_config import yaml_section
 from foundry.errors import ConfigError
 from foundry.schema import parse_dataclass
+from foundry.yaml_config import yaml_section
 
 TaskType = Literal["language_modeling", "multiple_choice", "schema", "generation_task_with_answers"]
 _TASK_TYPE_ALIASES = {"question_answering": "generation_task_with_answers"}  # LLM Foundry's old name

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from foundry.eval.task_config import ICLTaskConfig
 from foundry.errors import ConfigError, DataError
+from foundry.eval.task_config import ICLTaskConfig
 
 # The fields each task type reads from a jsonl row, and their types.
 REQUIRED_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {

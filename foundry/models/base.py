@@ -52,13 +52,17 @@ class FoundryModel(nn.Module):
         """``{"name": <registered name>, **config}``: what rebuilds this model, stored in its checkpoints.
 
         None unless the model's class is registered in ``foundry.registry.models`` (a subclass is
-        not its parent: register it too) and holds its config dataclass as ``self.config``.
+        not its parent: register it too) and ``constructor_config()`` is a dataclass.
         """
         name = registry.models.name_of(model_class(self))
-        config = getattr(self, "config", None)
+        config = self.constructor_config()
         if name is None or not dataclasses.is_dataclass(config):
             return None
         return {"name": name, **config_to_dict(config)}
+
+    def constructor_config(self) -> Any:
+        """The config dataclass this model's class was built from (``self.config`` unless it converts it)."""
+        return getattr(self, "config", None)
 
     @property
     def checkpoint_hooks(self) -> CheckpointHooks:

@@ -22,8 +22,8 @@ from foundry.checkpoint.hooks import CheckpointHooks
 from foundry.errors import ConfigError, did_you_mean
 from foundry.models import flops
 from foundry.models.base import CausalLM
-from foundry.models.lora_checkpoint import lora_checkpoint_hooks
 from foundry.models.lora import LoraConfig, inject_lora, is_adapter_key, reset_lora_parameters
+from foundry.models.lora_checkpoint import lora_checkpoint_hooks
 from foundry.schema import parse_dataclass
 
 _KEY = "model"

@@ -204,3 +204,6 @@ class LlamaCausalLM(MPTCausalLM):
         llama_config = parse_dataclass(LlamaConfig, config if config is not None else config_keys, _KEY)
         super().__init__(llama_config.to_mpt_config())
         self.llama_config = llama_config
+
+    def constructor_config(self) -> LlamaConfig:
+        return self.llama_config

@@ -53,7 +53,9 @@ class LoraCheckpointHooks(CheckpointHooks):
         if not holds_adapters_only(folder):
             return
         if depth >= _MAX_BASE_DEPTH:
-            raise CheckpointError(f"Checkpoint {folder}: its chain of adapters-only bases is longer than {depth}; a loop?")
+            raise CheckpointError(
+                f"Checkpoint {folder}: its chain of adapters-only bases is longer than {depth}; a loop?"
+            )
         base = base_checkpoint(folder)
         if base is None:  # an hf_causal_lm base: its pretrained weights, read when the model was built (or now)
             if not state.model.holds_pretrained_weights:

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from foundry import registry
-from foundry.distributed.env import get_local_rank
 from foundry.checkpoint.hooks import CheckpointHooks
+from foundry.distributed.env import get_local_rank
 from foundry.errors import ConfigError, FoundryError
 from foundry.kernels.device import kernels_run_on
 from foundry.kernels.linear_cross_entropy import linear_cross_entropy
@@ -31,8 +31,8 @@ from foundry.models.base import CausalLM, LossOutput, shifted_targets
 from foundry.models.init import InitConfig, InitName, init_weights_
 from foundry.models.kv_cache import KVCache, LayerKVCache
 from foundry.models.layers import FFNConfig, NormType, build_ffn, build_norm, ffn_hidden_size
-from foundry.models.lora_checkpoint import lora_checkpoint_hooks
 from foundry.models.lora import LoraConfig, inject_lora, reset_lora_parameters
+from foundry.models.lora_checkpoint import lora_checkpoint_hooks
 from foundry.schema import parse_dataclass
 
 _KEY = "model"

@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from foundry.checkpoint import resolve_checkpoint_path
-from foundry.models.lora_checkpoint import read_adapter_tensors
 from foundry.errors import ConfigError
 from foundry.models.lora import adapter_state_dict
+from foundry.models.lora_checkpoint import read_adapter_tensors
 
 
 class AdapterSet:

@@ -21,12 +21,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from foundry.checkpoint import latest_checkpoint, resolve_checkpoint_path
-from foundry.models.lora_checkpoint import has_pretrained_base, model_lora_config
 from foundry.convert import adapter_for_family
 from foundry.convert.checkpoint_io import load_checkpoint_model, meta_model, resolve_checkpoint, save_weights_checkpoint
 from foundry.convert.commands import _check_out_dir, _write_atomically
 from foundry.errors import ConfigError
 from foundry.models.lora import LoraConfig, is_adapter_key, lora_modules, merged_state_dict
+from foundry.models.lora_checkpoint import has_pretrained_base, model_lora_config
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from distributed.jobs import build_trainer, train
-from foundry.config import build as builders
 from foundry.callbacks.hand_over import HandOver, handed_over
 from foundry.checkpoint import latest_checkpoint
+from foundry.config import build as builders
 from foundry.config import load_train_config
 from foundry.errors import ConfigError, TrainingError
 

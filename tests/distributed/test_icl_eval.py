@@ -15,8 +15,8 @@ ROWS = [{"query": f"q{i} {'z' * (i % 5)}", "choices": ["ab", "ba", "bb"], "gold"
 def evaluate(data_dir: str, fsdp: bool) -> dict:
     from foundry import distributed
     from foundry.distributed.config import FSDPConfig
-    from foundry.eval.task_config import parse_icl_tasks
     from foundry.eval.evaluator import ICLEvaluator
+    from foundry.eval.task_config import parse_icl_tasks
     from foundry.models import MPTCausalLM
 
     path = Path(data_dir) / "mc.jsonl"

@@ -6,10 +6,10 @@ import pytest
 import torch
 from helpers import ByteTokenizer
 
-from foundry.eval.task_config import parse_icl_tasks
 from foundry.errors import DataError, TrainingError
 from foundry.eval.evaluator import ICLEvaluator
 from foundry.eval.metrics import GENERATION_ACCURACY, LM_ACCURACY, MC_ACCURACY, MC_ACCURACY_RAW, GenerationAccuracy
+from foundry.eval.task_config import parse_icl_tasks
 
 MC_ROWS = [
     {"query": "Pick:", "choices": ["xyz", "qqq", "kkk"], "gold": 0},

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from foundry.eval.task_config import parse_gauntlet
 from foundry.errors import ConfigError
 from foundry.eval.gauntlet import gauntlet_scores
 from foundry.eval.metrics import LM_ACCURACY, MC_ACCURACY, MC_ACCURACY_RAW
+from foundry.eval.task_config import parse_gauntlet
 
 GAUNTLET = {
     "averages": {"core": ["knowledge"]},

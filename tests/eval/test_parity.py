@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from foundry.eval.task_config import ICLTaskConfig
 from foundry.eval.evaluator import ICLEvaluator, Subtask
+from foundry.eval.task_config import ICLTaskConfig
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
-from foundry.eval.task_config import ICLTaskConfig
 from foundry.eval.prompts import build_prompts, fewshot_indices
+from foundry.eval.task_config import ICLTaskConfig
 
 LM_ROWS = [{"context": "The sky is", "continuation": "blue"}, {"context": "Grass is", "continuation": "green"}]
 MC_ROWS = [

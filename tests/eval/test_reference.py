@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from foundry.cli import main
-from foundry.eval.task_config import parse_icl_tasks
 from foundry.errors import ConfigError
 from foundry.eval.metrics import MC_ACCURACY
 from foundry.eval.reference import ReferenceModel, ReferenceScore, deltas, load_references, reference_table
 from foundry.eval.report import ModelResults
+from foundry.eval.task_config import parse_icl_tasks
 
 
 def write_references(tmp_path: Path, text: str) -> Path:

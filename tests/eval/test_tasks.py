@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from foundry.eval.task_config import parse_icl_tasks
 from foundry.errors import ConfigError, DataError
+from foundry.eval.task_config import parse_icl_tasks
 from foundry.eval.tasks import read_rows
 
 

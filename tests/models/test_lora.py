@@ -127,8 +127,8 @@ def test_adapter_of_another_rank_is_refused(make_mpt):
 def test_adapters_only_checkpoints_need_a_base_load_path():
     from pathlib import Path
 
-    from foundry.config.build import build_trainer
     from foundry.config import load_train_config
+    from foundry.config.build import build_trainer
 
     yaml_path = Path(__file__).resolve().parents[2] / "yamls" / "finetune" / "quickstart-lora.yaml"
     cfg, _ = load_train_config(yaml_path, ["load_path=null"])

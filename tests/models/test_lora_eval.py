@@ -10,10 +10,10 @@ import pytest
 import torch
 from helpers import TINY_LLAMA
 
-from foundry.eval.task_config import parse_icl_tasks
 from foundry.convert.checkpoint_io import save_weights_checkpoint
 from foundry.data import builtin_corpus_documents, train_bpe_tokenizer
 from foundry.eval.adapters import evaluate_adapters
+from foundry.eval.task_config import parse_icl_tasks
 from foundry.eval_command import EvalConfig, evaluate_source
 from foundry.models.build import build_model
 from foundry.models.lora import adapter_state_dict

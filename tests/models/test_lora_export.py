@@ -12,7 +12,6 @@ import pytest
 import torch
 from helpers import TINY_LLAMA, TINY_MPT, token_batches
 
-from foundry.models.lora_checkpoint import holds_adapters_only, saved_model_keys
 from foundry.convert.checkpoint_io import (
     check_weights_loaded,
     load_checkpoint_model,
@@ -23,6 +22,7 @@ from foundry.convert.commands import to_hf_model
 from foundry.errors import CheckpointError
 from foundry.models.build import build_model
 from foundry.models.lora import adapter_state_dict, is_adapter_key
+from foundry.models.lora_checkpoint import holds_adapters_only, saved_model_keys
 from foundry.optim import DecoupledAdamW
 from foundry.peft.export import (
     add_export_adapter_arguments,

@@ -12,11 +12,11 @@ import pytest
 import torch
 from helpers import token_batches
 
-from foundry.models.lora_checkpoint import holds_adapters_only, saved_model_keys
 from foundry.convert.checkpoint_io import load_checkpoint_model
 from foundry.errors import ConfigError
 from foundry.models.build import build_model
 from foundry.models.lora import adapter_state_dict, is_adapter_key
+from foundry.models.lora_checkpoint import holds_adapters_only, saved_model_keys
 from foundry.optim import DecoupledAdamW
 from foundry.peft.export import (
     add_export_adapter_arguments,
