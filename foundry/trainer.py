@@ -197,9 +197,8 @@ class Trainer:
         state = self.state
         if state.train_dataloader is None:
             raise ConfigError("Trainer.fit() needs a train_dataloader.")
-        if state.is_main_process:
-            checkpoints = f"; checkpoints in {self.save_folder}" if self.save_folder else ""
-            print(f"foundry: run '{state.run_name}': metrics in {self.run_folder}{checkpoints}", flush=True)
+        checkpoints = f"; checkpoints in {self.save_folder}" if self.save_folder else ""
+        self.logger.log_text(f"foundry: run '{state.run_name}': metrics in {self.run_folder}{checkpoints}")
         try:
             self.engine.run_event(Event.FIT_START)
             if self.eval_first and state.timestamp.batch == 0:

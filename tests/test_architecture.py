@@ -176,3 +176,28 @@ def test_the_local_import_finder_finds_one(tmp_path: Path) -> None:
     path.write_text(source)
     modules = {name: path for name in ("foundry", "foundry.errors", "foundry.pkg", "foundry.pkg.x", "foundry.core")}
     assert function_local_imports("foundry.pkg.module", path, modules) == [(5, "foundry.pkg.x"), (6, "foundry.core")]
+
+
+# Only the YAML adapter (foundry.config itself) and the command line read LLM Foundry's YAML schema:
+# every component owns its section, and the Trainer takes them without it.
+CONFIG_IMPORTERS = {"foundry.cli"}
+
+
+def test_only_the_yaml_adapter_and_the_command_line_import_foundry_config() -> None:
+    files, _ = graphs()
+    importers = {
+        name
+        for name, targets in files.items()
+        if any(target == "foundry.config" or target.startswith("foundry.config.") for target in targets)
+    }
+    assert {name for name in importers if package_of(name) != "foundry.config"} <= CONFIG_IMPORTERS
+
+
+def test_checkpoint_code_names_no_lora() -> None:
+    # LoRA reaches checkpoints through the model's checkpoint_hooks (foundry.checkpoint.hooks).
+    named = [
+        str(path.relative_to(FOUNDRY.parent))
+        for path in (FOUNDRY / "checkpoint").rglob("*.py")
+        if any(word in path.read_text().lower() for word in ("lora", "adapter", "peft"))
+    ]
+    assert named == []

@@ -2,7 +2,7 @@
 
 ``layout`` (the folder and its files), ``integrity`` (the manifest's checksums), ``find`` (the
 checkpoint to load), ``save`` (writing, async, retention), ``load`` (reading, resharding, restoring
-the training state), ``adapters`` (LoRA adapters-only checkpoints), ``consolidate`` (one file out of
+the training state), ``hooks`` (what a model may change about its checkpoints), ``consolidate`` (one file out of
 a sharded checkpoint), ``object_store``, ``remote`` and ``uploader`` (a save_folder on an object store).
 """
 

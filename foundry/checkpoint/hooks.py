@@ -1,6 +1,6 @@
 """What a model may change about how checkpoints save and load it, without checkpoint code knowing why.
 
-A model that saves only part of its weights (LoRA's adapters-only checkpoints, ``foundry.models``)
+A model that saves only part of its weights (and loads the rest from another checkpoint first)
 exposes ``checkpoint_hooks``; every other model gets these defaults: save everything, load everything.
 """
 
