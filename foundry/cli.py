@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import importlib
 import logging
 import os
@@ -55,10 +56,11 @@ def run_train(args: argparse.Namespace) -> int:
     Returns 0 when the run finished, ``HANDED_OVER_EXIT_CODE`` (3) when a ``hand_over`` callback stopped it.
     """
     from foundry.config import load_train_config
-    from foundry.distributed import launched_by_torchrun
     from foundry.yaml_config import to_yaml
 
-    cfg, resolved = load_train_config(args.config, args.overrides)  # every key is checked before any work
+    cfg, resolved = load_train_config(args.config, args.overrides)  # every key is checked before any work (no torch)
+    from foundry.distributed.process_group import launched_by_torchrun
+
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
@@ -137,7 +139,8 @@ def _field_signature(cls: type, field: dataclasses.Field) -> str:
     type_text = re.sub(r"\b(?:\w+\.)+", "", hint.__name__ if isinstance(hint, type) else str(hint))
     type_text = type_text.replace("NoneType", "None")
     if field.default is not dataclasses.MISSING:
-        return f"{type_text} = {field.default if type(field.default).__name__ == 'Time' else repr(field.default)}"
+        default = field.default.value if isinstance(field.default, enum.Enum) else field.default
+        return f"{type_text} = {default if type(default).__name__ == 'Time' else repr(default)}"
     if field.default_factory is not dataclasses.MISSING:
         return f"{type_text} = {field.default_factory()!r}"
     return f"{type_text} (required)"

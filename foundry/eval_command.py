@@ -14,13 +14,13 @@ import dataclasses
 import sys
 from dataclasses import field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from foundry import distributed
 from foundry.core import seed_everything
-from foundry.core.precision import check_precision
+from foundry.core.precision import PRECISIONS, Precision, check_precision
 from foundry.errors import ConfigError
 from foundry.eval.adapters import evaluate_adapters
 from foundry.eval.loading import build_model_entry, load_model
@@ -43,7 +43,7 @@ class EvalConfig:
     icl_seq_len: int | None = None  # default: max_seq_len, else the model's own
     max_seq_len: int | None = None
     device_eval_batch_size: int = 8
-    precision: Literal["fp32", "amp_bf16", "amp_fp16"] = "amp_bf16"
+    precision: Precision = Precision.AMP_BF16
     device: str | None = None
     seed: int = 17
     max_examples: int | None = None  # score only the first N rows of each task (quick checks)
@@ -79,7 +79,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, metavar="N", help="score only the first N rows of each task")
     parser.add_argument("--batch-size", type=int, metavar="N", help="rows per forward (device_eval_batch_size)")
     parser.add_argument("--seq-len", type=int, metavar="N", help="tokens per row (icl_seq_len)")
-    parser.add_argument("--precision", choices=["fp32", "amp_bf16", "amp_fp16"])
+    parser.add_argument("--precision", choices=PRECISIONS)
     parser.add_argument("--device", help="cpu, cuda, ... (default: this rank's GPU if any)")
     parser.add_argument(
         "--attn-impl",

@@ -82,12 +82,15 @@ class Registry:
 
 
 models = Registry("models", ("foundry.models",))
-dataloaders = Registry("dataloaders", ("foundry.data",))
+dataloaders = Registry("dataloaders", ("foundry.data.text", "foundry.data.finetuning"))
 optimizers = Registry("optimizers", ("foundry.optim",))
 schedulers = Registry("schedulers", ("foundry.optim",))
 callbacks = Registry("callbacks", ("foundry.callbacks",))
 algorithms = Registry("algorithms", ("foundry.algorithms",))
-loggers = Registry("loggers", ("foundry.loggers",))
+loggers = Registry(
+    "loggers",
+    ("foundry.loggers.console", "foundry.loggers.jsonl", "foundry.loggers.tensorboard", "foundry.loggers.wandb"),
+)
 
 
 # ------------------------------------------------------------------------------- building

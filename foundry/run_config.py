@@ -13,6 +13,10 @@ import time
 from dataclasses import field
 from typing import Any, Literal
 
+from foundry.checkpoint.config import CheckpointConfig
+from foundry.core.precision_name import Precision
+from foundry.eval.config import EvalConfig
+from foundry.loggers.config import ConsoleConfig
 from foundry.schema import doc
 
 
@@ -21,7 +25,9 @@ class RunConfig:
     run_name: str | None = field(default=None, metadata=doc("default: $RUN_NAME, else foundry-<date>-<time>"))
     seed: int = field(default=17, metadata=doc("seed for weights, data order and dropout"))
     run_folder: str = field(default="runs/{run_name}", metadata=doc("where metrics.jsonl goes"))
-    precision: Literal["fp32", "amp_bf16", "amp_fp16"] = field(default="amp_bf16", metadata=doc("compute precision"))
+    precision: Precision = field(
+        default=Precision.AMP_BF16, metadata=doc("compute precision: fp32, amp_bf16 or amp_fp16 (CUDA)")
+    )
     device: str | None = field(default=None, metadata=doc("cpu, cuda, ... (none = this rank's GPU if any)"))
     device_train_microbatch_size: int | Literal["auto"] | None = field(
         default=None, metadata=doc("samples per forward/backward (gradients accumulate); none = the whole device batch")
@@ -61,3 +67,7 @@ def fill_run_name(path: str | None, run_name: str | None) -> str | None:
     if path is None or run_name is None:
         return path
     return path.replace("{run_name}", run_name)
+
+
+# The sections whose keys are the Trainer's settings (and a train YAML's top-level keys), in this order.
+TRAINER_SECTIONS = (RunConfig, CheckpointConfig, EvalConfig, ConsoleConfig)

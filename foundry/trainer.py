@@ -22,7 +22,6 @@ from torch.distributed.fsdp import FSDPModule
 from foundry import distributed
 from foundry.algorithms.torch_compile import compile_algorithm
 from foundry.batches import RepeatedSampleMask, batch_num_samples, batch_num_tokens, batch_to_device, split_batch
-from foundry.checkpoint.config import CheckpointConfig
 from foundry.checkpoint.load import resume_or_load
 from foundry.checkpoint.saver import CheckpointSaver
 from foundry.core import (
@@ -43,21 +42,16 @@ from foundry.core.time import positive_time
 from foundry.distributed.config import FSDPConfig
 from foundry.distributed.parallelize import place_model
 from foundry.errors import ConfigError, TrainingError
-from foundry.eval.config import EvalConfig
 from foundry.eval.during_training import build_icl_evaluation
 from foundry.kernels.weight_grad import WeightGradSums, accumulate_weight_grads_in_place
 from foundry.loggers import default_loggers
-from foundry.loggers.config import ConsoleConfig
 from foundry.models.base import FoundryModel, ModuleModel
 from foundry.optim import build_optimizers, build_schedulers
 from foundry.optim.schedulers import TimeScheduler
-from foundry.run_config import RunConfig, fill_run_name
+from foundry.run_config import TRAINER_SECTIONS, fill_run_name
 from foundry.schema import split_settings
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-
-# The sections whose keys are the Trainer's settings (and a train YAML's top-level keys), in this order.
-TRAINER_SECTIONS = (RunConfig, CheckpointConfig, EvalConfig, ConsoleConfig)
 
 
 class Trainer:

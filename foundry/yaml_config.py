@@ -4,6 +4,7 @@ and printing a config back as YAML that reads to the same config."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -158,6 +159,8 @@ def config_to_dict(cfg: Any) -> Any:
     """A plain YAML-ready copy of a config: dataclasses become dicts, ``Time`` becomes ``'100ba'``."""
     if isinstance(cfg, Time):
         return str(cfg)
+    if isinstance(cfg, enum.Enum):
+        return cfg.value
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         return {field.name: config_to_dict(getattr(cfg, field.name)) for field in dataclasses.fields(cfg)}
     if isinstance(cfg, Mapping):

@@ -6,18 +6,19 @@ the training state), ``hooks`` (what a model may change about its checkpoints), 
 a sharded checkpoint), ``object_store``, ``remote`` and ``uploader`` (a save_folder on an object store).
 """
 
-from foundry.checkpoint.find import latest_checkpoint, resolve_checkpoint_path
-from foundry.checkpoint.load import load_checkpoint
-from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
-from foundry.checkpoint.save import PendingCheckpoint, save_checkpoint, start_checkpoint
+from __future__ import annotations
 
-__all__ = [
-    "PendingCheckpoint",
-    "SafeFileSystemReader",
-    "SafeLoadPlanner",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "resolve_checkpoint_path",
-    "save_checkpoint",
-    "start_checkpoint",
-]
+from foundry.lazy import lazy_exports
+
+_EXPORTS = {
+    "PendingCheckpoint": "foundry.checkpoint.save",
+    "SafeFileSystemReader": "foundry.checkpoint.safe_reader",
+    "SafeLoadPlanner": "foundry.checkpoint.safe_reader",
+    "latest_checkpoint": "foundry.checkpoint.find",
+    "load_checkpoint": "foundry.checkpoint.load",
+    "resolve_checkpoint_path": "foundry.checkpoint.find",
+    "save_checkpoint": "foundry.checkpoint.save",
+    "start_checkpoint": "foundry.checkpoint.save",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

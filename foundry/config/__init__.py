@@ -25,9 +25,8 @@ from foundry.distributed.config import FSDPConfig
 from foundry.errors import ConfigError, did_you_mean
 from foundry.eval.config import EvalConfig
 from foundry.loggers.config import ConsoleConfig
-from foundry.run_config import RunConfig
+from foundry.run_config import TRAINER_SECTIONS, RunConfig
 from foundry.schema import doc, parse_dataclass
-from foundry.trainer import TRAINER_SECTIONS
 from foundry.yaml_config import apply_overrides, load_yaml, resolve_interpolations
 
 __all__ = ["TrainConfig", "load_train_config", "trainer_settings"]

@@ -1,26 +1,22 @@
 """The run's skeleton: time, events, state, and the engine that runs algorithms and callbacks."""
 
-from foundry.core.algorithm import Algorithm
-from foundry.core.callback import Callback
-from foundry.core.engine import Engine
-from foundry.core.event import Event
-from foundry.core.interval import Interval
-from foundry.core.logger import Logger, LoggerDestination
-from foundry.core.seed import seed_everything
-from foundry.core.state import State
-from foundry.core.time import Time, Timestamp, TimeUnit
+from __future__ import annotations
 
-__all__ = [
-    "Algorithm",
-    "Callback",
-    "Engine",
-    "Event",
-    "Interval",
-    "Logger",
-    "LoggerDestination",
-    "State",
-    "Time",
-    "TimeUnit",
-    "Timestamp",
-    "seed_everything",
-]
+from foundry.lazy import lazy_exports
+
+_EXPORTS = {
+    "Algorithm": "foundry.core.algorithm",
+    "Callback": "foundry.core.callback",
+    "Engine": "foundry.core.engine",
+    "Event": "foundry.core.event",
+    "Interval": "foundry.core.interval",
+    "Logger": "foundry.core.logger",
+    "LoggerDestination": "foundry.core.logger",
+    "State": "foundry.core.state",
+    "Time": "foundry.core.time",
+    "TimeUnit": "foundry.core.time",
+    "Timestamp": "foundry.core.time",
+    "seed_everything": "foundry.core.seed",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -10,15 +10,16 @@ import torch
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from foundry.core.precision_name import PRECISIONS, Precision
 from foundry.errors import ConfigError
 
-PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
 
-
-def check_precision(precision: str, device: torch.device) -> str:
+def check_precision(precision: str | Precision, device: torch.device) -> Precision:
+    """``precision`` as a ``Precision``, refusing a name foundry does not know or one ``device`` cannot run."""
     if precision not in PRECISIONS:
         raise ConfigError(f"precision is {precision!r}; choose one of {', '.join(PRECISIONS)}.")
-    if precision == "amp_fp16" and device.type != "cuda":
+    precision = Precision(precision)
+    if precision == Precision.AMP_FP16 and device.type != "cuda":
         raise ConfigError(
             f"precision 'amp_fp16' needs a CUDA device (this run is on {device.type}); use 'amp_bf16' or 'fp32'."
         )
@@ -35,9 +36,9 @@ def autocast(precision: str, device: torch.device) -> Iterator[None]:
         yield
 
 
-def compute_dtype(precision: str) -> torch.dtype | None:
+def compute_dtype(precision: str | Precision) -> torch.dtype | None:
     """The dtype the amp precisions compute in; None for fp32."""
-    return {"amp_bf16": torch.bfloat16, "amp_fp16": torch.float16}.get(precision)
+    return {Precision.AMP_BF16: torch.bfloat16, Precision.AMP_FP16: torch.float16}.get(Precision(precision))
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:

@@ -9,36 +9,31 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from foundry.data.collate import collate_lm_samples
-from foundry.data.convert import ConversionSummary, SplitSummary, convert_to_mds
-from foundry.data.corpus import builtin_corpus_documents
-from foundry.data.finetuning import FinetuningDataLoader, build_finetuning_dataloader
-from foundry.data.mds import import_streaming, release_shared_memory
-from foundry.data.text import TextDatasetConfig, build_text_dataloader
-from foundry.data.tokenizer import load_tokenizer, train_bpe_tokenizer
+from foundry.data.mds import import_streaming
+from foundry.lazy import lazy_exports
 
-__all__ = [
-    "ConversionSummary",
-    "FinetuningDataLoader",
-    "SplitSummary",
-    "StreamingTextDataset",
-    "TextDataLoader",
-    "TextDatasetConfig",
-    "build_finetuning_dataloader",
-    "build_text_dataloader",
-    "builtin_corpus_documents",
-    "collate_lm_samples",
-    "convert_to_mds",
-    "load_tokenizer",
-    "release_shared_memory",
-    "train_bpe_tokenizer",
-]
-
-_STREAMING_CLASSES = ("StreamingTextDataset", "TextDataLoader")
+_EXPORTS = {
+    "ConversionSummary": "foundry.data.convert",
+    "FinetuningDataLoader": "foundry.data.finetuning",
+    "SplitSummary": "foundry.data.convert",
+    "TextDatasetConfig": "foundry.data.text",
+    "build_finetuning_dataloader": "foundry.data.finetuning",
+    "build_text_dataloader": "foundry.data.text",
+    "builtin_corpus_documents": "foundry.data.corpus",
+    "collate_lm_samples": "foundry.data.collate",
+    "convert_to_mds": "foundry.data.convert",
+    "import_streaming": "foundry.data.mds",
+    "load_tokenizer": "foundry.data.tokenizer",
+    "release_shared_memory": "foundry.data.mds",
+    "train_bpe_tokenizer": "foundry.data.tokenizer",
+}
+_STREAMING_CLASSES = ("StreamingTextDataset", "TextDataLoader")  # in text_dataset, which imports streaming
+__all__ = sorted([*_EXPORTS, *_STREAMING_CLASSES])
+_lazy_getattr, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
     if name not in _STREAMING_CLASSES:
-        raise AttributeError(f"module 'foundry.data' has no attribute '{name}'")
+        return _lazy_getattr(name)
     import_streaming(f"foundry.data.{name}")
     return getattr(importlib.import_module("foundry.data.text_dataset"), name)

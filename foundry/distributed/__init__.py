@@ -5,49 +5,32 @@
 ranks through torchrun (``foundry train --nproc N``).
 """
 
-from foundry.distributed.auto_microbatch import find_microbatch_size
-from foundry.distributed.env import (
-    all_gather_object,
-    all_reduce_sum,
-    barrier,
-    broadcast_object,
-    default_device,
-    get_local_rank,
-    get_local_world_size,
-    get_rank,
-    get_world_size,
-    is_distributed,
-)
-from foundry.distributed.parallelize import parallelize, prepare_sharding, set_gradient_sync, shards
-from foundry.distributed.process_group import (
-    destroy_process_group,
-    explain_lost_ranks,
-    init_process_group,
-    launched_by_torchrun,
-    lost_rank_error,
-    new_gloo_group,
-)
+from __future__ import annotations
 
-__all__ = [
-    "all_gather_object",
-    "all_reduce_sum",
-    "barrier",
-    "broadcast_object",
-    "default_device",
-    "destroy_process_group",
-    "explain_lost_ranks",
-    "find_microbatch_size",
-    "get_local_rank",
-    "get_local_world_size",
-    "get_rank",
-    "get_world_size",
-    "init_process_group",
-    "is_distributed",
-    "launched_by_torchrun",
-    "lost_rank_error",
-    "new_gloo_group",
-    "parallelize",
-    "prepare_sharding",
-    "set_gradient_sync",
-    "shards",
-]
+from foundry.lazy import lazy_exports
+
+_EXPORTS = {
+    "all_gather_object": "foundry.distributed.env",
+    "all_reduce_sum": "foundry.distributed.env",
+    "barrier": "foundry.distributed.env",
+    "broadcast_object": "foundry.distributed.env",
+    "default_device": "foundry.distributed.env",
+    "destroy_process_group": "foundry.distributed.process_group",
+    "explain_lost_ranks": "foundry.distributed.process_group",
+    "find_microbatch_size": "foundry.distributed.auto_microbatch",
+    "get_local_rank": "foundry.distributed.env",
+    "get_local_world_size": "foundry.distributed.env",
+    "get_rank": "foundry.distributed.env",
+    "get_world_size": "foundry.distributed.env",
+    "init_process_group": "foundry.distributed.process_group",
+    "is_distributed": "foundry.distributed.env",
+    "launched_by_torchrun": "foundry.distributed.process_group",
+    "lost_rank_error": "foundry.distributed.process_group",
+    "new_gloo_group": "foundry.distributed.process_group",
+    "parallelize": "foundry.distributed.parallelize",
+    "prepare_sharding": "foundry.distributed.parallelize",
+    "set_gradient_sync": "foundry.distributed.parallelize",
+    "shards": "foundry.distributed.parallelize",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

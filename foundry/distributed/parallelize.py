@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from foundry.core.precision import cast_embeddings_to_autocast_dtype
+from foundry.core.precision import cast_embeddings_to_autocast_dtype, compute_dtype
 from foundry.distributed.activation_checkpoint import apply_activation_checkpointing, apply_activation_offload
 from foundry.distributed.config import FSDPConfig
 from foundry.distributed.env import all_reduce_sum, get_local_world_size, get_rank, get_world_size
@@ -111,7 +111,7 @@ def _place_unsharded(model: nn.Module, config: FSDPConfig, device: torch.device,
         init_on_cpu(model)  # as rank 0 does for a sharded run: the same initial weights at any world size
     model.to(device)
     _wrap_blocks(model, config, device)
-    if precision != "fp32" and config.mixed_precision in ("PURE", "DEFAULT"):
+    if compute_dtype(precision) is not None and config.mixed_precision in ("PURE", "DEFAULT"):
         cast_embeddings_to_autocast_dtype(model)
 
 
@@ -156,9 +156,9 @@ def mixed_precision_policy(mode: str, precision: str) -> MixedPrecisionPolicy:
     reduction in fp32. FULL: both fp32 (autocast still runs matmuls in the amp dtype).
     The sharded parameters and the optimizer state stay fp32 in every mode.
     """
-    if precision == "fp32" or mode == "FULL":
+    low = compute_dtype(precision)
+    if low is None or mode == "FULL":
         return MixedPrecisionPolicy()
-    low = torch.bfloat16 if precision == "amp_bf16" else torch.float16
     return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low if mode == "PURE" else torch.float32)
 
 

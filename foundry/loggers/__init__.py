@@ -1,12 +1,18 @@
-"""Built-in logger destinations; importing this package registers them under their YAML names.
+"""Built-in logger destinations, registered under their YAML names when ``foundry.registry.loggers`` loads them.
 
-``wandb`` and ``tensorboard`` import their client packages only when built, so this import stays light.
+Names load on first use (``foundry.lazy``); ``wandb`` and ``tensorboard`` import their client packages only when built.
 """
 
-from foundry.loggers.console import ConsoleLogger
-from foundry.loggers.defaults import default_loggers
-from foundry.loggers.jsonl import JSONLLogger
-from foundry.loggers.tensorboard import TensorboardLogger
-from foundry.loggers.wandb import WandBLogger
+from __future__ import annotations
 
-__all__ = ["ConsoleLogger", "JSONLLogger", "TensorboardLogger", "WandBLogger", "default_loggers"]
+from foundry.lazy import lazy_exports
+
+_EXPORTS = {
+    "ConsoleLogger": "foundry.loggers.console",
+    "JSONLLogger": "foundry.loggers.jsonl",
+    "TensorboardLogger": "foundry.loggers.tensorboard",
+    "WandBLogger": "foundry.loggers.wandb",
+    "default_loggers": "foundry.loggers.defaults",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

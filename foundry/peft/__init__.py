@@ -1,5 +1,6 @@
-"""Parameter-efficient finetuning: LoRA layers (``lora``), adapters-only checkpoints (``foundry.models.lora_checkpoint``),
-switching adapters on one base (``adapters``) and PEFT-format export and merging (``export``).
+"""Parameter-efficient finetuning: LoRA layers (``lora``), adapters-only checkpoints
+(``foundry.models.lora_checkpoint``), switching adapters on one base (``adapters``) and PEFT-format export
+and merging (``export``).
 
 docs/LORA.md describes ``model.peft_config`` and the commands.
 """
