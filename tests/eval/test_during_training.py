@@ -1,4 +1,4 @@
-"""ICL eval during training: Trainer.eval scores icl_tasks at the eval interval and the end, logged under metrics/icl/."""
+"""ICL eval during training: Trainer.eval scores icl_tasks at the eval interval and the end (metrics/icl/...)."""
 
 from __future__ import annotations
 
