@@ -23,7 +23,7 @@ from foundry import distributed
 from foundry.batches import RepeatedSampleMask, batch_num_samples, batch_num_tokens, batch_to_device, split_batch
 from foundry.checkpoint.load import resume_or_load
 from foundry.checkpoint.saver import CheckpointSaver
-from foundry.config import TRAIN_DEFAULTS, FSDPConfig, check_eval_subset, default_run_name, fill_run_name
+from foundry.config import TRAIN_DEFAULTS, FSDPConfig, default_run_name, fill_run_name
 from foundry.core import (
     Algorithm,
     Callback,
@@ -36,6 +36,7 @@ from foundry.core import (
     Time,
     seed_everything,
 )
+from foundry.core.bounds import check_bounds
 from foundry.core.paths import check_storage_path
 from foundry.core.precision import autocast, check_precision, compute_dtype, grad_scaler
 from foundry.core.time import positive_time
@@ -109,6 +110,9 @@ class Trainer:
         save_num_checkpoints_to_keep: int = TRAIN_DEFAULTS.save_num_checkpoints_to_keep,
         save_overwrite: bool = TRAIN_DEFAULTS.save_overwrite,
         save_async: bool = TRAIN_DEFAULTS.save_async,
+        save_upload_retries: int = TRAIN_DEFAULTS.save_upload_retries,
+        save_upload_backoff_s: float = TRAIN_DEFAULTS.save_upload_backoff_s,
+        save_max_failed_uploads: int = TRAIN_DEFAULTS.save_max_failed_uploads,
         load_path: str | None = TRAIN_DEFAULTS.load_path,
         load_weights_only: bool = TRAIN_DEFAULTS.load_weights_only,
         autoresume: bool = TRAIN_DEFAULTS.autoresume,
@@ -120,6 +124,17 @@ class Trainer:
         console_log_interval: str | Time | int = TRAIN_DEFAULTS.console_log_interval,
         config: dict[str, Any] | None = None,
     ) -> None:
+        check_bounds(
+            {
+                "seed": seed,
+                "device_train_microbatch_size": device_train_microbatch_size,
+                "eval_subset_num_batches": eval_subset_num_batches,
+                "save_num_checkpoints_to_keep": save_num_checkpoints_to_keep,
+                "save_upload_retries": save_upload_retries,
+                "save_upload_backoff_s": save_upload_backoff_s,
+                "save_max_failed_uploads": save_max_failed_uploads,
+            }
+        )
         seed_everything(seed)
         fsdp_config = distributed.prepare_sharding(fsdp_config, optimizers)
         device = torch.device(device) if device is not None else distributed.default_device()
@@ -150,7 +165,6 @@ class Trainer:
         self.engine = Engine(self.state, self.logger, algorithms, callbacks)
         self.eval_interval = Interval(positive_time(eval_interval, "eval_interval"))
         self.eval_first = eval_first
-        check_eval_subset(eval_subset_num_batches)
         self.eval_subset_num_batches = eval_subset_num_batches
         self.log_interval = Interval(positive_time(console_log_interval, "console_log_interval"))
         check_storage_path(load_path, "'load_path'")

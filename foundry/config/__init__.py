@@ -29,6 +29,7 @@ from foundry.config.yaml import (
     to_yaml,
     yaml_section,
 )
+from foundry.core.bounds import check_bounds
 from foundry.core.paths import check_storage_path
 from foundry.core.time import Time, positive_time
 from foundry.errors import ConfigError, did_you_mean
@@ -194,6 +195,16 @@ class TrainConfig:
     save_num_checkpoints_to_keep: int = field(default=-1, metadata=doc("newest checkpoints kept on disk (-1 = all)"))
     save_overwrite: bool = field(default=False, metadata=doc("overwrite existing checkpoints"))
     save_async: bool = field(default=False, metadata=doc("write checkpoints in the background while training goes on"))
+    save_upload_retries: int = field(
+        default=3, metadata=doc("object-store save_folder: retries of each failed upload before the checkpoint fails")
+    )
+    save_upload_backoff_s: float = field(
+        default=2.0, metadata=doc("seconds before the first retry of an upload; each next retry waits twice as long")
+    )
+    save_max_failed_uploads: int = field(
+        default=3,
+        metadata=doc("stop the run once this many checkpoints in a row failed to upload (kept locally till relaunch)"),
+    )
     save_weights_only: bool = field(default=False, metadata=doc("save only model weights"))
     load_path: str | None = field(default=None, metadata=doc("checkpoint to start from"))
     load_weights_only: bool = field(default=False, metadata=doc("load only weights (fresh optimizer and schedule)"))
@@ -217,25 +228,17 @@ class TrainConfig:
             value = getattr(self, section)
             if value is not None and not value.get("name"):
                 raise ConfigError(f"'{section}.name' is missing: every {section} section names what to build.")
-        if self.global_train_batch_size < 1:
-            raise ConfigError(f"'global_train_batch_size' is {self.global_train_batch_size}; it must be >= 1.")
+        check_bounds(vars(self))
+        loaders = [("train_loader", self.train_loader), ("eval_loader", self.eval_loader)]
+        for path, loader in [*loaders, *((f"eval_loaders[{i}]", each) for i, each in enumerate(self.eval_loaders))]:
+            if loader is not None:
+                check_bounds(vars(loader), path)
         for key in ("max_duration", "eval_interval", "save_interval", "console_log_interval"):
             positive_time(getattr(self, key), key)
-        check_eval_subset(self.eval_subset_num_batches)
         check_storage_path(self.save_folder, "'save_folder'")
         check_storage_path(self.load_path, "'load_path'")
-        if self.dist_timeout <= 0:
-            raise ConfigError(f"'dist_timeout' is {self.dist_timeout}; it must be a positive number of seconds.")
         if self.eval_loader is not None and self.eval_loaders:
             raise ConfigError("Both 'eval_loader' and 'eval_loaders' are set; keep one (a list under 'eval_loader').")
-
-
-def check_eval_subset(eval_subset_num_batches: int) -> None:
-    if eval_subset_num_batches == 0 or eval_subset_num_batches < -1:
-        raise ConfigError(
-            f"'eval_subset_num_batches' is {eval_subset_num_batches}; it must be -1 (the whole eval set) or a positive "
-            "number of batches. To skip evaluation, remove the eval loader instead."
-        )
 
 
 def default_run_name() -> str:
