@@ -8,7 +8,6 @@ that base first.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -17,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from foundry.checkpoint.find import resolve_checkpoint_path
-from foundry.checkpoint.layout import META_FILE
+from foundry.checkpoint.layout import META_FILE, read_json_object
 from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from foundry.errors import CheckpointError
 from foundry.models.lora import LoraConfig, is_adapter_key
@@ -73,7 +72,7 @@ def base_checkpoint(folder: Path) -> Path | None:
     None: the run had no load_path and its model is a pretrained ``hf_causal_lm``, whose base is its
     ``pretrained_model_name_or_path``.
     """
-    config = json.loads((folder / META_FILE).read_text()).get("config") or {}
+    config = read_json_object(folder / META_FILE).get("config") or {}
     load_path = config.get("load_path")
     if not load_path and has_pretrained_base(config.get("model") or {}):
         return None

@@ -8,7 +8,6 @@ past damaged checkpoints to the newest intact one; an explicit ``load_path`` nev
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ from foundry.checkpoint.layout import (
     DAMAGED_SUFFIX,
     FORMAT_VERSION,
     META_FILE,
+    read_json_object,
     root_cause,
     single_process_quiet,
     stateful_key_pairs,
@@ -160,11 +160,10 @@ def load_checkpoint(
 
 
 def _read_meta(path: Path) -> dict:
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-    except ValueError as exc:
-        raise CheckpointError(f"{path / META_FILE} is not valid JSON ({exc}); load an earlier checkpoint.") from exc
-    if meta.get("format_version", 0) > FORMAT_VERSION:
+    meta = read_json_object(path / META_FILE)
+    if not isinstance(meta.get("timestamp"), dict) or not isinstance(meta.get("schedulers", []), list):
+        raise CheckpointError(f"{path / META_FILE} lacks the run's timestamp or schedulers: the file is damaged.")
+    if not isinstance(meta.get("format_version", 0), int) or meta.get("format_version", 0) > FORMAT_VERSION:
         raise CheckpointError(
             f"Checkpoint {path} has format version {meta['format_version']}, newer than this foundry reads "
             f"({FORMAT_VERSION}). Upgrade foundry."

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ import torch
 from torch import nn
 
 from foundry.checkpoint import load_checkpoint, resolve_checkpoint_path, save_checkpoint
-from foundry.checkpoint.layout import META_FILE
+from foundry.checkpoint.layout import META_FILE, read_json_object
 from foundry.checkpoint.load import load_adapter_base
 from foundry.core.state import State
 from foundry.core.time import Time
@@ -22,11 +21,8 @@ from foundry.models.hf import refill_computed_buffers
 
 def checkpoint_config(folder: Path) -> dict[str, Any]:
     """The resolved train config a checkpoint was saved with (``meta.json``'s ``config``)."""
-    try:
-        config = json.loads((folder / META_FILE).read_text()).get("config") or {}
-    except ValueError as error:
-        raise CheckpointError(f"{folder / META_FILE} is not valid JSON ({error}); use another checkpoint.") from None
-    if not isinstance(config.get("model"), dict) or "name" not in config["model"]:
+    config = read_json_object(folder / META_FILE).get("config") or {}
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict) or "name" not in config["model"]:
         raise CheckpointError(
             f"Checkpoint {folder} holds no model config (its run passed no `config` to the Trainer), so foundry "
             "cannot tell which architecture the weights belong to. Save checkpoints with `foundry train`."
