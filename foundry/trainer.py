@@ -81,6 +81,10 @@ class Trainer:
             ``{run_name}`` in ``save_folder`` is filled in. ``save_interval`` defaults to ``"1000ba"``.
         save_async: write checkpoints in a background thread while training goes on; each is published
             (renamed into place, ``latest`` updated) once written, at the latest by the next save or fit's end.
+        save_upload_retries / save_upload_backoff_s / save_max_failed_uploads: an object-store save_folder retries
+            each failed upload (waiting ``save_upload_backoff_s``, doubling); the run stops once that many
+            checkpoints in a row failed, and ``fit()`` raises ``CheckpointUploadError`` for any that failed.
+            They stay in the local copy; a relaunch uploads them (docs/CHECKPOINTS.md).
         run_name: default ``$RUN_NAME`` (or ``$COMPOSER_RUN_NAME``), else ``foundry-<date>-<time>``.
         run_folder: where ``metrics.jsonl`` goes (default ``runs/{run_name}``, ``{run_name}`` filled in).
         config: the resolved YAML, stored in checkpoints and sent to loggers.
@@ -178,6 +182,9 @@ class Trainer:
             num_to_keep=save_num_checkpoints_to_keep,
             save_async=save_async,
             config=config,
+            upload_retries=save_upload_retries,
+            upload_backoff_s=save_upload_backoff_s,
+            max_failed_uploads=save_max_failed_uploads,
         )
         self.config = config
         self._last_eval_batch: int | None = None

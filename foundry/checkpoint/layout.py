@@ -158,6 +158,18 @@ def write_durably(path: Path, text: str, tmp_name: str | None = None) -> None:
         fsync_dir(path.parent)
 
 
+def set_aside(folder: Path) -> Path:
+    """Rename a damaged checkpoint to ``<name>.damaged`` (``.damaged-2``... when taken), out of every reader's way;
+    the new path."""
+    aside = folder.with_name(folder.name + DAMAGED_SUFFIX)
+    copies = 1
+    while aside.exists():
+        copies += 1
+        aside = folder.with_name(f"{folder.name}{DAMAGED_SUFFIX}-{copies}")
+    os.replace(folder, aside)
+    return aside
+
+
 def move_into_place(tmp_dir: Path, final_dir: Path) -> None:
     """Rename a finished checkpoint folder into place (replacing an older one of the same name)."""
     if final_dir.exists():

@@ -9,7 +9,6 @@ past damaged checkpoints to the newest intact one; an explicit ``load_path`` nev
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,11 @@ from foundry.checkpoint.adapters import base_checkpoint, holds_adapters_only, lo
 from foundry.checkpoint.find import checkpoint_folders, resolve_checkpoint_path
 from foundry.checkpoint.integrity import no_intact_checkpoint, verify_checkpoint
 from foundry.checkpoint.layout import (
-    DAMAGED_SUFFIX,
     FORMAT_VERSION,
     META_FILE,
     read_json_object,
     root_cause,
+    set_aside,
     single_process_quiet,
     stateful_key_pairs,
     tensor_state,
@@ -121,12 +120,7 @@ def newest_intact_checkpoint(save_folder: Path, rank: int) -> Path | None:
 def _set_aside(folder: Path, damage: DamagedCheckpointError, resume_from: Path, rank: int) -> None:
     if rank != 0:
         return
-    aside = folder.with_name(folder.name + DAMAGED_SUFFIX)
-    copies = 1
-    while aside.exists():
-        copies += 1
-        aside = folder.with_name(f"{folder.name}{DAMAGED_SUFFIX}-{copies}")
-    os.replace(folder, aside)
+    aside = set_aside(folder)
     log.warning(
         "autoresume skipped checkpoint %s, which is damaged (%s), and resumes from %s instead. The damaged folder "
         "was renamed to %s: delete it once you no longer need it.",
