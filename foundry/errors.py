@@ -24,6 +24,12 @@ class CheckpointError(FoundryError):
     """A checkpoint cannot be written or read; the message names the path."""
 
 
+class CheckpointUploadError(CheckpointError):
+    """Checkpoints did not reach the object store; the message names them and the local copies that hold them."""
+
+    exit_code = 3  # nothing to fix in the config: relaunching once the store is reachable uploads the local copies
+
+
 class DamagedCheckpointError(CheckpointError):
     """A checkpoint's files differ from what was saved (missing, truncated, altered); the message names the file."""
 

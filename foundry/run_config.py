@@ -14,6 +14,7 @@ from dataclasses import field
 from typing import Any, Literal
 
 from foundry.checkpoint.config import CheckpointConfig
+from foundry.core.bounds import check_bounds
 from foundry.core.precision_name import Precision
 from foundry.eval.config import EvalConfig
 from foundry.loggers.config import ConsoleConfig
@@ -51,6 +52,7 @@ class RunConfig:
     )
 
     def __post_init__(self) -> None:
+        check_bounds(vars(self))
         if self.run_name is None:
             self.run_name = default_run_name()
 

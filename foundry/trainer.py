@@ -153,6 +153,9 @@ class Trainer:
             num_to_keep=checkpointing.save_num_checkpoints_to_keep,
             save_async=checkpointing.save_async,
             config=config,
+            upload_retries=checkpointing.save_upload_retries,
+            upload_backoff_s=checkpointing.save_upload_backoff_s,
+            max_failed_uploads=checkpointing.save_max_failed_uploads,
         )
         self.config = config
         self._last_eval_batch: int | None = None

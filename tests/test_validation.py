@@ -80,7 +80,8 @@ def test_a_negative_time_is_refused(tmp_path: Path, key: str) -> None:
 
 @pytest.mark.parametrize("value", [0, -2])
 def test_eval_subset_num_batches_of_zero_is_refused(tmp_path: Path, value: int) -> None:
-    with pytest.raises(ConfigError, match=rf"'eval_subset_num_batches' is {value}; it must be -1 .* or a positive"):
+    expected = rf"'eval_subset_num_batches' is {value}; it must be an integer >= 1 .*, or -1 \(the whole eval set\)"
+    with pytest.raises(ConfigError, match=expected):
         _load(tmp_path, f"eval_subset_num_batches={value}")
 
 

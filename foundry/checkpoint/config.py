@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import field
 
+from foundry.core.bounds import check_bounds
 from foundry.core.paths import check_storage_path
 from foundry.core.time import Time, positive_time
 from foundry.errors import ConfigError
@@ -23,6 +24,16 @@ class CheckpointConfig:
     save_num_checkpoints_to_keep: int = field(default=-1, metadata=doc("newest checkpoints kept on disk (-1 = all)"))
     save_overwrite: bool = field(default=False, metadata=doc("overwrite existing checkpoints"))
     save_async: bool = field(default=False, metadata=doc("write checkpoints in the background while training goes on"))
+    save_upload_retries: int = field(
+        default=3, metadata=doc("object-store save_folder: retries of each failed upload before the checkpoint fails")
+    )
+    save_upload_backoff_s: float = field(
+        default=2.0, metadata=doc("seconds before the first retry of an upload; each next retry waits twice as long")
+    )
+    save_max_failed_uploads: int = field(
+        default=3,
+        metadata=doc("stop the run once this many checkpoints in a row failed to upload (kept locally till relaunch)"),
+    )
     save_weights_only: bool = field(default=False, metadata=doc("save only model weights (not supported: false)"))
     load_path: str | None = field(default=None, metadata=doc("checkpoint to start from; {run_name} is filled in"))
     load_weights_only: bool = field(default=False, metadata=doc("load only weights (fresh optimizer and schedule)"))
@@ -32,6 +43,7 @@ class CheckpointConfig:
     autoresume: bool = field(default=False, metadata=doc("resume from the newest checkpoint in save_folder"))
 
     def __post_init__(self) -> None:
+        check_bounds(vars(self))
         positive_time(self.save_interval, "save_interval")
         check_storage_path(self.save_folder, "'save_folder'")
         check_storage_path(self.load_path, "'load_path'")

@@ -9,17 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from foundry.checkpoint.integrity import publish_sequence, verify_checkpoint
-from foundry.checkpoint.layout import CHECKPOINT_NAME, MANIFEST_FILE, META_FILE, folder_order, named_folders
+from foundry.checkpoint.integrity import checkpoint_folders, verify_checkpoint
+from foundry.checkpoint.layout import CHECKPOINT_NAME, MANIFEST_FILE, META_FILE
 from foundry.checkpoint.remote import fetch_from_url
 from foundry.checkpoint.safe_reader import METADATA_FILE
 from foundry.core.paths import check_storage_path, is_object_store_url
 from foundry.errors import CheckpointError
-
-
-def checkpoint_folders(save_folder: str | Path) -> list[Path]:
-    """The ``ep*-ba*`` checkpoints in ``save_folder``, oldest first: in publish order, then by batch."""
-    return sorted(named_folders(save_folder), key=lambda path: (publish_sequence(path), *folder_order(path)))
 
 
 def latest_checkpoint(save_folder: str | Path) -> Path | None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import xxhash
 
-from foundry.checkpoint.layout import MANIFEST_FILE, META_FILE, named_folders
+from foundry.checkpoint.layout import MANIFEST_FILE, META_FILE, folder_order, named_folders
 from foundry.checkpoint.safe_reader import METADATA_FILE
 from foundry.distributed.env import all_gather_object, get_rank, get_world_size
 from foundry.errors import CheckpointError, DamagedCheckpointError
@@ -123,6 +123,11 @@ def publish_sequence(folder: Path) -> float:
     if manifest is not None:
         return manifest.sequence
     return 0 if _format_version(folder) == 1 else math.inf
+
+
+def checkpoint_folders(save_folder: str | Path) -> list[Path]:
+    """The ``ep*-ba*`` checkpoints in ``save_folder``, oldest first: in publish order, then by batch."""
+    return sorted(named_folders(save_folder), key=lambda path: (publish_sequence(path), *folder_order(path)))
 
 
 def _format_version(folder: Path) -> int | None:

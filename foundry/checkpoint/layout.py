@@ -19,6 +19,8 @@ checkpoint to load. Writing is ``foundry.checkpoint.save``, reading ``foundry.ch
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import os
 import re
 import secrets
@@ -32,6 +34,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 
 from foundry.core.state import State
 from foundry.core.time import Timestamp
+from foundry.errors import CheckpointError
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2  # 2: manifest.json with checksums
 META_FILE = "meta.json"
@@ -90,6 +95,41 @@ def owner_rank(file_name: str) -> int | None:
     return int(match.group(1) or match.group(2)) if match else None
 
 
+# ------------------------------------------------------------------------------ reading, defensively
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path`` (meta.json, rng-rank<r>.json); a ``CheckpointError`` naming the file when it is
+    missing, unreadable, not UTF-8 JSON or not an object, never a traceback."""
+    try:
+        value = json.loads(path.read_bytes())
+    except OSError as error:
+        raise CheckpointError(f"Cannot read {path} ({error.strerror or error}); load another checkpoint.") from None
+    except ValueError as error:  # UnicodeDecodeError and JSONDecodeError alike
+        raise CheckpointError(
+            f"{path} is not valid JSON ({type(error).__name__}: {str(error)[:120]}): the file is damaged. Load "
+            "another checkpoint (load_path), or let autoresume: true fall back to the newest intact one."
+        ) from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object: the file is damaged.")
+    return value
+
+
+def read_pointer(save_folder: Path) -> str | None:
+    """The checkpoint name ``<save_folder>/latest`` holds, or None: absent, or damaged (a warning says so; nothing
+    relies on the pointer, so a damaged one is only rewritten at the next publish)."""
+    pointer = save_folder / LATEST_FILE
+    try:
+        name = pointer.read_bytes().decode("utf-8").strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as error:
+        log.warning("Ignoring %s: it cannot be read (%s); it is rewritten at the next save.", pointer, error)
+        return None
+    if not CHECKPOINT_NAME.match(name):
+        log.warning("Ignoring %s: it names no checkpoint (%r); it is rewritten at the next save.", pointer, name[:40])
+        return None
+    return name
+
+
 # -------------------------------------------------------- shared by save, load and consolidate
 def root_cause(exc: BaseException) -> BaseException:
     """The first rank's exception inside DCP's CheckpointException (a BaseException), else ``exc``."""
@@ -116,6 +156,18 @@ def write_durably(path: Path, text: str, tmp_name: str | None = None) -> None:
     if tmp_name:
         os.replace(target, path)
         fsync_dir(path.parent)
+
+
+def set_aside(folder: Path) -> Path:
+    """Rename a damaged checkpoint to ``<name>.damaged`` (``.damaged-2``... when taken), out of every reader's way;
+    the new path."""
+    aside = folder.with_name(folder.name + DAMAGED_SUFFIX)
+    copies = 1
+    while aside.exists():
+        copies += 1
+        aside = folder.with_name(f"{folder.name}{DAMAGED_SUFFIX}-{copies}")
+    os.replace(folder, aside)
+    return aside
 
 
 def move_into_place(tmp_dir: Path, final_dir: Path) -> None:

@@ -9,7 +9,6 @@ past damaged checkpoints to the newest intact one; an explicit ``load_path`` nev
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,9 @@ from foundry.checkpoint.find import checkpoint_folders, resolve_checkpoint_path
 from foundry.checkpoint.hooks import checkpoint_hooks
 from foundry.checkpoint.integrity import no_intact_checkpoint, verify_checkpoint
 from foundry.checkpoint.layout import (
-    DAMAGED_SUFFIX,
+    META_FILE,
     root_cause,
+    set_aside,
     single_process_quiet,
     stateful_key_pairs,
     tensor_state,
@@ -103,12 +103,7 @@ def newest_intact_checkpoint(save_folder: Path, rank: int) -> Path | None:
 def _set_aside(folder: Path, damage: DamagedCheckpointError, resume_from: Path, rank: int) -> None:
     if rank != 0:
         return
-    aside = folder.with_name(folder.name + DAMAGED_SUFFIX)
-    copies = 1
-    while aside.exists():
-        copies += 1
-        aside = folder.with_name(f"{folder.name}{DAMAGED_SUFFIX}-{copies}")
-    os.replace(folder, aside)
+    aside = set_aside(folder)
     log.warning(
         "autoresume skipped checkpoint %s, which is damaged (%s), and resumes from %s instead. The damaged folder "
         "was renamed to %s: delete it once you no longer need it.",
@@ -134,10 +129,17 @@ def load_checkpoint(
     tolerates model keys missing on either side.
     """
     path = resolve_checkpoint_path(path)
-    meta = read_meta(path)
+    meta = _read_meta(path)
     _load_tensors(path, state, weights_only=weights_only, strict=strict)
     if not weights_only:
         _restore_training_state(path, meta, state, callbacks, algorithms)
+    return meta
+
+
+def _read_meta(path: Path) -> dict:
+    meta = read_meta(path)
+    if not isinstance(meta.get("timestamp"), dict) or not isinstance(meta.get("schedulers", []), list):
+        raise CheckpointError(f"{path / META_FILE} lacks the run's timestamp or schedulers: the file is damaged.")
     return meta
 
 

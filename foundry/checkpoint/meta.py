@@ -8,26 +8,17 @@ from the model object, so any Trainer's checkpoint reopens), ``tokenizer`` and `
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from foundry.checkpoint.layout import FORMAT_VERSION, META_FILE
+from foundry.checkpoint.layout import FORMAT_VERSION, META_FILE, read_json_object
 from foundry.errors import CheckpointError
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
     """The ``meta.json`` of checkpoint ``folder`` as a mapping; a ``CheckpointError`` naming it if unreadable."""
-    path = Path(folder) / META_FILE
-    try:
-        meta = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} is missing: {folder} is not a complete foundry checkpoint.") from None
-    except (OSError, ValueError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{path} is not valid JSON ({error}); load an earlier checkpoint.") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path} holds a {type(meta).__name__}, not a mapping; load an earlier checkpoint.")
+    meta = read_json_object(Path(folder) / META_FILE)
     version = meta.get("format_version", 1)
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointError(

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import secrets
 import tempfile
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -28,6 +30,8 @@ from foundry.optional import import_optional
 # The SDK module each scheme's streaming uploader imports, as the optional extra installs it.
 _SDK_MODULES = {"s3": "boto3", "gs": "google.cloud.storage", "oci": "oci", "azure": "azure.storage.blob"}
 _DOWNLOAD_TIMEOUT_S = 600.0
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -63,10 +67,11 @@ class ObjectStore:
             )
             for name in ("upload", "download")
         }
+        self.upload_retries, self.upload_backoff_s = 0, 0.0  # set by the run that saves here
         self._lock = threading.Lock()  # streaming's uploader uploads from one (local, remote) pair at a time
         with self.errors("reach"):
             staging = tempfile.mkdtemp(prefix="foundry-upload-")
-            self._uploader = streaming["upload"].CloudUploader.get((staging, self.url), keep_local=True)
+            self._uploader = streaming["upload"].CloudUploader.get((staging, self.url), keep_local=True, retry=1)
         # It keeps its SDK client: creating one takes a while.
         self._downloader = streaming["download"].CloudDownloader.get(self.url)
 
@@ -78,14 +83,28 @@ class ObjectStore:
 
     # ------------------------------------------------------------------------------------ transfer
     def upload(self, local_file: Path, key: str) -> None:
-        """Upload ``local_file`` as ``key`` (whose last part must be the file's name), replacing any object there."""
+        """Upload ``local_file`` as ``key`` (whose last part must be the file's name), replacing any object there.
+
+        A failure is retried ``upload_retries`` times, waiting ``upload_backoff_s`` seconds, then twice as long
+        each time; the last one raises ``CheckpointError``.
+        """
         folder, _, name = key.rpartition("/")
         if name != local_file.name:
             raise ValueError(f"upload key {key} must end in the file's name {local_file.name}")
-        with self._lock, self.errors(f"upload {local_file} to", key):
-            # Streaming's uploaders upload <local>/<name> to <remote>/<name>.
-            self._uploader.local, self._uploader.remote = str(local_file.parent), self.url_of(folder)
-            self._uploader.upload_file(name)
+        wait_s = self.upload_backoff_s
+        for retry in range(self.upload_retries + 1):
+            try:
+                with self._lock, self.errors(f"upload {local_file} to", key):
+                    # Streaming's uploaders upload <local>/<name> to <remote>/<name>.
+                    self._uploader.local, self._uploader.remote = str(local_file.parent), self.url_of(folder)
+                    self._uploader.upload_file(name)
+                return
+            except CheckpointError as error:
+                if retry == self.upload_retries:
+                    raise
+                log.warning("%s Retrying in %.0f s (retry %d of %d).", error, wait_s, retry + 1, self.upload_retries)
+                time.sleep(wait_s)
+                wait_s *= 2
 
     def download(self, key: str, local_file: Path) -> None:
         """Download ``key`` to ``local_file`` (through a temporary name, so a kill leaves no partial file there)."""

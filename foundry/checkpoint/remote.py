@@ -21,7 +21,13 @@ import urllib.parse
 from collections import defaultdict
 from pathlib import Path
 
-from foundry.checkpoint.integrity import no_intact_checkpoint, publish_sequence, read_manifest, verify_checkpoint
+from foundry.checkpoint.integrity import (
+    checkpoint_folders,
+    no_intact_checkpoint,
+    publish_sequence,
+    read_manifest,
+    verify_checkpoint,
+)
 from foundry.checkpoint.kill_points import kill_point
 from foundry.checkpoint.layout import (
     CHECKPOINT_NAME,
@@ -30,6 +36,7 @@ from foundry.checkpoint.layout import (
     TMP_PREFIX,
     folder_order,
     move_into_place,
+    set_aside,
 )
 from foundry.checkpoint.object_store import ObjectStore, object_store
 from foundry.distributed.env import all_gather_object, get_local_rank
@@ -92,15 +99,56 @@ def upload_files(store: ObjectStore, source: Path, name: str, files: list[str]) 
         kill_point("upload.file_uploaded")
 
 
-def publish_on_store(store: ObjectStore, folder: Path) -> None:
-    """Upload ``folder``'s manifest, which publishes it (its other files must be there already), then ``latest``."""
+def publish_on_store(store: ObjectStore, folder: Path, latest: str | None = None) -> None:
+    """Upload ``folder``'s manifest, which publishes it (its other files must be there already), then ``latest``
+    (default: this checkpoint's name)."""
     kill_point("upload.files_uploaded")
     store.upload(folder / MANIFEST_FILE, f"{folder.name}/{MANIFEST_FILE}")
     kill_point("upload.published")
     with tempfile.TemporaryDirectory(prefix="foundry-latest-") as scratch:
         pointer = Path(scratch, LATEST_FILE)
-        pointer.write_text(folder.name)
+        pointer.write_text(latest or folder.name)
         store.upload(pointer, LATEST_FILE)
+
+
+def publish_local_copies(store: ObjectStore, local_folder: Path, published: list[tuple[str, float]]) -> list[str]:
+    """Upload and publish every intact checkpoint of ``local_folder`` that the store has not published (a run that
+    could not upload it left it there); their names, in publish order. Run by rank 0 alone, before training.
+
+    A damaged one is set aside (``<name>.damaged``) with a warning; an upload that fails raises
+    ``CheckpointError`` (the local copies stay).
+    """
+    on_store = {name for name, _ in published}
+    local_only = [folder for folder in checkpoint_folders(local_folder) if folder.name not in on_store]
+    if not local_only:
+        return []
+    newest = max([*published, *((folder.name, publish_sequence(folder)) for folder in local_only)], key=lambda x: x[1])
+    uploaded = []
+    for folder in local_only:
+        try:
+            verify_checkpoint(folder)
+        except DamagedCheckpointError as damage:
+            aside = set_aside(folder)
+            log.warning(
+                "Checkpoint %s was never uploaded to %s and is damaged (%s): it is not uploaded, and was renamed to "
+                "%s (delete it once you no longer need it).",
+                folder,
+                store.url,
+                "; ".join(damage.problems),
+                aside.name,
+            )
+            continue
+        upload_files(store, folder, folder.name, sorted(file for file in read_manifest(folder).files))
+        publish_on_store(store, folder, latest=newest[0])
+        uploaded.append(folder.name)
+        log.warning(
+            "Uploaded checkpoint %s to %s from the local copy %s: the run that saved it could not upload it.%s",
+            folder.name,
+            store.url,
+            local_folder,
+            " It is the newest checkpoint: autoresume resumes from it." if folder.name == newest[0] else "",
+        )
+    return uploaded
 
 
 def prune_store(store: ObjectStore, num_to_keep: int, keep_name: str) -> list[str]:

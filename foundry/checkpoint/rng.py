@@ -7,7 +7,6 @@ Each rank has its own generators (dropout masks differ per rank), so each rank k
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import random
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from foundry.checkpoint.layout import read_json_object
 from foundry.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def rng_file_for_rank(folder: Path, rank: int) -> Path:
 
 def load_rng_file(path: Path) -> None:
     try:
-        set_rng_state(json.loads(path.read_text()))
+        set_rng_state(read_json_object(path))
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(
             f"Cannot read the random-generator state in {path} ({exc}). The file is damaged; "

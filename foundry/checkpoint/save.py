@@ -40,6 +40,7 @@ from foundry.checkpoint.layout import (
     TMP_PREFIX,
     checkpoint_name,
     move_into_place,
+    read_pointer,
     root_cause,
     single_process_quiet,
     stateful_key_pairs,
@@ -306,9 +307,8 @@ def complete_publish(save_folder: Path, name: str, num_to_keep: int) -> None:
     between the rename and these steps leaves them undone, and the resumed run may have nothing left
     to save (it was killed at its last checkpoint) that would do them.
     """
-    pointer = save_folder / LATEST_FILE
-    if not pointer.is_file() or pointer.read_text().strip() != name:
-        write_durably(pointer, name, tmp_name=f"{TMP_PREFIX}{LATEST_FILE}-{secrets.token_hex(4)}")
+    if read_pointer(save_folder) != name:
+        write_durably(save_folder / LATEST_FILE, name, tmp_name=f"{TMP_PREFIX}{LATEST_FILE}-{secrets.token_hex(4)}")
     kill_point("publish.latest_written")
     _prune(save_folder, num_to_keep, keep_name=name)
 

@@ -6,19 +6,29 @@ then uploaded in the background (``foundry.checkpoint.uploader``).
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import shutil
 from pathlib import Path
 
 from foundry import distributed
-from foundry.checkpoint.find import checkpoint_folders, latest_checkpoint
+from foundry.checkpoint.find import latest_checkpoint
 from foundry.checkpoint.object_store import ObjectStore, object_store
-from foundry.checkpoint.remote import local_copy, published_checkpoints, remove_unpublished, store_checkpoints
+from foundry.checkpoint.remote import (
+    local_copy,
+    prune_store,
+    publish_local_copies,
+    published_checkpoints,
+    remove_unpublished,
+    store_checkpoints,
+)
 from foundry.checkpoint.save import PendingCheckpoint, complete_publish, remove_temporaries, start_checkpoint
 from foundry.checkpoint.uploader import CheckpointUploader
 from foundry.core import Engine, Event
 from foundry.core.paths import check_writable_folder, is_object_store_url
-from foundry.errors import CheckpointError
+from foundry.distributed.env import all_gather_object
+from foundry.errors import CheckpointError, CheckpointUploadError
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointSaver:
@@ -35,6 +45,11 @@ class CheckpointSaver:
         save_async: write in a background thread (over a gloo group of its own) while training goes on;
             the checkpoint is published at the next save, at fit's end, or after an error.
         config: the resolved YAML, stored in each checkpoint.
+        upload_retries / upload_backoff_s: an object-store save_folder retries each failed upload this many
+            times, waiting ``upload_backoff_s`` seconds, then twice as long each time.
+        max_failed_uploads: a save raises ``CheckpointUploadError`` once this many checkpoints in a row failed to
+            upload (the run stops rather than train on with nothing durable); ``wait_for_uploads`` raises it for
+            any that failed.
     """
 
     def __init__(
@@ -46,6 +61,9 @@ class CheckpointSaver:
         num_to_keep: int,
         save_async: bool,
         config: dict | None,
+        upload_retries: int,
+        upload_backoff_s: float,
+        max_failed_uploads: int,
     ) -> None:
         self.engine, self.state = engine, engine.state
         self.save_folder = save_folder
@@ -53,12 +71,15 @@ class CheckpointSaver:
         self.overwrite, self.num_to_keep, self.config = overwrite, num_to_keep, config
         self.uploader: CheckpointUploader | None = None
         self._first_sequence = 1
+        self.max_failed_uploads = max_failed_uploads
         if save_folder:
             check_writable_folder(self.local_folder, "save_folder")  # on every rank: all of them stop, or none
             if self.state.rank == 0 and self.local_folder.is_dir():
                 remove_temporaries(self.local_folder)
             if is_object_store_url(save_folder):
-                self._start_uploads(object_store(save_folder))
+                store = object_store(save_folder)
+                store.upload_retries, store.upload_backoff_s = upload_retries, upload_backoff_s
+                self._start_uploads(store)
         self._async_group = distributed.new_gloo_group() if save_async and save_folder else None
         self._pending: tuple[PendingCheckpoint, Event] | None = None  # and the event to fire when published
         self.last_save_batch: int | None = None
@@ -68,6 +89,9 @@ class CheckpointSaver:
         if not self.save_folder:
             return
         self.publish_pending()  # one write at a time
+        if self.uploader is not None:
+            self.uploader.wait()  # one upload at a time, and every rank counts the same failures
+        store_down = self.uploader is not None and self.uploader.failed_in_a_row >= self.max_failed_uploads
         self.engine.run_event(Event.BEFORE_CHECKPOINT)
         pending = start_checkpoint(
             self.local_folder,
@@ -82,8 +106,13 @@ class CheckpointSaver:
         )
         self._pending = (pending, event)
         self.last_save_batch = self.state.timestamp.batch
-        if self._async_group is None:
-            self.publish_pending()
+        if self._async_group is None or store_down:
+            self.publish_pending(upload=not store_down)  # kept in the local copy, uploaded by the relaunch
+        if store_down:
+            raise self._upload_error(
+                f"The last {self.max_failed_uploads} checkpoints in a row could not be uploaded, so the run stops "
+                "rather than train on with nothing durable (save_max_failed_uploads)."
+            )
 
     def loaded(self, path: Path) -> None:
         """The run resumed from checkpoint ``path``: if it is one of ours, fit's end need not save that batch again.
@@ -97,43 +126,70 @@ class CheckpointSaver:
             if self.state.rank == 0 and not self.uploader and newest is not None and newest.resolve() == path.resolve():
                 complete_publish(self.local_folder, path.name, self.num_to_keep)  # on a store, the uploader prunes
 
-    def publish_pending(self) -> None:
-        """Wait for the checkpoint being written, publish it and fire its checkpoint event."""
+    def publish_pending(self, upload: bool = True) -> None:
+        """Wait for the checkpoint being written, publish it (and upload it, unless not ``upload``) and fire its
+        checkpoint event."""
         if self._pending is None:
             return
         pending, event = self._pending
         self._pending = None
         self.state.last_checkpoint_path = str(pending.finish())
-        if self.uploader is not None:
+        if self.uploader is not None and upload:
             self.uploader.submit(pending.final_dir, pending.tmp_dir)
         self.engine.run_event(event)
 
     def wait_for_uploads(self) -> None:
-        """Wait until every checkpoint is uploaded to the object store (nothing to wait for without one)."""
-        if self.uploader is not None:
-            with contextlib.suppress(CheckpointError):  # logged already; the error being raised matters more
-                self.uploader.wait()
+        """Wait until every checkpoint is uploaded to the object store (nothing to wait for without one); raise
+        ``CheckpointUploadError`` naming those that could not be."""
+        if self.uploader is None:
+            return
+        self.uploader.wait()
+        if self.uploader.failed:
+            raise self._upload_error("The run finished, but not every checkpoint reached the store.")
+
+    def _upload_error(self, what: str) -> CheckpointUploadError:
+        failure = self.uploader.last_failure
+        return CheckpointUploadError(
+            f"{what} Not on {self.save_folder}: {', '.join(self.uploader.failed)} ({failure}). "
+            f"They are kept in {self.local_folder}: relaunch the same command with autoresume: true once the store "
+            "is reachable, and it uploads them and resumes from the newest (only this machine's disk holds them)."
+        )
 
     def _start_uploads(self, store: ObjectStore) -> None:
-        """Clean up after interrupted runs (on the store: unpublished folders; locally: checkpoints the store never
-        published, which a resumed run saves again), and start the upload thread."""
+        """Clean up after interrupted runs (on the store: unpublished folders), upload the checkpoints an earlier run
+        kept in the local copy because it could not upload them, and start the upload thread."""
         folders = store_checkpoints(store)
         published = published_checkpoints(store, folders)
+        if distributed.get_local_rank() == 0 and self.local_folder.is_dir():
+            remove_temporaries(self.local_folder)
+        problem = None
         if self.state.rank == 0:
             remove_unpublished(store, folders)
-        if distributed.get_local_rank() == 0:
-            if self.local_folder.is_dir():
-                remove_temporaries(self.local_folder)
-            names = {name for name, _ in published}
-            for folder in checkpoint_folders(self.local_folder):
-                if folder.name not in names:
-                    shutil.rmtree(folder, ignore_errors=True)
+            try:
+                published = self._publish_local_copies(store, published)
+            except CheckpointError as error:
+                problem = str(error)
+        problem, published = all_gather_object((problem, published))[0]  # rank 0's
+        if problem is not None:
+            raise CheckpointUploadError(
+                f"{problem} The checkpoints an earlier run could not upload stay in {self.local_folder}: relaunch "
+                "once the store is reachable."
+            )
         known = [sequence for _, sequence in published if sequence != float("inf")]
         self._first_sequence = int(max(known, default=0)) + 1  # a new checkpoint is newer than all on the store
         state = self.state
         self.uploader = CheckpointUploader(
             store, self.local_folder, rank=state.rank, world_size=state.world_size, num_to_keep=self.num_to_keep
         )
+
+    def _publish_local_copies(self, store: ObjectStore, published: list[tuple[str, float]]) -> list[tuple[str, float]]:
+        """Upload the local copies the store lacks, then keep ``num_to_keep`` on both; what the store publishes."""
+        if not publish_local_copies(store, self.local_folder, published):
+            return published
+        published = published_checkpoints(store)
+        for name in prune_store(store, self.num_to_keep, keep_name=published[-1][0]):
+            shutil.rmtree(self.local_folder / name, ignore_errors=True)
+        return published_checkpoints(store)
 
     def settle_after_error(self) -> None:
         """After an exception, finish this rank's write; publish (and upload) it only when no other rank must agree."""
@@ -148,5 +204,8 @@ class CheckpointSaver:
             if self.uploader is not None:
                 self.uploader.submit(pending.final_dir, pending.tmp_dir)
         if self.uploader is not None:
-            with contextlib.suppress(CheckpointError):  # logged already; the error being raised matters more
-                self.uploader.wait()
+            self.uploader.wait()  # a failed upload is logged: the error being raised matters more
+            if self.uploader.failed:
+                log.error(
+                    "Not on %s: %s, kept in %s.", self.save_folder, ", ".join(self.uploader.failed), self.local_folder
+                )

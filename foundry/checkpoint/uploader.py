@@ -37,7 +37,10 @@ class CheckpointUploader:
         self.store, self.local_folder, self.rank, self.num_to_keep = store, local_folder, rank, num_to_keep
         self._group = distributed.new_gloo_group() if world_size > 1 else None
         self._queue: queue.Queue[tuple[Path, Path]] = queue.Queue()
-        self._failures: list[CheckpointError] = []
+        # Every rank's thread reaches the same verdict on each checkpoint (they gather their problems).
+        self.failed: list[str] = []  # the checkpoints not published on the store, oldest first
+        self.failed_in_a_row = 0  # checkpoints whose upload failed since the last one that succeeded
+        self.last_failure: CheckpointError | None = None
         # A daemon: a process that stops (an error, a lost rank) does not wait for an upload that cannot finish.
         threading.Thread(target=self._work, name="foundry-checkpoint-upload", daemon=True).start()
 
@@ -47,23 +50,21 @@ class CheckpointUploader:
         self._queue.put((final_dir, tmp_dir))
 
     def wait(self) -> None:
-        """Wait until every submitted checkpoint is uploaded; raise the first upload that failed."""
+        """Wait until every submitted checkpoint is uploaded or failed (``failed`` names those that failed)."""
         self._queue.join()
-        if self._failures:
-            raise self._failures[0]
 
     def _work(self) -> None:
         while True:
             final_dir, tmp_dir = self._queue.get()
             try:
                 self._upload(final_dir, tmp_dir)
-            except CheckpointError as failure:
-                log.error("%s", failure)
-                self._failures.append(failure)
+                self.failed_in_a_row = 0
             except Exception as error:  # never let the thread die silently: wait() would hang
-                failure = CheckpointError(f"Uploading checkpoint {final_dir.name} to {self.store.url} failed: {error}")
-                log.error("%s", failure)
-                self._failures.append(failure)
+                failure = error if isinstance(error, CheckpointError) else CheckpointError(str(error))
+                log.error("Uploading checkpoint %s to %s failed: %s", final_dir.name, self.store.url, failure)
+                self.failed.append(final_dir.name)
+                self.failed_in_a_row += 1
+                self.last_failure = failure
             finally:
                 self._queue.task_done()
 
@@ -77,14 +78,22 @@ class CheckpointUploader:
         problems = [found for found in self._gather(problem) if found]
         if source == tmp_dir and self.rank != 0:
             shutil.rmtree(tmp_dir, ignore_errors=True)  # this machine's share, uploaded: rank 0 publishes
+        if not problems and self.rank == 0:
+            try:
+                publish_on_store(self.store, final_dir)
+            except CheckpointError as error:
+                problem = str(error)
+        if not problems:  # rank 0's verdict on publishing reaches every rank: they count failures alike
+            problems = [found for found in self._gather(problem if self.rank == 0 else None) if found]
         if problems:
-            raise CheckpointError(
-                f"Checkpoint {final_dir.name} was not published on {self.store.url}: {problems[0]} It stays in "
-                f"{self.local_folder}; the checkpoints already published on the store are untouched."
-            )
+            raise CheckpointError(problems[0])
         if self.rank == 0:
-            publish_on_store(self.store, final_dir)
-            for name in prune_store(self.store, self.num_to_keep, keep_name=final_dir.name):
+            try:
+                pruned = prune_store(self.store, self.num_to_keep, keep_name=final_dir.name)
+            except CheckpointError as error:  # published all the same: the next one prunes again
+                log.warning("Checkpoint %s is published, but pruning older ones failed: %s", final_dir.name, error)
+                pruned = []
+            for name in pruned:
                 shutil.rmtree(self.local_folder / name, ignore_errors=True)
 
     def _own_files(self, source: Path) -> list[str]:

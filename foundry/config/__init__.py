@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from foundry.checkpoint.config import CheckpointConfig
+from foundry.core.bounds import check_bounds
 from foundry.core.time import Time, positive_time
 from foundry.data.config import LoaderConfig, TokenizerConfig
 from foundry.distributed.config import FSDPConfig
@@ -74,11 +75,12 @@ class TrainConfig(RunConfig, CheckpointConfig, EvalConfig, ConsoleConfig):
             value = getattr(self, name)
             if value is not None and not value.get("name"):
                 raise ConfigError(f"'{name}.name' is missing: every {name} section names what to build.")
-        if self.global_train_batch_size < 1:
-            raise ConfigError(f"'global_train_batch_size' is {self.global_train_batch_size}; it must be >= 1.")
+        check_bounds(vars(self))
+        loaders = [("train_loader", self.train_loader), ("eval_loader", self.eval_loader)]
+        for path, loader in [*loaders, *((f"eval_loaders[{i}]", each) for i, each in enumerate(self.eval_loaders))]:
+            if loader is not None:
+                check_bounds(vars(loader), path)
         positive_time(self.max_duration, "max_duration")
-        if self.dist_timeout <= 0:
-            raise ConfigError(f"'dist_timeout' is {self.dist_timeout}; it must be a positive number of seconds.")
         if self.eval_loader is not None and self.eval_loaders:
             raise ConfigError("Both 'eval_loader' and 'eval_loaders' are set; keep one (a list under 'eval_loader').")
 

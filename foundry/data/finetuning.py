@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from foundry import registry
+from foundry.core.bounds import check_bounds
 from foundry.data.chat import RowFormatError, chat_renderer
 from foundry.data.config import LOADER_DEFAULTS
 from foundry.data.finetuning_examples import FinetuningCounts, LabelPolicy, Truncation, build_example, token_turns
@@ -192,6 +193,7 @@ def build_finetuning_dataloader(
     ``timeout``) are accepted for LLM Foundry YAMLs and have no effect: batches are slices of
     already-tokenized examples, assembled in the training process.
     """
+    check_bounds({"num_workers": num_workers, "prefetch_factor": prefetch_factor, "timeout": timeout}, key_path)
     del num_workers, pin_memory, prefetch_factor, persistent_workers, timeout
     config = parse_dataclass(FinetuningDatasetConfig, dataset, f"{key_path}.dataset")
     _check_config(config, tokenizer, device_batch_size, f"{key_path}.dataset")

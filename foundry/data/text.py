@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from foundry import registry
+from foundry.core.bounds import check_bounds
 from foundry.data.collate import collate_lm_samples
 from foundry.data.config import LOADER_DEFAULTS
 from foundry.data.mds import build_checked_streams, import_streaming
@@ -125,6 +126,7 @@ def build_text_dataloader(
         A ``TextDataLoader`` (a ``StreamingDataLoader``) whose ``state_dict()``/``load_state_dict()`` resume
         mid-epoch or at the start of the next epoch.
     """
+    check_bounds({"num_workers": num_workers, "prefetch_factor": prefetch_factor, "timeout": timeout}, key_path)
     config = parse_dataclass(TextDatasetConfig, dataset, f"{key_path}.dataset")
     if device_batch_size < 1:
         raise ConfigError(f"'{key_path}.device_batch_size' is {device_batch_size}; it must be at least 1.")

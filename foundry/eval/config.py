@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import field
 from typing import Any
 
+from foundry.core.bounds import check_bounds
 from foundry.core.time import Time, positive_time
 from foundry.errors import ConfigError
 from foundry.eval.task_config import parse_gauntlet, parse_icl_tasks
@@ -34,8 +35,8 @@ class EvalConfig:
     )
 
     def __post_init__(self) -> None:
+        check_bounds(vars(self))
         positive_time(self.eval_interval, "eval_interval")
-        check_eval_subset(self.eval_subset_num_batches)
         if self.icl_tasks is not None:
             parse_icl_tasks(self.icl_tasks)  # a typo fails before training starts
         if self.eval_gauntlet is not None:
@@ -44,11 +45,3 @@ class EvalConfig:
                     "'eval_gauntlet' averages ICL tasks, but 'icl_tasks' is not set; add it or drop the gauntlet."
                 )
             parse_gauntlet(self.eval_gauntlet)
-
-
-def check_eval_subset(eval_subset_num_batches: int) -> None:
-    if eval_subset_num_batches == 0 or eval_subset_num_batches < -1:
-        raise ConfigError(
-            f"'eval_subset_num_batches' is {eval_subset_num_batches}; it must be -1 (the whole eval set) or a positive "
-            "number of batches. To skip evaluation, remove the eval loader instead."
-        )

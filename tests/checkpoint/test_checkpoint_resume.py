@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -92,3 +93,29 @@ def test_the_trainer_removes_what_interrupted_saves_left(finished_run):
     (leftover / "__0_0.distcp").write_bytes(b"half")
     _trainer(folder)
     assert not leftover.exists()
+
+
+@pytest.mark.parametrize("resume_at", [3, NUM_BATCHES], ids=["mid-run", "at-the-final-checkpoint"])
+@pytest.mark.parametrize("garbage", [b"\xff\xfe\x00\x9c garbage", b"ep0-ba99", b""], ids=["bytes", "unknown", "empty"])
+def test_a_damaged_latest_pointer_is_ignored_with_a_warning_and_rewritten(tmp_path, caplog, garbage, resume_at):
+    _trainer(tmp_path).fit()
+    if resume_at < NUM_BATCHES:
+        shutil.rmtree(tmp_path / "checkpoints" / f"ep0-ba{NUM_BATCHES}")
+    pointer = tmp_path / "checkpoints" / "latest"
+    pointer.write_bytes(garbage)
+    with caplog.at_level(logging.WARNING, logger="foundry"):
+        resumed = _trainer(tmp_path)
+        resumed.fit()
+    assert resumed.state.timestamp.batch == NUM_BATCHES
+    assert pointer.read_text() == f"ep0-ba{NUM_BATCHES}"
+    assert garbage == b"ep0-ba99" or f"Ignoring {pointer}" in caplog.text
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe{}", b"[1, 2]", b'{"format_version": 2}'], ids=["bytes", "list", "bare"])
+def test_a_crafted_meta_json_with_a_matching_manifest_is_refused_naming_the_file(finished_run, resealed, content):
+    folder, _ = finished_run
+    checkpoint = folder / "checkpoints" / "ep0-ba4"
+    (checkpoint / "meta.json").write_bytes(content)
+    resealed(checkpoint)
+    with pytest.raises(CheckpointError, match=r"meta\.json .*damaged"):
+        _trainer(folder, autoresume=False, load_path=str(checkpoint))
