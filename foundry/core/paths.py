@@ -15,6 +15,13 @@ _URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # mosaicml-streaming, each with the optional extra that installs its SDK.
 OBJECT_STORE_EXTRAS = {"s3": "s3", "gs": "gcs", "oci": "oci", "azure": "azure"}
 
+CACHE_ENV = "FOUNDRY_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """Where foundry keeps what it downloads: ``$FOUNDRY_CACHE_DIR``, default ``~/.cache/foundry``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "foundry")
+
 
 def url_scheme(path: str | None) -> str | None:
     """``"s3"`` for ``s3://bucket/x``; None for a local path."""

@@ -53,17 +53,24 @@ def test_eval_without_tasks_says_how_to_give_them(tiny_checkpoint, capsys) -> No
     assert "pass --tasks" in capsys.readouterr().err
 
 
-def test_light_suite_runs_end_to_end_on_cpu(shared_data, tiny_checkpoint, repo_root, tmp_path, capsys) -> None:
-    tasks = tmp_path / "tasks.yaml"  # the repository's suite, pointed at this machine's shared data
-    tasks.write_text(
-        (repo_root / "yamls/eval/tasks_light.yaml").read_text().replace("../shared/data", str(shared_data))
-    )
-    gauntlet = repo_root / "yamls/eval/eval_gauntlet_light.yaml"
+def test_light_suite_runs_end_to_end_on_cpu(icl_copy, tiny_checkpoint, repo_root, monkeypatch, capsys) -> None:
+    monkeypatch.delenv("FOUNDRY_ICL_DATA", raising=False)
+    tasks, gauntlet = repo_root / "yamls/eval/tasks_light.yaml", repo_root / "yamls/eval/eval_gauntlet_light.yaml"
     args = ["eval", "--model", str(tiny_checkpoint), "--tasks", str(tasks), "--gauntlet", str(gauntlet)]
+    args += ["--icl-data", str(icl_copy)]  # an offline copy of LLM Foundry's scripts/eval folder
     assert main([*args, "--limit", "4", "--batch-size", "16", "--seq-len", "256", "--precision", "fp32"]) == 0
     printed = capsys.readouterr().out
     for row in ("arc_challenge/10-shot", "winograd/0-shot", "triviaqa_small/3-shot", "gauntlet/average"):
         assert f"| {row} |" in printed
+
+
+def test_task_files_are_downloaded_on_first_use(icl_server, tiny_checkpoint, repo_root, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(repo_root.parent)  # no eval/local_data here: the files come from the server
+    tasks = repo_root / "yamls/eval/tasks_zero_shot.yaml"
+    args = ["eval", "--model", str(tiny_checkpoint), "--tasks", str(tasks), "--limit", "2", "--precision", "fp32"]
+    assert main(args) == 0
+    assert "| copa/0-shot |" in capsys.readouterr().out
+    assert "/local_data/commonsense_reasoning/copa.jsonl" in icl_server.requests
 
 
 def test_importing_the_evaluator_does_not_import_streaming() -> None:
