@@ -80,7 +80,21 @@ def _load_hf_directory(path: Path, name: str, attn_implementation: str | None) -
     attn_implementation = attn_implementation or default_attn_implementation(path)
     model = HFCausalLM(pretrained_model_name_or_path=str(path), attn_implementation=attn_implementation)
     tokenizer = _tokenizer({"name": str(path)})
-    return LoadedModel(name, model, tokenizer, getattr(model.hf_config, "max_position_embeddings", None))
+    return LoadedModel(name, model, tokenizer, hf_context_length(model.hf_config))
+
+
+# The names transformers' configs give the context length: MPT's (which foundry's to-hf writes), most
+# models', GPT-2's and GPT-Neo's, ChatGLM's, older GPTs'.
+CONTEXT_LENGTH_KEYS = ("max_seq_len", "max_position_embeddings", "n_positions", "seq_length", "n_ctx")
+
+
+def hf_context_length(hf_config: Any) -> int | None:
+    """The longest sequence a Hugging Face config says its model reads, or None if it says nothing."""
+    for key in CONTEXT_LENGTH_KEYS:
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def default_attn_implementation(path: Path) -> str:
@@ -102,11 +116,11 @@ def _tokenizer(section: Mapping[str, Any]) -> Any:
 
 
 def _max_seq_len(model: nn.Module) -> int | None:
-    config = getattr(model, "config", None)
-    value = getattr(config, "max_seq_len", None) or getattr(
-        getattr(model, "hf_config", None), "max_position_embeddings", None
-    )
-    return value if isinstance(value, int) else None
+    value = getattr(getattr(model, "config", None), "max_seq_len", None)
+    if isinstance(value, int):
+        return value
+    hf_config = getattr(model, "hf_config", None)
+    return hf_context_length(hf_config) if hf_config is not None else None
 
 
 def _checkpoint_name(given: Path, folder: Path) -> str:

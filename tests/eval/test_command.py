@@ -48,6 +48,15 @@ def test_compare_shows_deltas_and_draws_a_chart(tiny_checkpoint, tasks_yaml, tmp
     assert (out / "compare.png").stat().st_size > 0
 
 
+def test_eval_of_our_hf_export_reads_its_context_length(tiny_hf_dir, tmp_path, write_jsonl, capsys) -> None:
+    long_context = " ".join(f"word{i}" for i in range(100))  # longer than the model's 64 positions
+    path = write_jsonl("lm.jsonl", [{"context": long_context, "continuation": "end"}] * 2)
+    tasks = tmp_path / "long.yaml"
+    tasks.write_text(f"icl_tasks:\n- {{label: lm, dataset_uri: '{path}', icl_task_type: language_modeling}}\n")
+    assert main(["eval", "--model", str(tiny_hf_dir), "--tasks", str(tasks), "--precision", "fp32"]) == 0
+    assert "| lm/0-shot |" in capsys.readouterr().out
+
+
 def test_eval_without_tasks_says_how_to_give_them(tiny_checkpoint, capsys) -> None:
     assert main(["eval", "--model", str(tiny_checkpoint)]) == 2
     assert "pass --tasks" in capsys.readouterr().err
