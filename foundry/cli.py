@@ -24,7 +24,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from foundry.errors import FoundryError
+from foundry.errors import EXIT_CHECK_FAILED, FoundryError
 
 if TYPE_CHECKING:
     from foundry.config import TrainConfig
@@ -52,7 +52,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace) -> int:
     """Train in this process (one rank of a launched job, or alone), or launch ``--nproc`` ranks.
 
-    Returns 0 when the run finished, ``HANDED_OVER_EXIT_CODE`` (3) when a ``hand_over`` callback stopped it.
+    Returns 0 when the run finished, ``HANDED_OVER_EXIT_CODE`` (3) when a ``hand_over`` callback stopped it,
+    ``EXIT_CHECK_FAILED`` (1) when a ``reference_curve`` callback stopped it (foundry.errors).
     """
     from foundry.config import load_train_config, to_yaml
     from foundry.distributed import launched_by_torchrun
@@ -71,6 +72,7 @@ def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
     from foundry import distributed
     from foundry.builders import build_trainer
     from foundry.callbacks.hand_over import HANDED_OVER_EXIT_CODE, handed_over
+    from foundry.callbacks.reference_curve import stopped_outside_band
 
     if distributed.launched_by_torchrun():
         distributed.init_process_group(cfg.dist_timeout)
@@ -90,6 +92,10 @@ def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
         if main_process:
             print(f"foundry: run '{cfg.run_name}' {trainer.state.stop_reason}; relaunch with autoresume: true")
         return HANDED_OVER_EXIT_CODE
+    if stopped_outside_band(trainer.engine.callbacks):
+        if main_process:
+            print(f"foundry: run '{cfg.run_name}' FAILED its reference check: {trainer.state.stop_reason}")
+        return EXIT_CHECK_FAILED
     if main_process:
         print(f"foundry: run '{cfg.run_name}' finished; metrics in {trainer.run_folder / 'metrics.jsonl'}")
     return 0

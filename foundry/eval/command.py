@@ -24,10 +24,10 @@ from foundry.config import apply_overrides, load_yaml, resolve_interpolations
 from foundry.config.icl import parse_gauntlet, parse_icl_tasks
 from foundry.core import seed_everything
 from foundry.core.precision import check_precision
-from foundry.errors import ConfigError
+from foundry.errors import EXIT_CHECK_FAILED, EXIT_OK, ConfigError
 from foundry.eval.adapters import evaluate_adapters
 from foundry.eval.loading import build_model_entry, load_model
-from foundry.eval.reference import load_references, reference_table
+from foundry.eval.reference import deltas, load_references, reference_table, verdict
 from foundry.eval.report import markdown_table, write_reports
 from foundry.eval.runner import build_evaluator, score
 from foundry.eval.tasks import local_task_files
@@ -151,6 +151,7 @@ def run_eval(args: argparse.Namespace) -> int:
             results = [evaluate_source(source, tasks, gauntlet, cfg, device) for source in sources]
     finally:
         distributed.destroy_process_group()
+    passed = [verdict(deltas(model_results, reference))[0] for model_results in results for reference in references]
     if distributed.get_rank() == 0:
         compare = bool(args.compare)
         print(markdown_table(results, deltas=compare), end="")
@@ -160,7 +161,10 @@ def run_eval(args: argparse.Namespace) -> int:
         if args.out:
             for path in write_reports(results, args.out, deltas=compare):
                 print(f"foundry: wrote {path}", file=sys.stderr)
-    return 0
+        if passed:
+            word = "PASS" if all(passed) else "FAIL"
+            print(f"\n{word}: {passed.count(True)} of {len(passed)} reference checks passed")
+    return EXIT_OK if all(passed) else EXIT_CHECK_FAILED
 
 
 def evaluate_source(source: Any, tasks: list, gauntlet: Any, cfg: EvalConfig, device: Any) -> Any:
