@@ -41,10 +41,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
         cfg: the typed config (``foundry.config.load_train_config``).
         resolved: the resolved YAML, stored in checkpoints and sent to loggers (default: ``cfg`` as a dict).
     """
-    _reject_unimplemented(cfg)
-    _check_hand_over(cfg)
-    _check_checkpoint_paths(cfg)
-    _check_adapters_only_base(cfg)
+    check_config(cfg)
     _apply_cuda_allocator_settings(cfg.expandable_segments)
     device_batch_size = device_train_batch_size(cfg.global_train_batch_size, env.get_world_size())
     # Cheapest first, the model last: a typo or a missing data folder fails before a big model is built.
@@ -94,6 +91,28 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
         console_log_interval=cfg.console_log_interval,
         config=dict(resolved) if resolved is not None else config_to_dict(cfg),
     )
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """The checks of ``build_trainer`` that build nothing: values that cannot work, paths, every component's
+    name and arguments. ``foundry train --print-config`` runs them too."""
+    _reject_unimplemented(cfg)
+    _check_hand_over(cfg)
+    _check_checkpoint_paths(cfg)
+    _check_adapters_only_base(cfg)
+    _check_sections(cfg)
+    for source, sections, key in (
+        (registry.callbacks, cfg.callbacks, "callbacks"),
+        (registry.algorithms, cfg.algorithms, "algorithms"),
+        (registry.loggers, cfg.loggers, "loggers"),
+    ):
+        for name, kwargs in sections.items():
+            bound_component(source, name, kwargs, f"{key}.{name}")
+    if cfg.scheduler:
+        component_factory(registry.schedulers, cfg.scheduler, "scheduler")
+    if cfg.optimizer:
+        optimizer = component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",))
+        check_hyperparameters(optimizer.keywords)
 
 
 def build_compile(cfg: TrainConfig) -> list:

@@ -60,6 +60,9 @@ def run_train(args: argparse.Namespace) -> int:
 
     cfg, resolved = load_train_config(args.config, args.overrides)  # every key is checked before any work
     if args.print_config:
+        from foundry.builders import check_config
+
+        check_config(cfg)  # what would stop the run before it builds anything stops the printout too
         print(to_yaml(cfg), end="")
         return 0
     if (args.nproc is not None or args.nnodes > 1) and not launched_by_torchrun():
@@ -120,6 +123,7 @@ def train_epilog() -> str:
         "  They apply before ${...} interpolation, so variables.* overrides reach every reference:",
         "    foundry train yamls/quickstart.yaml max_duration=20ba optimizer.lr=3e-4",
         "    foundry train cfg.yaml variables.max_seq_len=256 optimizer.betas=[0.9,0.95] loggers.wandb={}",
+        "  callbacks.NAME=null (also algorithms., loggers.) drops a component the YAML lists.",
         "",
         "keys (type = default; an empty value in the YAML means the default):",
     ]

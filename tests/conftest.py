@@ -33,6 +33,13 @@ def _fixed_seeds() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _no_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test reaches GitHub for ICL files: those that fetch use ``icl_server`` (a port nothing listens on here)."""
+    monkeypatch.setenv("FOUNDRY_ICL_URL", "http://127.0.0.1:9")
+    monkeypatch.delenv("FOUNDRY_ICL_DATA", raising=False)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """``../shared/data``; tests that use it skip cleanly when it is absent."""

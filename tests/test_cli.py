@@ -78,6 +78,16 @@ def test_print_config_prints_resolved_yaml_with_overrides(config_path: Path, cap
     assert printed["max_duration"] == "2ba" and printed["seed"] == 17 and "variables" not in printed
 
 
+def test_print_config_runs_the_checks_of_a_run(config_path: Path, tmp_path: Path, capsys) -> None:
+    typo = ["--print-config", "callbacks={speed_monitor: {windw_size: 5}}"]
+    assert cli.main(["train", str(config_path), *typo]) == 2
+    assert "callbacks.speed_monitor" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("")
+    unwritable = ["--print-config", f"save_folder={tmp_path / 'a-file' / 'checkpoints'}"]
+    assert cli.main(["train", str(config_path), *unwritable]) == 2
+    assert "save_folder" in capsys.readouterr().err
+
+
 def test_override_that_looks_like_an_option_is_rejected(config_path: Path) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", str(config_path), "--bogus"])

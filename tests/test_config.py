@@ -123,6 +123,13 @@ def test_override_indexes_lists() -> None:
     assert [loader["label"] for loader in updated["eval_loader"]] == ["a", "c"]
 
 
+def test_override_of_a_component_to_null_drops_it() -> None:
+    cfg = {"callbacks": {"speed_monitor": None, "lr_monitor": {}}, "loggers": {"wandb": {}}}
+    updated = apply_overrides(cfg, ["callbacks.speed_monitor=null", "loggers.wandb=null", "algorithms.ema=null"])
+    assert updated["callbacks"] == {"lr_monitor": {}} and updated["loggers"] == {}
+    assert "algorithms" not in updated or not updated["algorithms"]
+
+
 def test_override_keeps_the_value_after_the_first_equals_sign() -> None:
     assert apply_overrides({}, ["load_path=s3://b/x=1.pt"])["load_path"] == "s3://b/x=1.pt"
 
@@ -226,7 +233,7 @@ def test_eval_loader_list_becomes_labelled_eval_loaders(tmp_path: Path) -> None:
 
 
 def test_missing_icl_tasks_file_is_named_under_its_key(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"'icl_tasks'.*eval/yamls/tasks.yaml.*does not exist"):
+    with pytest.raises(ConfigError, match=r"'icl_tasks'.*eval/yamls/tasks.yaml.*neither a file.*v0.3"):
         load_train_config(write(tmp_path, MINIMAL + "icl_tasks: eval/yamls/tasks.yaml\n"))
 
 
@@ -288,17 +295,20 @@ def test_activation_checkpointing_is_non_reentrant_by_default_from_both_switches
 
 # ----------------------------------------------------------------------- LLM Foundry's own YAMLs
 # Reference YAMLs that use what `foundry train` does not support, and the error they must give:
-#   pretrain/gpt-neo-125m_eval.yaml: icl_tasks names LLM Foundry's tasks file, which is not here
 #   finetune/mpt-30b-instruct.yaml: 'icl_max_seq_len' (LLM Foundry's finetune-only spelling of icl_seq_len)
 #   finetune/1b_local_data_sft.yaml: a top-level 'dataset' key that only holds a YAML anchor
 EXPECTED_ERRORS = {
-    "gpt-neo-125m_eval.yaml": "'icl_tasks'",
     "mpt-30b-instruct.yaml": "Unknown top-level key 'icl_max_seq_len'",
     "1b_local_data_sft.yaml": "Unknown top-level key 'dataset'",
 }
 
 
-def test_llm_foundry_yamls_load_or_fail_clearly(shared_data: Path) -> None:
+# Task lists the shared copy of LLM Foundry's files lacks (v0.2), replaced by ones it has.
+LIST_PATHS = {"gpt-neo-125m_eval.yaml": ["icl_tasks=tasks_v0.3", "eval_gauntlet=eval_gauntlet_v0.3"]}
+
+
+def test_llm_foundry_yamls_load_or_fail_clearly(shared_data: Path, icl_copy: Path, monkeypatch) -> None:
+    monkeypatch.setenv("FOUNDRY_ICL_DATA", str(icl_copy))
     folder = shared_data / "reference" / "llm-foundry-yamls"
     paths = sorted([*folder.glob("pretrain/*.yaml"), *folder.glob("finetune/*.yaml")])
     assert paths, f"no YAMLs under {folder}"
@@ -307,5 +317,5 @@ def test_llm_foundry_yamls_load_or_fail_clearly(shared_data: Path) -> None:
             with pytest.raises(ConfigError, match=EXPECTED_ERRORS[path.name]):
                 load_train_config(path)
         else:
-            cfg, _ = load_train_config(path)
+            cfg, _ = load_train_config(path, LIST_PATHS.get(path.name, []))
             assert cfg.model["name"] and cfg.train_loader.name, path.name
