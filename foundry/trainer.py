@@ -36,7 +36,7 @@ from foundry.core import (
     Time,
     seed_everything,
 )
-from foundry.core.paths import check_storage_path
+from foundry.core.paths import check_storage_path, public_location
 from foundry.core.precision import autocast, check_precision, compute_dtype, grad_scaler
 from foundry.core.time import positive_time
 from foundry.distributed.parallelize import place_model
@@ -193,7 +193,7 @@ class Trainer:
         )
         if path is not None:
             self.checkpoints.loaded(path)
-            self.logger.log_text(f"Loaded checkpoint {path} at batch {self.state.timestamp.batch}.")
+            self.logger.log_text(f"Loaded checkpoint {public_location(path)} at batch {self.state.timestamp.batch}.")
 
     # ------------------------------------------------------------------------------------- fit
     def fit(self) -> None:

@@ -16,7 +16,6 @@ import logging
 import secrets
 import shutil
 import tempfile
-import urllib.parse
 from collections import defaultdict
 from pathlib import Path
 
@@ -31,19 +30,11 @@ from foundry.checkpoint.layout import (
     move_into_place,
 )
 from foundry.checkpoint.object_store import ObjectStore, object_store
-from foundry.core.paths import cache_dir
+from foundry.core.paths import local_copy
 from foundry.distributed.env import all_gather_object, get_local_rank
 from foundry.errors import CheckpointError, DamagedCheckpointError
 
 log = logging.getLogger(__name__)
-
-
-def local_copy(url: str) -> Path:
-    """The local folder mirroring object-store folder ``url``: checkpoints are written there, then uploaded,
-    and downloaded there to be loaded. ``$FOUNDRY_CACHE_DIR/object_stores/<scheme>/<bucket>/<path>``
-    (default ``~/.cache/foundry``)."""
-    parsed = urllib.parse.urlparse(url)
-    return cache_dir() / "object_stores" / parsed.scheme / parsed.netloc / parsed.path.strip("/")
 
 
 # --------------------------------------------------------------------------------- what is there

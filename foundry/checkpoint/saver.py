@@ -13,11 +13,11 @@ from pathlib import Path
 from foundry import distributed
 from foundry.checkpoint.find import checkpoint_folders, latest_checkpoint
 from foundry.checkpoint.object_store import ObjectStore, object_store
-from foundry.checkpoint.remote import local_copy, published_checkpoints, remove_unpublished, store_checkpoints
+from foundry.checkpoint.remote import published_checkpoints, remove_unpublished, store_checkpoints
 from foundry.checkpoint.save import PendingCheckpoint, complete_publish, remove_temporaries, start_checkpoint
 from foundry.checkpoint.uploader import CheckpointUploader
 from foundry.core import Engine, Event
-from foundry.core.paths import check_writable_folder, is_object_store_url
+from foundry.core.paths import check_writable_folder, is_object_store_url, local_copy
 from foundry.errors import CheckpointError
 
 

@@ -23,6 +23,7 @@ from foundry import distributed
 from foundry.config import apply_overrides, load_yaml, resolve_interpolations
 from foundry.config.icl import parse_gauntlet, parse_icl_tasks
 from foundry.core import seed_everything
+from foundry.core.paths import is_object_store_url
 from foundry.core.precision import check_precision
 from foundry.errors import EXIT_CHECK_FAILED, EXIT_OK, ConfigError
 from foundry.eval.adapters import evaluate_adapters
@@ -177,11 +178,11 @@ def evaluate_source(source: Any, tasks: list, gauntlet: Any, cfg: EvalConfig, de
     model = loaded.model.to(device)
     results = score(evaluator, model, loaded.name, gauntlet, cfg, device)
     del model, loaded
-    return dataclasses.replace(results, name=_display_name(source))
+    return dataclasses.replace(results, name=display_name(source))
 
 
-def _display_name(source: Any) -> str:
+def display_name(source: Any) -> str:
     if isinstance(source, tuple):
         entry = source[0]
         return str(entry.get("model_name") or entry["model"].get("name"))
-    return str(Path(source))
+    return source if is_object_store_url(source) else str(Path(source))  # Path() would make s3:// into s3:/

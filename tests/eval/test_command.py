@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from foundry.cli import main
+from foundry.eval.command import display_name
 from foundry.eval.metrics import MC_ACCURACY
 
 MC_ROWS = [{"query": f"Question {i}: pick", "choices": ["yes", "no"], "gold": i % 2} for i in range(6)]
@@ -80,6 +81,11 @@ def test_task_files_are_downloaded_on_first_use(icl_server, tiny_checkpoint, rep
     assert main(args) == 0
     assert "| copa/0-shot |" in capsys.readouterr().out
     assert "/local_data/commonsense_reasoning/copa.jsonl" in icl_server.requests
+
+
+def test_a_model_on_an_object_store_keeps_its_url_as_its_name() -> None:
+    assert display_name("s3://bucket/run/checkpoints") == "s3://bucket/run/checkpoints"
+    assert display_name("runs/x/") == "runs/x"
 
 
 def test_importing_the_evaluator_does_not_import_streaming() -> None:
