@@ -130,7 +130,7 @@ class TrainConfig:
     run_name: str | None = field(default=None, metadata=doc("default: $RUN_NAME, else foundry-<date>-<time>"))
     seed: int = field(default=17, metadata=doc("seed for weights, data order and dropout"))
     max_seq_len: int | None = field(
-        default=None, metadata=doc("for ${max_seq_len} references; the model and data have their own")
+        default=None, metadata=doc("for ${max_seq_len} references, and for a loader dataset that sets none")
     )
     model: dict[str, Any] = field(metadata=doc("'name' picks a registered model; other keys go to it"))
     tokenizer: TokenizerConfig = field(metadata=doc("tokenizer name and kwargs"))
@@ -208,11 +208,20 @@ class TrainConfig:
     icl_seq_len: int | None = field(
         default=None, metadata=doc("tokens per ICL row (none = max_seq_len, else model.max_seq_len)")
     )
+    icl_max_seq_len: int | None = field(default=None, metadata=doc("LLM Foundry's finetune spelling of icl_seq_len"))
+    dataset: dict[str, Any] | None = field(
+        default=None,
+        metadata=doc("no effect: LLM Foundry's finetune YAMLs keep a YAML anchor of the loaders' dataset here"),
+    )
 
     def __post_init__(self) -> None:
         if self.run_name is None:
             self.run_name = default_run_name()
         check_icl(self)
+        self.icl_seq_len = merge_alias(self.icl_seq_len, self.icl_max_seq_len, "icl_seq_len", "icl_max_seq_len")
+        for loader in (self.train_loader, self.eval_loader, *self.eval_loaders):  # a `<<:` merge may drop it
+            if loader is not None and self.max_seq_len is not None:
+                loader.dataset.setdefault("max_seq_len", self.max_seq_len)
         for section in ("model", "optimizer", "scheduler"):
             value = getattr(self, section)
             if value is not None and not value.get("name"):
@@ -228,6 +237,13 @@ class TrainConfig:
             raise ConfigError(f"'dist_timeout' is {self.dist_timeout}; it must be a positive number of seconds.")
         if self.eval_loader is not None and self.eval_loaders:
             raise ConfigError("Both 'eval_loader' and 'eval_loaders' are set; keep one (a list under 'eval_loader').")
+
+
+def merge_alias(value: Any, alias_value: Any, key: str, alias: str) -> Any:
+    """One key that LLM Foundry spells two ways: either may be set, or both to the same value."""
+    if alias_value is not None and value is not None and alias_value != value:
+        raise ConfigError(f"'{key}' is {value} and '{alias}' (the same setting) is {alias_value}; keep one.")
+    return value if value is not None else alias_value
 
 
 def check_eval_subset(eval_subset_num_batches: int) -> None:

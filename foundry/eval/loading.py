@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
-from transformers import AutoConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from foundry.config import TokenizerConfig
 from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint, resolve_checkpoint_path
@@ -21,7 +19,7 @@ from foundry.core.paths import is_object_store_url
 from foundry.data import load_tokenizer
 from foundry.errors import ConfigError
 from foundry.models.build import build_model
-from foundry.models.hf import HFCausalLM
+from foundry.models.hf import HFCausalLM, hf_context_length
 from foundry.schema import parse_dataclass
 
 
@@ -77,37 +75,9 @@ def build_model_entry(entry: Mapping[str, Any], key_path: str) -> LoadedModel:
 
 
 def _load_hf_directory(path: Path, name: str, attn_implementation: str | None) -> LoadedModel:
-    attn_implementation = attn_implementation or default_attn_implementation(path)
     model = HFCausalLM(pretrained_model_name_or_path=str(path), attn_implementation=attn_implementation)
     tokenizer = _tokenizer({"name": str(path)})
     return LoadedModel(name, model, tokenizer, hf_context_length(model.hf_config))
-
-
-# The names transformers' configs give the context length: MPT's (which foundry's to-hf writes), most
-# models', GPT-2's and GPT-Neo's, ChatGLM's, older GPTs'.
-CONTEXT_LENGTH_KEYS = ("max_seq_len", "max_position_embeddings", "n_positions", "seq_length", "n_ctx")
-
-
-def hf_context_length(hf_config: Any) -> int | None:
-    """The longest sequence a Hugging Face config says its model reads, or None if it says nothing."""
-    for key in CONTEXT_LENGTH_KEYS:
-        value = getattr(hf_config, key, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
-def default_attn_implementation(path: Path) -> str:
-    """``sdpa`` when transformers' class for the checkpoint at ``path`` implements it, else ``eager``.
-
-    Some built-in classes (``MptForCausalLM``, which ``foundry convert to-hf`` writes for MPT) have no
-    SDPA path, and transformers refuses to build them with it.
-    """
-    try:
-        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(path))]
-    except (KeyError, ValueError, OSError):
-        return "sdpa"  # not a built-in causal LM: HFCausalLM reports what is wrong with it
-    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
 def _tokenizer(section: Mapping[str, Any]) -> Any:
