@@ -53,6 +53,9 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
     optimizer_factory = component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",))
     check_hyperparameters(optimizer_factory.keywords)
     tokenizer = build_tokenizer(cfg.tokenizer)
+    for callback in callbacks:  # what saves a model folder saves its tokenizer too (hf_checkpointer)
+        if hasattr(callback, "tokenizer") and callback.tokenizer is None:
+            callback.tokenizer = tokenizer
     callbacks += build_icl_eval(cfg, tokenizer)
     train_dataloader = build_dataloader(cfg.train_loader, tokenizer, device_batch_size, "train_loader")
     eval_dataloaders = build_eval_dataloaders(cfg, tokenizer)
@@ -101,6 +104,7 @@ def check_config(cfg: TrainConfig) -> None:
     _check_checkpoint_paths(cfg)
     _check_adapters_only_base(cfg)
     _check_sections(cfg)
+    _check_packing(cfg)
     for source, sections, key in (
         (registry.callbacks, cfg.callbacks, "callbacks"),
         (registry.algorithms, cfg.algorithms, "algorithms"),
@@ -228,6 +232,23 @@ def _check_sections(cfg: TrainConfig) -> None:
             if name not in getattr(registry, section) and name in getattr(registry, other):
                 kind = "algorithm (it changes the run)" if other == "algorithms" else "callback (it observes the run)"
                 raise ConfigError(f"'{section}.{name}' is an {kind}: move it under '{other}'.")
+
+
+def _check_packing(cfg: TrainConfig) -> None:
+    """Packed finetuning rows need a model that masks attention between examples; hf_causal_lm cannot."""
+    if cfg.model.get("name") != "hf_causal_lm":
+        return
+    loaders = [("train_loader", cfg.train_loader), ("eval_loader", cfg.eval_loader)]
+    loaders += [(f"eval_loaders[{i}]", loader) for i, loader in enumerate(cfg.eval_loaders)]
+    for key, loader in loaders:
+        ratio = loader.dataset.get("packing_ratio") if loader is not None else None
+        if ratio not in (None, 1, 1.0):
+            raise ConfigError(
+                f"'{key}.dataset.packing_ratio' is {ratio!r}, which packs several examples per row, but hf_causal_lm "
+                "cannot keep packed examples from attending to each other (LLM Foundry lets them, so each example "
+                "sees the ones before it). Remove packing_ratio, or train mpt_causal_lm / llama_causal_lm with "
+                "attn_config.attn_uses_sequence_id: true, which mask them."
+            )
 
 
 def _reject_unimplemented(cfg: TrainConfig) -> None:

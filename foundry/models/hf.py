@@ -24,6 +24,7 @@ from foundry.errors import ConfigError, did_you_mean
 from foundry.models import flops
 from foundry.models.base import CausalLM
 from foundry.models.lora import LoraConfig, inject_lora, is_adapter_key, reset_lora_parameters
+from foundry.models.mpt import init_device
 from foundry.schema import parse_dataclass
 
 _KEY = "model"
@@ -40,7 +41,7 @@ class HFCausalLMConfig:
     # transformers' name: sdpa, eager, flash_attention_2, ...; None: sdpa where the model's class implements it,
     # else eager (LLM Foundry always defaults to eager, which refuses no model but is the slowest).
     attn_implementation: str | None = None
-    init_device: str = "cpu"
+    init_device: str = "cpu"  # 'cpu', 'meta', 'mixed' (cpu on each node's rank 0, meta elsewhere), ...
     use_flash_attention_2: bool = False  # LLM Foundry's spelling of attn_implementation: flash_attention_2
     # A Hub token (or true: the logged-in one) for gated models; with a local directory it does nothing.
     use_auth_token: bool | str | None = None
@@ -99,7 +100,7 @@ class HFCausalLM(CausalLM):
         hf_config = load_hf_config(self.config)
         self.hf_model = _build_hf_model(self.config, hf_config)
         # False once the weights are gone (init_device: meta, to_empty): then load_pretrained_weights() reads them.
-        self.holds_pretrained_weights = self.config.pretrained and self.config.init_device != "meta"
+        self.holds_pretrained_weights = self.config.pretrained and init_device(self.config.init_device).type != "meta"
         if self.config.peft_config is not None:
             inject_lora(self.hf_model, self.config.peft_config)
 
@@ -291,8 +292,8 @@ def _build_hf_model(config: HFCausalLMConfig, hf_config: Any) -> nn.Module:
                 attn_implementation=attn_implementation,
                 **_hub_kwargs(config),
             )
-            return model.to(config.init_device)
-        with torch.device(config.init_device):  # from_config reads no files: the Hub token has no use here
+            return model.to(init_device(config.init_device))
+        with init_device(config.init_device):  # from_config reads no files: the Hub token has no use here
             return AutoModelForCausalLM.from_config(
                 hf_config,
                 dtype=torch.float32,
