@@ -1,7 +1,7 @@
 """ICL eval throughput: examples/s per task of the light suite for a train YAML's model (random init), bf16.
 
     python benchmarks/icl_throughput.py --config yamls/pretrain/mpt-1b.yaml \
-        --tokenizer ../shared/data/tokenizers/gpt-neox-20b --data ../shared/data/icl --limit 200 --out results/
+        --tokenizer ../shared/data/tokenizers/gpt-neox-20b --limit 200 --out results/
 
 Throughput only: a randomly initialised model's accuracies are noise (printed to show every task ran).
 The first task's time includes no warm-up cost: one batch runs before timing starts.
@@ -10,9 +10,8 @@ The first task's time includes no warm-up cost: one batch runs before timing sta
 from __future__ import annotations
 
 import argparse
-import tempfile
+import os
 import time
-from pathlib import Path
 
 import torch
 from bench_utils import REPO_ROOT, model_from_yaml, write_results
@@ -20,6 +19,7 @@ from bench_utils import REPO_ROOT, model_from_yaml, write_results
 from foundry.eval.evaluator import ICLEvaluator
 from foundry.eval.gauntlet import primary_accuracy
 from foundry.eval.task_config import parse_icl_tasks
+from foundry.icl_data import ICL_DATA_ENV
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--config", default=str(REPO_ROOT / "yamls/pretrain/mpt-1b.yaml"))
     parser.add_argument("--tasks", default=str(REPO_ROOT / "yamls/eval/tasks_light.yaml"))
     parser.add_argument(
-        "--data", default=str(REPO_ROOT.parent / "shared/data/icl"), help="folder of the ICL jsonl files"
+        "--data", help="a copy of LLM Foundry's scripts/eval (or local_data) folder; default: download the files"
     )
     parser.add_argument("--tokenizer", default=str(REPO_ROOT.parent / "shared/data/tokenizers/gpt-neox-20b"))
     parser.add_argument("--limit", type=int, default=200, help="examples per task")
@@ -41,7 +41,9 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    tasks = parse_icl_tasks(_tasks_file(args.tasks, args.data))
+    if args.data:
+        os.environ[ICL_DATA_ENV] = args.data
+    tasks = parse_icl_tasks(args.tasks)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, _ = model_from_yaml(args.config, ["model.init_device=meta"])
     model.to_empty(device=device)
@@ -72,14 +74,6 @@ def main() -> None:
                  "examples_per_s": round(total_examples / total_s, 1)})  # fmt: skip
     print(f"prompt building and tokenization: {prepare_s:.1f} s for {total_examples} examples")
     write_results(args.out, "icl_throughput", rows)
-
-
-def _tasks_file(tasks_yaml: str, data: str) -> Path:
-    """The tasks YAML with its shared-data folder replaced by ``data`` (the suite's paths are relative)."""
-    text = Path(tasks_yaml).read_text().replace("../shared/data/icl", str(Path(data).resolve()))
-    path = Path(tempfile.mkdtemp()) / "tasks.yaml"
-    path.write_text(text)
-    return path
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from foundry.errors import FoundryError
+from foundry.errors import EXIT_CHECK_FAILED, FoundryError
 
 if TYPE_CHECKING:
     from foundry.config import TrainConfig
@@ -53,7 +53,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def run_train(args: argparse.Namespace) -> int:
     """Train in this process (one rank of a launched job, or alone), or launch ``--nproc`` ranks.
 
-    Returns 0 when the run finished, ``HANDED_OVER_EXIT_CODE`` (3) when a ``hand_over`` callback stopped it.
+    Returns 0 when the run finished, ``HANDED_OVER_EXIT_CODE`` (3) when a ``hand_over`` callback stopped it,
+    ``EXIT_CHECK_FAILED`` (1) when a ``reference_curve`` callback stopped it (foundry.errors).
     """
     from foundry.config import load_train_config
     from foundry.yaml_config import to_yaml
@@ -62,6 +63,9 @@ def run_train(args: argparse.Namespace) -> int:
     from foundry.distributed.process_group import launched_by_torchrun
 
     if args.print_config:
+        from foundry.config.build import check_config
+
+        check_config(cfg)  # what would stop the run before it builds anything stops the printout too
         print(to_yaml(cfg), end="")
         return 0
     if (args.nproc is not None or args.nnodes > 1) and not launched_by_torchrun():
@@ -73,6 +77,7 @@ def run_train(args: argparse.Namespace) -> int:
 def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
     from foundry import distributed
     from foundry.callbacks.hand_over import HANDED_OVER_EXIT_CODE, handed_over
+    from foundry.callbacks.reference_curve import stopped_outside_band
     from foundry.config.build import build_trainer
 
     if distributed.launched_by_torchrun():
@@ -90,6 +95,10 @@ def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
         if main_process:
             print(f"foundry: run '{cfg.run_name}' {trainer.state.stop_reason}; relaunch with autoresume: true")
         return HANDED_OVER_EXIT_CODE
+    if stopped_outside_band(trainer.engine.callbacks):
+        if main_process:
+            print(f"foundry: run '{cfg.run_name}' FAILED its reference check: {trainer.state.stop_reason}")
+        return EXIT_CHECK_FAILED
     if main_process:
         print(f"foundry: run '{cfg.run_name}' finished; metrics in {trainer.run_folder / 'metrics.jsonl'}")
     return 0
@@ -114,6 +123,7 @@ def train_epilog() -> str:
         "  They apply before ${...} interpolation, so variables.* overrides reach every reference:",
         "    foundry train yamls/quickstart.yaml max_duration=20ba optimizer.lr=3e-4",
         "    foundry train cfg.yaml variables.max_seq_len=256 optimizer.betas=[0.9,0.95] loggers.wandb={}",
+        "  callbacks.NAME=null (also algorithms., loggers.) drops a component the YAML lists.",
         "",
         "keys (type = default; an empty value in the YAML means the default):",
     ]

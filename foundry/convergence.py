@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from foundry.errors import DataError, FoundryError
+from foundry.errors import EXIT_CHECK_FAILED, EXIT_OK, DataError, FoundryError
 from foundry.plotting import figure_class, metrics_path, read_run
 
 TRAIN_LOSS = "loss/train/total"
@@ -33,6 +33,7 @@ EVAL_LOSS = "metrics/eval/loss"
 TOKENS = "trainer/tokens"
 DEFAULT_TOLERANCE = 0.02  # mean |Δ loss| per segment, nats (see the module docstring)
 DEFAULT_MAX_FACTOR = 5.0  # the largest single |Δ| may be this many tolerances (0.1 nats by default)
+MEASURABLE_NOISE = 1e-6  # train losses of two runs closer than this everywhere are the same run (float32 rounding)
 
 Curve = list[tuple[float, float]]  # (tokens, loss), by increasing tokens
 
@@ -181,7 +182,15 @@ def noise_tolerance(run_a: str | Path, run_b: str | Path) -> float:
     train = [segment for segment in comparison.segments if segment.metric == TRAIN_LOSS]
     if not train:
         raise DataError(f"{run_a} and {run_b} share no train loss to measure noise from.")
-    return max(2 * train[0].mean_abs_diff, 1e-6)
+    if train[0].max_abs_diff < MEASURABLE_NOISE:
+        raise DataError(
+            f"--noise {run_a} {run_b}: the two runs' train losses differ by at most {train[0].max_abs_diff:.2g} over "
+            f"{train[0].points} shared points, so they measure no noise and the band would be zero wide (any other "
+            "run would fail). They are the same "
+            "run, or a deterministic setup repeated exactly: give two runs that differ only where the runs you "
+            "compare will differ (another seed, another machine), or pass --tolerance."
+        )
+    return 2 * train[0].mean_abs_diff
 
 
 def report(comparison: Comparison) -> str:
@@ -249,7 +258,7 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    """Exit 0 when every run passes, 1 when one leaves the band."""
+    """``EXIT_OK`` (0) when every run passes, ``EXIT_CHECK_FAILED`` (1) when one leaves the band."""
     if args.tolerance is not None and args.noise:
         raise FoundryError("Give --tolerance or --noise, not both.")
     tolerance = noise_tolerance(*args.noise) if args.noise else args.tolerance or DEFAULT_TOLERANCE
@@ -261,5 +270,5 @@ def run_compare(args: argparse.Namespace) -> int:
     failed = [comparison.run for comparison in comparisons if not comparison.passed]
     if failed:
         print(f"foundry compare: {len(failed)} of {len(comparisons)} run(s) left the band.", file=sys.stderr)
-        return 1
-    return 0
+        return EXIT_CHECK_FAILED
+    return EXIT_OK

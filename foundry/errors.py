@@ -5,11 +5,17 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
+# What a `foundry` command's exit code means, the same for every command (docs/CONVERGENCE.md "Exit codes").
+EXIT_OK = 0  # done: the run finished, the check passed
+EXIT_CHECK_FAILED = 1  # a verdict is FAIL: `compare`, `eval --reference`, a `reference_curve` that stopped training
+EXIT_CONFIG_ERROR = 2  # a config or data error (a FoundryError): fix what the message names
+# 3: `hand_over` stopped the run to be relaunched (foundry.callbacks.hand_over.HANDED_OVER_EXIT_CODE)
+
 
 class FoundryError(Exception):
     """Base class for every error foundry raises on purpose."""
 
-    exit_code = 2  # of `foundry` commands that stop with it: a config or data error
+    exit_code = EXIT_CONFIG_ERROR  # of `foundry` commands that stop with it
 
 
 class ConfigError(FoundryError, ValueError):

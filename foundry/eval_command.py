@@ -1,6 +1,6 @@
 """``foundry eval``: ICL tasks on checkpoints, save_folders and Hugging Face directories, as one table.
 
-    foundry eval --model runs/quickstart/checkpoints --tasks yamls/eval/tasks_light.yaml
+    foundry eval --model runs/quickstart/checkpoints --tasks light     # LLM Foundry's tasks_light, fetched once
     foundry eval --compare REFERENCE_HF_DIR runs/mine/checkpoints --tasks T.yaml --gauntlet G.yaml --out cmp/
     foundry eval yamls/eval/eval_quickstart.yaml [key.path=value ...]      # LLM Foundry's eval YAML keys
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from dataclasses import field
 from pathlib import Path
@@ -20,15 +21,17 @@ import torch
 
 from foundry import distributed
 from foundry.core import seed_everything
+from foundry.core.paths import is_object_store_url
 from foundry.core.precision import PRECISIONS, Precision, check_precision
-from foundry.errors import ConfigError
+from foundry.errors import EXIT_CHECK_FAILED, EXIT_OK, ConfigError
 from foundry.eval.adapters import evaluate_adapters
 from foundry.eval.loading import build_model_entry, load_model
-from foundry.eval.reference import load_references, reference_table
+from foundry.eval.reference import deltas, load_references, reference_table, verdict
 from foundry.eval.report import markdown_table, write_reports
 from foundry.eval.runner import build_evaluator, score
 from foundry.eval.task_config import parse_gauntlet, parse_icl_tasks
-from foundry.eval.tasks import check_dataset_uris
+from foundry.eval.tasks import local_task_files
+from foundry.icl_data import ICL_DATA_ENV
 from foundry.schema import parse_dataclass
 from foundry.yaml_config import apply_overrides, load_yaml, resolve_interpolations
 
@@ -68,8 +71,20 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="CKPT",
         help="LoRA checkpoints evaluated in turn on the --model base",
     )
-    parser.add_argument("--tasks", help="tasks YAML holding icl_tasks: (replaces the config's)")
-    parser.add_argument("--gauntlet", help="YAML holding eval_gauntlet: (replaces the config's)")
+    parser.add_argument(
+        "--tasks",
+        metavar="YAML|NAME",
+        help="a YAML holding icl_tasks:, or LLM Foundry's list: light, v0.3, ... (replaces the config's)",
+    )
+    parser.add_argument(
+        "--gauntlet", metavar="YAML|NAME", help="a YAML holding eval_gauntlet:, or LLM Foundry's: v0.3, ..."
+    )
+    parser.add_argument(
+        "--icl-data",
+        metavar="DIR",
+        help=f"a copy of LLM Foundry's scripts/eval folder to read task files from instead of downloading them "
+        f"(same as {ICL_DATA_ENV}=DIR)",
+    )
     parser.add_argument("--out", metavar="DIR", help="write results.md/.csv/.json (and compare.png) here")
     parser.add_argument(
         "--reference",
@@ -91,6 +106,8 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_eval_config(args: argparse.Namespace) -> EvalConfig:
     """The YAML (if any) with overrides, then the command-line flags on top."""
+    if args.icl_data:  # through the environment, so that torchrun's ranks read the same copy
+        os.environ[ICL_DATA_ENV] = args.icl_data
     raw = apply_overrides(load_yaml(args.config), args.overrides) if args.config else {}
     where = args.config or "foundry eval"
     try:
@@ -120,8 +137,7 @@ def load_eval_config(args: argparse.Namespace) -> EvalConfig:
 def run_eval(args: argparse.Namespace) -> int:
     cfg = load_eval_config(args)
     references = load_references(args.reference) if args.reference else []  # checked before a model loads
-    tasks = parse_icl_tasks(cfg.icl_tasks)  # every task key and file is checked before a model loads
-    check_dataset_uris(tasks)
+    tasks = local_task_files(parse_icl_tasks(cfg.icl_tasks))  # every key and file checked (fetched) before a model
     gauntlet = parse_gauntlet(cfg.eval_gauntlet) if cfg.eval_gauntlet is not None else None
     if distributed.launched_by_torchrun():
         distributed.init_process_group()
@@ -136,6 +152,7 @@ def run_eval(args: argparse.Namespace) -> int:
             results = [evaluate_source(source, tasks, gauntlet, cfg, device) for source in sources]
     finally:
         distributed.destroy_process_group()
+    passed = [verdict(deltas(model_results, reference))[0] for model_results in results for reference in references]
     if distributed.get_rank() == 0:
         compare = bool(args.compare)
         print(markdown_table(results, deltas=compare), end="")
@@ -145,7 +162,10 @@ def run_eval(args: argparse.Namespace) -> int:
         if args.out:
             for path in write_reports(results, args.out, deltas=compare):
                 print(f"foundry: wrote {path}", file=sys.stderr)
-    return 0
+        if passed:
+            word = "PASS" if all(passed) else "FAIL"
+            print(f"\n{word}: {passed.count(True)} of {len(passed)} reference checks passed")
+    return EXIT_OK if all(passed) else EXIT_CHECK_FAILED
 
 
 def evaluate_source(source: Any, tasks: list, gauntlet: Any, cfg: EvalConfig, device: Any) -> Any:
@@ -158,11 +178,11 @@ def evaluate_source(source: Any, tasks: list, gauntlet: Any, cfg: EvalConfig, de
     model = loaded.model.to(device)
     results = score(evaluator, model, loaded.name, gauntlet, cfg, device)
     del model, loaded
-    return dataclasses.replace(results, name=_display_name(source))
+    return dataclasses.replace(results, name=display_name(source))
 
 
-def _display_name(source: Any) -> str:
+def display_name(source: Any) -> str:
     if isinstance(source, tuple):
         entry = source[0]
         return str(entry.get("model_name") or entry["model"].get("name"))
-    return str(Path(source))
+    return source if is_object_store_url(source) else str(Path(source))  # Path() would make s3:// into s3:/

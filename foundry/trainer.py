@@ -37,6 +37,7 @@ from foundry.core import (
     seed_everything,
 )
 from foundry.core.cuda_allocator import apply_allocator_settings
+from foundry.core.paths import public_location
 from foundry.core.precision import autocast, check_precision, compute_dtype, grad_scaler
 from foundry.core.time import positive_time
 from foundry.distributed.config import FSDPConfig
@@ -186,7 +187,7 @@ class Trainer:
         )
         if path is not None:
             self.checkpoints.loaded(path)
-            self.logger.log_text(f"Loaded checkpoint {path} at batch {self.state.timestamp.batch}.")
+            self.logger.log_text(f"Loaded checkpoint {public_location(path)} at batch {self.state.timestamp.batch}.")
 
     # ------------------------------------------------------------------------------------- fit
     def fit(self) -> None:

@@ -57,8 +57,16 @@ def _copy_tree(value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------- overrides
+# Maps of registered components: in the file, ``speed_monitor:`` with no value means "no arguments" (LLM
+# Foundry's YAMLs write it), so an override ``callbacks.speed_monitor=null`` is the way to drop one.
+COMPONENT_SECTIONS = ("callbacks", "algorithms", "loggers")
+
+
 def apply_overrides(cfg: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """A copy of ``cfg`` with each ``key.path=value`` set; the value is read as YAML (``[0.9,0.95]``, ``{}``)."""
+    """A copy of ``cfg`` with each ``key.path=value`` set; the value is read as YAML (``[0.9,0.95]``, ``{}``).
+
+    ``callbacks.NAME=null`` (also under ``algorithms`` and ``loggers``) removes that component.
+    """
     updated = _copy_tree(dict(cfg))
     for override in overrides:
         key_path, sep, text = override.partition("=")
@@ -73,7 +81,13 @@ def apply_overrides(cfg: Mapping[str, Any], overrides: Sequence[str]) -> dict[st
             raise ConfigError(
                 f"Cannot read the value of override '{override}' as YAML; quote it if it is text."
             ) from None
-        _set_path(updated, key_path.strip().split("."), value, override)
+        parts = key_path.strip().split(".")
+        if value is None and len(parts) == 2 and parts[0] in COMPONENT_SECTIONS:
+            section = updated.get(parts[0])
+            if isinstance(section, dict):
+                section.pop(parts[1], None)
+            continue
+        _set_path(updated, parts, value, override)
     return updated
 
 

@@ -3,11 +3,14 @@ logger that records what it is given, one event at a time)."""
 
 from __future__ import annotations
 
+import http.server
 import logging
 import os
 import random
 import secrets
+import threading
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +33,68 @@ def _fixed_seeds() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _no_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test reaches GitHub for ICL files: those that fetch use ``icl_server`` (a port nothing listens on here)."""
+    monkeypatch.setenv("FOUNDRY_ICL_URL", "http://127.0.0.1:9")
+    monkeypatch.delenv("FOUNDRY_ICL_DATA", raising=False)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """``../shared/data``; tests that use it skip cleanly when it is absent."""
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data folder {SHARED_DATA} is absent")
     return SHARED_DATA
+
+
+@pytest.fixture
+def icl_copy(shared_data: Path, tmp_path: Path) -> Path:
+    """A folder laid out as LLM Foundry's ``scripts/eval`` (``local_data/``, ``yamls/``) over the shared ICL files."""
+    folder = tmp_path / "llm-foundry-eval"
+    folder.mkdir()
+    (folder / "local_data").symlink_to(shared_data / "icl")
+    (folder / "yamls").symlink_to(shared_data / "icl" / "reference")
+    return folder
+
+
+@dataclass
+class ICLServer:
+    url: str
+    root: Path  # what it serves: a copy of LLM Foundry's scripts/eval folder
+    requests: list[str]  # the paths asked for, in order
+
+
+@pytest.fixture
+def icl_server(icl_copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[ICLServer]:
+    """An HTTP server on 127.0.0.1 serving ``icl_copy`` as LLM Foundry's repository would; foundry.icl_data is
+    pointed at it (``FOUNDRY_ICL_URL``), with an empty cache (``FOUNDRY_CACHE_DIR``)."""
+    requests: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, directory=str(icl_copy), **kwargs)
+
+        def do_GET(self) -> None:
+            requests.append(self.path)
+            super().do_GET()
+
+        def log_message(self, *args: Any) -> None:  # keep the test output clean
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv("FOUNDRY_ICL_URL", url)
+    monkeypatch.setenv("FOUNDRY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("FOUNDRY_ICL_DATA", raising=False)
+    try:
+        yield ICLServer(url, icl_copy, requests)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
 
 
 @pytest.fixture

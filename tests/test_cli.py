@@ -79,6 +79,16 @@ def test_print_config_prints_resolved_yaml_with_overrides(config_path: Path, cap
     assert printed["max_duration"] == "2ba" and printed["seed"] == 17 and "variables" not in printed
 
 
+def test_print_config_runs_the_checks_of_a_run(config_path: Path, tmp_path: Path, capsys) -> None:
+    typo = ["--print-config", "callbacks={speed_monitor: {windw_size: 5}}"]
+    assert cli.main(["train", str(config_path), *typo]) == 2
+    assert "callbacks.speed_monitor" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("")
+    unwritable = ["--print-config", f"save_folder={tmp_path / 'a-file' / 'checkpoints'}"]
+    assert cli.main(["train", str(config_path), *unwritable]) == 2
+    assert "save_folder" in capsys.readouterr().err
+
+
 def test_override_that_looks_like_an_option_is_rejected(config_path: Path) -> None:
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["train", str(config_path), "--bogus"])
@@ -126,6 +136,23 @@ def test_train_runs_fit_and_says_where_the_run_is(
     assert code == 0
     assert (tmp_path / "cli-test" / "metrics.jsonl").is_file()
     assert f"metrics in {tmp_path / 'cli-test'}" in capsys.readouterr().out
+
+
+def test_train_stopped_by_reference_curve_exits_1(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import json
+
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    rows = [{"step": step, "loss/train/total": 0.01, "trainer/tokens": step * 64} for step in range(1, 5)]
+    (reference / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))  # far below any loss
+    monkeypatch.setattr(builders, "load_tokenizer", lambda name, **kwargs: None)
+    overrides = ["model.name=test_cli_lm", "train_loader.name=test_cli_loader", f"run_folder={tmp_path}/{{run_name}}"]
+    overrides += ["precision=fp32", "device=cpu", "log_to_console=false", "expandable_segments=false"]
+    overrides += [f"callbacks={{reference_curve: {{reference: {reference}, action: stop}}}}"]
+    assert cli.main(["train", str(write_config(tmp_path)), *overrides]) == 1
+    assert "FAILED its reference check: reference_curve: at batch" in capsys.readouterr().out
 
 
 def test_plot_command_draws_runs_side_by_side(tmp_path) -> None:

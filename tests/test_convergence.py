@@ -110,6 +110,14 @@ def test_noise_runs_give_twice_their_mean_difference(tmp_path) -> None:
     assert noise_tolerance(a, b) == pytest.approx(0.02)
 
 
+def test_noise_from_two_identical_runs_is_refused(tmp_path) -> None:
+    a = write_run(tmp_path / "a", [(step, step * 10, 5.0 - step / 10) for step in range(1, 5)])
+    b = write_run(tmp_path / "b", [(step, step * 10, 5.0 - step / 10) for step in range(1, 5)])
+    with pytest.raises(DataError, match="measure no noise"):
+        noise_tolerance(a, b)
+    assert main(["compare", str(a), str(b), "--noise", str(a), str(b)]) == 2
+
+
 def test_the_command_exits_0_on_a_pass_and_1_on_a_failure_and_draws_the_band(real_runs, tmp_path) -> None:
     png = tmp_path / "band.png"
     assert main(["compare", str(real_runs["a"]), str(real_runs["again"]), "-o", str(png)]) == 0

@@ -14,6 +14,7 @@ from foundry.callbacks.optimizer_monitor import grad_norm_of_batch
 from foundry.core.algorithm import Algorithm
 from foundry.core.event import Event
 from foundry.core.logger import Logger
+from foundry.core.paths import public_location
 from foundry.core.state import State
 from foundry.errors import ConfigError, TrainingError
 
@@ -128,7 +129,8 @@ class NanGuard(Algorithm):
 
     def _stop_message(self, state: State, batch: int, culprit: str, loss: float, grad_norm: float) -> str:
         norm_text = f"grad norm {grad_norm:.4g}" if self._checks_grads(state) else "grad norm not checked"
-        checkpoint = f" The newest checkpoint is {state.last_checkpoint_path}." if state.last_checkpoint_path else ""
+        newest = state.last_checkpoint_path
+        checkpoint = f" The newest checkpoint is {public_location(newest)}." if newest else ""
         return (
             f"nan_guard: the {culprit} became non-finite at batch {batch} (loss {loss:.4g}, {norm_text}). "
             f"Training stopped before the optimizer step: no weights changed and no checkpoint holds batch "

@@ -2,6 +2,7 @@
 
 from foundry.callbacks.early_stopping import EarlyStopper, ThresholdStopper
 from foundry.callbacks.hand_over import HandOver
+from foundry.callbacks.hf_checkpointer import HFCheckpointer
 from foundry.callbacks.lr_monitor import LRMonitor
 from foundry.callbacks.memory_monitor import MemoryMonitor
 from foundry.callbacks.memory_snapshot import MemorySnapshot
@@ -13,6 +14,7 @@ from foundry.callbacks.speed_monitor import SpeedMonitor, TrainClock
 
 __all__ = [
     "EarlyStopper",
+    "HFCheckpointer",
     "HandOver",
     "LRMonitor",
     "MemoryMonitor",

@@ -2,7 +2,8 @@
 
 What a user wants after moving a run to new hardware (``hand_over``), a new precision or a new version:
 the reference is a finished (or longer) run of the same model and data, read from its metrics.jsonl;
-``foundry compare`` gives the same verdict afterwards, for the whole curve.
+``foundry compare`` gives the same verdict afterwards, for the whole curve. A run that ``action: stop``
+ended exits ``foundry train`` with ``EXIT_CHECK_FAILED`` (1), as a failed ``foundry compare`` does.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class ReferenceCurve(Callback):
         self.interval = Interval(interval)
         self.outside = False
         self.excursions: list[int] = []  # the batches at which the run left the band
+        self.stopped_at: int | None = None  # the batch at which action 'stop' ended this launch
 
     def batch_start(self, state: State, logger: Logger) -> None:
         self.interval.mark(state)
@@ -99,6 +101,7 @@ class ReferenceCurve(Callback):
         logger.log_text(text)
         if self.action == "stop":
             state.stop_reason = text
+            self.stopped_at = batch
         else:
             warnings.warn(text, stacklevel=2)
 
@@ -108,3 +111,8 @@ class ReferenceCurve(Callback):
     def load_state_dict(self, state: dict) -> None:
         self.outside = bool(state.get("outside", False))
         self.excursions = [int(batch) for batch in state.get("excursions", [])]
+
+
+def stopped_outside_band(callbacks: list[Callback]) -> bool:
+    """Whether a ``ReferenceCurve`` among ``callbacks`` stopped this launch (the run left the reference's band)."""
+    return any(isinstance(callback, ReferenceCurve) and callback.stopped_at is not None for callback in callbacks)

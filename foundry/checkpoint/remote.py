@@ -13,11 +13,9 @@ checkpoint into the local copy and verifies it against its manifest, as for a lo
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import shutil
 import tempfile
-import urllib.parse
 from collections import defaultdict
 from pathlib import Path
 
@@ -39,21 +37,11 @@ from foundry.checkpoint.layout import (
     set_aside,
 )
 from foundry.checkpoint.object_store import ObjectStore, object_store
+from foundry.core.paths import local_copy
 from foundry.distributed.env import all_gather_object, get_local_rank
 from foundry.errors import CheckpointError, DamagedCheckpointError
 
 log = logging.getLogger(__name__)
-
-CACHE_ENV = "FOUNDRY_CACHE_DIR"
-
-
-def local_copy(url: str) -> Path:
-    """The local folder mirroring object-store folder ``url``: checkpoints are written there, then uploaded,
-    and downloaded there to be loaded. ``$FOUNDRY_CACHE_DIR/object_stores/<scheme>/<bucket>/<path>``
-    (default ``~/.cache/foundry``)."""
-    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "foundry")
-    parsed = urllib.parse.urlparse(url)
-    return root / "object_stores" / parsed.scheme / parsed.netloc / parsed.path.strip("/")
 
 
 # --------------------------------------------------------------------------------- what is there

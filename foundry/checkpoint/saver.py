@@ -14,7 +14,6 @@ from foundry import distributed
 from foundry.checkpoint.find import latest_checkpoint
 from foundry.checkpoint.object_store import ObjectStore, object_store
 from foundry.checkpoint.remote import (
-    local_copy,
     prune_store,
     publish_local_copies,
     published_checkpoints,
@@ -24,7 +23,7 @@ from foundry.checkpoint.remote import (
 from foundry.checkpoint.save import PendingCheckpoint, complete_publish, remove_temporaries, start_checkpoint
 from foundry.checkpoint.uploader import CheckpointUploader
 from foundry.core import Engine, Event
-from foundry.core.paths import check_writable_folder, is_object_store_url
+from foundry.core.paths import check_writable_folder, is_object_store_url, local_copy
 from foundry.distributed.env import all_gather_object
 from foundry.errors import CheckpointError, CheckpointUploadError
 

@@ -38,7 +38,7 @@ class TrainConfig(RunConfig, CheckpointConfig, EvalConfig, ConsoleConfig):
     """Everything ``foundry train`` reads from a YAML; names and meanings follow LLM Foundry."""
 
     max_seq_len: int | None = field(
-        default=None, metadata=doc("for ${max_seq_len} references; the model and data have their own")
+        default=None, metadata=doc("for ${max_seq_len} references, and for a loader dataset that sets none")
     )
     model: dict[str, Any] = field(metadata=doc("'name' picks a registered model; other keys go to it"))
     tokenizer: TokenizerConfig = field(metadata=doc("tokenizer name and kwargs"))
@@ -65,12 +65,21 @@ class TrainConfig(RunConfig, CheckpointConfig, EvalConfig, ConsoleConfig):
     python_log_level: Literal["debug", "info", "warning", "error", "critical"] | None = field(
         default="debug", metadata=doc("level of the 'foundry' Python logger")
     )
+    icl_max_seq_len: int | None = field(default=None, metadata=doc("LLM Foundry's finetune spelling of icl_seq_len"))
+    dataset: dict[str, Any] | None = field(
+        default=None,
+        metadata=doc("no effect: LLM Foundry's finetune YAMLs keep a YAML anchor of the loaders' dataset here"),
+    )
 
     def __post_init__(self) -> None:
         for section in TRAINER_SECTIONS:
             section.__post_init__(self)
+        self.icl_seq_len = merge_alias(self.icl_seq_len, self.icl_max_seq_len, "icl_seq_len", "icl_max_seq_len")
         if self.icl_seq_len is None:
             self.icl_seq_len = self.max_seq_len
+        for loader in (self.train_loader, self.eval_loader, *self.eval_loaders):  # a `<<:` merge may drop it
+            if loader is not None and self.max_seq_len is not None:
+                loader.dataset.setdefault("max_seq_len", self.max_seq_len)
         for name in ("model", "optimizer", "scheduler"):
             value = getattr(self, name)
             if value is not None and not value.get("name"):
@@ -90,6 +99,13 @@ def trainer_settings(cfg: TrainConfig) -> dict[str, Any]:
     return {
         field.name: getattr(cfg, field.name) for section in TRAINER_SECTIONS for field in dataclasses.fields(section)
     }
+
+
+def merge_alias(value: Any, alias_value: Any, key: str, alias: str) -> Any:
+    """One key that LLM Foundry spells two ways: either may be set, or both to the same value."""
+    if alias_value is not None and value is not None and alias_value != value:
+        raise ConfigError(f"'{key}' is {value} and '{alias}' (the same setting) is {alias_value}; keep one.")
+    return value if value is not None else alias_value
 
 
 # ------------------------------------------------------------------------------------ loading

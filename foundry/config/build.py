@@ -40,14 +40,11 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
         cfg: the typed config (``foundry.config.load_train_config``).
         resolved: the resolved YAML, stored in checkpoints and sent to loggers (default: ``cfg`` as a dict).
     """
-    _check_hand_over(cfg)
-    _check_checkpoint_paths(cfg)
-    _check_adapters_only_base(cfg)
+    check_config(cfg)
     device_batch_size = device_train_batch_size(cfg.global_train_batch_size, env.get_world_size())
     if cfg.device:
         torch_device(cfg.device)
     # Cheapest first, the model last: a typo or a missing data folder fails before a big model is built.
-    _check_sections(cfg)
     callbacks = build_components(registry.callbacks, cfg.callbacks, "callbacks")
     algorithms = build_components(registry.algorithms, cfg.algorithms, "algorithms")
     loggers = build_components(registry.loggers, cfg.loggers, "loggers")
@@ -73,6 +70,28 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
         config=dict(resolved) if resolved is not None else config_to_dict(cfg),
         **trainer_settings(cfg),
     )
+
+
+def check_config(cfg: TrainConfig) -> None:
+    """The checks of ``build_trainer`` that build nothing: values that cannot work, paths, every component's
+    name and arguments. ``foundry train --print-config`` runs them too."""
+    _check_hand_over(cfg)
+    _check_checkpoint_paths(cfg)
+    _check_adapters_only_base(cfg)
+    _check_sections(cfg)
+    _check_packing(cfg)
+    for source, sections, key in (
+        (registry.callbacks, cfg.callbacks, "callbacks"),
+        (registry.algorithms, cfg.algorithms, "algorithms"),
+        (registry.loggers, cfg.loggers, "loggers"),
+    ):
+        for name, kwargs in sections.items():
+            bound_component(source, name, kwargs, f"{key}.{name}")
+    if cfg.scheduler:
+        component_factory(registry.schedulers, cfg.scheduler, "scheduler")
+    if cfg.optimizer:
+        optimizer = component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",))
+        check_hyperparameters(optimizer.keywords)
 
 
 def torch_device(name: str) -> Any:
@@ -158,6 +177,23 @@ def _check_sections(cfg: TrainConfig) -> None:
             if name not in getattr(registry, section) and name in getattr(registry, other):
                 kind = "algorithm (it changes the run)" if other == "algorithms" else "callback (it observes the run)"
                 raise ConfigError(f"'{section}.{name}' is an {kind}: move it under '{other}'.")
+
+
+def _check_packing(cfg: TrainConfig) -> None:
+    """Packed finetuning rows need a model that masks attention between examples; hf_causal_lm cannot."""
+    if cfg.model.get("name") != "hf_causal_lm":
+        return
+    loaders = [("train_loader", cfg.train_loader), ("eval_loader", cfg.eval_loader)]
+    loaders += [(f"eval_loaders[{i}]", loader) for i, loader in enumerate(cfg.eval_loaders)]
+    for key, loader in loaders:
+        ratio = loader.dataset.get("packing_ratio") if loader is not None else None
+        if ratio not in (None, 1, 1.0):
+            raise ConfigError(
+                f"'{key}.dataset.packing_ratio' is {ratio!r}, which packs several examples per row, but hf_causal_lm "
+                "cannot keep packed examples from attending to each other (LLM Foundry lets them, so each example "
+                "sees the ones before it). Remove packing_ratio, or train mpt_causal_lm / llama_causal_lm with "
+                "attn_config.attn_uses_sequence_id: true, which mask them."
+            )
 
 
 def _check_checkpoint_paths(cfg: TrainConfig) -> None:

@@ -39,7 +39,7 @@ def add_to_hf_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_to_hf(args: argparse.Namespace) -> int:
-    out_dir = _check_out_dir(Path(args.out_dir), args.overwrite)
+    out_dir = check_out_dir(Path(args.out_dir), args.overwrite)
     folder, config = resolve_checkpoint(args.checkpoint)
     family = config["model"]["name"]
     _refuse_lora(config["model"], folder)
@@ -61,7 +61,7 @@ def run_to_hf(args: argparse.Namespace) -> int:
         hf_model.save_pretrained(tmp_dir)  # safetensors (the only format transformers 5 writes)
         tokenizer.save_pretrained(tmp_dir)
 
-    _write_atomically(out_dir, write)
+    write_atomically(out_dir, write)
     print(f"foundry: wrote {type(hf_model).__name__} ({args.dtype}) and its tokenizer to {out_dir} (from {folder})")
     return 0
 
@@ -94,11 +94,12 @@ def _refuse_lora(section: dict[str, Any], folder: Path) -> None:
         )
 
 
-def to_hf_model(model: nn.Module, family: str) -> nn.Module:
-    """The ``transformers`` model holding ``model``'s weights (shared where names map one to one)."""
+def to_hf_model(model: nn.Module, family: str, state_dict: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """The ``transformers`` model holding ``model``'s weights, or those of ``state_dict`` (its keys) when given;
+    tensors are shared where names map one to one."""
     adapter = adapter_for_family(family)
     hf_config = adapter.to_hf_config(model)
-    hf_state = adapter.to_hf_state_dict(model.state_dict(), model)
+    hf_state = adapter.to_hf_state_dict(model.state_dict() if state_dict is None else state_dict, model)
     with torch.device("meta"):  # no random init of weights about to be replaced (an 8B model is 32 GB)
         hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     return assign_weights(hf_model, hf_state, f"{family} to {type(hf_model).__name__}").eval()
@@ -167,13 +168,13 @@ def _hf_tokenizer(hf_dir: Path) -> Any:
 
 
 # ----------------------------------------------------------------------------------- helpers
-def _check_out_dir(out_dir: Path, overwrite: bool) -> Path:
+def check_out_dir(out_dir: Path, overwrite: bool) -> Path:
     if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite):
         raise ConfigError(f"{out_dir} exists and is not empty; pass --overwrite to replace it, or choose another.")
     return out_dir
 
 
-def _write_atomically(out_dir: Path, write: Callable[[Path], None]) -> None:
+def write_atomically(out_dir: Path, write: Callable[[Path], None]) -> None:
     """Run ``write(tmp_dir)`` beside ``out_dir``, then move the result into place: no half-written export."""
     tmp_dir = out_dir.parent / f".tmp-{out_dir.name}-{secrets.token_hex(4)}"
     out_dir.parent.mkdir(parents=True, exist_ok=True)

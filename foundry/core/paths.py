@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import urllib.parse
 from pathlib import Path
 
 from foundry.errors import ConfigError, FoundryError
@@ -14,6 +15,32 @@ _URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # Object stores a save_folder or load_path may name: those whose uploaders and downloaders ship with
 # mosaicml-streaming, each with the optional extra that installs its SDK.
 OBJECT_STORE_EXTRAS = {"s3": "s3", "gs": "gcs", "oci": "oci", "azure": "azure"}
+
+CACHE_ENV = "FOUNDRY_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """Where foundry keeps what it downloads: ``$FOUNDRY_CACHE_DIR``, default ``~/.cache/foundry``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "foundry")
+
+
+def local_copy(url: str) -> Path:
+    """The local folder mirroring object-store folder ``url``: checkpoints are written there, then uploaded,
+    and downloaded there to be loaded. ``$FOUNDRY_CACHE_DIR/object_stores/<scheme>/<bucket>/<path>``
+    (default ``~/.cache/foundry``)."""
+    parsed = urllib.parse.urlparse(url)
+    return cache_dir() / "object_stores" / parsed.scheme / parsed.netloc / parsed.path.strip("/")
+
+
+def public_location(path: str | Path) -> str:
+    """Where a user finds ``path``: the object-store URL of a folder in a store's local copy (the inverse of
+    ``local_copy``), else the path itself. For messages only: code reads and writes the local copy."""
+    try:
+        relative = Path(path).resolve().relative_to((cache_dir() / "object_stores").resolve())
+    except ValueError:
+        return str(path)
+    scheme, bucket, *rest = relative.parts
+    return f"{scheme}://{bucket}/{'/'.join(rest)}"
 
 
 def url_scheme(path: str | None) -> str | None:

@@ -2,7 +2,7 @@
 
 Example::
 
-    evaluator = ICLEvaluator(parse_icl_tasks("yamls/eval/tasks_light.yaml"), tokenizer, seq_len=1024, batch_size=16)
+    evaluator = ICLEvaluator(parse_icl_tasks("light"), tokenizer, seq_len=1024, batch_size=16)
     results = evaluator.evaluate(model, precision="amp_bf16")   # {"arc_easy/3-shot": {metric: value}, ...}
 
 Results are keyed ``<label>/<num_fewshot>-shot`` (``/<category>`` appended for ``has_categories``
@@ -30,7 +30,7 @@ from foundry.eval.metrics import GenerationAccuracy, LanguageModelingAccuracy, M
 from foundry.eval.prompts import answer_texts, build_prompts
 from foundry.eval.scoring import ContinuationScores, score_continuations
 from foundry.eval.task_config import ICLTaskConfig
-from foundry.eval.tasks import check_dataset_uris, read_rows, split_by_category
+from foundry.eval.tasks import local_task_files, read_rows, split_by_category
 from foundry.models.generation import greedy_generate
 
 # Generated chains of thought may run a little longer than the longest one in the data (LLM Foundry's margin).
@@ -74,7 +74,7 @@ class ICLEvaluator:
         if self.pad_token_id is None:
             raise ValueError("The ICL tokenizer needs a pad or eos token to pad batches.")
         prefix_space = needs_prefix_space(tokenizer)
-        check_dataset_uris(tasks)  # a wrong path fails now, not after the tasks before it are tokenized
+        tasks = local_task_files(tasks)  # a wrong path fails now, not after the tasks before it are tokenized
         self.subtasks = [
             subtask
             for task in tasks

@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from torch import nn
-from transformers import AutoConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint, resolve_checkpoint_path
 from foundry.core.paths import is_object_store_url
@@ -21,7 +19,7 @@ from foundry.data import load_tokenizer
 from foundry.data.config import TokenizerConfig
 from foundry.errors import ConfigError
 from foundry.models.build import build_model
-from foundry.models.hf import HFCausalLM
+from foundry.models.hf import HFCausalLM, hf_context_length
 from foundry.schema import parse_dataclass
 
 
@@ -77,23 +75,9 @@ def build_model_entry(entry: Mapping[str, Any], key_path: str) -> LoadedModel:
 
 
 def _load_hf_directory(path: Path, name: str, attn_implementation: str | None) -> LoadedModel:
-    attn_implementation = attn_implementation or default_attn_implementation(path)
     model = HFCausalLM(pretrained_model_name_or_path=str(path), attn_implementation=attn_implementation)
     tokenizer = _tokenizer({"name": str(path)})
-    return LoadedModel(name, model, tokenizer, getattr(model.hf_config, "max_position_embeddings", None))
-
-
-def default_attn_implementation(path: Path) -> str:
-    """``sdpa`` when transformers' class for the checkpoint at ``path`` implements it, else ``eager``.
-
-    Some built-in classes (``MptForCausalLM``, which ``foundry convert to-hf`` writes for MPT) have no
-    SDPA path, and transformers refuses to build them with it.
-    """
-    try:
-        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(path))]
-    except (KeyError, ValueError, OSError):
-        return "sdpa"  # not a built-in causal LM: HFCausalLM reports what is wrong with it
-    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+    return LoadedModel(name, model, tokenizer, hf_context_length(model.hf_config))
 
 
 def _tokenizer(section: Mapping[str, Any]) -> Any:
@@ -102,11 +86,11 @@ def _tokenizer(section: Mapping[str, Any]) -> Any:
 
 
 def _max_seq_len(model: nn.Module) -> int | None:
-    config = getattr(model, "config", None)
-    value = getattr(config, "max_seq_len", None) or getattr(
-        getattr(model, "hf_config", None), "max_position_embeddings", None
-    )
-    return value if isinstance(value, int) else None
+    value = getattr(getattr(model, "config", None), "max_seq_len", None)
+    if isinstance(value, int):
+        return value
+    hf_config = getattr(model, "hf_config", None)
+    return hf_context_length(hf_config) if hf_config is not None else None
 
 
 def _checkpoint_name(given: Path, folder: Path) -> str:

@@ -11,7 +11,9 @@ A reference file lists, per reference model, the scores of its tasks and where e
 Each of the evaluated model's subtasks that a reference lists is reported with its delta and, for an
 accuracy, whether the delta is within sampling noise: two binomial standard errors of the reference's
 accuracy over the examples the subtask scored, ``2 * sqrt(p (1 - p) / n)`` (a 95% interval for a model
-of the reference's true accuracy). ``yamls/eval/reference_scores.yaml`` holds scores foundry measured for
+of the reference's true accuracy). The verdict is PASS when every such accuracy is within noise (and
+there is at least one), else FAIL: ``foundry eval --reference`` then exits ``EXIT_CHECK_FAILED`` (1).
+``yamls/eval/reference_scores.yaml`` holds scores foundry measured for
 its own quickstart model, with the command.
 """
 
@@ -106,4 +108,15 @@ def reference_table(results: ModelResults, reference: ReferenceModel) -> str:
         )
     if not rows:
         lines.append("| (no task in common) | | | | | | |")
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", verdict(rows)[1]]) + "\n"
+
+
+def verdict(rows: list[ReferenceDelta]) -> tuple[bool, str]:
+    """Whether every accuracy is within noise of the reference's (and one was checked), and a line saying so."""
+    judged = [row for row in rows if row.within_noise is not None]
+    outside = [row.task for row in judged if not row.within_noise]
+    if not judged:
+        return False, "FAIL: no accuracy in common with the reference, so nothing was checked."
+    if outside:
+        return False, f"FAIL: {len(outside)} of {len(judged)} accuracies outside the noise: {', '.join(outside)}."
+    return True, f"PASS: {len(judged)} of {len(judged)} accuracies within the noise."

@@ -1,7 +1,8 @@
 """The ICL eval's config: LLM Foundry's ``icl_tasks`` entries and ``eval_gauntlet`` categories, typed.
 
-A train or eval YAML holds either the list / mapping itself or the path of a YAML file holding
-``icl_tasks:`` / ``eval_gauntlet:``; relative ``dataset_uri`` paths resolve against the current
+A train or eval YAML holds either the list / mapping itself, the path of a YAML file holding
+``icl_tasks:`` / ``eval_gauntlet:``, or the name of one of LLM Foundry's lists (``light``, ``v0.3``:
+foundry.icl_data fetches them); relative ``dataset_uri`` paths resolve against the current
 directory, as in LLM Foundry. ``foundry.eval`` reads the rows and scores them.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from foundry.errors import ConfigError
+from foundry.icl_data import task_list_path
 from foundry.schema import parse_dataclass
 from foundry.yaml_config import yaml_section
 
@@ -54,7 +56,7 @@ def parse_icl_tasks(
     if isinstance(value, str | Path):
         source = str(value)
         try:
-            value = yaml_section(value, "icl_tasks")
+            value = yaml_section(task_list_path(value, "icl_tasks"), "icl_tasks")
         except ConfigError as error:
             raise ConfigError(f"'{key_path}': {error}") from None
     if not isinstance(value, list) or not value:
@@ -115,5 +117,5 @@ class GauntletConfig:
 def parse_gauntlet(value: str | Path | Mapping[str, Any], key_path: str = "eval_gauntlet") -> GauntletConfig:
     """The gauntlet config itself, or a YAML file holding ``eval_gauntlet:``."""
     if isinstance(value, str | Path):
-        key_path, value = str(value), yaml_section(value, "eval_gauntlet")
+        key_path, value = str(value), yaml_section(task_list_path(value, "eval_gauntlet"), "eval_gauntlet")
     return parse_dataclass(GauntletConfig, value, key_path)

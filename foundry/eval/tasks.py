@@ -2,11 +2,14 @@
 
 A tasks YAML holds ``icl_tasks:`` (a list of task mappings); a train or eval YAML may hold the same
 list inline or the path of such a file. Relative ``dataset_uri`` paths resolve against the current
-directory, as in LLM Foundry; ``${variables.x}`` references work as in train YAMLs.
+directory, as in LLM Foundry; one that does not exist there but names one of LLM Foundry's files
+(``eval/local_data/<category>/<file>.jsonl``) is fetched (``foundry.icl_data``). ``${variables.x}``
+references work as in train YAMLs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -14,6 +17,7 @@ from typing import Any
 
 from foundry.errors import ConfigError, DataError
 from foundry.eval.task_config import ICLTaskConfig
+from foundry.icl_data import local_file, recorded_path
 
 # The fields each task type reads from a jsonl row, and their types.
 REQUIRED_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
@@ -22,6 +26,21 @@ REQUIRED_FIELDS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "schema": {"context_options": list, "continuation": str, "gold": int},
     "generation_task_with_answers": {"context": str, "answer": str},
 }
+
+
+def local_task_files(tasks: Sequence[ICLTaskConfig]) -> list[ICLTaskConfig]:
+    """``tasks`` reading local files: a missing file of LLM Foundry's (``eval/local_data/...``) is fetched.
+
+    Fails, naming every task whose file is neither local nor LLM Foundry's, before any row is read.
+    """
+    resolved = []
+    for task in tasks:
+        recorded = recorded_path(task.dataset_uri)
+        if recorded is not None and not Path(task.dataset_uri).expanduser().is_file():
+            task = dataclasses.replace(task, dataset_uri=str(local_file(recorded)))
+        resolved.append(task)
+    check_dataset_uris(resolved)
+    return resolved
 
 
 def check_dataset_uris(tasks: Sequence[ICLTaskConfig]) -> None:
@@ -37,7 +56,8 @@ def check_dataset_uris(tasks: Sequence[ICLTaskConfig]) -> None:
         listed = "; ".join(f"'{task.label}': {Path(task.dataset_uri).expanduser()}" for task in missing)
         raise DataError(
             f"{len(missing)} of {len(tasks)} icl tasks name a dataset_uri that does not exist ({listed}); relative "
-            f"paths resolve against {Path.cwd()}. Fix the paths in the tasks YAML."
+            f"paths resolve against {Path.cwd()}. Fix the paths in the tasks YAML (LLM Foundry's own files, paths "
+            "ending in local_data/<category>/<file>.jsonl, are downloaded: foundry.icl_data)."
         )
 
 

@@ -14,6 +14,7 @@ from foundry import registry
 from foundry.core.event import Event
 from foundry.core.interval import Interval
 from foundry.core.logger import Logger, LoggerDestination
+from foundry.core.paths import public_location
 from foundry.core.state import State
 from foundry.core.time import SECONDS_PER_UNIT, Time, Timestamp, TimeUnit
 
@@ -32,7 +33,8 @@ class ConsoleLogger(LoggerDestination):
     """Prints training progress on rank 0.
 
     On an interactive terminal (or with ``progress_bar=True``) a tqdm bar over the run's batches
-    carries loss, lr and tokens/s; otherwise a line is printed every ``log_interval``, e.g.
+    carries loss, lr and tokens/s (the loss as each batch logs it, the rest refreshed every
+    ``log_interval``); otherwise a line is printed every ``log_interval``, e.g.
     ``[batch 20/200] loss/train/total: 3.2107 lr: 6.0e-04 throughput/tokens_per_sec: 1.2e+04``.
     Eval metrics (``metrics/...``) are printed when logged, and FIT_END prints a summary with the
     first and last train and eval losses.
@@ -93,6 +95,8 @@ class ConsoleLogger(LoggerDestination):
             self._loss_step = step
             if step == self._due_step:
                 self._print_due()
+            elif self._bar is not None:  # the bar shows the newest loss, not the one of the last interval
+                self._bar.set_postfix(ordered_dict=self._bar_values(), refresh=True)
         eval_metrics = {key: value for key, value in metrics.items() if key.startswith("metrics/")}
         if eval_metrics:
             self._write(f"[eval @ batch {step}] " + _join({key: f"{v:.4f}" for key, v in eval_metrics.items()}))
@@ -142,7 +146,7 @@ class ConsoleLogger(LoggerDestination):
         for key in sorted(self._first, key=lambda k: (k != TRAIN_LOSS_KEY, k)):
             rows.append((key, f"{self._first[key]:.4f} (first) -> {self._latest[key]:.4f} (last)"))
         if self._saved_checkpoint:  # a checkpoint the run started from is not one it produced
-            rows.append(("checkpoint", self._saved_checkpoint))
+            rows.append(("checkpoint", public_location(self._saved_checkpoint)))  # s3://..., not the local copy
         width = max(len(name) for name, _ in rows)
         return "\n".join(["Run summary"] + [f"  {name:<{width}}  {value}" for name, value in rows])
 
@@ -173,10 +177,13 @@ class ConsoleLogger(LoggerDestination):
         values = self._progress_values()
         if self._bar is not None:
             # Redrawn now: the bar last drew at BATCH_END, before this batch's loss arrived.
-            self._bar.set_postfix(ordered_dict={_BAR_NAMES.get(k, k): v for k, v in values.items()}, refresh=True)
+            self._bar.set_postfix(ordered_dict=self._bar_values(values), refresh=True)
         else:
             self._write(f"[batch {self._due_position}] {_join(values)}")
         self._due_position, self._due_step = None, -1
+
+    def _bar_values(self, values: dict[str, str] | None = None) -> dict[str, str]:
+        return {_BAR_NAMES.get(k, k): v for k, v in (values or self._progress_values()).items()}
 
     def _progress_values(self) -> dict[str, str]:
         """The few numbers worth a glance, formatted: train losses, lr, tokens/s, MFU, ETA."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from foundry.models import flops
 from foundry.models.base import CausalLM
 from foundry.models.lora import LoraConfig, inject_lora, is_adapter_key, reset_lora_parameters
 from foundry.models.lora_checkpoint import lora_checkpoint_hooks
+from foundry.models.mpt import init_device
 from foundry.schema import parse_dataclass
 
 _KEY = "model"
@@ -37,21 +40,46 @@ class HFCausalLMConfig:
     pretrained: bool = True  # False: the architecture of the config, randomly initialised
     config_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
     trust_remote_code: bool = False
-    attn_implementation: str = "sdpa"  # transformers' name: sdpa, eager, flash_attention_2, ...
-    init_device: str = "cpu"
+    # transformers' name: sdpa, eager, flash_attention_2, ...; None: sdpa where the model's class implements it,
+    # else eager (LLM Foundry always defaults to eager, which refuses no model but is the slowest).
+    attn_implementation: str | None = None
+    init_device: str = "cpu"  # 'cpu', 'meta', 'mixed' (cpu on each node's rank 0, meta elsewhere), ...
     use_flash_attention_2: bool = False  # LLM Foundry's spelling of attn_implementation: flash_attention_2
-    use_auth_token: bool | str | None = None  # a Hub token (or true: the logged-in one) for gated models
+    # A Hub token (or true: the logged-in one) for gated models; with a local directory it does nothing.
+    use_auth_token: bool | str | None = None
+    token: bool | str | None = None  # transformers' newer name for use_auth_token
     peft_config: LoraConfig | None = None  # LoRA on the HF model's own linear layers (docs/LORA.md)
     pretrained_lora_id_or_path: str | None = None
 
     def __post_init__(self) -> None:
+        self.config_overrides = dict(self.config_overrides)
+        attn_config = self.config_overrides.get("attn_config")
+        if isinstance(attn_config, Mapping) and "attn_impl" in attn_config:
+            # LLM Foundry's MPT key, which its YAMLs set on other models too (Llama's); no transformers model
+            # reads it (their attention is attn_implementation), so 'flash' asks for flash attention as below.
+            attn_config = dict(attn_config)
+            wants_flash = attn_config.pop("attn_impl") == "flash"
+            if attn_config.get("attn_uses_sequence_id") is False:  # what every HF model does
+                attn_config.pop("attn_uses_sequence_id")
+            self.config_overrides.pop("attn_config")
+            if attn_config:
+                self.config_overrides["attn_config"] = attn_config
+            self.use_flash_attention_2 |= wants_flash and self.attn_implementation is None
         if self.use_flash_attention_2:
-            if self.attn_implementation not in ("sdpa", "flash_attention_2"):
+            if self.attn_implementation not in (None, "flash_attention_2"):
                 raise ConfigError(
                     f"'{_KEY}.use_flash_attention_2' is true but '{_KEY}.attn_implementation' is "
                     f"{self.attn_implementation!r}; keep one of them."
                 )
-            self.attn_implementation = "flash_attention_2"
+            if importlib.util.find_spec("flash_attn") is not None:
+                self.attn_implementation = "flash_attention_2"
+            else:  # LLM Foundry's YAMLs ask for it on every machine; the default (sdpa) is the fast path here
+                warnings.warn(
+                    f"'{_KEY}.use_flash_attention_2' is true but the flash_attn package is not installed, so "
+                    "transformers' flash_attention_2 cannot run; using the default attention (sdpa where the model "
+                    "has it). Set attn_implementation: flash_attention_2 to require it.",
+                    stacklevel=2,
+                )
         if self.pretrained_lora_id_or_path is not None:
             raise ConfigError(
                 f"'{_KEY}.pretrained_lora_id_or_path': starting from a trained PEFT adapter is not supported; remove "
@@ -74,7 +102,7 @@ class HFCausalLM(CausalLM):
         hf_config = load_hf_config(self.config)
         self.hf_model = _build_hf_model(self.config, hf_config)
         # False once the weights are gone (init_device: meta, to_empty): then load_pretrained_weights() reads them.
-        self.holds_pretrained_weights = self.config.pretrained and self.config.init_device != "meta"
+        self.holds_pretrained_weights = self.config.pretrained and init_device(self.config.init_device).type != "meta"
         if self.config.peft_config is not None:
             inject_lora(self.hf_model, self.config.peft_config)
 
@@ -90,6 +118,17 @@ class HFCausalLM(CausalLM):
     def checkpoint_hooks(self) -> CheckpointHooks:
         """With a ``peft_config``: LoRA's checkpoints (maybe adapters only, their base loaded first)."""
         return lora_checkpoint_hooks(self)
+
+    def init_weights(self) -> None:
+        """Weights for a model built on the meta device (``init_device: meta``, as LLM Foundry's 8B YAMLs build):
+        the pretrained ones read again, else transformers' own random init of the architecture."""
+        if self.config.pretrained:
+            self.load_pretrained_weights()
+            return
+        for module in self.hf_model.modules():
+            self.hf_model._init_weights(module)
+        self.hf_model.tie_weights()
+        reset_lora_parameters(self)
 
     def load_pretrained_weights(self) -> None:
         """Read ``pretrained_model_name_or_path``'s weights again (the base of an adapters-only LoRA checkpoint)."""
@@ -203,8 +242,27 @@ def load_hf_config(config: HFCausalLMConfig) -> Any:
             f"'{_KEY}.pretrained_model_name_or_path' is {path!r}, which is neither a directory with a config.json "
             f"nor a model this machine can download ({error}). Give the path of a Hugging Face model directory."
         ) from None
-    _apply_overrides(hf_config, config.config_overrides, f"{_KEY}.config_overrides")
+    overrides = dict(config.config_overrides)
+    if "max_seq_len" in overrides and not hasattr(hf_config, "max_seq_len"):  # MPT's name, in LLM Foundry's YAMLs
+        context_key = next((key for key in CONTEXT_LENGTH_KEYS if hasattr(hf_config, key)), None)
+        if context_key is not None:
+            overrides[context_key] = overrides.pop("max_seq_len")
+    _apply_overrides(hf_config, overrides, f"{_KEY}.config_overrides")
     return hf_config
+
+
+# The names transformers' configs give the context length: MPT's, most models', GPT-2's and GPT-Neo's,
+# ChatGLM's, older GPTs'.
+CONTEXT_LENGTH_KEYS = ("max_seq_len", "max_position_embeddings", "n_positions", "seq_length", "n_ctx")
+
+
+def hf_context_length(hf_config: Any) -> int | None:
+    """The longest sequence a Hugging Face config says its model reads, or None if it says nothing."""
+    for key in CONTEXT_LENGTH_KEYS:
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def _apply_overrides(target: Any, overrides: Mapping[str, Any], key_path: str) -> None:
@@ -231,17 +289,28 @@ def _build_hf_model(config: HFCausalLMConfig, hf_config: Any) -> nn.Module:
 
     path = config.pretrained_model_name_or_path
     _check_is_causal_lm(config, hf_config)
-    kwargs = {**_hub_kwargs(config), "attn_implementation": config.attn_implementation}
+    attn_implementation = config.attn_implementation or default_attn_implementation(hf_config)
     try:
         if config.pretrained:
-            model = AutoModelForCausalLM.from_pretrained(path, config=hf_config, dtype=torch.float32, **kwargs)
-            return model.to(config.init_device)
-        with torch.device(config.init_device):
-            return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(
+                path,
+                config=hf_config,
+                dtype=torch.float32,
+                attn_implementation=attn_implementation,
+                **_hub_kwargs(config),
+            )
+            return model.to(init_device(config.init_device))
+        with init_device(config.init_device):  # from_config reads no files: the Hub token has no use here
+            return AutoModelForCausalLM.from_config(
+                hf_config,
+                dtype=torch.float32,
+                attn_implementation=attn_implementation,
+                trust_remote_code=config.trust_remote_code,
+            )
     except (ValueError, ImportError) as error:
         raise ConfigError(
             f"transformers cannot build '{_KEY}.pretrained_model_name_or_path' ({path}) with "
-            f"'{_KEY}.attn_implementation: {config.attn_implementation}' ({error}). Set "
+            f"'{_KEY}.attn_implementation: {attn_implementation}' ({error}). Set "
             f"'{_KEY}.attn_implementation' to one this model supports ('eager' always works)."
         ) from None
     except OSError as error:
@@ -263,10 +332,24 @@ def _check_is_causal_lm(config: HFCausalLMConfig, hf_config: Any) -> None:
         )
 
 
+def default_attn_implementation(hf_config: Any) -> str:
+    """``sdpa`` when transformers' class for ``hf_config`` implements it, else ``eager``.
+
+    Some built-in classes (GPT-Neo; ``MptForCausalLM``, which ``foundry convert to-hf`` writes for MPT)
+    have no SDPA path, and transformers refuses to build them with it; remote code is built with eager.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING  # see load_hf_config
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
 def _hub_kwargs(config: HFCausalLMConfig) -> dict[str, Any]:
+    """Keywords for transformers' ``from_pretrained``: the Hub token only where a download may need it."""
     kwargs: dict[str, Any] = {"trust_remote_code": config.trust_remote_code}
-    if config.use_auth_token is not None:
-        kwargs["token"] = config.use_auth_token
+    token = config.token if config.token is not None else config.use_auth_token
+    if token is not None and not Path(config.pretrained_model_name_or_path).expanduser().is_dir():
+        kwargs["token"] = token
     return kwargs
 
 

@@ -1,7 +1,7 @@
 """Optimizers and LR schedules, registered by their YAML names."""
 
 from foundry.optim.build import build_optimizers, build_schedulers
-from foundry.optim.optimizers import DecoupledAdamW
+from foundry.optim.optimizers import DecoupledAdamW, DecoupledLionW
 from foundry.optim.schedulers import (
     ConstantScheduler,
     ConstantWithWarmupScheduler,
@@ -16,6 +16,7 @@ __all__ = [
     "ConstantWithWarmupScheduler",
     "CosineWithWarmupScheduler",
     "DecoupledAdamW",
+    "DecoupledLionW",
     "LinearWithWarmupScheduler",
     "TimeScheduler",
     "build_optimizers",

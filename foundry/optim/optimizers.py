@@ -1,4 +1,4 @@
-"""Optimizers by YAML name. ``decoupled_adamw`` is LLM Foundry's default for pretraining."""
+"""Optimizers by YAML name: ``decoupled_adamw`` (LLM Foundry's default for pretraining), ``decoupled_lionw``, ..."""
 
 from __future__ import annotations
 
@@ -51,6 +51,49 @@ class DecoupledAdamW(torch.optim.AdamW):
             if params:
                 torch._foreach_mul_(params, 1.0 - decay * group["lr"] / group["initial_lr"])
         return super().step(closure)
+
+
+@registry.optimizers.register("decoupled_lionw")
+class DecoupledLionW(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), with LLM Foundry's decoupled decay.
+
+    Per parameter: ``update = sign(lerp(m, g, 1 - beta1))``, ``p -= lr * update``, ``m = lerp(m, g, 1 - beta2)``;
+    before that, weights shrink by ``weight_decay * lr / initial_lr`` as in ``DecoupledAdamW``. One moment
+    buffer per parameter (AdamW keeps two). Defaults are LLM Foundry's.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict],
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
+    ) -> None:
+        super().__init__(
+            [_listed(item) for item in params], {"lr": lr, "betas": tuple(betas), "weight_decay": weight_decay}
+        )
+        for group in self.param_groups:
+            group["initial_lr"] = group["lr"]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, decay = group["lr"], group["weight_decay"]
+            shrink = 1.0 - decay * (lr / group["initial_lr"] if group["initial_lr"] else 1.0)
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                moment = self.state[param].setdefault("exp_avg", torch.zeros_like(param))
+                if decay:
+                    param.mul_(shrink)
+                param.add_(moment.lerp(param.grad, 1 - beta1).sign_(), alpha=-lr)
+                moment.lerp_(param.grad, 1 - beta2)
+        return loss
 
 
 def _listed(item: torch.Tensor | dict) -> torch.Tensor | dict:

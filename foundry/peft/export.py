@@ -23,7 +23,7 @@ from torch import nn
 from foundry.checkpoint import latest_checkpoint, resolve_checkpoint_path
 from foundry.convert import adapter_for_family
 from foundry.convert.checkpoint_io import load_checkpoint_model, meta_model, resolve_checkpoint, save_weights_checkpoint
-from foundry.convert.commands import _check_out_dir, _write_atomically
+from foundry.convert.commands import check_out_dir, write_atomically
 from foundry.errors import ConfigError
 from foundry.models.lora import LoraConfig, is_adapter_key, lora_modules, merged_state_dict
 from foundry.models.lora_checkpoint import has_pretrained_base, model_lora_config
@@ -119,13 +119,13 @@ def add_export_adapter_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_export_adapter(args: argparse.Namespace) -> int:
-    out_dir = _check_out_dir(Path(args.out_dir), args.overwrite)
+    out_dir = check_out_dir(Path(args.out_dir), args.overwrite)
     folder, config = resolve_checkpoint(args.checkpoint)
     family = config["model"]["name"]
     _require_lora(config["model"], folder)
     model = load_checkpoint_model(folder, config["model"], with_base=False)  # the adapters are all an export reads
     base = args.base_model or default_base_model(config)
-    _write_atomically(out_dir, lambda tmp_dir: write_peft_adapter(model, family, tmp_dir, base))
+    write_atomically(out_dir, lambda tmp_dir: write_peft_adapter(model, family, tmp_dir, base))
     print(f"foundry: wrote the LoRA adapters of {folder} in PEFT's format to {out_dir} (base: {base or 'unset'})")
     return 0
 

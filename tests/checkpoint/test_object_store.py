@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -12,7 +13,8 @@ from helpers import TinyLM, token_batches
 
 from foundry.checkpoint.integrity import verify_checkpoint
 from foundry.checkpoint.object_store import ObjectStore
-from foundry.checkpoint.remote import fetch_checkpoint, local_copy, published_checkpoints, store_checkpoints
+from foundry.checkpoint.remote import fetch_checkpoint, published_checkpoints, store_checkpoints
+from foundry.core.paths import local_copy
 from foundry.errors import CheckpointError
 from foundry.trainer import Trainer
 
@@ -131,6 +133,26 @@ def test_load_path_on_the_store_loads_the_checkpoint_it_names_or_the_latest(save
     _new_machine(tmp_path, monkeypatch)
     assert _trainer(None, tmp_path, load_path=f"{saved_run}/ep0-ba2").state.timestamp.batch == 2
     assert _trainer(None, tmp_path, load_path=saved_run).state.timestamp.batch == 3
+
+
+def test_messages_name_the_store_not_its_local_copy(saved_run, tmp_path, monkeypatch, capsys):
+    _new_machine(tmp_path, monkeypatch)
+    trainer = Trainer(
+        model=TinyLM(),
+        train_dataloader=token_batches(6, 4),
+        max_duration="4ba",
+        save_folder=saved_run,
+        save_interval="1ba",
+        autoresume=True,
+        device="cpu",
+        run_folder=str(tmp_path / "run"),
+        progress_bar=False,
+    )
+    trainer.fit()
+    printed = capsys.readouterr().out
+    assert f"Loaded checkpoint {saved_run}/ep0-ba3 at batch 3." in printed
+    assert re.search(rf"checkpoint +{re.escape(saved_run)}/ep0-ba4\n", printed)
+    assert str(tmp_path / "machine-2") not in printed
 
 
 def test_autoresume_ignores_a_folder_the_store_never_published_and_the_next_run_deletes_it(

@@ -16,8 +16,9 @@ from helpers import TinyLM, token_batches
 
 from foundry.checkpoint.integrity import verify_checkpoint
 from foundry.checkpoint.object_store import ObjectStore
-from foundry.checkpoint.remote import local_copy, published_checkpoints
+from foundry.checkpoint.remote import published_checkpoints
 from foundry.core import Callback, Logger, State
+from foundry.core.paths import local_copy
 from foundry.errors import CheckpointUploadError
 from foundry.trainer import Trainer
 

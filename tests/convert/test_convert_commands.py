@@ -202,7 +202,7 @@ def test_mpt_export_names_the_eos_token_and_evaluates_through_load_model(tmp_pat
     to_hf(tmp_path / "ckpt", tmp_path / "hf", "--tokenizer", tokenizer_dir)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == 0
     model, tokenizer = foundry.load_model(tmp_path / "hf")  # MptForCausalLM has no SDPA: eager is chosen
-    assert model.config.attn_implementation == "eager"
+    assert model.hf_config._attn_implementation == "eager"
     assert isinstance(foundry.generate(model, tokenizer, "def", max_new_tokens=3), str)
 
 

@@ -99,22 +99,37 @@ def bpe_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out_dir
 
 
-@pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, bpe_tokenizer_dir: Path) -> Path:
-    """A save_folder holding one weights-only checkpoint of a random tiny MPT that names its tokenizer."""
+def save_tiny_mpt(save_folder: Path, tokenizer_dir: Path, **model_keys: Any) -> Path:
+    """A weights-only checkpoint of a random tiny MPT (``model_keys`` on top) that names its tokenizer."""
     from foundry.convert.checkpoint_io import save_weights_checkpoint
     from foundry.models.build import build_model
 
-    section = {
-        "name": "mpt_causal_lm",
-        "d_model": 32,
-        "n_heads": 2,
-        "n_layers": 2,
-        "vocab_size": 320,
-        "max_seq_len": 256,
-    }
+    section = {"name": "mpt_causal_lm", "d_model": 32, "n_heads": 2, "n_layers": 2, "vocab_size": 320, **model_keys}
     torch.manual_seed(0)
-    save_folder = tmp_path_factory.mktemp("run") / "checkpoints"
-    config = {"model": section, "tokenizer": {"name": str(bpe_tokenizer_dir)}}
+    config = {"model": section, "tokenizer": {"name": str(tokenizer_dir)}}
     save_weights_checkpoint(build_model(section), save_folder, config, overwrite=True)
     return save_folder
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory, bpe_tokenizer_dir: Path) -> Path:
+    """A save_folder holding one weights-only checkpoint of a random tiny MPT that names its tokenizer."""
+    return save_tiny_mpt(tmp_path_factory.mktemp("run") / "checkpoints", bpe_tokenizer_dir, max_seq_len=256)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory: pytest.TempPathFactory, bpe_tokenizer_dir: Path) -> Path:
+    """A random tiny MPT exported with ``foundry convert to-hf``: an ``MptForCausalLM`` directory (max_seq_len 64)."""
+    from foundry.cli import main
+
+    save_folder = save_tiny_mpt(
+        tmp_path_factory.mktemp("hf-run") / "checkpoints",
+        bpe_tokenizer_dir,
+        max_seq_len=64,
+        attn_config={"alibi": True},  # the MPT settings transformers' MptForCausalLM has
+        learned_pos_emb=False,
+        no_bias=True,
+    )
+    out_dir = save_folder.parent / "hf"
+    assert main(["convert", "to-hf", str(save_folder), str(out_dir)]) == 0
+    return out_dir

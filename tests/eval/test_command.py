@@ -11,6 +11,7 @@ import pytest
 
 from foundry.cli import main
 from foundry.eval.metrics import MC_ACCURACY
+from foundry.eval_command import display_name
 
 MC_ROWS = [{"query": f"Question {i}: pick", "choices": ["yes", "no"], "gold": i % 2} for i in range(6)]
 
@@ -48,22 +49,43 @@ def test_compare_shows_deltas_and_draws_a_chart(tiny_checkpoint, tasks_yaml, tmp
     assert (out / "compare.png").stat().st_size > 0
 
 
+def test_eval_of_our_hf_export_reads_its_context_length(tiny_hf_dir, tmp_path, write_jsonl, capsys) -> None:
+    long_context = " ".join(f"word{i}" for i in range(100))  # longer than the model's 64 positions
+    path = write_jsonl("lm.jsonl", [{"context": long_context, "continuation": "end"}] * 2)
+    tasks = tmp_path / "long.yaml"
+    tasks.write_text(f"icl_tasks:\n- {{label: lm, dataset_uri: '{path}', icl_task_type: language_modeling}}\n")
+    assert main(["eval", "--model", str(tiny_hf_dir), "--tasks", str(tasks), "--precision", "fp32"]) == 0
+    assert "| lm/0-shot |" in capsys.readouterr().out
+
+
 def test_eval_without_tasks_says_how_to_give_them(tiny_checkpoint, capsys) -> None:
     assert main(["eval", "--model", str(tiny_checkpoint)]) == 2
     assert "pass --tasks" in capsys.readouterr().err
 
 
-def test_light_suite_runs_end_to_end_on_cpu(shared_data, tiny_checkpoint, repo_root, tmp_path, capsys) -> None:
-    tasks = tmp_path / "tasks.yaml"  # the repository's suite, pointed at this machine's shared data
-    tasks.write_text(
-        (repo_root / "yamls/eval/tasks_light.yaml").read_text().replace("../shared/data", str(shared_data))
-    )
-    gauntlet = repo_root / "yamls/eval/eval_gauntlet_light.yaml"
+def test_light_suite_runs_end_to_end_on_cpu(icl_copy, tiny_checkpoint, repo_root, monkeypatch, capsys) -> None:
+    monkeypatch.delenv("FOUNDRY_ICL_DATA", raising=False)
+    tasks, gauntlet = repo_root / "yamls/eval/tasks_light.yaml", repo_root / "yamls/eval/eval_gauntlet_light.yaml"
     args = ["eval", "--model", str(tiny_checkpoint), "--tasks", str(tasks), "--gauntlet", str(gauntlet)]
+    args += ["--icl-data", str(icl_copy)]  # an offline copy of LLM Foundry's scripts/eval folder
     assert main([*args, "--limit", "4", "--batch-size", "16", "--seq-len", "256", "--precision", "fp32"]) == 0
     printed = capsys.readouterr().out
     for row in ("arc_challenge/10-shot", "winograd/0-shot", "triviaqa_small/3-shot", "gauntlet/average"):
         assert f"| {row} |" in printed
+
+
+def test_task_files_are_downloaded_on_first_use(icl_server, tiny_checkpoint, repo_root, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(repo_root.parent)  # no eval/local_data here: the files come from the server
+    tasks = repo_root / "yamls/eval/tasks_zero_shot.yaml"
+    args = ["eval", "--model", str(tiny_checkpoint), "--tasks", str(tasks), "--limit", "2", "--precision", "fp32"]
+    assert main(args) == 0
+    assert "| copa/0-shot |" in capsys.readouterr().out
+    assert "/local_data/commonsense_reasoning/copa.jsonl" in icl_server.requests
+
+
+def test_a_model_on_an_object_store_keeps_its_url_as_its_name() -> None:
+    assert display_name("s3://bucket/run/checkpoints") == "s3://bucket/run/checkpoints"
+    assert display_name("runs/x/") == "runs/x"
 
 
 def test_importing_the_evaluator_does_not_import_streaming() -> None:

@@ -162,5 +162,16 @@ def test_progress_bar_shows_the_loss_of_the_batch_it_counts(state, fire, advance
     assert "2/3" in shown and "loss=4.0000" in shown
 
 
+def test_progress_bar_loss_is_current_between_intervals(state, fire, advance):
+    state.max_duration = Time.parse("30ba")
+    stream = io.StringIO()
+    console = ConsoleLogger(log_interval="10ba", progress_bar=True, stream=stream)
+    fire(console, Event.FIT_START)
+    _train_to(console, state, fire, advance, 1, loss=5.0)
+    _train_to(console, state, fire, advance, 1, loss=4.0)
+    shown = stream.getvalue().split("\r")[-1]
+    assert "2/30" in shown and "loss=4.0000" in shown
+
+
 def test_registered_as_console():
     assert registry.loggers.get("console") is ConsoleLogger

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ import pytest
 import torch
 from helpers import token_batches
 
+from foundry.distributed.parallelize import init_on_cpu
 from foundry.errors import ConfigError
 from foundry.models import HFCausalLM, HFCausalLMConfig
 from foundry.models.build import build_model
@@ -89,9 +91,39 @@ def test_pretrained_lora_id_or_path_is_refused_naming_the_key() -> None:
         parse_dataclass(HFCausalLMConfig, keys, "model")
 
 
-def test_use_flash_attention_2_means_attn_implementation_flash_attention_2() -> None:
+def test_use_flash_attention_2_means_attn_implementation_flash_attention_2(monkeypatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "flash_attn" else None)
     keys = {"pretrained_model_name_or_path": "x", "use_flash_attention_2": True}
     assert parse_dataclass(HFCausalLMConfig, keys, "model").attn_implementation == "flash_attention_2"
+
+
+def test_use_flash_attention_2_without_flash_attn_warns_and_keeps_the_default(monkeypatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    keys = {"pretrained_model_name_or_path": "x", "use_flash_attention_2": True}
+    with pytest.warns(UserWarning, match="flash_attn package is not installed"):
+        assert parse_dataclass(HFCausalLMConfig, keys, "model").attn_implementation is None
+
+
+@pytest.mark.parametrize("pretrained", [True, False])
+@pytest.mark.parametrize("hub_key", ["use_auth_token", "token"])
+def test_hub_tokens_do_nothing_with_a_local_directory(llama_dir, pretrained, hub_key) -> None:
+    model = hf_lm(llama_dir, pretrained=pretrained, **{hub_key: True})  # LLM Foundry's gated-model YAMLs set it
+    assert model.vocab_size == VOCAB
+
+
+def test_llm_foundrys_mpt_keys_in_config_overrides_reach_a_llama(llama_dir, monkeypatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    overrides = {"max_seq_len": 48, "attn_config": {"attn_impl": "flash", "attn_uses_sequence_id": False}}
+    with pytest.warns(UserWarning, match="flash_attn"):  # attn_impl: flash asks for flash attention
+        model = hf_lm(llama_dir, config_overrides=overrides)
+    assert model.hf_config.max_position_embeddings == 48
+
+
+def test_a_model_built_on_the_meta_device_gets_transformers_init(llama_dir) -> None:
+    model = hf_lm(llama_dir, pretrained=False, init_device="meta")
+    init_on_cpu(model)
+    weights = model.hf_model.model.layers[0].self_attn.q_proj.weight
+    assert weights.device.type == "cpu" and torch.isfinite(weights).all() and 0 < weights.std() < 0.1
 
 
 def test_foundry_loss_equals_transformers_own_loss(llama_dir) -> None:
@@ -130,4 +162,14 @@ def test_attention_implementation_the_model_lacks_is_refused_naming_the_fix(tmp_
 
     MptConfig(d_model=32, n_heads=4, n_layers=1, vocab_size=VOCAB).save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match=r"attn_implementation: sdpa.*'eager' always works"):
-        hf_lm(tmp_path, pretrained=False)  # transformers' MPT has eager attention only
+        hf_lm(tmp_path, pretrained=False, attn_implementation="sdpa")  # transformers' MPT has eager attention only
+
+
+@pytest.mark.parametrize(("config_name", "expected"), [("MptConfig", "eager"), ("LlamaConfig", "sdpa")])
+def test_default_attention_is_sdpa_where_the_model_has_it_else_eager(tmp_path, config_name, expected) -> None:
+    import transformers
+
+    keys = {"MptConfig": {"d_model": 32, "n_heads": 4, "n_layers": 1}, "LlamaConfig": {"hidden_size": 32}}
+    getattr(transformers, config_name)(vocab_size=VOCAB, **keys[config_name]).save_pretrained(tmp_path)
+    model = hf_lm(tmp_path, pretrained=False, config_overrides={"num_hidden_layers": 1} if expected == "sdpa" else {})
+    assert model.hf_config._attn_implementation == expected
