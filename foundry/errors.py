@@ -9,7 +9,8 @@ from collections.abc import Iterable
 EXIT_OK = 0  # done: the run finished, the check passed
 EXIT_CHECK_FAILED = 1  # a verdict is FAIL: `compare`, `eval --reference`, a `reference_curve` that stopped training
 EXIT_CONFIG_ERROR = 2  # a config or data error (a FoundryError): fix what the message names
-# 3: `hand_over` stopped the run to be relaunched (foundry.callbacks.hand_over.HANDED_OVER_EXIT_CODE)
+EXIT_HANDED_OVER = 3  # `hand_over` stopped the run to be relaunched elsewhere (foundry.callbacks.hand_over)
+EXIT_NOT_DURABLE = 4  # checkpoints did not reach the object store; their local copies are kept (CheckpointUploadError)
 
 
 class FoundryError(Exception):
@@ -33,7 +34,7 @@ class CheckpointError(FoundryError):
 class CheckpointUploadError(CheckpointError):
     """Checkpoints did not reach the object store; the message names them and the local copies that hold them."""
 
-    exit_code = 3  # nothing to fix in the config: relaunching once the store is reachable uploads the local copies
+    exit_code = EXIT_NOT_DURABLE  # nothing to fix in the config: a relaunch once the store is back uploads the copies
 
 
 class DamagedCheckpointError(CheckpointError):

@@ -24,9 +24,9 @@ from foundry.core.interval import Interval
 from foundry.core.logger import Logger
 from foundry.core.state import State
 from foundry.core.time import Time
-from foundry.errors import TrainingError
+from foundry.errors import EXIT_HANDED_OVER, TrainingError
 
-HANDED_OVER_EXIT_CODE = 3
+HANDED_OVER_EXIT_CODE = EXIT_HANDED_OVER
 
 
 @registry.callbacks.register("hand_over")

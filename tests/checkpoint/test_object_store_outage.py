@@ -119,7 +119,7 @@ def test_a_store_down_mid_run_fails_the_run_naming_the_checkpoints_and_the_local
         trainer.fit()
     assert f"Not on {url}: ep0-ba3, ep0-ba4" in str(failure.value)
     assert str(local_copy(url)) in str(failure.value)
-    assert failure.value.exit_code == 3
+    assert failure.value.exit_code == 4
     for name in ["ep0-ba3", "ep0-ba4"]:  # kept, intact
         verify_checkpoint(local_copy(url) / name)
 
