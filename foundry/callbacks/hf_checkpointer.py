@@ -23,7 +23,6 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from foundry import distributed, registry
-from foundry.models.lora_checkpoint import model_lora_config
 from foundry.convert.commands import set_special_token_ids, to_hf_model, write_atomically
 from foundry.core.callback import Callback
 from foundry.core.interval import Interval
@@ -34,6 +33,7 @@ from foundry.core.time import Time
 from foundry.errors import CheckpointError, ConfigError
 from foundry.models.base import model_class
 from foundry.models.hf import HFCausalLM
+from foundry.models.lora_checkpoint import model_lora_config
 from foundry.peft.export import write_peft_adapter
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
