@@ -32,8 +32,7 @@ from foundry.eval.runner import build_evaluator, score
 from foundry.eval.task_config import parse_gauntlet, parse_icl_tasks
 from foundry.eval.tasks import local_task_files
 from foundry.icl_data import ICL_DATA_ENV
-from foundry.schema import parse_dataclass
-from foundry.yaml_config import apply_overrides, load_yaml, resolve_interpolations
+from foundry.yaml_config import load_config
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -108,12 +107,7 @@ def load_eval_config(args: argparse.Namespace) -> EvalConfig:
     """The YAML (if any) with overrides, then the command-line flags on top."""
     if args.icl_data:  # through the environment, so that torchrun's ranks read the same copy
         os.environ[ICL_DATA_ENV] = args.icl_data
-    raw = apply_overrides(load_yaml(args.config), args.overrides) if args.config else {}
-    where = args.config or "foundry eval"
-    try:
-        cfg = parse_dataclass(EvalConfig, resolve_interpolations(raw), "")
-    except ConfigError as error:
-        raise ConfigError(f"{where}: {error}") from None
+    cfg, _ = load_config(EvalConfig, args.config, args.overrides)
     flags = {
         "icl_tasks": args.tasks,
         "eval_gauntlet": args.gauntlet,

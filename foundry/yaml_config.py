@@ -6,18 +6,22 @@ from __future__ import annotations
 import dataclasses
 import enum
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 from foundry.core.time import Time
 from foundry.errors import ConfigError, did_you_mean
+from foundry.schema import parse_dataclass
 
 
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader, reading ``1e-4`` as a float as YAML 1.2 and OmegaConf do (YAML 1.1 needs a dot)."""
+
+
+T = TypeVar("T")
 
 
 _Loader.add_implicit_resolver(
@@ -195,3 +199,24 @@ def yaml_section(path: str | Path, key: str) -> Any:
     if key not in data:
         raise ConfigError(f"'{path}' has no top-level '{key}:' key (it has: {', '.join(map(str, data)) or 'none'}).")
     return data[key]
+
+
+# ------------------------------------------------------------------------------------ pipeline
+def load_config(
+    cls: type[T],
+    path: str | Path | None,
+    overrides: Sequence[str] = (),
+    prepare: Callable[[dict[str, Any]], dict[str, Any]] = lambda data: data,
+) -> tuple[T, dict[str, Any]]:
+    """A YAML file (none: an empty one) read, overridden, interpolated and parsed into dataclass ``cls``.
+
+    The one pipeline of ``foundry train`` and ``foundry eval``: ``prepare`` sees the resolved mapping
+    first (top-level checks with better messages). Returns the config and the resolved mapping; every
+    error names ``path``.
+    """
+    raw = apply_overrides(load_yaml(path) if path else {}, overrides)
+    try:
+        resolved = resolve_interpolations(raw)
+        return parse_dataclass(cls, prepare(resolved), ""), resolved
+    except ConfigError as error:
+        raise ConfigError(f"{path or 'the command line'}: {error}") from None

@@ -27,8 +27,8 @@ from foundry.errors import ConfigError, did_you_mean
 from foundry.eval.config import EvalConfig
 from foundry.loggers.config import ConsoleConfig
 from foundry.run_config import TRAINER_SECTIONS, RunConfig
-from foundry.schema import doc, parse_dataclass
-from foundry.yaml_config import apply_overrides, load_yaml, resolve_interpolations
+from foundry.schema import doc
+from foundry.yaml_config import load_config
 
 __all__ = ["TrainConfig", "load_train_config", "trainer_settings"]
 
@@ -115,12 +115,7 @@ def load_train_config(path: str | Path, overrides: Sequence[str] = ()) -> tuple[
     Returns:
         The typed config, and the resolved plain dict (``run_name`` filled in) for loggers and checkpoints.
     """
-    raw = apply_overrides(load_yaml(path), overrides)
-    try:
-        resolved = resolve_interpolations(raw)
-        cfg = parse_dataclass(TrainConfig, _prepare(resolved), "")
-    except ConfigError as error:
-        raise ConfigError(f"{path}: {error}") from None
+    cfg, resolved = load_config(TrainConfig, path, overrides, _prepare)
     resolved["run_name"] = cfg.run_name
     return cfg, resolved
 
