@@ -1,10 +1,10 @@
 """Selective activation checkpointing as an algorithm: per block, per module type, or both.
 
-One mechanism with two switches: this algorithm and ``fsdp_config.activation_checkpointing`` both
-call ``foundry.distributed.activation_checkpoint.apply_activation_checkpointing``, with the same
-``target`` syntax (LLM Foundry's ``activation_checkpointing_target``). The algorithm works without
-FSDP (one device) and keeps its choice next to the other algorithms; turning both on is a
-ConfigError, since a module cannot be checkpointed twice.
+Deprecated: ``fsdp_config.activation_checkpointing`` (LLM Foundry's switch, which also applies on one
+device, where FSDP is skipped) with ``model.activation_checkpointing_target`` does the same through
+``foundry.distributed.activation_checkpoint.apply_activation_checkpointing``, with the same ``target``
+syntax. This algorithm keeps working and warns once; turning both on is a ConfigError, since a module
+cannot be checkpointed twice.
 
 Examples (``algorithms.activation_checkpointing``)::
 
@@ -23,6 +23,7 @@ from foundry.core.algorithm import Algorithm
 from foundry.core.event import Event
 from foundry.core.logger import Logger
 from foundry.core.state import State
+from foundry.deprecation import warn_deprecated
 from foundry.distributed.activation_checkpoint import apply_activation_checkpointing
 from foundry.distributed.config import FSDP_DEFAULTS
 from foundry.distributed.parallelize import fsdp_blocks
@@ -41,6 +42,11 @@ class ActivationCheckpointing(Algorithm):
     """
 
     def __init__(self, target: Any = None, reentrant: bool = FSDP_DEFAULTS.activation_checkpointing_reentrant) -> None:
+        warn_deprecated(
+            "algorithms.activation_checkpointing",
+            "set fsdp_config.activation_checkpointing: true (it applies on one GPU too) and "
+            "model.activation_checkpointing_target to choose the modules.",
+        )
         self.target = target
         self.reentrant = reentrant
 

@@ -19,6 +19,7 @@ from foundry.core.event import Event
 from foundry.core.logger import Logger
 from foundry.core.precision import autocast_dtype
 from foundry.core.state import State
+from foundry.deprecation import warn_deprecated
 from foundry.errors import ConfigError
 from foundry.kernels.device import kernels_run_on
 from foundry.models.attention import Attention
@@ -76,8 +77,9 @@ class FusedKernels(Algorithm):
         layernorm: LayerNorm and low_precision_layernorm (with or without bias).
         rope: rotary embeddings of q and k.
         glu: ``act(gate) * up`` of the ``mptglu`` feed-forward (SwiGLU, GeGLU).
-        cross_entropy: the chunked output projection + cross-entropy (the same as
-            ``model.loss_fn: fused_crossentropy``): training never materialises the logits.
+        cross_entropy: deprecated, a second switch for ``model.loss_fn``, which decides alone (``auto``
+            fuses the output projection into the loss wherever its Triton kernel runs); ``True`` still
+            forces ``fused_crossentropy``, with one warning.
         strict: fail instead of falling back to PyTorch where Triton cannot run (CPU).
     """
 
@@ -87,9 +89,15 @@ class FusedKernels(Algorithm):
         layernorm: bool = True,
         rope: bool = True,
         glu: bool = True,
-        cross_entropy: bool = True,
+        cross_entropy: bool | None = None,
         strict: bool = False,
     ) -> None:
+        if cross_entropy is not None:
+            warn_deprecated(
+                "algorithms.fused_kernels.cross_entropy",
+                "set model.loss_fn: fused_crossentropy (or torch_crossentropy); its default, auto, fuses the loss "
+                "wherever the Triton kernel runs.",
+            )
         self.switches = {"rmsnorm": rmsnorm, "layernorm": layernorm, "rope": rope, "glu": glu}
         self.cross_entropy = cross_entropy
         self.strict = strict
@@ -128,7 +136,7 @@ class FusedKernels(Algorithm):
                     glu, activation=module.act_name, approximate=module.act_approximate
                 )
                 swapped["glu"] += 1
-        if self.cross_entropy and hasattr(model, "fused_cross_entropy"):
+        if self.cross_entropy is True and hasattr(model, "fused_cross_entropy"):
             model.fused_cross_entropy = True
             swapped["cross_entropy"] = 1
         return swapped

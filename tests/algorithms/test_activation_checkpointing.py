@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+from foundry import deprecation
 from foundry.algorithms import ActivationCheckpointing
 from foundry.distributed.activation_checkpoint import apply_activation_checkpointing
 from foundry.distributed.parallelize import fsdp_blocks
@@ -39,3 +40,9 @@ def test_checkpointing_twice_is_a_config_error(train):
     model = trainer.state.model
     with pytest.raises(ConfigError, match="both on"):
         apply_activation_checkpointing(model, fsdp_blocks(model), target=None, reentrant=False)
+
+
+def test_the_algorithm_is_the_deprecated_spelling_of_fsdp_configs_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(deprecation, "_WARNED", set())
+    with pytest.warns(FutureWarning, match="algorithms.activation_checkpointing is deprecated.*fsdp_config"):
+        ActivationCheckpointing()

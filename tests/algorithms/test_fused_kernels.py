@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import TINY_LLAMA, TINY_MPT, token_batches
 
+from foundry import deprecation
 from foundry.algorithms.fused_kernels import FusedKernels, FusedNorm
 from foundry.core.callback import Callback
 from foundry.errors import ConfigError
@@ -72,7 +74,7 @@ def test_fusing_keeps_parameter_names_and_objects() -> None:
     model = MPTCausalLM(MPT_ALL_KERNELS)
     before = dict(model.named_parameters())
     swapped = FusedKernels().fuse(model)
-    assert swapped == {"norms": 5, "rope": 2, "glu": 2, "cross_entropy": 1}
+    assert swapped == {"norms": 5, "rope": 2, "glu": 2}  # the loss is model.loss_fn's to choose
     after = dict(model.named_parameters())
     assert after.keys() == before.keys()
     assert all(after[name] is before[name] for name in before)
@@ -127,3 +129,14 @@ def test_fsdp2_sees_the_fused_loss_as_a_forward_output() -> None:
     leaves, spec = torch.utils._pytree.tree_flatten(LossOutput(loss))
     assert leaves == [loss]
     assert torch.utils._pytree.tree_unflatten(leaves, spec).loss is loss
+
+
+def test_the_old_cross_entropy_switch_still_fuses_and_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(deprecation, "_WARNED", set())
+    model = MPTCausalLM(MPT_ALL_KERNELS)
+    with pytest.warns(FutureWarning, match="fused_kernels.cross_entropy is deprecated.*model.loss_fn"):
+        algorithm = FusedKernels(cross_entropy=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FusedKernels(cross_entropy=True)  # once per process
+    assert algorithm.fuse(model)["cross_entropy"] == 1 and model.fused_cross_entropy is True
