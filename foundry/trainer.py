@@ -41,7 +41,7 @@ from foundry.core.paths import public_location
 from foundry.core.precision import autocast, check_precision, compute_dtype, grad_scaler
 from foundry.core.time import positive_time
 from foundry.distributed.config import FSDPConfig
-from foundry.distributed.parallelize import place_model
+from foundry.distributed.fsdp import place_model
 from foundry.errors import ConfigError, TrainingError
 from foundry.eval.during_training import build_icl_evaluation
 from foundry.kernels.weight_grad import WeightGradSums, accumulate_weight_grads_in_place
@@ -83,7 +83,7 @@ class Trainer:
         fsdp_config: an ``FSDPConfig`` (or its keys): shard the model with FSDP2 over several ranks. On one
             rank FSDP is skipped (it would only add copies) but its activation checkpointing and mixed
             precision still apply. Without it a single process trains the plain module and several ranks
-            replicate it (``NO_SHARD``, DDP's layout). See ``foundry.distributed.parallelize``.
+            replicate it (``NO_SHARD``, DDP's layout). See ``foundry.distributed.fsdp``.
         config: the resolved YAML of a ``foundry train`` run, stored in checkpoints and sent to loggers.
         **settings: any key of the sections above.
     """

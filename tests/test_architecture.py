@@ -201,3 +201,23 @@ def test_checkpoint_code_names_no_lora() -> None:
         if any(word in path.read_text().lower() for word in ("lora", "adapter", "peft"))
     ]
     assert named == []
+
+
+def test_no_lazy_export_is_shadowed_by_a_submodule_of_the_same_name() -> None:
+    # Once `foundry.distributed.parallelize` (a module) were imported, `distributed.parallelize` would be it,
+    # not the function the package exports: Python sets the attribute, and a module __getattr__ never runs.
+    shadowed = []
+    for name, path in module_files().items():
+        if path.name == "__init__.py" and "_EXPORTS" in path.read_text():
+            submodules = {child.stem for child in path.parent.glob("*.py")} | {
+                child.name for child in path.parent.iterdir() if (child / "__init__.py").is_file()
+            }
+            exports = ast.literal_eval(
+                next(
+                    node.value
+                    for node in ast.parse(path.read_text()).body
+                    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "_EXPORTS"
+                )
+            )
+            shadowed += [f"{name}.{export}" for export in exports if export in submodules]
+    assert shadowed == []

@@ -26,7 +26,7 @@ from foundry.core.state import State
 from foundry.deprecation import warn_deprecated
 from foundry.distributed.activation_checkpoint import apply_activation_checkpointing
 from foundry.distributed.config import FSDP_DEFAULTS
-from foundry.distributed.parallelize import fsdp_blocks
+from foundry.distributed.fsdp import fsdp_blocks
 
 
 @registry.algorithms.register("activation_checkpointing")

@@ -41,7 +41,7 @@ from foundry.core.algorithm import Algorithm
 from foundry.core.event import Event
 from foundry.core.logger import Logger
 from foundry.core.state import State
-from foundry.distributed.parallelize import fsdp_blocks
+from foundry.distributed.fsdp import fsdp_blocks
 from foundry.errors import ConfigError
 
 Recipe = Literal["tensorwise", "rowwise"]

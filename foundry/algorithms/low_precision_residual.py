@@ -9,7 +9,7 @@ lookup, and with it the whole residual stream, is bf16. This algorithm gives a r
 ``nn.Embedding`` so its output is cast to the autocast dtype. Parameters, optimizer state and
 gradients stay fp32; outside autocast (fp32 runs) the hook does nothing. A YAML's ``fsdp_config`` with
 ``mixed_precision: PURE`` or ``DEFAULT`` turns the same hook on by itself when the run has one rank and
-FSDP is skipped (``foundry.distributed.parallelize``).
+FSDP is skipped (``foundry.distributed.fsdp``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Everything about running on several devices: process groups, FSDP2 sharding, launching ranks.
 
 ``env``: rank, world size and the loop's collectives. ``process_group``: join/leave the job.
-``parallelize``: FSDP2 and activation checkpointing, applied in one place. ``launch``: run N local
+``fsdp``: ``parallelize`` applies FSDP2 and activation checkpointing in one place. ``launch``: run N local
 ranks through torchrun (``foundry train --nproc N``).
 """
 
@@ -27,10 +27,10 @@ _EXPORTS = {
     "launched_by_torchrun": "foundry.distributed.process_group",
     "lost_rank_error": "foundry.distributed.process_group",
     "new_gloo_group": "foundry.distributed.process_group",
-    "parallelize": "foundry.distributed.parallelize",
-    "prepare_sharding": "foundry.distributed.parallelize",
-    "set_gradient_sync": "foundry.distributed.parallelize",
-    "shards": "foundry.distributed.parallelize",
+    "parallelize": "foundry.distributed.fsdp",
+    "prepare_sharding": "foundry.distributed.fsdp",
+    "set_gradient_sync": "foundry.distributed.fsdp",
+    "shards": "foundry.distributed.fsdp",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -30,7 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
 from foundry.distributed.env import all_reduce_sum, get_rank, get_world_size
-from foundry.distributed.parallelize import set_gradient_sync
+from foundry.distributed.fsdp import set_gradient_sync
 from foundry.errors import TrainingError
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""``fsdp_config``: LLM Foundry's FSDP keys, validated here and applied by ``foundry.distributed.parallelize``."""
+"""``fsdp_config``: LLM Foundry's FSDP keys, validated here and applied by ``foundry.distributed.fsdp``."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from foundry import deprecation
 from foundry.algorithms import ActivationCheckpointing
 from foundry.distributed.activation_checkpoint import apply_activation_checkpointing
-from foundry.distributed.parallelize import fsdp_blocks
+from foundry.distributed.fsdp import fsdp_blocks
 from foundry.errors import ConfigError
 
 

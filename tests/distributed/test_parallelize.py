@@ -8,7 +8,7 @@ from helpers import TinyLM
 from torch import nn
 
 from foundry.distributed.activation_checkpoint import block_ids, checkpoint_plan
-from foundry.distributed.parallelize import fsdp_blocks, mixed_precision_policy, prepare_sharding
+from foundry.distributed.fsdp import fsdp_blocks, mixed_precision_policy, prepare_sharding
 from foundry.distributed.process_group import init_process_group
 from foundry.errors import ConfigError
 from foundry.models import MPTCausalLM
