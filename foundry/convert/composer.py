@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -29,27 +28,15 @@ from foundry.checkpoint import latest_checkpoint, save_checkpoint
 from foundry.convert import adapter_for_hf
 from foundry.convert.checkpoint_io import assign_weights, meta_model
 from foundry.convert.composer_pickle import read_composer_checkpoint
+from foundry.convert.llmfoundry_mpt import mpt_section
 from foundry.core.state import State
 from foundry.core.time import Time, Timestamp
 from foundry.errors import CheckpointError, ConfigError
-from foundry.models.mpt import MPTConfig
 from foundry.optim import DecoupledAdamW
 
 _WRAPPER_PREFIX = "model."  # HuggingFaceModel keeps the wrapped model as .model
 _LLM_FOUNDRY_MPT = "llmfoundry."  # the class of LLM Foundry's own MPT lives in its package
 _ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
-# Keys of LLM Foundry's MPT config that describe no computation (Hugging Face bookkeeping, derived values);
-# so are transformers' private keys ("_attn_implementation_autoset", written by 4.51, LLM Foundry 0.22's pin).
-_HF_BOOKKEEPING = {"model_type", "transformers_version", "architectures", "torch_dtype", "dtype", "attention_bias",
-                   "head_dim", "auto_map", "use_cache"}  # fmt: skip
-# LLM Foundry MPT keys foundry's lacks (where they sit), with the value at which foundry computes the same.
-_OFF_IN_LLM_FOUNDRY: dict[str, Any] = {
-    "fc_type": {"name": "torch"},  # under ffn_config: plain nn.Linear layers
-    "block_overrides": None,
-    "final_logit_softcapping": None,
-    "nope": False,
-    "attn_temperature_tuning": {"attn_scale": 0.0, "floor_scale": 8192},
-}
 
 
 @dataclasses.dataclass
@@ -111,10 +98,7 @@ def _mapping(path: Path, hf_class: str, hf_config: dict[str, Any]) -> tuple[dict
     """(foundry model section, function from the wrapped model's state dict to foundry's)."""
     model_type = hf_config.get("model_type")
     if model_type == "mpt" and hf_class.startswith(_LLM_FOUNDRY_MPT):
-        keys = {key: value for key, value in hf_config.items() if key not in _HF_BOOKKEEPING}
-        section = {"name": "mpt_causal_lm", **_foundry_keys(path, MPTConfig, keys, "")}
-        section.pop("init_device", None)
-        return section, lambda model_state: model_state  # foundry's MPT keeps LLM Foundry's parameter names
+        return mpt_section(path, hf_config), lambda model_state: model_state  # LLM Foundry's parameter names
     try:
         adapter = adapter_for_hf(model_type)
     except ConfigError:
@@ -129,29 +113,6 @@ def _mapping(path: Path, hf_class: str, hf_config: dict[str, Any]) -> tuple[dict
     return adapter.from_hf_config(transformers_config), lambda state: adapter.from_hf_state_dict(
         state, transformers_config
     )
-
-
-def _foundry_keys(path: Path, config_class: type, keys: dict[str, Any], key_path: str) -> dict[str, Any]:
-    """``keys`` of LLM Foundry's MPT config that foundry's ``config_class`` has (nested sections too); a feature
-    foundry lacks is dropped when it is off (``_OFF_IN_LLM_FOUNDRY``) and refused, naming it, when it is on."""
-    fields = {field.name: field for field in dataclasses.fields(config_class)}
-    hints = typing.get_type_hints(config_class)
-    kept = {}
-    for key, value in keys.items():
-        if key.startswith("_"):
-            continue
-        if key not in fields:
-            if _OFF_IN_LLM_FOUNDRY.get(key, object()) != value:
-                raise CheckpointError(
-                    f"{path}: its model sets '{key_path}{key}' to {value!r}, a feature of LLM Foundry's MPT that "
-                    "foundry's mpt_causal_lm does not implement, so its weights would not compute the same here."
-                )
-            continue
-        nested = hints[key]
-        if isinstance(value, dict) and dataclasses.is_dataclass(nested):
-            value = _foundry_keys(path, nested, value, f"{key_path}{key}.")
-        kept[key] = value
-    return kept
 
 
 def _timestamp(path: Path, state: dict[str, Any]) -> Timestamp:

@@ -196,8 +196,27 @@ def load_hf_config(config: HFCausalLMConfig) -> Any:
             f"'{_KEY}.pretrained_model_name_or_path' is {path!r}, which is neither a directory with a config.json "
             f"nor a model this machine can download ({error}). Give the path of a Hugging Face model directory."
         ) from None
+    _refuse_unrun_custom_code(config, hf_config)
     _apply_overrides(hf_config, config.config_overrides, f"{_KEY}.config_overrides")
     return hf_config
+
+
+def _refuse_unrun_custom_code(config: HFCausalLMConfig, hf_config: Any) -> None:
+    """A checkpoint with its own modeling code (``auto_map``) whose model_type transformers also knows (an LLM
+    Foundry MPT is model_type mpt) would load silently as transformers' class, which computes something else."""
+    auto_map = getattr(hf_config, "auto_map", None) or {}
+    if not auto_map or config.trust_remote_code:
+        return
+    code = auto_map.get("AutoModelForCausalLM") or next(iter(auto_map.values()))
+    raise ConfigError(
+        f"'{_KEY}.pretrained_model_name_or_path' ({config.pretrained_model_name_or_path}) ships its own modeling "
+        f"code (config.json auto_map: {code}), which transformers' built-in {type(hf_config).__name__} for "
+        f"model_type '{hf_config.model_type}' would replace, computing other logits from the same weights. Set "
+        f"'{_KEY}.trust_remote_code: true' (`foundry eval --trust-remote-code`, `foundry.load_model(..., "
+        "trust_remote_code=True)`) to run that code, only if you trust it. An LLM Foundry MPT export needs none: "
+        "`foundry eval --model DIR` loads it as foundry's mpt_causal_lm, and `foundry convert from-hf DIR OUT` "
+        "converts it."
+    )
 
 
 def _apply_overrides(target: Any, overrides: Mapping[str, Any], key_path: str) -> None:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from foundry.cli import main
 from foundry.eval.loading import load_model
@@ -66,3 +67,12 @@ def test_the_converted_checkpoint_carries_the_tokenizer_llm_foundry_stored(conve
     text = "12 + 30 = 42\n"
     assert loaded.tokenizer(text)["input_ids"] == original(text)["input_ids"]
     assert (loaded.tokenizer.eos_token, loaded.tokenizer.pad_token) == (original.eos_token, original.pad_token)
+
+
+def test_from_hf_converts_llm_foundrys_mpt_export_with_its_logits(tmp_path):
+    assert main(["convert", "from-hf", str(FIXTURES / "hf_export"), str(tmp_path / "ckpt")]) == 0
+    loaded = load_model(tmp_path / "ckpt")
+    expected = EXPECTED["export_logits"]
+    with torch.no_grad():
+        logits = loaded.model({"input_ids": torch.tensor(expected["input_ids"])})
+    torch.testing.assert_close(logits, torch.tensor(expected["logits"]), rtol=1e-5, atol=1e-6)
