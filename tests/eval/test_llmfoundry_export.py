@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from foundry.cli import main
+from foundry.config.icl import ICLTaskConfig
 from foundry.errors import ConfigError
 from foundry.eval import loading
+from foundry.eval.evaluator import ICLEvaluator
 from foundry.models import MPTCausalLM
 from foundry.models.hf import HFCausalLM
 
@@ -90,3 +92,21 @@ def test_foundry_eval_trust_remote_code_flag_reaches_the_model(other_custom_code
     with pytest.raises(Recorded):
         main(["eval", "--model", str(other_custom_code), "--tasks", str(tasks_yaml), "--trust-remote-code"])
     assert built["trust_remote_code"] is True
+
+
+def test_with_bos_as_the_pad_token_foundry_attends_to_the_bos_that_llm_foundry_masks():
+    """The documented difference (docs/EVAL.md): same ids, but LLM Foundry's mask hides a BOS that is also pad."""
+    from transformers import AutoTokenizer
+
+    recorded = EXPECTED["bos_as_padding_batch"]
+    tokenizer = AutoTokenizer.from_pretrained(FIXTURES / "tokenizer_bos")
+    assert tokenizer.pad_token_id is None and tokenizer.bos_token_id == tokenizer.eos_token_id == 0
+    task = ICLTaskConfig(label="sums_mc", dataset_uri=str(FIXTURES / "icl" / "sums_mc.jsonl"),
+                         icl_task_type="multiple_choice", num_fewshot=[0])  # fmt: skip
+    (subtask,) = ICLEvaluator([task], tokenizer, seq_len=32, batch_size=4).subtasks
+    ours = {tuple(context + continuation) for example in subtask.examples for context, continuation in example.requests}
+    for ids, mask in zip(recorded["input_ids"], recorded["attention_mask"], strict=True):
+        length = max(index for index, attended in enumerate(mask) if attended) + 1
+        assert tuple(ids[:length]) in ours  # the same prompt, BOS first
+        assert ids[0] == tokenizer.bos_token_id and mask[0] == 0  # which LLM Foundry hides from the model
+    assert all("attention_mask" not in vars(batch) for batch in subtask.batches)  # foundry: every token attended
