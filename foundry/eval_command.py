@@ -52,6 +52,7 @@ class EvalConfig:
     progress_bar: bool = True
     run_name: str | None = None
     attn_implementation: str | None = None  # Hugging Face directories; None: sdpa where implemented, else eager
+    trust_remote_code: bool = False  # Hugging Face directories that ship their own modeling code may run it
 
 
 def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +102,13 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         help="attention of Hugging Face directories: transformers' name (sdpa, eager, flash_attention_2, ...); "
         "default: sdpa where the model implements it, else eager",
     )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        default=None,
+        help="let a Hugging Face directory with its own modeling code (auto_map) run it; LLM Foundry MPT exports "
+        "need no code (they load as foundry's MPT)",
+    )
 
 
 def load_eval_config(args: argparse.Namespace) -> EvalConfig:
@@ -117,6 +125,7 @@ def load_eval_config(args: argparse.Namespace) -> EvalConfig:
         "precision": args.precision,
         "device": args.device,
         "attn_implementation": args.attn_impl,
+        "trust_remote_code": args.trust_remote_code,
     }
     cfg = dataclasses.replace(cfg, **{key: value for key, value in flags.items() if value is not None})
     if cfg.icl_tasks is None:
@@ -167,7 +176,9 @@ def evaluate_source(source: Any, tasks: list, gauntlet: Any, cfg: EvalConfig, de
     if isinstance(source, tuple):
         loaded = build_model_entry(*source)
     else:
-        loaded = load_model(source, attn_implementation=cfg.attn_implementation)
+        loaded = load_model(
+            source, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code
+        )
     evaluator = build_evaluator(loaded, tasks, cfg)  # foundry.eval.runner
     model = loaded.model.to(device)
     results = score(evaluator, model, loaded.name, gauntlet, cfg, device)

@@ -24,7 +24,10 @@ from foundry.models.generation import greedy_generate
 
 
 def load_model(
-    path: str | Path, device: str | torch.device = "cpu", attn_implementation: str | None = None
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
 ) -> tuple[nn.Module, Any]:
     """``(model, tokenizer)`` stored at ``path``, the model in eval mode on ``device``.
 
@@ -34,8 +37,11 @@ def load_model(
         device: where the model's weights go.
         attn_implementation: for Hugging Face directories, transformers' attention name; None picks
             ``sdpa`` where the model implements it, else ``eager``.
+        trust_remote_code: let a Hugging Face directory that ships its own modeling code (``auto_map``)
+            run it; without it such a directory is refused. An LLM Foundry MPT export needs none: it
+            loads as foundry's ``mpt_causal_lm``.
     """
-    loaded = load_source(path, attn_implementation=attn_implementation)
+    loaded = load_source(path, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     return loaded.model.to(device).eval(), loaded.tokenizer
 
 

@@ -284,14 +284,14 @@ class Trainer:
         self._optimizer_step(skip=state.skip_optimizer_step)
         engine.run_event(Event.AFTER_OPTIMIZER_STEP)
 
+        for scheduler in state.schedulers:  # before the timestamp counts this batch, as Composer: batch k+1 at LR(k)
+            scheduler.step()
         previous = state.timestamp
         state.batch_num_samples = batch_num_samples(state.batch) * state.world_size
         state.batch_num_tokens = batch_num_tokens(state.batch) * state.world_size
         state.timestamp = previous.after_batch(
             state.batch_num_samples, state.batch_num_tokens, time.perf_counter() - batch_start_s
         )
-        for scheduler in state.schedulers:  # after the timestamp moves: batch k+1 trains at LR(k)
-            scheduler.step()
         engine.run_event(Event.BATCH_END)
         # Every batch's loss reaches the loggers; as a device tensor it waits in the Logger's queue
         # (no host sync) until the flush at the console interval converts the queue at once.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import secrets
 import shutil
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from foundry.convert.checkpoint_io import (
     resolve_checkpoint,
     save_weights_checkpoint,
 )
+from foundry.convert.llmfoundry_mpt import is_llm_foundry_mpt_export, load_llm_foundry_export
 from foundry.data import load_tokenizer
 from foundry.errors import ConfigError
 
@@ -117,7 +119,9 @@ def _checkpoint_tokenizer(name: str | None, config: dict[str, Any], folder: Path
 
 # ----------------------------------------------------------------------------------- from-hf
 def add_from_hf_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("hf_dir", help="a Hugging Face model directory (LlamaForCausalLM or MptForCausalLM)")
+    parser.add_argument(
+        "hf_dir", help="a Hugging Face model directory (LlamaForCausalLM, MptForCausalLM or LLM Foundry's MPT export)"
+    )
     parser.add_argument("out_ckpt", help="the save_folder to write the checkpoint into (load_path for training)")
     parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already there")
 
@@ -146,6 +150,16 @@ def from_hf_model(hf_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
     """(foundry model holding the checkpoint's weights in fp32, its ``model:`` section)."""
     if not (hf_dir / "config.json").is_file():
         raise ConfigError(f"{hf_dir} is not a Hugging Face model directory (it has no config.json).")
+    raw_config = json.loads((hf_dir / "config.json").read_text())
+    if is_llm_foundry_mpt_export(raw_config):
+        return load_llm_foundry_export(hf_dir)
+    if raw_config.get("auto_map"):
+        raise ConfigError(
+            f"{hf_dir / 'config.json'} names its own modeling code (auto_map: {raw_config['auto_map']}), which "
+            "transformers' built-in class of the same model_type does not compute. foundry convert from-hf reads "
+            "transformers' Llama and MPT and LLM Foundry's MPT exports; train this model as `model: {name: "
+            "hf_causal_lm, pretrained_model_name_or_path: <dir>, trust_remote_code: true}` if you trust its code."
+        )
     try:  # never runs a checkpoint's own code: the adapters know transformers' built-in classes only
         hf_config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)
     except (ValueError, OSError) as error:

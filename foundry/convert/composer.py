@@ -4,8 +4,11 @@ LLM Foundry's models are Composer ``HuggingFaceModel``s: the checkpoint's ``stat
 ``model.<the wrapped model's key>``, and ``state.integrations.huggingface.model.config`` holds the
 wrapped model's config and class. ``hf_causal_lm`` runs of Llama (and Hugging Face MPT) convert
 through the ``from-hf`` adapters; LLM Foundry's own ``mpt_causal_lm`` is foundry's ``mpt_causal_lm``
-(same keys, same config keys). With ``with_optimizer``, the Adam moments and step count (mapped to
-foundry's parameter names) and the timestamp come along, so a run continues where Composer stopped.
+(same keys, same config keys). The tokenizer the checkpoint stored (``state.integrations.huggingface.
+tokenizer``) is written beside the converted checkpoint and named by its config. With ``with_optimizer``,
+the Adam moments, step count and LRs (mapped to foundry's parameter names), the timestamp and the train
+data position (Composer's ``state.dataset_state``, the same streaming dataset state foundry's loaders
+keep) come along, so a run continues where Composer stopped, on the sample Composer would read next.
 The file is read through an allowlist (``foundry.convert.composer_pickle``): nothing in it runs.
 """
 
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import typing
+import json
 from pathlib import Path
 from typing import Any
 
@@ -25,26 +28,15 @@ from foundry.checkpoint import latest_checkpoint, save_checkpoint
 from foundry.convert import adapter_for_hf
 from foundry.convert.checkpoint_io import assign_weights, meta_model
 from foundry.convert.composer_pickle import read_composer_checkpoint
+from foundry.convert.llmfoundry_mpt import mpt_section
 from foundry.core.state import State
 from foundry.core.time import Time, Timestamp
 from foundry.errors import CheckpointError, ConfigError
-from foundry.models.mpt import MPTConfig
 from foundry.optim import DecoupledAdamW
 
 _WRAPPER_PREFIX = "model."  # HuggingFaceModel keeps the wrapped model as .model
 _LLM_FOUNDRY_MPT = "llmfoundry."  # the class of LLM Foundry's own MPT lives in its package
 _ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
-# Keys of LLM Foundry's MPT config that describe no computation (Hugging Face bookkeeping, derived values).
-_HF_BOOKKEEPING = {"model_type", "transformers_version", "architectures", "torch_dtype", "dtype", "attention_bias",
-                   "head_dim", "auto_map", "use_cache", "_name_or_path"}  # fmt: skip
-# LLM Foundry MPT keys foundry's lacks (where they sit), with the value at which foundry computes the same.
-_OFF_IN_LLM_FOUNDRY: dict[str, Any] = {
-    "fc_type": {"name": "torch"},  # under ffn_config: plain nn.Linear layers
-    "block_overrides": None,
-    "final_logit_softcapping": None,
-    "nope": False,
-    "attn_temperature_tuning": {"attn_scale": 0.0, "floor_scale": 8192},
-}
 
 
 @dataclasses.dataclass
@@ -53,8 +45,10 @@ class ComposerRun:
 
     section: dict[str, Any]
     model: nn.Module
+    tokenizer_files: dict[str, str | bytes] = dataclasses.field(default_factory=dict)  # file name -> content
     timestamp: Timestamp | None = None
     optimizer: torch.optim.Optimizer | None = None
+    dataloader_state: dict[str, Any] | None = None  # the train dataset's streaming state
 
 
 def from_composer(path: Path, with_optimizer: bool = False) -> ComposerRun:
@@ -65,10 +59,11 @@ def from_composer(path: Path, with_optimizer: bool = False) -> ComposerRun:
     model_state = {key.removeprefix(_WRAPPER_PREFIX): tensor for key, tensor in state["model"].items()}
     section, to_foundry = _mapping(path, hf_class, hf_config)
     model = assign_weights(meta_model(section), to_foundry(model_state), f"{path} to {section['name']}")
-    run = ComposerRun(section=section, model=model)
+    run = ComposerRun(section=section, model=model, tokenizer_files=_tokenizer_files(state))
     if with_optimizer:
         run.timestamp = _timestamp(path, state)
         run.optimizer = _optimizer(path, state, model, to_foundry)
+        run.dataloader_state = (state.get("dataset_state") or {}).get("train")
     return run
 
 
@@ -83,14 +78,27 @@ def _wrapped_model_config(path: Path, state: dict[str, Any]) -> tuple[str, dict[
         ) from None
 
 
+def _tokenizer_files(state: dict[str, Any]) -> dict[str, str | bytes]:
+    """The tokenizer files Composer stored, as file contents (Composer keeps .json parsed, .txt as a list of
+    lines, a sentencepiece .model as its bytes). Code files (.py) are left out: foundry never runs them."""
+    stored = (state.get("integrations", {}).get("huggingface", {}) or {}).get("tokenizer") or {}
+    files: dict[str, str | bytes] = {}
+    for name, entry in stored.items():
+        extension, content = entry.get("file_extension"), entry.get("content")
+        if extension == ".json":
+            files[Path(name).name] = json.dumps(content, indent=2)  # a bare name: nothing lands outside the folder
+        elif extension == ".txt":
+            files[Path(name).name] = "\n".join(content)
+        elif extension == ".model" and isinstance(content, bytes):
+            files[Path(name).name] = content
+    return files
+
+
 def _mapping(path: Path, hf_class: str, hf_config: dict[str, Any]) -> tuple[dict[str, Any], Any]:
     """(foundry model section, function from the wrapped model's state dict to foundry's)."""
     model_type = hf_config.get("model_type")
     if model_type == "mpt" and hf_class.startswith(_LLM_FOUNDRY_MPT):
-        keys = {key: value for key, value in hf_config.items() if key not in _HF_BOOKKEEPING}
-        section = {"name": "mpt_causal_lm", **_foundry_keys(path, MPTConfig, keys, "")}
-        section.pop("init_device", None)
-        return section, lambda model_state: model_state  # foundry's MPT keeps LLM Foundry's parameter names
+        return mpt_section(path, hf_config), lambda model_state: model_state  # LLM Foundry's parameter names
     try:
         adapter = adapter_for_hf(model_type)
     except ConfigError:
@@ -105,27 +113,6 @@ def _mapping(path: Path, hf_class: str, hf_config: dict[str, Any]) -> tuple[dict
     return adapter.from_hf_config(transformers_config), lambda state: adapter.from_hf_state_dict(
         state, transformers_config
     )
-
-
-def _foundry_keys(path: Path, config_class: type, keys: dict[str, Any], key_path: str) -> dict[str, Any]:
-    """``keys`` of LLM Foundry's MPT config that foundry's ``config_class`` has (nested sections too); a feature
-    foundry lacks is dropped when it is off (``_OFF_IN_LLM_FOUNDRY``) and refused, naming it, when it is on."""
-    fields = {field.name: field for field in dataclasses.fields(config_class)}
-    hints = typing.get_type_hints(config_class)
-    kept = {}
-    for key, value in keys.items():
-        if key not in fields:
-            if _OFF_IN_LLM_FOUNDRY.get(key, object()) != value:
-                raise CheckpointError(
-                    f"{path}: its model sets '{key_path}{key}' to {value!r}, a feature of LLM Foundry's MPT that "
-                    "foundry's mpt_causal_lm does not implement, so its weights would not compute the same here."
-                )
-            continue
-        nested = hints[key]
-        if isinstance(value, dict) and dataclasses.is_dataclass(nested):
-            value = _foundry_keys(path, nested, value, f"{key_path}{key}.")
-        kept[key] = value
-    return kept
 
 
 def _timestamp(path: Path, state: dict[str, Any]) -> Timestamp:
@@ -156,6 +143,8 @@ def _optimizer(path: Path, state: dict[str, Any], model: nn.Module, to_foundry: 
     group = saved["param_groups"][0]
     hyper = {key: group[key] for key in ("lr", "betas", "eps", "weight_decay") if key in group}
     optimizer = DecoupledAdamW(model.parameters(), **hyper)
+    # The decay scales with lr / initial_lr (the schedule's peak), as in Composer's DecoupledAdamW.
+    optimizer.param_groups[0]["initial_lr"] = group.get("initial_lr", group["lr"])
     for param_name, param in model.named_parameters():
         if param_name not in moments["exp_avg"]:
             raise CheckpointError(f"{path} has no optimizer state for {param_name}; convert without --with-optimizer.")
@@ -187,16 +176,36 @@ def run_from_composer(args: argparse.Namespace) -> int:
         if run.timestamp
         else ("`load_path` and `load_weights_only: true`")
     )
-    print(f"foundry: wrote {folder} from {path}. Train from it with {how} and this model section:\n")
+    tokenizer = f" and its tokenizer ({out_ckpt / 'tokenizer'})" if run.tokenizer_files else " (it stored no tokenizer)"
+    print(f"foundry: wrote {folder}{tokenizer} from {path}. Train from it with {how} and this model section:\n")
     print(yaml.safe_dump({"model": run.section}, sort_keys=False), end="")
     return 0
 
 
 def save_composer_run(run: ComposerRun, save_folder: Path, overwrite: bool = False) -> Path:
-    """Write ``run`` as a foundry checkpoint into ``save_folder``: the weights, and the optimizer and timestamp."""
-    state = State(model=run.model, max_duration=Time.parse("1ba"))
+    """Write ``run`` as a foundry checkpoint into ``save_folder``: the weights, the tokenizer (in
+    ``save_folder/tokenizer``), and the optimizer, timestamp and data position."""
+    state = State(model=run.model, max_duration=Time.parse("1ba"), train_dataloader=_SavedLoader(run.dataloader_state))
     if run.optimizer is not None:
         state.optimizers = [run.optimizer]
     if run.timestamp is not None:
         state.timestamp = run.timestamp
-    return save_checkpoint(save_folder, state, config={"model": run.section}, overwrite=overwrite)
+    config: dict[str, Any] = {"model": run.section}
+    if run.tokenizer_files:
+        tokenizer_dir = save_folder / "tokenizer"
+        tokenizer_dir.mkdir(parents=True, exist_ok=True)
+        for name, content in run.tokenizer_files.items():
+            target = tokenizer_dir / name
+            target.write_bytes(content) if isinstance(content, bytes) else target.write_text(content)
+        config["tokenizer"] = {"name": str(tokenizer_dir)}
+    return save_checkpoint(save_folder, state, config=config, overwrite=overwrite)
+
+
+@dataclasses.dataclass
+class _SavedLoader:
+    """Stands for the train loader of the converted run: its state is what the checkpoint records."""
+
+    saved_state: dict[str, Any] | None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.saved_state

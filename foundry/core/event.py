@@ -26,7 +26,7 @@ The whole loop, with each event in place (``Trainer.fit``)::
             BEFORE_OPTIMIZER_STEP             # grads of the whole batch are ready (clipping lives here)
             optimizer.step()                  # skipped when a callback set state.skip_optimizer_step
             AFTER_OPTIMIZER_STEP
-            scheduler.step()                  # after the timestamp counts this batch
+            scheduler.step()                  # before the timestamp counts this batch (as Composer)
             BATCH_END                         # timestamp already counts this batch
             if checkpoint is due:
                 BEFORE_CHECKPOINT

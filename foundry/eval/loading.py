@@ -1,12 +1,15 @@
 """Models to evaluate: a foundry checkpoint, a save_folder (its latest checkpoint), or a Hugging Face directory.
 
 A foundry checkpoint's ``meta.json`` holds the resolved train config, which rebuilds the model and
-its tokenizer; a Hugging Face directory (``config.json``) loads through ``hf_causal_lm``.
+its tokenizer; a Hugging Face directory (``config.json``) loads through ``hf_causal_lm``, except LLM
+Foundry's MPT exports, which load as foundry's ``mpt_causal_lm`` (``foundry.convert.llmfoundry_mpt``).
+A folder that ships other modeling code of its own loads only with ``trust_remote_code``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint, resolve_checkpoint_path
+from foundry.convert.llmfoundry_mpt import is_llm_foundry_mpt_export, load_llm_foundry_export
 from foundry.core.paths import is_object_store_url
 from foundry.data import load_tokenizer
 from foundry.data.config import TokenizerConfig
@@ -31,17 +35,21 @@ class LoadedModel:
     max_seq_len: int | None  # the model's context length, when it states one
 
 
-def load_model(path: str | Path, name: str | None = None, attn_implementation: str | None = None) -> LoadedModel:
+def load_model(
+    path: str | Path, name: str | None = None, attn_implementation: str | None = None, trust_remote_code: bool = False
+) -> LoadedModel:
     """The model (on CPU, weights loaded) and tokenizer stored at ``path``.
 
     ``attn_implementation`` applies to Hugging Face directories (transformers' names: ``sdpa``, ``eager``,
     ...; None picks ``sdpa`` where the model's class implements it, else ``eager``); a foundry
-    checkpoint's attention is its config's.
+    checkpoint's attention is its config's. ``trust_remote_code`` lets a Hugging Face directory that
+    ships its own modeling code (``auto_map`` in config.json) run it; without it such a directory is
+    refused, except an LLM Foundry MPT export, which loads as foundry's MPT without running any of it.
     """
     if not is_object_store_url(str(path)):  # a URL is resolved (downloaded) as given: Path() would mangle it
         path = Path(path).expanduser()
         if is_hf_directory(path):
-            return _load_hf_directory(path, name or path.name, attn_implementation)
+            return _load_hf_directory(path, name or path.name, attn_implementation, trust_remote_code)
 
     folder, config = resolve_checkpoint(path)
     if not isinstance(config.get("tokenizer"), Mapping):
@@ -74,8 +82,15 @@ def build_model_entry(entry: Mapping[str, Any], key_path: str) -> LoadedModel:
     return LoadedModel(str(name), model, tokenizer, _max_seq_len(model))
 
 
-def _load_hf_directory(path: Path, name: str, attn_implementation: str | None) -> LoadedModel:
-    model = HFCausalLM(pretrained_model_name_or_path=str(path), attn_implementation=attn_implementation)
+def _load_hf_directory(path: Path, name: str, attn_implementation: str | None, trust_remote_code: bool) -> LoadedModel:
+    if is_llm_foundry_mpt_export(json.loads((path / "config.json").read_text())):
+        model, _ = load_llm_foundry_export(path)
+        return LoadedModel(name, model, _tokenizer({"name": str(path)}), _max_seq_len(model))
+    model = HFCausalLM(
+        pretrained_model_name_or_path=str(path),
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+    )
     tokenizer = _tokenizer({"name": str(path)})
     return LoadedModel(name, model, tokenizer, hf_context_length(model.hf_config))
 

@@ -247,6 +247,7 @@ def load_hf_config(config: HFCausalLMConfig) -> Any:
         context_key = next((key for key in CONTEXT_LENGTH_KEYS if hasattr(hf_config, key)), None)
         if context_key is not None:
             overrides[context_key] = overrides.pop("max_seq_len")
+    _refuse_unrun_custom_code(config, hf_config)
     _apply_overrides(hf_config, overrides, f"{_KEY}.config_overrides")
     return hf_config
 
@@ -263,6 +264,24 @@ def hf_context_length(hf_config: Any) -> int | None:
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+def _refuse_unrun_custom_code(config: HFCausalLMConfig, hf_config: Any) -> None:
+    """A checkpoint with its own modeling code (``auto_map``) whose model_type transformers also knows (an LLM
+    Foundry MPT is model_type mpt) would load silently as transformers' class, which computes something else."""
+    auto_map = getattr(hf_config, "auto_map", None) or {}
+    if not auto_map or config.trust_remote_code:
+        return
+    code = auto_map.get("AutoModelForCausalLM") or next(iter(auto_map.values()))
+    raise ConfigError(
+        f"'{_KEY}.pretrained_model_name_or_path' ({config.pretrained_model_name_or_path}) ships its own modeling "
+        f"code (config.json auto_map: {code}), which transformers' built-in {type(hf_config).__name__} for "
+        f"model_type '{hf_config.model_type}' would replace, computing other logits from the same weights. Set "
+        f"'{_KEY}.trust_remote_code: true' (`foundry eval --trust-remote-code`, `foundry.load_model(..., "
+        "trust_remote_code=True)`) to run that code, only if you trust it. An LLM Foundry MPT export needs none: "
+        "`foundry eval --model DIR` loads it as foundry's mpt_causal_lm, and `foundry convert from-hf DIR OUT` "
+        "converts it."
+    )
 
 
 def _apply_overrides(target: Any, overrides: Mapping[str, Any], key_path: str) -> None:
@@ -341,6 +360,8 @@ def default_attn_implementation(hf_config: Any) -> str:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING  # see load_hf_config
 
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(hf_config), None)
+    if getattr(hf_config, "auto_map", None):
+        return "eager"  # its own code runs, whose attention choices are unknown; eager always works
     return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
 
 

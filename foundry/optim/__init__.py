@@ -8,7 +8,7 @@ from foundry.optim.schedulers import (
     CosineWithWarmupScheduler,
     LinearWithWarmupScheduler,
     TimeScheduler,
-    duration_fraction,
+    absolute_time,
 )
 
 __all__ = [
@@ -21,5 +21,5 @@ __all__ = [
     "TimeScheduler",
     "build_optimizers",
     "build_schedulers",
-    "duration_fraction",
+    "absolute_time",
 ]

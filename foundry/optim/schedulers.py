@@ -1,9 +1,12 @@
-"""Learning-rate schedules written in training time (``"100ba"``, ``"0.1dur"``), not optimizer steps.
+"""Learning-rate schedules written in training time (``"100ba"``, ``"0.1dur"``), computed as Composer computes them.
 
-A schedule is a function of the run's progress that returns a multiplier of each param group's
-initial LR. Everything is computed in *fractions of max_duration*, so warmup in batches and a run
-measured in epochs or tokens mix freely; the result is stateless, so resuming from a checkpoint
-recomputes the same LR from the timestamp.
+A schedule is a function of the run's timestamp that returns a multiplier of each param group's
+initial LR: for each name, the same function as Composer's scheduler of that name, to the last bit.
+Times convert as Composer converts them (``absolute_time``): ``dur`` to whole units of
+``max_duration`` (rounded down), epochs to batches. The Trainer steps the schedules before the
+timestamp counts the batch just trained, as Composer's Trainer does, so batch k + 1 trains at the
+LR of k batches done (batches 0 and 1 both at LR(0)); the LR monitor logs that LR at BATCH_END.
+The result is stateless, so resuming from a checkpoint recomputes the same LR from the timestamp.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class TimeScheduler:
-    """Base class: ``multiplier(state)`` gives the LR factor at ``state``'s progress."""
+    """Base class: ``multiplier(state)`` gives the LR factor at ``state``'s timestamp."""
 
     def multiplier(self, state: State) -> float:
         raise NotImplementedError
@@ -32,24 +35,40 @@ class TimeScheduler:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _step: self.multiplier(state))
 
 
-def duration_fraction(time: Time, state: State) -> float:
-    """``time`` as a fraction of ``max_duration`` (``"100ba"`` of a ``"1000ba"`` run is 0.1)."""
-    if time.unit == TimeUnit.DURATION:
-        return float(time.value)
+def absolute_time(time: Time, state: State) -> Time:
+    """``time`` in a unit the timestamp counts (Composer's ``_convert_time``).
+
+    ``dur`` becomes whole units of ``max_duration``, rounded down (``"0.05dur"`` of ``"30ba"`` is 1ba),
+    or batches when ``max_duration`` is in epochs; epochs become batches.
+    """
     max_duration = state.max_duration
-    if max_duration.value == 0:
-        return 0.0
-    if time.unit == max_duration.unit:
-        return time.value / max_duration.value
-    batches_per_epoch = state.train_dataloader_len
-    if {time.unit, max_duration.unit} == {TimeUnit.BATCH, TimeUnit.EPOCH} and batches_per_epoch:
-        in_batches = time.value * (batches_per_epoch if time.unit == TimeUnit.EPOCH else 1)
-        max_batches = max_duration.value * (batches_per_epoch if max_duration.unit == TimeUnit.EPOCH else 1)
-        return in_batches / max_batches
-    raise ConfigError(
-        f"Cannot relate scheduler time {time} to max_duration {max_duration}: write the scheduler's times in "
-        f"'{max_duration.unit.value}' or as a fraction of the run ('0.05dur')."
-    )
+    if time.unit == TimeUnit.DURATION:
+        if max_duration.unit == TimeUnit.EPOCH:
+            return Time(int(time.value * _batches_per_epoch(time, state) * max_duration.value), TimeUnit.BATCH)
+        return Time(int(time.value * max_duration.value), max_duration.unit)
+    if time.unit == TimeUnit.EPOCH:
+        return Time(time.value * _batches_per_epoch(time, state), TimeUnit.BATCH)
+    return time
+
+
+def _batches_per_epoch(time: Time, state: State) -> int:
+    if not state.train_dataloader_len:
+        raise ConfigError(
+            f"Scheduler time {time} needs the batches per epoch, which this train loader does not state (it has "
+            f"no len()). Write the scheduler's times in batches or tokens, or max_duration ({state.max_duration}) "
+            "in them."
+        )
+    return state.train_dataloader_len
+
+
+def _check_same_unit(warmup: Time, end: Time, state: State) -> None:
+    """Composer subtracts one from the other, which it refuses across units; so does foundry, from the first batch."""
+    if warmup.unit != end.unit:
+        raise ConfigError(
+            f"Cannot relate scheduler time {warmup} to t_max {end} (max_duration {state.max_duration}): write "
+            f"t_warmup in '{end.unit.value}' or as a fraction of the run ('0.05dur'), or max_duration in "
+            f"'{warmup.unit.value}'."
+        )
 
 
 @registry.schedulers.register("constant")
@@ -61,11 +80,14 @@ class ConstantScheduler(TimeScheduler):
         self.t_max = Time.parse(t_max)
 
     def multiplier(self, state: State) -> float:
-        return self.alpha if state.progress < duration_fraction(self.t_max, state) else 1.0
+        end = absolute_time(self.t_max, state)
+        return self.alpha if state.timestamp.get(end.unit) < end.value else 1.0
 
 
 class _WarmupScheduler(TimeScheduler):
-    """Linear warmup from 0 to 1 over ``t_warmup``, then ``decay(fraction_of_the_rest)``."""
+    """Linear warmup from 0 to ``peak`` over ``t_warmup``, then ``decay(fraction of the rest, up to t_max)``."""
+
+    peak = 1.0
 
     def __init__(self, t_warmup: Time | str, t_max: Time | str = "1dur") -> None:
         self.t_warmup = Time.parse(t_warmup)
@@ -75,20 +97,22 @@ class _WarmupScheduler(TimeScheduler):
         raise NotImplementedError
 
     def multiplier(self, state: State) -> float:
-        progress = state.progress
-        warmup = duration_fraction(self.t_warmup, state)
-        if progress < warmup:
-            return progress / warmup
-        end = duration_fraction(self.t_max, state)
-        fraction = 1.0 if end <= warmup else min((progress - warmup) / (end - warmup), 1.0)
+        warmup, end = absolute_time(self.t_warmup, state), absolute_time(self.t_max, state)
+        _check_same_unit(warmup, end, state)
+        now = state.timestamp.get(warmup.unit)
+        if now < warmup.value:
+            return min(1.0, now / warmup.value) * self.peak
+        fraction = min(1.0, (now - warmup.value) / (end.value - warmup.value)) if end.value > warmup.value else 0.0
         return self.decay(fraction)
 
 
 @registry.schedulers.register("constant_with_warmup")
 class ConstantWithWarmupScheduler(_WarmupScheduler):
+    """Warmup to ``alpha``, then ``alpha``."""
+
     def __init__(self, t_warmup: Time | str, alpha: float = 1.0, t_max: Time | str = "1dur") -> None:
         super().__init__(t_warmup, t_max)
-        self.alpha = alpha
+        self.alpha = self.peak = alpha
 
     def decay(self, fraction: float) -> float:
         return self.alpha
@@ -103,19 +127,19 @@ class CosineWithWarmupScheduler(_WarmupScheduler):
         self.alpha_f = alpha_f
 
     def decay(self, fraction: float) -> float:
-        return self.alpha_f + (1 - self.alpha_f) * 0.5 * (1 + math.cos(math.pi * fraction))
+        return self.alpha_f + (1.0 - self.alpha_f) * (1 + math.cos(fraction * math.pi)) / 2
 
 
 @registry.schedulers.register("linear_decay_with_warmup")
 class LinearWithWarmupScheduler(_WarmupScheduler):
-    """Warmup, then a straight line from ``alpha_i`` down to ``alpha_f`` at ``t_max``."""
+    """Warmup to ``alpha_i``, then a straight line from ``alpha_i`` down to ``alpha_f`` at ``t_max``."""
 
     def __init__(
         self, t_warmup: Time | str, alpha_i: float = 1.0, alpha_f: float = 0.0, t_max: Time | str = "1dur"
     ) -> None:
         super().__init__(t_warmup, t_max)
-        self.alpha_i = alpha_i
+        self.alpha_i = self.peak = alpha_i
         self.alpha_f = alpha_f
 
     def decay(self, fraction: float) -> float:
-        return self.alpha_i + (self.alpha_f - self.alpha_i) * fraction
+        return self.alpha_i + fraction * (self.alpha_f - self.alpha_i)

@@ -165,7 +165,7 @@ def test_from_hf_refuses_a_checkpoint_that_needs_its_own_code_without_running_it
     auto_map = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "x_custom", "auto_map": auto_map}))
-    with pytest.raises(ConfigError, match="built-in classes.*hf_causal_lm"):
+    with pytest.raises(ConfigError, match="names its own modeling code.*hf_causal_lm.*trust_remote_code"):
         from_hf(tmp_path / "hf", tmp_path / "ckpt")
 
 

@@ -1,17 +1,26 @@
+"""The LR schedules: their values, and each batch's LR in a run against what Composer's Trainer gave it
+(tests/fixtures/llmfoundry/schedules.json, written by Composer 0.32.1 through LLM Foundry 0.22's scheduler builder)."""
+
+import json
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from helpers import token_batches
 
 from foundry import registry
-from foundry.core import State, Time, Timestamp
+from foundry.core import Callback, State, Time, Timestamp
 from foundry.errors import ConfigError
+from foundry.models.build import build_model
 from foundry.optim import (
     ConstantWithWarmupScheduler,
     CosineWithWarmupScheduler,
     DecoupledAdamW,
     LinearWithWarmupScheduler,
 )
+from foundry.trainer import Trainer
 
 
 def _state_at(batch: int, max_duration: str = "100ba", loader_len: int | None = None) -> State:
@@ -86,3 +95,40 @@ def test_decoupled_weight_decay_follows_schedule():
     param.grad = torch.zeros(2)
     optimizer.step()
     torch.testing.assert_close(param.detach(), torch.full((2,), 0.95))
+
+
+# ------------------------------------------------------------------ the LRs Composer's Trainer gave each batch
+COMPOSER_SCHEDULES = json.loads((Path(__file__).parents[1] / "fixtures" / "llmfoundry" / "schedules.json").read_text())
+
+
+class _LoggedLR(Callback):
+    """What lr_monitor logs at each BATCH_END: the LR the next batch trains at."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def batch_end(self, state: State, logger: Any) -> None:
+        self.values.append(state.optimizers[0].param_groups[0]["lr"])
+
+
+def _fit_logging_lr(case: dict[str, Any], run_folder: Path, load_path: str | None = None) -> list[float]:
+    rows, width = COMPOSER_SCHEDULES["batch_shape"]
+    options = dict(case["scheduler"])
+    scheduler = registry.schedulers.get(options.pop("name"))(**options)
+    logged = _LoggedLR()
+    Trainer(
+        build_model({"name": "mpt_causal_lm", "d_model": 16, "n_heads": 2, "n_layers": 1, "vocab_size": 32}),
+        token_batches(COMPOSER_SCHEDULES["batches_per_epoch"], rows, seq_len=width),
+        max_duration=case["max_duration"], schedulers=scheduler, callbacks=[logged],
+        optimizers=lambda params: DecoupledAdamW(params, lr=COMPOSER_SCHEDULES["lr"]), save_folder=str(run_folder),
+        save_interval="4ba", load_path=load_path, run_folder=str(run_folder), log_to_console=False, device="cpu",
+    ).fit()  # fmt: skip
+    return logged.values
+
+
+@pytest.mark.parametrize("label", sorted(COMPOSER_SCHEDULES["cases"]))
+def test_each_batch_trains_at_the_lr_composer_gives_it_from_scratch_and_after_resume(label, tmp_path):
+    case = COMPOSER_SCHEDULES["cases"][label]
+    assert _fit_logging_lr(case, tmp_path / "run") == case["lr_monitor"]
+    resumed = _fit_logging_lr(case, tmp_path / "resumed", load_path=str(tmp_path / "run" / "ep0-ba4"))
+    assert resumed == case["lr_monitor_resumed_from_batch_4"]
