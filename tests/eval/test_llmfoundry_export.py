@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from foundry.eval.task_config import ICLTaskConfig
 
 from foundry.cli import main
 from foundry.errors import ConfigError
 from foundry.eval import loading
 from foundry.eval.evaluator import ICLEvaluator
+from foundry.eval.task_config import ICLTaskConfig
 from foundry.models import MPTCausalLM
 from foundry.models.hf import HFCausalLM
 
