@@ -232,7 +232,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "eval": Command(
         "evaluate checkpoints or Hugging Face models on ICL tasks (and compare them)",
-        _lazy("foundry.eval_command", "add_eval_arguments"),
+        _lazy("foundry.eval_arguments", "add_eval_arguments"),
         _lazy("foundry.eval_command", "run_eval"),
     ),
     "convert consolidate": Command(

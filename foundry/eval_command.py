@@ -22,7 +22,7 @@ import torch
 from foundry import distributed
 from foundry.core import seed_everything
 from foundry.core.paths import is_object_store_url
-from foundry.core.precision import PRECISIONS, Precision, check_precision
+from foundry.core.precision import Precision, check_precision
 from foundry.errors import EXIT_CHECK_FAILED, EXIT_OK, ConfigError
 from foundry.eval.adapters import evaluate_adapters
 from foundry.eval.loading import build_model_entry, load_model
@@ -53,62 +53,6 @@ class EvalConfig:
     run_name: str | None = None
     attn_implementation: str | None = None  # Hugging Face directories; None: sdpa where implemented, else eager
     trust_remote_code: bool = False  # Hugging Face directories that ship their own modeling code may run it
-
-
-def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", nargs="?", help="eval YAML (models, icl_tasks, eval_gauntlet, ...)")
-    parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="set any key of the YAML")
-    parser.add_argument(
-        "--model", action="append", default=[], metavar="PATH", help="checkpoint, save_folder or HF directory (repeat)"
-    )
-    parser.add_argument(
-        "--compare", nargs="+", default=[], metavar="PATH", help="models side by side, deltas vs the first"
-    )
-    parser.add_argument(
-        "--adapters",
-        nargs="+",
-        default=[],
-        metavar="CKPT",
-        help="LoRA checkpoints evaluated in turn on the --model base",
-    )
-    parser.add_argument(
-        "--tasks",
-        metavar="YAML|NAME",
-        help="a YAML holding icl_tasks:, or LLM Foundry's list: light, v0.3, ... (replaces the config's)",
-    )
-    parser.add_argument(
-        "--gauntlet", metavar="YAML|NAME", help="a YAML holding eval_gauntlet:, or LLM Foundry's: v0.3, ..."
-    )
-    parser.add_argument(
-        "--icl-data",
-        metavar="DIR",
-        help=f"a copy of LLM Foundry's scripts/eval folder to read task files from instead of downloading them "
-        f"(same as {ICL_DATA_ENV}=DIR)",
-    )
-    parser.add_argument("--out", metavar="DIR", help="write results.md/.csv/.json (and compare.png) here")
-    parser.add_argument(
-        "--reference",
-        metavar="SCORES.yaml",
-        help="reference scores to compare with (docs/CONVERGENCE.md)",
-    )
-    parser.add_argument("--limit", type=int, metavar="N", help="score only the first N rows of each task")
-    parser.add_argument("--batch-size", type=int, metavar="N", help="rows per forward (device_eval_batch_size)")
-    parser.add_argument("--seq-len", type=int, metavar="N", help="tokens per row (icl_seq_len)")
-    parser.add_argument("--precision", choices=PRECISIONS)
-    parser.add_argument("--device", help="cpu, cuda, ... (default: this rank's GPU if any)")
-    parser.add_argument(
-        "--attn-impl",
-        metavar="NAME",
-        help="attention of Hugging Face directories: transformers' name (sdpa, eager, flash_attention_2, ...); "
-        "default: sdpa where the model implements it, else eager",
-    )
-    parser.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        default=None,
-        help="let a Hugging Face directory with its own modeling code (auto_map) run it; LLM Foundry MPT exports "
-        "need no code (they load as foundry's MPT)",
-    )
 
 
 def load_eval_config(args: argparse.Namespace) -> EvalConfig:

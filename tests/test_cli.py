@@ -165,3 +165,22 @@ def test_plot_command_draws_runs_side_by_side(tmp_path) -> None:
     out = tmp_path / "both.png"
     assert cli.main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(out)]) == 0
     assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("argv", "exit_code"),
+    [(["train", "--help"], 0), (["eval", "--help"], 0), (["train", "CONFIG", "save_intervl=1ba"], 2)],
+    ids=["train-help", "eval-help", "config-error"],
+)
+def test_help_and_config_errors_answer_without_importing_torch(
+    argv: list[str], exit_code: int, config_path: Path
+) -> None:
+    # torch, transformers and torchmetrics cost seconds to import; a typo or --help must not wait for them.
+    argv = [str(config_path) if arg == "CONFIG" else arg for arg in argv]
+    code = (
+        "import sys; from foundry import cli\n"
+        f"try:\n    code = cli.main({argv!r})\nexcept SystemExit as exit:\n    code = exit.code\n"
+        "print('EXIT', code, 'torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == f"EXIT {exit_code} False False", result.stdout
