@@ -60,6 +60,7 @@ def readme_example(model: torch.nn.Module, loaders, save_folder: Path, trainer_c
         schedulers=CosineWithWarmupScheduler(t_warmup="1ba", alpha_f=0.1),
         device_train_microbatch_size=2,
         precision="fp32",
+        device="cpu",  # the checkpoint is compared with the model load_model rebuilds on the CPU
         save_folder=str(save_folder),
         save_interval="2ba",
         eval_subset_num_batches=1,
