@@ -245,8 +245,8 @@ def test_compile_config_and_torch_compile_algorithm_together_is_an_error(tmp_pat
 
 def test_the_python_trainer_applies_compile_config_itself(tmp_path: Path) -> None:
     # The same selection foundry train makes: Trainer(...) adds the compile algorithm without a YAML.
-    compiled = Trainer(VocabLM(), run_folder=str(tmp_path), compile_config=True)
-    eager = Trainer(VocabLM(), run_folder=str(tmp_path))  # auto: never on a CPU
+    compiled = Trainer(VocabLM(), run_folder=str(tmp_path), device="cpu", compile_config=True)
+    eager = Trainer(VocabLM(), run_folder=str(tmp_path), device="cpu")  # auto: never on a CPU
     assert [type(a) for a in compiled.engine.algorithms] == [TorchCompile]
     assert eager.engine.algorithms == []
 
