@@ -19,7 +19,7 @@ import torch
 from bench_utils import environment, write_results
 
 from foundry.callbacks.hand_over import HandOver
-from foundry.core.logger import LoggerDestination
+from foundry.core.callback import LoggerDestination
 from foundry.models import MPTCausalLM
 from foundry.optim import DecoupledAdamW
 from foundry.trainer import Trainer

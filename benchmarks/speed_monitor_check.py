@@ -20,7 +20,7 @@ from bench_utils import model_from_yaml, random_batch, write_results
 from foundry import Callback
 from foundry.callbacks import SpeedMonitor
 from foundry.callbacks.device_flops import device_peak_flops_per_sec
-from foundry.core.logger import LoggerDestination
+from foundry.core.callback import LoggerDestination
 from foundry.optim import DecoupledAdamW
 from foundry.trainer import Trainer
 

@@ -1,7 +1,7 @@
 """The import graph of foundry/ flows one way: no cycle between files, none between packages.
 
-Every import counts, function-local ones too (they still make one module need the other); only
-``if TYPE_CHECKING:`` imports, which never run, do not. A package is ``foundry.<name>`` as one unit
+Every import counts: function-local ones (they still make one module need the other) and
+``if TYPE_CHECKING:`` ones (a type a module names is a concept it depends on). A package is ``foundry.<name>`` as one unit
 (a top-level module is its own unit); ``foundry/__init__.py``, which loads names lazily, is left out.
 
 A module imports foundry at its top, where a reader sees what it needs: a function-local import of a
@@ -42,16 +42,9 @@ def module_files(root: Path = FOUNDRY) -> dict[str, Path]:
 
 def imported_modules(name: str, path: Path, modules: Mapping[str, Path]) -> set[str]:
     """The foundry modules ``name`` imports (the deepest existing module of each imported name)."""
-    tree = ast.parse(path.read_text())
-    type_checking = {
-        id(inner)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for inner in ast.walk(node)
-    }
     found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import | ast.ImportFrom) and id(node) not in type_checking:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import | ast.ImportFrom):
             found.update(target for target in import_targets(node, name, path, modules) if target != name)
     return found
 

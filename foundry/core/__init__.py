@@ -11,7 +11,7 @@ _EXPORTS = {
     "Event": "foundry.core.event",
     "Interval": "foundry.core.interval",
     "Logger": "foundry.core.logger",
-    "LoggerDestination": "foundry.core.logger",
+    "LoggerDestination": "foundry.core.callback",
     "State": "foundry.core.state",
     "Time": "foundry.core.time",
     "TimeUnit": "foundry.core.time",

@@ -38,3 +38,17 @@ class Callback:
 
     def close(self) -> None:
         """Release resources (files, threads) when the run ends, even after an error."""
+
+
+class LoggerDestination(Callback):
+    """Where metrics go. A destination is also a callback, so it can react to events (flush at fit end)."""
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        del metrics, step
+
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
+        del hyperparameters
+
+    def log_text(self, text: str) -> None:
+        """A human-readable line (warnings, summaries)."""
+        del text

@@ -3,29 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from foundry.core.callback import Callback
 from foundry.core.redact import scrub_secrets
 
 if TYPE_CHECKING:
     from foundry.core.state import State
 
 
-class LoggerDestination(Callback):
-    """Where metrics go. A destination is also a callback, so it can react to events (flush at fit end)."""
+class MetricsDestination(Protocol):
+    """What the Logger sends to: ``foundry.core.callback.LoggerDestination`` and its subclasses."""
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        del metrics, step
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
 
-    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
-        del hyperparameters
+    def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None: ...
 
-    def log_text(self, text: str) -> None:
-        """A human-readable line (warnings, summaries)."""
-        del text
+    def log_text(self, text: str) -> None: ...
 
 
 class Logger:
@@ -40,7 +35,7 @@ class Logger:
 
     MAX_QUEUED_CALLS = 256  # bounds the device tensors kept alive between flushes
 
-    def __init__(self, state: State, destinations: Sequence[LoggerDestination] = ()) -> None:
+    def __init__(self, state: State, destinations: Sequence[MetricsDestination] = ()) -> None:
         self._state = state
         self.destinations = list(destinations)
         self._queue: list[tuple[dict[str, Any], int]] = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
-from typing import Any
+from typing import Any, Literal
 
 from foundry.schema import doc, field_defaults
 
@@ -41,3 +41,41 @@ class LoaderConfig:
 
 
 LOADER_DEFAULTS = field_defaults(LoaderConfig)
+
+# How an example longer than max_seq_len is cut (LLM Foundry keeps its start).
+Truncation = Literal["keep_start", "keep_end", "drop"]
+
+
+@dataclasses.dataclass
+class FinetuningDatasetConfig:
+    """The ``<loader>.dataset`` keys of LLM Foundry's ``finetuning`` loader (plus ``truncation``)."""
+
+    max_seq_len: int
+    hf_name: str | None = None  # a local .jsonl file or folder, or 'json' with hf_kwargs (Hub ids are refused)
+    hf_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # 'json': data_files or data_dir
+    preprocessing_fn: str | dict[str, str] | None = None  # 'module:function' or {prompt: column, response: column}
+    local: str | None = None  # MDS dataset
+    remote: str | None = None
+    streams: dict[str, dict[str, Any]] | None = None
+    split: str | None = None
+    shuffle: bool = False
+    shuffle_seed: int = 9176  # mosaicml-streaming's default, as LLM Foundry
+    packing_ratio: float | str | None = None  # examples drawn per row; 'auto' profiles; None or 1: no packing
+    target_prompts: str = "none"  # 'none', 'all' or 'length>=N'
+    target_responses: Literal["last", "all"] = "last"
+    truncation: Truncation = "keep_start"  # LLM Foundry keeps the first max_seq_len tokens
+    allow_pad_trimming: bool = False
+    decoder_only_format: bool = True
+    eos_token_id: int | None = None  # ends every response; default: the tokenizer's eos
+    safe_load: bool | None = None  # LLM Foundry's remote-code guard; local files need none
+    token_encoding_type: str = "int64"  # dtype of pre-tokenized MDS columns stored as bytes
+    download_retry: int | None = None
+    download_timeout: float | None = None
+    validate_hash: str | None = None
+    keep_zip: bool | None = None
+    predownload: int | None = None
+    cache_limit: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be a positive number of tokens, got {self.max_seq_len}")

@@ -21,12 +21,10 @@ See docs/FINETUNING.md for the keys, the labels, truncation and packing.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,8 +32,8 @@ import torch
 from foundry import registry
 from foundry.core.bounds import check_bounds
 from foundry.data.chat import RowFormatError, chat_renderer
-from foundry.data.config import LOADER_DEFAULTS
-from foundry.data.finetuning_examples import FinetuningCounts, LabelPolicy, Truncation, build_example, token_turns
+from foundry.data.config import LOADER_DEFAULTS, FinetuningDatasetConfig
+from foundry.data.finetuning_examples import FinetuningCounts, LabelPolicy, build_example, token_turns
 from foundry.data.finetuning_rows import read_rows
 from foundry.data.packing import Row, collate_packed_rows, pack_rows, profile_packing_ratio, rank_batches
 from foundry.distributed.env import get_rank, get_world_size
@@ -43,41 +41,6 @@ from foundry.errors import ConfigError, DataError
 from foundry.schema import parse_dataclass
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class FinetuningDatasetConfig:
-    """The ``<loader>.dataset`` keys of LLM Foundry's ``finetuning`` loader (plus ``truncation``)."""
-
-    max_seq_len: int
-    hf_name: str | None = None  # a local .jsonl file or folder, or 'json' with hf_kwargs (Hub ids are refused)
-    hf_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # 'json': data_files or data_dir
-    preprocessing_fn: str | dict[str, str] | None = None  # 'module:function' or {prompt: column, response: column}
-    local: str | None = None  # MDS dataset
-    remote: str | None = None
-    streams: dict[str, dict[str, Any]] | None = None
-    split: str | None = None
-    shuffle: bool = False
-    shuffle_seed: int = 9176  # mosaicml-streaming's default, as LLM Foundry
-    packing_ratio: float | str | None = None  # examples drawn per row; 'auto' profiles; None or 1: no packing
-    target_prompts: str = "none"  # 'none', 'all' or 'length>=N'
-    target_responses: Literal["last", "all"] = "last"
-    truncation: Truncation = "keep_start"  # LLM Foundry keeps the first max_seq_len tokens
-    allow_pad_trimming: bool = False
-    decoder_only_format: bool = True
-    eos_token_id: int | None = None  # ends every response; default: the tokenizer's eos
-    safe_load: bool | None = None  # LLM Foundry's remote-code guard; local files need none
-    token_encoding_type: str = "int64"  # dtype of pre-tokenized MDS columns stored as bytes
-    download_retry: int | None = None
-    download_timeout: float | None = None
-    validate_hash: str | None = None
-    keep_zip: bool | None = None
-    predownload: int | None = None
-    cache_limit: int | str | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be a positive number of tokens, got {self.max_seq_len}")
 
 
 class FinetuningDataLoader:

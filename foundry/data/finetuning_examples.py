@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from foundry.batches import IGNORE_INDEX
 from foundry.data.chat import RenderChat, RowFormatError, text_turns
+from foundry.data.config import Truncation
 
-Truncation = Literal["keep_start", "keep_end", "drop"]
 TokenTurn = tuple[list[int], list[int]]  # (prompt ids, response ids)
 
 

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from foundry.data.config import FinetuningDatasetConfig
 from foundry.data.jsonl import read_jsonl
 from foundry.data.mds import build_checked_streams, import_streaming, release_shared_memory
 from foundry.errors import ConfigError, DataError
-
-if TYPE_CHECKING:
-    from foundry.data.finetuning import FinetuningDatasetConfig
 
 JSON_SUFFIXES = (".jsonl", ".json")
 

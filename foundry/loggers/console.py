@@ -11,9 +11,10 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from foundry import registry
+from foundry.core.callback import LoggerDestination
 from foundry.core.event import Event
 from foundry.core.interval import Interval
-from foundry.core.logger import Logger, LoggerDestination
+from foundry.core.logger import Logger
 from foundry.core.paths import public_location
 from foundry.core.state import State
 from foundry.core.time import SECONDS_PER_UNIT, Time, Timestamp, TimeUnit

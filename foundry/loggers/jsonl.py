@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from foundry import registry
+from foundry.core.callback import LoggerDestination
 from foundry.core.event import Event
-from foundry.core.logger import Logger, LoggerDestination
+from foundry.core.logger import Logger
 from foundry.core.state import State
 
 

@@ -8,8 +8,9 @@ from typing import Any
 import yaml
 
 from foundry import registry
+from foundry.core.callback import LoggerDestination
 from foundry.core.event import Event
-from foundry.core.logger import Logger, LoggerDestination
+from foundry.core.logger import Logger
 from foundry.core.redact import scrub_secrets
 from foundry.core.state import State
 from foundry.errors import ConfigError
