@@ -2,7 +2,8 @@
 
 Every import counts: function-local ones (they still make one module need the other) and
 ``if TYPE_CHECKING:`` ones (a type a module names is a concept it depends on). A package is
-``foundry.<name>`` as one unit (a top-level module is its own unit); ``foundry/__init__.py``, which loads names lazily, is left out.
+``foundry.<name>`` as one unit (a top-level module is its own unit); ``foundry/__init__.py``, which loads
+names lazily, is left out.
 
 A module imports foundry at its top, where a reader sees what it needs: a function-local import of a
 foundry module is allowed only where ``LAZY_FOUNDRY_IMPORTS`` says why.
