@@ -34,7 +34,7 @@ __all__ = ["TrainConfig", "load_train_config", "trainer_settings"]
 
 
 @dataclasses.dataclass(kw_only=True)
-class TrainConfig(RunConfig, CheckpointConfig, EvalConfig, ConsoleConfig):
+class TrainConfig(ConsoleConfig, EvalConfig, CheckpointConfig, RunConfig):  # fields: run, checkpoint, eval, console
     """Everything ``foundry train`` reads from a YAML; names and meanings follow LLM Foundry."""
 
     max_seq_len: int | None = field(
