@@ -159,3 +159,8 @@ class RendezvousStore:
             "MASTER_PORT": str(self.store.port),
             "TORCHELASTIC_USE_AGENT_STORE": "True",
         }
+
+
+def instruction_rows(row: dict) -> dict:
+    """A ``preprocessing_fn`` (LLM Foundry's ``module:function`` form): Dolly-style columns to prompt/response."""
+    return {"prompt": row["instruction"], "response": row["output"]}

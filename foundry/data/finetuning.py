@@ -195,8 +195,9 @@ def _check_config(config: FinetuningDatasetConfig, tokenizer: Any, device_batch_
         raise ConfigError(f"The batch size of '{key_path}' is {device_batch_size}; it must be at least 1.")
     if not config.decoder_only_format:
         raise ConfigError(
-            f"'{key_path}.decoder_only_format: false' formats data for encoder-decoder models (T5), which foundry "
-            f"does not train; set it to true."
+            f"'{key_path}.decoder_only_format: false' formats data for encoder-decoder models (T5, LLM Foundry's "
+            "model.name hf_t5), which foundry does not train: it trains decoder-only language models "
+            "(docs/LLM_FOUNDRY.md). Finetune one (hf_causal_lm, mpt_causal_lm, llama_causal_lm) with true."
         )
     ratio = config.packing_ratio
     if ratio is not None and ratio != "auto" and (isinstance(ratio, str) or ratio < 1):

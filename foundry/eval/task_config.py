@@ -42,6 +42,7 @@ class ICLTaskConfig:
     has_categories: bool = False  # score each 'category' of the rows separately
     max_seq_len: int | None = None  # default: icl_seq_len
     batch_size: int | None = None  # rows per forward; default: device_eval_batch_size
+    metric_names: list[str] | None = None  # accepted: every task reports its type's metrics (docs/EVAL.md)
 
     def __post_init__(self) -> None:
         if any(shots < 0 for shots in self.num_fewshot):

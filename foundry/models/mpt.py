@@ -156,6 +156,17 @@ def with_attn_impl(config: AttnConfig, attn_impl: str, nested_key: str) -> AttnC
     return dataclasses.replace(config, attn_impl=attn_impl)
 
 
+def refuse_megablocks(ffn_config: Any) -> None:
+    """LLM Foundry's mixture-of-experts feed-forwards run on MegaBlocks' kernels, which foundry does not carry."""
+    ffn_type = ffn_config.get("ffn_type") if isinstance(ffn_config, Mapping) else None
+    if ffn_type in ("mb_moe", "mb_dmoe"):
+        raise ConfigError(
+            f"'{_KEY}.ffn_config.ffn_type' is '{ffn_type}', LLM Foundry's MegaBlocks mixture of experts, which foundry "
+            "does not implement (it would need the megablocks package and expert parallelism; docs/LLM_FOUNDRY.md). "
+            "Use 'mptmlp' or 'mptglu', or train a Hugging Face MoE (DBRX, Mixtral) with model.name: hf_causal_lm."
+        )
+
+
 def init_device(name: str) -> torch.device:
     """The device parameters are created on; 'mixed' is cpu on each node's rank 0 and meta elsewhere."""
     if name == "mixed":
@@ -324,7 +335,10 @@ class MPTCausalLM(CausalLM):
         super().__init__()
         if config is not None and config_keys:
             raise ConfigError("Pass MPTCausalLM either an MPTConfig or its keys as keyword arguments, not both.")
-        self.config = parse_dataclass(MPTConfig, config if config is not None else config_keys, _KEY)
+        section = config if config is not None else config_keys
+        if isinstance(section, Mapping):
+            refuse_megablocks(section.get("ffn_config"))
+        self.config = parse_dataclass(MPTConfig, section, _KEY)
         self.logit_scale = self.config.resolved_logit_scale
         # Training forwards return the loss of the chunked output projection + cross-entropy (no logits):
         # always (True), never (False), or (None, loss_fn: auto) where its Triton kernel runs on a GPU.
