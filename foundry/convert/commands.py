@@ -156,9 +156,10 @@ def from_hf_model(hf_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
     if raw_config.get("auto_map"):
         raise ConfigError(
             f"{hf_dir / 'config.json'} names its own modeling code (auto_map: {raw_config['auto_map']}), which "
-            "transformers' built-in class of the same model_type does not compute. foundry convert from-hf reads "
-            "transformers' Llama and MPT and LLM Foundry's MPT exports; train this model as `model: {name: "
-            "hf_causal_lm, pretrained_model_name_or_path: <dir>, trust_remote_code: true}` if you trust its code."
+            "foundry does not run and which a built-in class of the same model_type would not compute. foundry "
+            "convert from-hf reads transformers' built-in classes (Llama, MPT) and LLM Foundry's MPT exports; train "
+            "this model as `model: {name: hf_causal_lm, pretrained_model_name_or_path: <dir>, trust_remote_code: "
+            "true}` if you trust its code."
         )
     try:  # never runs a checkpoint's own code: the adapters know transformers' built-in classes only
         hf_config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=False)

@@ -56,6 +56,8 @@ def mpt_section(source: Path, config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _foundry_keys(source: Path, config_class: type, keys: dict[str, Any], key_path: str) -> dict[str, Any]:
+    """``keys`` that foundry's ``config_class`` has (nested sections too); transformers' private keys (``_...``)
+    are dropped, a feature foundry lacks is dropped when off (``_OFF_IN_LLM_FOUNDRY``) and refused when on."""
     fields = {field.name: field for field in dataclasses.fields(config_class)}
     hints = typing.get_type_hints(config_class)
     kept = {}
