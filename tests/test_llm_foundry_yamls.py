@@ -13,10 +13,11 @@ import pytest
 import torch
 from llm_foundry_compat import YAMLS, Compat, markdown_table
 
-from foundry.builders import build_trainer
 from foundry.cli import main
-from foundry.config import load_train_config, load_yaml, resolve_interpolations
+from foundry.config import load_train_config
+from foundry.config.build import build_trainer
 from foundry.errors import FoundryError
+from foundry.yaml_config import load_yaml, resolve_interpolations
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512  # the test tokenizer's size, and every tiny model's vocabulary
