@@ -43,7 +43,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reference",
         metavar="SCORES.yaml",
-        help="reference scores to compare with (docs/CONVERGENCE.md)",
+        help="reference scores to compare with; prints PASS/FAIL and exits 1 on FAIL (docs/CONVERGENCE.md)",
     )
     parser.add_argument("--limit", type=int, metavar="N", help="score only the first N rows of each task")
     parser.add_argument("--batch-size", type=int, metavar="N", help="rows per forward (device_eval_batch_size)")
