@@ -92,6 +92,7 @@ class CheckpointSaver:
         if self.uploader is not None:
             self.uploader.wait()  # one upload at a time, and every rank counts the same failures
         store_down = self.uploader is not None and self.uploader.failed_in_a_row >= self.max_failed_uploads
+        self.engine.logger.flush()  # the metrics of the batches this checkpoint holds reach the loggers first
         self.engine.run_event(Event.BEFORE_CHECKPOINT)
         pending = start_checkpoint(
             self.local_folder,
