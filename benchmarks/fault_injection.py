@@ -1,15 +1,16 @@
 """Kill training runs with SIGKILL at random instants and inside every step of a save, resume them, check the end.
 
-Each trial starts ``foundry train`` (the quickstart YAML at test size: 40 batches, a checkpoint every
-4, the newest 2 kept, ``autoresume: true``, ``save_overwrite: false``), kills it once, then relaunches
-the same command until it exits 0. It passes when the run finished, its final checkpoint's tensors
-(model and optimizer) are bit-identical to an uninterrupted run's, no ``.tmp-*`` or damaged
-folder is left, and metrics.jsonl holds each batch's train loss exactly once. Kills land either at a named instant of a save (``foundry.checkpoint.kill_points``,
-through ``FOUNDRY_KILL_AT``, on one rank) or at a random time in the training part of the run (on a
-random rank). Runs use 1 and 2 ranks (gloo on CPU, through ``foundry train --nproc 2``), with and
-without ``save_async``. The damaged-file matrix then flips a byte in, truncates or deletes each file
-of the newest checkpoint and checks that autoresume falls back to the one before (and finishes
-bit-identically), while ``foundry convert consolidate`` and ``to-hf`` stop with a message naming the file::
+Each trial starts ``foundry train`` (the quickstart YAML at test size: 40 batches, a checkpoint every 4,
+the newest 2 kept, ``autoresume: true``, ``save_overwrite: false``), kills it once, then relaunches the
+same command until it exits 0. It passes when the run finished, its final checkpoint's tensors (model
+and optimizer) are bit-identical to an uninterrupted run's, no ``.tmp-*`` or damaged folder is left, and
+metrics.jsonl holds each batch's train loss exactly once. Kills land either at a named instant of a save
+(``foundry.checkpoint.kill_points``, through ``FOUNDRY_KILL_AT``, on one rank) or at a random time in
+the training part of the run (on a random rank). Runs use 1 and 2 ranks (gloo on CPU, through ``foundry
+train --nproc 2``), with and without ``save_async``. The damaged-file matrix then flips a byte in,
+truncates or deletes each file of the newest checkpoint and checks that autoresume falls back to the one
+before (and finishes bit-identically), while ``foundry convert consolidate`` and ``to-hf`` stop with a
+message naming the file::
 
     python benchmarks/fault_injection.py --random-trials 6 --out benchmarks/results
     python benchmarks/fault_injection.py --ranks 1 --random-trials 1 --no-matrix   # a quick look
