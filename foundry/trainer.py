@@ -23,7 +23,7 @@ from foundry import distributed
 from foundry.batches import RepeatedSampleMask, batch_num_samples, batch_num_tokens, batch_to_device, split_batch
 from foundry.checkpoint.load import resume_or_load
 from foundry.checkpoint.saver import CheckpointSaver
-from foundry.config import TRAIN_DEFAULTS, FSDPConfig, default_run_name, fill_run_name
+from foundry.config import TRAIN_DEFAULTS, FSDPConfig, default_run_name, fill_run_name, is_generated_run_name
 from foundry.core import (
     Algorithm,
     Callback,
@@ -185,6 +185,9 @@ class Trainer:
             upload_retries=save_upload_retries,
             upload_backoff_s=save_upload_backoff_s,
             max_failed_uploads=save_max_failed_uploads,
+            autoresume=autoresume,
+            load_path=load_path,
+            named_run=not is_generated_run_name(run_name),
         )
         self.config = config
         self._last_eval_batch: int | None = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 import typing
 from collections.abc import Sequence
@@ -241,11 +242,19 @@ class TrainConfig:
             raise ConfigError("Both 'eval_loader' and 'eval_loaders' are set; keep one (a list under 'eval_loader').")
 
 
+_GENERATED_RUN_NAME = re.compile(r"^foundry-\d{8}-\d{6}$")
+
+
 def default_run_name() -> str:
     """``$RUN_NAME`` (or Composer's ``$COMPOSER_RUN_NAME``), else ``foundry-<date>-<time>``."""
     return (
         os.environ.get("RUN_NAME") or os.environ.get("COMPOSER_RUN_NAME") or f"foundry-{time.strftime('%Y%m%d-%H%M%S')}"
     )
+
+
+def is_generated_run_name(run_name: str) -> bool:
+    """Whether ``run_name`` is one ``default_run_name`` made up (``foundry-<date>-<time>``), not one a user gave."""
+    return bool(_GENERATED_RUN_NAME.match(run_name))
 
 
 def fill_run_name(path: str | None, run_name: str | None) -> str | None:
