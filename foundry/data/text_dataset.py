@@ -56,10 +56,7 @@ class StreamingTextDataset(StreamingDataset):
         return sample
 
     def _read(self, index: int) -> dict[str, torch.Tensor]:
-        try:
-            sample = super().__getitem__(index)
-        except Exception as exc:  # what streaming raises for a damaged shard: IndexError, ValueError, ...
-            raise self._unreadable(index, exc) from exc
+        sample = self._stored_sample(index)
         self._check_shard(index)
         if "tokens" in sample:
             input_ids = self._read_tokens(sample["tokens"])[: self.max_seq_len]
@@ -76,7 +73,7 @@ class StreamingTextDataset(StreamingDataset):
         """The first sample's column, and its token count for a ``tokens`` column (None for text)."""
         if self.num_samples == 0:
             raise DataError(f"The dataset at {self.location()} holds no samples. Re-convert it with more data.")
-        sample = super().__getitem__(0)
+        sample = self._stored_sample(0)
         if "tokens" in sample:
             return "tokens", len(self._read_tokens(sample["tokens"]))
         if "text" in sample:
@@ -85,6 +82,13 @@ class StreamingTextDataset(StreamingDataset):
             f"The dataset at {self.location()} has columns {sorted(sample)}; the text dataloader reads a 'tokens' "
             f"or a 'text' column. Re-create it with 'foundry data convert'."
         )
+
+    def _stored_sample(self, index: int) -> dict[str, Any]:
+        """Sample ``index`` as streaming reads it; a damaged shard (its header, its data) is a ``DataError``."""
+        try:
+            return super().__getitem__(index)
+        except Exception as exc:  # what streaming raises for a damaged shard: IndexError, ValueError, ...
+            raise self._unreadable(index, exc) from exc
 
     def _check_shard(self, index: int) -> None:
         """The first sample read from a shard checks the whole shard file (size, and checksum when recorded)."""
