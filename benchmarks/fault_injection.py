@@ -1,15 +1,16 @@
 """Kill training runs with SIGKILL at random instants and inside every step of a save, resume them, check the end.
 
-Each trial starts ``foundry train`` (the quickstart YAML at test size: 40 batches, a checkpoint every
-4, the newest 2 kept, ``autoresume: true``, ``save_overwrite: false``), kills it once, then relaunches
-the same command until it exits 0. It passes when the run finished, its final checkpoint's tensors
-(model and optimizer) are bit-identical to an uninterrupted run's, and no ``.tmp-*`` or damaged
-folder is left. Kills land either at a named instant of a save (``foundry.checkpoint.kill_points``,
-through ``FOUNDRY_KILL_AT``, on one rank) or at a random time in the training part of the run (on a
-random rank). Runs use 1 and 2 ranks (gloo on CPU, through ``foundry train --nproc 2``), with and
-without ``save_async``. The damaged-file matrix then flips a byte in, truncates or deletes each file
-of the newest checkpoint and checks that autoresume falls back to the one before (and finishes
-bit-identically), while ``foundry convert consolidate`` and ``to-hf`` stop with a message naming the file::
+Each trial starts ``foundry train`` (the quickstart YAML at test size: 40 batches, a checkpoint every 4,
+the newest 2 kept, ``autoresume: true``, ``save_overwrite: false``), kills it once, then relaunches the
+same command until it exits 0. It passes when the run finished, its final checkpoint's tensors (model
+and optimizer) are bit-identical to an uninterrupted run's, no ``.tmp-*`` or damaged folder is left, and
+metrics.jsonl holds each batch's train loss exactly once. Kills land either at a named instant of a save
+(``foundry.checkpoint.kill_points``, through ``FOUNDRY_KILL_AT``, on one rank) or at a random time in
+the training part of the run (on a random rank). Runs use 1 and 2 ranks (gloo on CPU, through ``foundry
+train --nproc 2``), with and without ``save_async``. The damaged-file matrix then flips a byte in,
+truncates or deletes each file of the newest checkpoint and checks that autoresume falls back to the one
+before (and finishes bit-identically), while ``foundry convert consolidate`` and ``to-hf`` stop with a
+message naming the file::
 
     python benchmarks/fault_injection.py --random-trials 6 --out benchmarks/results
     python benchmarks/fault_injection.py --ranks 1 --random-trials 1 --no-matrix   # a quick look
@@ -79,6 +80,8 @@ class Run:
     save_folder: Path
     env: dict[str, str] = field(default_factory=dict)
     num_to_keep: int | None = None  # the run's save_num_checkpoints_to_keep, checked at its end
+    metrics: Path | None = None  # its metrics.jsonl, checked at its end to hold each batch's train loss once
+    num_batches: int = 0
 
 
 @dataclass
@@ -91,13 +94,14 @@ class TrialResult:
     identical: bool
     leftovers: list[str]
     seconds: float
+    metrics_problems: list[str] = field(default_factory=list)  # batches whose train-loss line is lost or repeated
     launch_seconds: list[float] = field(default_factory=list)  # each launch, start to exit
     slow_launch_output: str = ""  # the output of a launch that took over SLOW_LAUNCH_S, to see why
     error: str = ""
 
     @property
     def passed(self) -> bool:
-        return self.killed and self.finished and self.identical and not self.leftovers
+        return self.killed and self.finished and self.identical and not self.leftovers and not self.metrics_problems
 
 
 # --------------------------------------------------------------------------------------- launching
@@ -196,6 +200,21 @@ def leftovers(save_folder: Path, num_to_keep: int | None = None) -> list[str]:
     return found
 
 
+def metrics_problems(run: Run) -> list[str]:
+    """The batches of ``run`` whose train-loss line in metrics.jsonl is missing or appears more than once."""
+    import json
+    from collections import Counter
+
+    if run.metrics is None:
+        return []
+    if not run.metrics.is_file():
+        return [f"no {run.metrics}"]
+    rows = [json.loads(line) for line in run.metrics.read_text().splitlines() if line.strip()]
+    steps = Counter(row["step"] for row in rows if "loss/train/total" in row)
+    lost = [f"batch {step} lost" for step in range(1, run.num_batches + 1) if steps[step] == 0]
+    return lost + [f"batch {step} logged {count} times" for step, count in sorted(steps.items()) if count > 1]
+
+
 def run_trial(config: str, run: Run, kill: Kill, reference: dict[str, Any], max_launches: int = 4) -> TrialResult:
     """Launch ``run`` killed as ``kill`` says, relaunch it until it finishes, and compare with ``reference``."""
     start = time.perf_counter()
@@ -239,6 +258,7 @@ def run_trial(config: str, run: Run, kill: Kill, reference: dict[str, Any], max_
         finished=finished,
         identical=same,
         leftovers=leftovers(run.save_folder, run.num_to_keep),
+        metrics_problems=metrics_problems(run) if finished else [],
         seconds=round(time.perf_counter() - start, 1),
         launch_seconds=launch_seconds,
         slow_launch_output=slow[0][-3000:] if slow else "",
@@ -277,7 +297,13 @@ def quickstart_run(folder: Path, data: Path, ranks: int, save_async: bool) -> Ru
     command = [sys.executable, "-m", "foundry.cli", "train", *launcher, str(REPO_ROOT / "yamls" / "quickstart.yaml")]
     command += [f"variables.data_local={data}", f"run_folder={folder / 'run'}", f"save_folder={folder / 'ckpt'}"]
     command += [f"{key}={value}" for key, value in {**RUN_SETTINGS, "save_async": str(save_async).lower()}.items()]
-    return Run(command=command, save_folder=folder / "ckpt", num_to_keep=RUN_SETTINGS["save_num_checkpoints_to_keep"])
+    return Run(
+        command=command,
+        save_folder=folder / "ckpt",
+        num_to_keep=RUN_SETTINGS["save_num_checkpoints_to_keep"],
+        metrics=folder / "run" / "metrics.jsonl",
+        num_batches=40,
+    )
 
 
 def planned_kills(ranks: int, random_trials: int, training_s: float, rng: random.Random) -> list[Kill]:
@@ -386,6 +412,7 @@ def main() -> int:
 def _print_trial(result: TrialResult) -> None:
     verdict = "PASS" if result.passed else "FAIL"
     detail = "" if result.passed else f"killed={result.killed} identical={result.identical} {result.leftovers}"
+    detail += f" {result.metrics_problems}" if result.metrics_problems else ""
     print(f"{verdict} {result.config:16s} {result.kill:42s} launches={result.launch_seconds} s {detail}")
     if not result.passed:
         print(result.error[-1500:])
@@ -409,6 +436,7 @@ def _summary(trials: list[TrialResult], matrix: list[dict[str, Any]]) -> dict[st
         f"  finished:                  {count(lambda t: t.finished)}/{len(trials)}",
         f"  bit-identical final state: {count(lambda t: t.identical)}/{len(trials)}",
         f"  no leftover folders:       {count(lambda t: not t.leftovers)}/{len(trials)}",
+        f"  metrics lines lost or repeated: {sum(len(t.metrics_problems) for t in trials)}",
         f"  relaunches needed:         {max((t.launches - 1 for t in trials), default=0)} at most",
     ]
     for config in dict.fromkeys(t.config for t in trials):

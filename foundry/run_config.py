@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from dataclasses import field
 from typing import Any, Literal
@@ -62,6 +63,14 @@ def default_run_name() -> str:
     return (
         os.environ.get("RUN_NAME") or os.environ.get("COMPOSER_RUN_NAME") or f"foundry-{time.strftime('%Y%m%d-%H%M%S')}"
     )
+
+
+_GENERATED_RUN_NAME = re.compile(r"^foundry-\d{8}-\d{6}$")
+
+
+def is_generated_run_name(run_name: str) -> bool:
+    """Whether ``run_name`` is one ``default_run_name`` made up (``foundry-<date>-<time>``), not one a user gave."""
+    return bool(_GENERATED_RUN_NAME.match(run_name))
 
 
 def fill_run_name(path: str | None, run_name: str | None) -> str | None:

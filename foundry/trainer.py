@@ -49,7 +49,7 @@ from foundry.loggers import default_loggers
 from foundry.models.base import FoundryModel, ModuleModel
 from foundry.optim import build_optimizers, build_schedulers
 from foundry.optim.schedulers import TimeScheduler
-from foundry.run_config import TRAINER_SECTIONS, fill_run_name
+from foundry.run_config import TRAINER_SECTIONS, fill_run_name, is_generated_run_name
 from foundry.schema import split_settings
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -157,6 +157,9 @@ class Trainer:
             upload_retries=checkpointing.save_upload_retries,
             upload_backoff_s=checkpointing.save_upload_backoff_s,
             max_failed_uploads=checkpointing.save_max_failed_uploads,
+            autoresume=checkpointing.autoresume,
+            load_path=fill_run_name(checkpointing.load_path, run.run_name),
+            named_run=not is_generated_run_name(run.run_name),
         )
         self.config = config
         self._last_eval_batch: int | None = None

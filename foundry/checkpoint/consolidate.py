@@ -37,11 +37,11 @@ def read_checkpoint_tensors(path: str | Path) -> dict[str, Any]:
     """
     folder = resolve_checkpoint_path(path)
     state: dict[str, Any] = {}
+    reader = SafeFileSystemReader(folder)
+    reader.read_metadata()  # a refused .metadata raises here, before DCP would log its traceback and fall back
     try:
         with single_process_quiet():
-            _load_state_dict(
-                state, storage_reader=SafeFileSystemReader(folder), planner=_SafeWholeStateLoadPlanner(), no_dist=True
-            )
+            _load_state_dict(state, storage_reader=reader, planner=_SafeWholeStateLoadPlanner(), no_dist=True)
     except (Exception, CheckpointException) as exc:
         cause = root_cause(exc)
         if isinstance(cause, CheckpointError):

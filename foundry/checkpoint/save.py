@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import importlib.metadata
 import json
 import math
@@ -146,13 +147,37 @@ class PendingCheckpoint:
         return self.final_dir
 
     def fail(self, exc: BaseException) -> NoReturn:
+        out_of_space = _out_of_space(exc, self.final_dir.parent)  # before the partial files are removed
         if self.rank == 0:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
         cause = root_cause(exc)
+        if out_of_space:
+            raise CheckpointError(
+                f"Could not write checkpoint {self.final_dir}: no space left on device in {self.final_dir.parent} "
+                f"({type(cause).__name__}: {cause}). Free space there, lower save_num_checkpoints_to_keep, or point "
+                "save_folder at a larger disk; the earlier checkpoints there are untouched."
+            ) from exc
         raise CheckpointError(
             f"Could not write checkpoint {self.final_dir} ({type(cause).__name__}: {cause}). Check free disk space "
             f"and write permission in {self.final_dir.parent}; earlier checkpoints there are untouched."
         ) from exc
+
+
+_NEARLY_FULL_BYTES = 1 << 20  # torch's zip writer reports a full disk as "unexpected pos N vs M", not ENOSPC
+
+
+def _out_of_space(exc: BaseException, folder: Path) -> bool:
+    """Whether a failed write ran out of disk space: ENOSPC anywhere in its causes, or (torch does not pass the
+    OSError on) less than a MiB left in ``folder``'s file system."""
+    for error in (exc, root_cause(exc)):
+        while error is not None:
+            if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+                return True
+            error = error.__cause__ or error.__context__
+    try:
+        return shutil.disk_usage(folder).free < _NEARLY_FULL_BYTES
+    except OSError:
+        return False
 
 
 def _write_checkpoint(

@@ -13,6 +13,7 @@ from pathlib import Path
 from foundry import distributed
 from foundry.checkpoint.find import latest_checkpoint
 from foundry.checkpoint.object_store import ObjectStore, object_store
+from foundry.checkpoint.owner import check_save_folder_owner
 from foundry.checkpoint.remote import (
     prune_store,
     publish_local_copies,
@@ -46,6 +47,8 @@ class CheckpointSaver:
         config: the resolved YAML, stored in each checkpoint.
         upload_retries / upload_backoff_s: an object-store save_folder retries each failed upload this many
             times, waiting ``upload_backoff_s`` seconds, then twice as long each time.
+        autoresume / load_path / named_run: whether the run resumes, what it loads, and whether its name was
+            given: a save_folder holding another run's checkpoints is refused (``foundry.checkpoint.owner``).
         max_failed_uploads: a save raises ``CheckpointUploadError`` once this many checkpoints in a row failed to
             upload (the run stops rather than train on with nothing durable); ``wait_for_uploads`` raises it for
             any that failed.
@@ -63,6 +66,9 @@ class CheckpointSaver:
         upload_retries: int,
         upload_backoff_s: float,
         max_failed_uploads: int,
+        autoresume: bool,
+        load_path: str | None,
+        named_run: bool,
     ) -> None:
         self.engine, self.state = engine, engine.state
         self.save_folder = save_folder
@@ -73,6 +79,14 @@ class CheckpointSaver:
         self.max_failed_uploads = max_failed_uploads
         if save_folder:
             check_writable_folder(self.local_folder, "save_folder")  # on every rank: all of them stop, or none
+            check_save_folder_owner(
+                save_folder,
+                self.state.run_name,
+                named=named_run,
+                autoresume=autoresume,
+                overwrite=overwrite,
+                load_path=load_path,
+            )
             if self.state.rank == 0 and self.local_folder.is_dir():
                 remove_temporaries(self.local_folder)
             if is_object_store_url(save_folder):
@@ -91,6 +105,7 @@ class CheckpointSaver:
         if self.uploader is not None:
             self.uploader.wait()  # one upload at a time, and every rank counts the same failures
         store_down = self.uploader is not None and self.uploader.failed_in_a_row >= self.max_failed_uploads
+        self.engine.logger.flush()  # the metrics of the batches this checkpoint holds reach the loggers first
         self.engine.run_event(Event.BEFORE_CHECKPOINT)
         pending = start_checkpoint(
             self.local_folder,

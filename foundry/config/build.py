@@ -17,6 +17,7 @@ import torch
 
 from foundry import registry
 from foundry.checkpoint import latest_checkpoint
+from foundry.checkpoint.owner import check_save_folder_owner
 from foundry.config import TrainConfig, trainer_settings
 from foundry.core import seed_everything
 from foundry.core.paths import check_writable_folder, is_object_store_url
@@ -28,7 +29,7 @@ from foundry.models.build import build_model
 from foundry.models.lora_checkpoint import has_pretrained_base
 from foundry.optim.optimizers import check_hyperparameters
 from foundry.registry import bound_component, build_components, component_factory
-from foundry.run_config import fill_run_name
+from foundry.run_config import fill_run_name, is_generated_run_name
 from foundry.trainer import Trainer
 from foundry.yaml_config import config_to_dict
 
@@ -201,9 +202,12 @@ def _check_checkpoint_paths(cfg: TrainConfig) -> None:
     # Object-store folders are checked when the Trainer reaches the store (bucket, credentials).
     save_folder = fill_run_name(cfg.save_folder, cfg.run_name)
     on_store = is_object_store_url(save_folder)
+    load_path = fill_run_name(cfg.load_path, cfg.run_name)
     if save_folder and not on_store:
         check_writable_folder(save_folder, "save_folder")
-    load_path = fill_run_name(cfg.load_path, cfg.run_name)
+        named = not is_generated_run_name(cfg.run_name)
+        options = {"autoresume": cfg.autoresume, "overwrite": cfg.save_overwrite, "load_path": load_path}
+        check_save_folder_owner(save_folder, cfg.run_name, named=named, **options)
     resumes = cfg.autoresume and save_folder and (on_store or latest_checkpoint(save_folder) is not None)
     if load_path and not resumes and not is_object_store_url(load_path) and not Path(load_path).exists():
         raise ConfigError(

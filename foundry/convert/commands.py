@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import secrets
 import shutil
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from foundry.convert.checkpoint_io import (
 )
 from foundry.convert.llmfoundry_mpt import is_llm_foundry_mpt_export, load_llm_foundry_export
 from foundry.data import load_tokenizer
-from foundry.errors import ConfigError
+from foundry.errors import CheckpointError, ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -172,7 +173,16 @@ def from_hf_model(hf_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
         ) from None
     adapter = adapter_for_hf(hf_config.model_type)
     section = adapter.from_hf_config(hf_config)
-    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=False)
+    try:  # transformers unpickles a .bin with torch.load(weights_only=True): tensors, never code
+        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=False)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, OSError, EOFError) as error:
+        files = ", ".join(sorted(path.name for path in hf_dir.iterdir() if path.suffix in (".bin", ".safetensors")))
+        reason = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        raise CheckpointError(
+            f"Cannot read the weights in {hf_dir} ({files or 'no weight files'}): {type(error).__name__}: {reason}. "
+            "The file is damaged, incomplete, or holds objects other than tensors (a pickle that would run code, "
+            "which foundry refuses). Download the model again, preferably its .safetensors files."
+        ) from None
     state = adapter.from_hf_state_dict(hf_model.state_dict(), hf_config)
     return assign_weights(meta_model(section), state, f"{hf_dir} to {section['name']}"), section
 

@@ -6,19 +6,32 @@ checked that streaming is installed, so ``import foundry.data`` works without it
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from filelock import FileLock
 from streaming import StreamingDataset
 from streaming.base.dataloader import StreamingDataLoader
 from transformers import PreTrainedTokenizerBase
 
 from foundry.batches import SAMPLE_INDEX_KEY
 from foundry.data.mds import rebuild_hint, release_shared_memory, shard_damage, shard_of_sample
+from foundry.distributed.env import get_local_rank
 from foundry.errors import DataError
+
+# streaming names a dataset's shared memory after the first prefix no running dataset holds: two runs that start
+# at once pick the same one, and the second dies creating it (FileExistsError: '/000181_locals'). The first rank
+# of each machine registers under this lock, so they take turns; the other ranks only attach to their leader's.
+_REGISTRATION_LOCK = Path(tempfile.gettempdir()) / "foundry-streaming-shared-memory.lock"
+
+
+def _registering_shared_memory() -> contextlib.AbstractContextManager:
+    return FileLock(_REGISTRATION_LOCK) if get_local_rank() == 0 else contextlib.nullcontext()
 
 
 class StreamingTextDataset(StreamingDataset):
@@ -41,7 +54,8 @@ class StreamingTextDataset(StreamingDataset):
         sample_indices: bool = False,
         **streaming_kwargs: Any,
     ) -> None:
-        super().__init__(**streaming_kwargs)
+        with _registering_shared_memory():
+            super().__init__(**streaming_kwargs)
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self.token_encoding_type = token_encoding_type
@@ -56,10 +70,7 @@ class StreamingTextDataset(StreamingDataset):
         return sample
 
     def _read(self, index: int) -> dict[str, torch.Tensor]:
-        try:
-            sample = super().__getitem__(index)
-        except Exception as exc:  # what streaming raises for a damaged shard: IndexError, ValueError, ...
-            raise self._unreadable(index, exc) from exc
+        sample = self._stored_sample(index)
         self._check_shard(index)
         if "tokens" in sample:
             input_ids = self._read_tokens(sample["tokens"])[: self.max_seq_len]
@@ -76,7 +87,7 @@ class StreamingTextDataset(StreamingDataset):
         """The first sample's column, and its token count for a ``tokens`` column (None for text)."""
         if self.num_samples == 0:
             raise DataError(f"The dataset at {self.location()} holds no samples. Re-convert it with more data.")
-        sample = super().__getitem__(0)
+        sample = self._stored_sample(0)
         if "tokens" in sample:
             return "tokens", len(self._read_tokens(sample["tokens"]))
         if "text" in sample:
@@ -85,6 +96,13 @@ class StreamingTextDataset(StreamingDataset):
             f"The dataset at {self.location()} has columns {sorted(sample)}; the text dataloader reads a 'tokens' "
             f"or a 'text' column. Re-create it with 'foundry data convert'."
         )
+
+    def _stored_sample(self, index: int) -> dict[str, Any]:
+        """Sample ``index`` as streaming reads it; a damaged shard (its header, its data) is a ``DataError``."""
+        try:
+            return super().__getitem__(index)
+        except Exception as exc:  # what streaming raises for a damaged shard: IndexError, ValueError, ...
+            raise self._unreadable(index, exc) from exc
 
     def _check_shard(self, index: int) -> None:
         """The first sample read from a shard checks the whole shard file (size, and checksum when recorded)."""

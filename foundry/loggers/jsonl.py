@@ -12,9 +12,12 @@ Non-finite values (a NaN loss) are written as ``null`` so every line is strict J
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -23,13 +26,17 @@ from foundry.core.callback import LoggerDestination
 from foundry.core.event import Event
 from foundry.core.logger import Logger
 from foundry.core.state import State
+from foundry.errors import TrainingError
 
 
 @registry.loggers.register("jsonl")
 class JSONLLogger(LoggerDestination):
     """Appends metrics to ``path`` (parent folders are created); an existing file is continued, as on resume.
 
-    Lines are buffered and flushed at BATCH_END, EVAL_END and FIT_END, so a crash loses at most one batch.
+    Lines are buffered and flushed at BATCH_END, EVAL_END and FIT_END, so a crash loses at most one batch, and
+    before each checkpoint (BEFORE_CHECKPOINT), so a run resumed from a checkpoint has every line of the batches
+    it holds. A resumed run drops the lines of the batches after its checkpoint, which it trains again: each batch
+    has its line once.
 
     Args:
         path: The file to append to, e.g. '{run_folder}/metrics.jsonl'.
@@ -53,7 +60,14 @@ class JSONLLogger(LoggerDestination):
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         self._write({"hyperparameters": hyperparameters})
 
+    def after_load(self, state: State, logger: Logger) -> None:
+        if state.timestamp.batch > 0:
+            self._drop_lines_after(state.timestamp.batch)
+
     def batch_end(self, state: State, logger: Logger) -> None:
+        self.flush()
+
+    def before_checkpoint(self, state: State, logger: Logger) -> None:
         self.flush()
 
     def eval_end(self, state: State, logger: Logger) -> None:
@@ -64,7 +78,8 @@ class JSONLLogger(LoggerDestination):
 
     def flush(self) -> None:
         if self._file is not None:
-            self._file.flush()
+            with self._disk_errors():
+                self._file.flush()
 
     def close(self) -> None:
         if self._file is not None:
@@ -85,7 +100,46 @@ class JSONLLogger(LoggerDestination):
             self.rank_path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.rank_path.open("a", encoding="utf-8")
         # default=str: hyperparameters may hold Time, Path or other non-JSON values.
-        self._file.write(json.dumps(row, default=str) + "\n")
+        with self._disk_errors():
+            self._file.write(json.dumps(row, default=str) + "\n")
+
+    def _drop_lines_after(self, batch: int) -> None:
+        """Rewrite the file without the metrics of batches after ``batch`` (a killed run logged them, and the
+        resumed run trains them again)."""
+        path = self.rank_path
+        if (self._rank != 0 and not self.all_ranks) or not path.is_file():
+            return
+        self.close()
+        lines = path.read_bytes().splitlines(keepends=True)
+        kept = [line for line in lines if _kept(line, batch)]
+        if len(kept) == len(lines):
+            return
+        partial = path.with_name(f".tmp-{path.name}")
+        with self._disk_errors():
+            partial.write_bytes(b"".join(kept))
+            os.replace(partial, path)
+
+    @contextlib.contextmanager
+    def _disk_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as error:
+            reason = "no space left on device" if error.errno == errno.ENOSPC else (error.strerror or str(error))
+            raise TrainingError(
+                f"Cannot write metrics to {self.rank_path}: {reason} (in {self.rank_path.parent}). Free space there "
+                "or set run_folder to another disk, then relaunch: with autoresume: true the run continues from its "
+                "last checkpoint."
+            ) from None
+
+
+def _kept(line: bytes, batch: int) -> bool:
+    """Whether a resumed run at ``batch`` keeps ``line``: not one of a later batch's, nor one a kill cut short."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return False
+    step = row.get("step") if isinstance(row, dict) else None
+    return not isinstance(step, int) or step <= batch
 
 
 def _finite_or_none(value: float) -> float | None:

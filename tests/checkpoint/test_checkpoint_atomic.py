@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import shutil
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -46,3 +49,18 @@ def test_crash_mid_write_keeps_previous_latest_and_no_partial_checkpoint(
         save_checkpoint(tmp_path, train_steps(trained_state, 1))
     assert latest_checkpoint(tmp_path) == previous
     assert sorted(path.name for path in tmp_path.iterdir()) == ["ep0-ba3", "latest"]
+
+
+@pytest.mark.parametrize(
+    ("error", "free_bytes"),
+    [(OSError(errno.ENOSPC, "No space left on device"), 10 << 30), (RuntimeError("unexpected pos 704 vs 598"), 4096)],
+    ids=["ENOSPC", "torch's zip writer on a full disk"],
+)
+def test_a_full_disk_says_no_space_left_naming_the_folder(tmp_path, trained_state, monkeypatch, error, free_bytes):
+    def fail(self, plan, planner):
+        raise error
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", fail)
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(100 << 30, 100 << 30, free_bytes))
+    with pytest.raises(CheckpointError, match=rf"ep0-ba3: no space left on device in {tmp_path} .*larger disk"):
+        save_checkpoint(tmp_path, trained_state)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import repo_pythonpath
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from foundry.checkpoint import SafeFileSystemReader, load_checkpoint, save_checkpoint
@@ -70,3 +73,20 @@ def test_real_metadata_passes_the_allowlist(tmp_path, trained_state):
     path = save_checkpoint(tmp_path, trained_state)
     metadata = SafeFileSystemReader(path).read_metadata()
     assert metadata.state_dict_metadata["model.0.weight"].size == torch.Size([8, 4])
+
+
+def test_convert_consolidate_refuses_malicious_metadata_with_one_message_and_no_traceback(
+    tmp_path, trained_state, resealed
+):
+    path = save_checkpoint(tmp_path, trained_state)
+    marker = tmp_path / "pwned"
+    (path / ".metadata").write_bytes(pickle.dumps(RunsCommand(f"touch {marker}")))
+    resealed(path)
+    command = [sys.executable, "-m", "foundry.cli", "convert", "consolidate", str(path), str(tmp_path / "out")]
+    # A process of its own: pytest's log capture would hide what torch's logger prints to stderr.
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": repo_pythonpath()})
+    assert done.returncode == 2
+    stderr = done.stderr
+    assert "Refusing to load" in stderr and ".metadata" in stderr
+    assert "Traceback" not in stderr and "Falling back" not in stderr
+    assert not marker.exists()

@@ -44,7 +44,8 @@ trainer.fit()
 def _run(folder: Path, mode: str) -> object:
     save_folder = folder / "ckpt"
     command = [sys.executable, "-c", TRAIN, str(save_folder), mode]
-    return fault_injection.Run(command=command, save_folder=save_folder, num_to_keep=2)
+    metrics = folder / "ckpt-run" / "metrics.jsonl"
+    return fault_injection.Run(command=command, save_folder=save_folder, num_to_keep=2, metrics=metrics, num_batches=6)
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +68,7 @@ def test_a_kill_between_publishing_the_folder_and_updating_latest_resumes(tmp_pa
     assert exit_code == 0, output
     assert fault_injection.identical(fault_injection.final_tensors(run.save_folder), reference)
     assert fault_injection.leftovers(run.save_folder, num_to_keep=2) == []
+    assert fault_injection.metrics_problems(run) == []  # batch 3's line was flushed before its checkpoint
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

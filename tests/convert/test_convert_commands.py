@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -18,7 +20,7 @@ from foundry.cli import main
 from foundry.convert import adapter_for_family, adapter_for_hf
 from foundry.convert.checkpoint_io import save_weights_checkpoint
 from foundry.convert.commands import add_from_hf_arguments, add_to_hf_arguments, run_from_hf, run_to_hf
-from foundry.errors import ConfigError
+from foundry.errors import CheckpointError, ConfigError
 from foundry.models.build import build_model
 from foundry.trainer import Trainer
 
@@ -221,3 +223,24 @@ def test_to_hf_of_a_damaged_checkpoint_names_the_file_and_writes_nothing(trained
     assert main(["convert", "to-hf", str(save_folder), str(tmp_path / "hf")]) == 2
     assert "is damaged: __0_0.distcp differs from its checksum" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
+
+
+class _RunsCommand:
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+@pytest.mark.parametrize("content", ["code", "garbage"])
+def test_from_hf_refuses_a_hostile_or_damaged_bin_naming_the_file(exported, tmp_path, content) -> None:
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(exported, hf_dir)
+    (hf_dir / "model.safetensors").unlink()
+    marker = tmp_path / "pwned"
+    hostile = pickle.dumps(_RunsCommand(f"touch {marker}")) if content == "code" else b"\x80\x04garbage"
+    (hf_dir / "pytorch_model.bin").write_bytes(hostile)
+    with pytest.raises(CheckpointError, match=rf"Cannot read the weights in {hf_dir}.*pytorch_model.bin"):
+        from_hf(hf_dir, tmp_path / "ckpt")
+    assert not marker.exists()

@@ -90,3 +90,11 @@ def test_converting_inputs_without_text_is_refused(tmp_path: Path, capsys) -> No
     message = capsys.readouterr().err
     assert "empty.jsonl" in message and "hold no text" in message and "Pass files that hold documents" in message
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("header", [b"\xff" * 16, b"\x00" * 16], ids=["huge-offsets", "zero-offsets"])
+def test_a_damaged_shard_header_is_named_before_training(dataset: Path, make_loader, header: bytes) -> None:
+    shard = _shard(dataset)
+    shard.write_bytes(header + shard.read_bytes()[len(header) :])
+    with pytest.raises(DataError, match=rf"shard.00000.mds is damaged: .*{REBUILD}"):
+        _first_batch(make_loader, dataset)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.synchronize
 import os
 import tempfile
 from pathlib import Path
@@ -152,3 +154,31 @@ def test_close_releases_shared_memory_and_lock_files(tmp_path: Path) -> None:
     loader.dataset.close()
     assert not [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
     assert not [name for name in os.listdir(tempfile.gettempdir()) if name.startswith(prefix)]
+
+
+def _read_first_batch(local: str, barrier: multiprocessing.synchronize.Barrier, results: multiprocessing.Queue) -> None:
+    barrier.wait()  # every process builds its loader at the same instant, as runs launched together do
+    try:
+        loader = build_text_dataloader(dataset=token_dataset(Path(local)), tokenizer=None, device_batch_size=2)
+        try:
+            results.put(next(iter(loader))["input_ids"].shape[0])
+        finally:
+            loader.dataset.close()
+    except BaseException as error:  # reported to the test: a traceback in a child would pass unnoticed
+        results.put(f"{type(error).__name__}: {error}")
+
+
+def test_runs_that_start_at_once_on_one_folder_all_read_it(tmp_path: Path) -> None:
+    write_tokens(tmp_path, num_samples=8)
+    processes = 6
+    context = multiprocessing.get_context("spawn")
+    barrier, results = context.Barrier(processes), context.Queue()
+    children = [
+        context.Process(target=_read_first_batch, args=(str(tmp_path), barrier, results)) for _ in range(processes)
+    ]
+    for child in children:
+        child.start()
+    outcomes = [results.get(timeout=300) for _ in children]
+    for child in children:
+        child.join(timeout=60)
+    assert outcomes == [2] * processes

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
+
+import pytest
 
 from foundry import registry
 from foundry.core import Event
+from foundry.errors import TrainingError
 from foundry.loggers import JSONLLogger
 
 
@@ -81,3 +85,36 @@ def test_all_ranks_writes_a_file_per_rank(tmp_path, state, fire):
 
 def test_registered_as_jsonl():
     assert registry.loggers.get("jsonl") is JSONLLogger
+
+
+def test_lines_are_on_disk_before_a_checkpoint(tmp_path, fire):
+    path = tmp_path / "metrics.jsonl"
+    logger = JSONLLogger(str(path))
+    logger.log_metrics({"loss/train/total": 1.0}, step=4)  # logged after BATCH_END, saved at batch 4
+    fire(logger, Event.BEFORE_CHECKPOINT)
+    assert _read(path) == [{"step": 4, "loss/train/total": 1.0}]
+    logger.close()
+
+
+def test_a_resumed_run_drops_the_lines_of_the_batches_it_trains_again(tmp_path, state, fire, advance):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"hyperparameters": {}}\n{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n{"step": 3, "x": 3}\n{"st')
+    logger = JSONLLogger(str(path))
+    advance(2)  # resumed from the checkpoint of batch 2: a kill lost it after batch 3 was logged
+    fire(logger, Event.AFTER_LOAD)
+    logger.log_metrics({"x": 3.5}, step=3)
+    logger.close()
+    assert _read(path) == [{"hyperparameters": {}}, {"step": 1, "x": 1}, {"step": 2, "x": 2}, {"step": 3, "x": 3.5}]
+
+
+def test_a_full_disk_names_the_file_and_the_fix(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    logger = JSONLLogger(str(path))
+    logger.log_metrics({"x": 1.0}, step=1)
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(logger._file, "flush", full)
+    with pytest.raises(TrainingError, match=rf"Cannot write metrics to {path}: no space left on device .*run_folder"):
+        logger.flush()
