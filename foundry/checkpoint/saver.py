@@ -124,6 +124,7 @@ class CheckpointSaver:
         if self._async_group is None or store_down:
             self.publish_pending(upload=not store_down)  # kept in the local copy, uploaded by the relaunch
         if store_down:
+            self.uploader.failed.append(pending.final_dir.name)  # not uploaded either
             raise self._upload_error(
                 f"The last {self.max_failed_uploads} checkpoints in a row could not be uploaded, so the run stops "
                 "rather than train on with nothing durable (save_max_failed_uploads)."
