@@ -14,6 +14,12 @@ message naming the file::
 
     python benchmarks/fault_injection.py --random-trials 6 --out benchmarks/results
     python benchmarks/fault_injection.py --ranks 1 --random-trials 1 --no-matrix   # a quick look
+    python benchmarks/fault_injection.py --cases store-outage garbage-pointer other-run   # the other faults
+
+``--cases`` also runs three faults other than kills, each once on a 1-rank run: the object store's server
+killed mid-run (the run must exit 3 naming the checkpoints the store lacks; the relaunch on an empty bucket
+uploads them and finishes bit-identically without retraining), a ``latest`` pointer of garbage bytes, and
+another run (another ``run_name``) launched on a finished run's save_folder (refused, exit 2).
 
 ``run_trial`` takes any command that trains with ``autoresume`` into a save folder; the test suite
 runs a few trials of a small Trainer script through it (tests/checkpoint/test_fault_injection.py).
@@ -56,6 +62,7 @@ STARTED_MARKER = "foundry: run '"  # printed by rank 0 just before fit() starts
 LAUNCH_TIMEOUT_S = 300
 SLOW_LAUNCH_S = 120  # a launch this long (they take well under a minute) has its output kept
 MISSED_KILL_RETRIES = 3  # redraws of a random instant that came after the run's end
+CASES = ("kills", "matrix", "store-outage", "garbage-pointer", "other-run")  # what --cases selects
 
 
 @dataclass
@@ -368,12 +375,161 @@ def _damage(path: Path, damage: str) -> None:
         path.write_bytes(bytes(data))
 
 
+# ------------------------------------------------------------------------- what else breaks: three cases
+def garbage_pointer_case(source: Run, data: Path, work: Path, reference: dict[str, Any]) -> dict[str, Any]:
+    """``latest`` holding garbage bytes and the newest checkpoint gone: autoresume must resume from the one
+    before, warn about the pointer, finish identically and rewrite it."""
+    case = work / "garbage-pointer"
+    shutil.copytree(source.save_folder.parent, case)
+    run = quickstart_run(case, data, ranks=1, save_async=False)
+    from foundry.checkpoint import latest_checkpoint
+
+    shutil.rmtree(latest_checkpoint(run.save_folder))
+    (run.save_folder / "latest").write_bytes(b"\xff\xfe\x00\x9c not a checkpoint name")
+    exit_code, output, _ = launch(run)
+    finished = exit_code == 0
+    row = {
+        "case": "garbage latest pointer",
+        "finished": finished,
+        "identical": finished and identical(final_tensors(run.save_folder), reference),
+        "warning names the pointer": "Ignoring" in output and "latest" in output,
+        "metrics problems": metrics_problems(run) if finished else ["did not finish"],
+        "leftovers": leftovers(run.save_folder, run.num_to_keep),
+    }
+    shutil.rmtree(case)
+    return {**row, "passed": row["identical"] and row["warning names the pointer"] and not row["metrics problems"]}
+
+
+def other_run_case(source: Run, data: Path, work: Path) -> dict[str, Any]:
+    """Another run (another run_name) launched on a finished run's save_folder: refused, naming both, untouched."""
+    case = work / "other-run"
+    shutil.copytree(source.save_folder.parent, case)
+    run = quickstart_run(case, data, ranks=1, save_async=False)
+    before = sorted(path.name for path in run.save_folder.iterdir())
+    run.command.append("run_name=someone-else")
+    exit_code, output, _ = launch(run)
+    row = {
+        "case": "another run's save_folder",
+        "exit code": exit_code,
+        "names both runs": "'quickstart'" in output and "'someone-else'" in output,
+        "folder untouched": sorted(path.name for path in run.save_folder.iterdir()) == before,
+    }
+    shutil.rmtree(case)
+    return {**row, "passed": exit_code == 2 and row["names both runs"] and row["folder untouched"]}
+
+
+class MotoServer:
+    """moto's S3 server in a process of its own, which the harness kills (SIGKILL) and starts again, empty."""
+
+    def __init__(self) -> None:
+        import socket
+
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def env(self, cache_dir: Path) -> dict[str, str]:
+        """The environment of a run that saves to this server: dummy credentials, its URL, the local copy."""
+        return {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "S3_ENDPOINT_URL": self.url,
+            "AWS_ENDPOINT_URL": self.url,
+            "AWS_MAX_ATTEMPTS": "1",  # botocore's retries only slow a failing upload; foundry retries it
+            "FOUNDRY_CACHE_DIR": str(cache_dir),
+        }
+
+    def client(self) -> Any:
+        import boto3
+
+        credentials = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}  # moto takes any
+        return boto3.client("s3", endpoint_url=self.url, region_name="us-east-1", **credentials)
+
+    def start(self, bucket: str) -> None:
+        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = self.client()
+        for _ in range(600):  # up to a minute for the server to listen (moto imports slowly on a busy machine)
+            with contextlib.suppress(Exception):
+                client.create_bucket(Bucket=bucket)
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"moto's server did not start on {self.url}")
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+            self.process = None
+
+    def kill_once_published(self, bucket: str, stop: threading.Event) -> None:
+        """Kill the server once the run has published its first checkpoint on the store."""
+        client = self.client()
+        while not stop.is_set():
+            with contextlib.suppress(Exception):
+                listed = client.list_objects_v2(Bucket=bucket).get("Contents", [])
+                if any(item["Key"].endswith("/manifest.json") for item in listed):
+                    self.kill()
+                    return
+            time.sleep(0.2)
+
+
+def store_outage_case(data: Path, work: Path, reference: dict[str, Any]) -> dict[str, Any]:
+    """The S3 server killed once the first checkpoint is published: the run must fail (exit 3) naming the
+    checkpoints; the relaunch on an empty bucket uploads the local copies and finishes without retraining."""
+    server, bucket = MotoServer(), "fault-injection"
+    env = server.env(work / "store-outage" / "cache")
+    os.environ.update(env)  # final_tensors reads the store from this process
+    run = quickstart_run(work / "store-outage", data, ranks=1, save_async=False)
+    url = f"s3://{bucket}/run"
+    run.command[run.command.index(f"save_folder={run.save_folder}")] = f"save_folder={url}"
+    run.command += ["save_upload_retries=1", "save_upload_backoff_s=0.5"]
+    run.env = env
+    server.start(bucket)
+    stop = threading.Event()
+    watcher = threading.Thread(target=server.kill_once_published, args=(bucket, stop), daemon=True)
+    watcher.start()
+    first_exit, first_output, _ = launch(run)
+    stop.set()
+    server.kill()
+    server.start(bucket)  # back, empty
+    try:
+        second_exit, second_output, _ = launch(run)
+        same = second_exit == 0 and identical(final_tensors(url), reference)
+    finally:
+        server.kill()
+    run.save_folder = Path(env["FOUNDRY_CACHE_DIR"]) / "object_stores" / "s3" / bucket / "run"
+    row = {
+        "case": "object store killed mid-run",
+        "first exit code": first_exit,
+        "names the local copies": "They are kept in" in first_output,
+        "relaunch exit code": second_exit,
+        "uploaded the local copies": "Uploaded checkpoint" in second_output,
+        "identical": same,
+        "metrics problems": metrics_problems(run) if second_exit == 0 else ["did not finish"],
+    }
+    shutil.rmtree(work / "store-outage", ignore_errors=True)
+    passed = first_exit == 3 and row["names the local copies"] and row["uploaded the local copies"] and same
+    return {**row, "passed": passed and not row["metrics problems"]}
+
+
 # ------------------------------------------------------------------------------------------- main
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="world sizes to run (default: 1 2)")
     parser.add_argument("--random-trials", type=int, default=6, help="random-instant kills per configuration")
     parser.add_argument("--no-matrix", dest="matrix", action="store_false", help="skip the damaged-file matrix")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        choices=CASES,
+        default=list(CASES),
+        help="what to run (default: all): the kill -9 trials, the damaged-file matrix, and the store-outage, "
+        "garbage-pointer and other-run cases",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--out", type=Path, default=None, help="write <out>/<date>_cpu_fault_injection.json")
@@ -383,14 +539,14 @@ def main() -> int:
     data = _prepare_data(work / "data")
     trials: list[TrialResult] = []
     references = {}
-    for ranks in args.ranks:
+    for ranks in sorted(set(args.ranks) | ({1} if set(args.cases) & set(CASES[2:]) else set())):
         reference_run = quickstart_run(work / f"reference-{ranks}", data, ranks, save_async=False)
         exit_code, output, training_s = launch(reference_run)
         if exit_code != 0:
             raise SystemExit(f"the uninterrupted {ranks}-rank run failed:\n{output}")
         references[ranks] = reference_run
         reference = final_tensors(reference_run.save_folder)
-        for save_async in (False, True):
+        for save_async in (False, True) if "kills" in args.cases and ranks in args.ranks else ():
             mode = "async" if save_async else "sync"
             config = f"{ranks} rank{'s' * (ranks > 1)}, {mode}"
             for index, kill in enumerate(planned_kills(ranks, args.random_trials, training_s, rng)):
@@ -400,12 +556,21 @@ def main() -> int:
                 _print_trial(result)
                 shutil.rmtree(run.save_folder.parent, ignore_errors=True)
     matrix = []
-    if args.matrix and 1 in references:
+    if args.matrix and "matrix" in args.cases and 1 in references:
         matrix = damaged_file_matrix(references[1], data, work / "matrix", final_tensors(references[1].save_folder))
-    summary = _summary(trials, matrix)
+    cases = []
+    if "store-outage" in args.cases:
+        cases.append(store_outage_case(data, work, final_tensors(references[1].save_folder)))
+    if "garbage-pointer" in args.cases:
+        cases.append(garbage_pointer_case(references[1], data, work, final_tensors(references[1].save_folder)))
+    if "other-run" in args.cases:
+        cases.append(other_run_case(references[1], data, work))
+    for case in cases:
+        print(f"{'PASS' if case['passed'] else 'FAIL'} {case}")
+    summary = _summary(trials, matrix, cases)
     print(summary["text"])
     if args.out:
-        _write(args.out, trials, matrix, summary)
+        _write(args.out, trials, matrix, cases, summary)
     return 0 if summary["all_passed"] else 1
 
 
@@ -427,7 +592,7 @@ def _prepare_data(out: Path) -> Path:
     return out
 
 
-def _summary(trials: list[TrialResult], matrix: list[dict[str, Any]]) -> dict[str, Any]:
+def _summary(trials: list[TrialResult], matrix: list[dict[str, Any]], cases: list[dict[str, Any]]) -> dict[str, Any]:
     def count(predicate: Callable[[TrialResult], bool]) -> int:
         return sum(map(predicate, trials))
 
@@ -445,10 +610,19 @@ def _summary(trials: list[TrialResult], matrix: list[dict[str, Any]]) -> dict[st
     matrix_ok = all(all(value for key, value in row.items() if key not in ("file", "damage")) for row in matrix)
     if matrix:
         lines.append(f"damaged-file matrix: {len(matrix)} cases, {'all' if matrix_ok else 'NOT all'} as expected")
-    return {"text": "\n".join(lines), "all_passed": all(t.passed for t in trials) and matrix_ok}
+    for case in cases:
+        lines.append(f"{case['case']}: {'as expected' if case['passed'] else 'NOT as expected'}")
+    all_passed = all(t.passed for t in trials) and matrix_ok and all(case["passed"] for case in cases)
+    return {"text": "\n".join(lines), "all_passed": all_passed}
 
 
-def _write(out_dir: Path, trials: list[TrialResult], matrix: list[dict[str, Any]], summary: dict[str, Any]) -> None:
+def _write(
+    out_dir: Path,
+    trials: list[TrialResult],
+    matrix: list[dict[str, Any]],
+    cases: list[dict[str, Any]],
+    summary: dict[str, Any],
+) -> None:
     import datetime
     import json
 
@@ -462,7 +636,7 @@ def _write(out_dir: Path, trials: list[TrialResult], matrix: list[dict[str, Any]
         "command": " ".join(["python", *sys.argv]),
     }
     body = {"environment": environment, "summary": summary["text"], "trials": [asdict(t) for t in trials]}
-    path.write_text(json.dumps({**body, "matrix": matrix}, indent=1))
+    path.write_text(json.dumps({**body, "matrix": matrix, "cases": cases}, indent=1))
     print(f"wrote {path}")
 
 

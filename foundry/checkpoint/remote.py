@@ -7,7 +7,9 @@ rank uploads the files it wrote (``foundry.checkpoint.uploader``) and rank 0 upl
 folder without one (an upload killed midway) is ignored by every reader and deleted when the next
 run saving there starts. Pruning deletes a manifest before the files it lists, so a kill midway
 leaves an unpublished folder, never a published one with files missing. Reading downloads a
-checkpoint into the local copy and verifies it against its manifest, as for a local one.
+checkpoint into the local copy and verifies it against its manifest, as for a local one. A checkpoint a
+run could not upload stays in the local copy; the next run saving there uploads it first
+(``publish_local_copies``), so nothing is deleted before a newer checkpoint is on the store.
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ class CheckpointSaver:
             its state, callbacks and algorithms are what is saved.
         save_folder: where checkpoints go (checked to be writable now); None saves nothing. What
             interrupted saves left there (``.tmp-*``) is deleted now. An object-store URL (``s3://...``):
-            checkpoints are written in its local copy and uploaded; what interrupted uploads left there,
-            and local checkpoints the store has not published, are deleted now.
+            checkpoints are written in its local copy and uploaded; what interrupted uploads left on the
+            store is deleted now, and local checkpoints the store has not published are uploaded now.
         overwrite / num_to_keep: ``start_checkpoint``'s options.
         save_async: write in a background thread (over a gloo group of its own) while training goes on;
             the checkpoint is published at the next save, at fit's end, or after an error.
@@ -123,6 +123,7 @@ class CheckpointSaver:
         if self._async_group is None or store_down:
             self.publish_pending(upload=not store_down)  # kept in the local copy, uploaded by the relaunch
         if store_down:
+            self.uploader.failed.append(pending.final_dir.name)  # not uploaded either
             raise self._upload_error(
                 f"The last {self.max_failed_uploads} checkpoints in a row could not be uploaded, so the run stops "
                 "rather than train on with nothing durable (save_max_failed_uploads)."

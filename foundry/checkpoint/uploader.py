@@ -4,8 +4,10 @@ Each checkpoint is first published in the local copy (``foundry.checkpoint.save`
 ``CheckpointUploader.submit``. Its thread, one per rank, uploads checkpoints in the order they were
 published: every rank uploads the files it wrote, the ranks agree over a gloo group of their own that
 all succeeded, and rank 0 uploads the manifest (publishing the checkpoint on the store), then prunes
-the store and the local copy to ``num_to_keep``. See ``foundry.checkpoint.remote`` for what a reader
-of the store trusts.
+the store and the local copy to ``num_to_keep``. A checkpoint whose upload fails (after the store's
+retries) stays in the local copy and is named in ``failed``; every rank reaches the same verdict, so
+the Trainer's ranks stop together (``foundry.checkpoint.saver``). See ``foundry.checkpoint.remote`` for
+what a reader of the store trusts, and how the next run uploads what failed.
 """
 
 from __future__ import annotations
