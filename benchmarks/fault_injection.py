@@ -17,7 +17,7 @@ message naming the file::
     python benchmarks/fault_injection.py --cases store-outage garbage-pointer other-run   # the other faults
 
 ``--cases`` also runs three faults other than kills, each once on a 1-rank run: the object store's server
-killed mid-run (the run must exit 3 naming the checkpoints the store lacks; the relaunch on an empty bucket
+killed mid-run (the run must exit 4 naming the checkpoints the store lacks; the relaunch on an empty bucket
 uploads them and finishes bit-identically without retraining), a ``latest`` pointer of garbage bytes, and
 another run (another ``run_name``) launched on a finished run's save_folder (refused, exit 2).
 
@@ -478,7 +478,7 @@ class MotoServer:
 
 
 def store_outage_case(data: Path, work: Path, reference: dict[str, Any]) -> dict[str, Any]:
-    """The S3 server killed once the first checkpoint is published: the run must fail (exit 3) naming the
+    """The S3 server killed once the first checkpoint is published: the run must fail (exit 4) naming the
     checkpoints; the relaunch on an empty bucket uploads the local copies and finishes without retraining."""
     server, bucket = MotoServer(), "fault-injection"
     env = server.env(work / "store-outage" / "cache")
@@ -512,7 +512,7 @@ def store_outage_case(data: Path, work: Path, reference: dict[str, Any]) -> dict
         "metrics problems": metrics_problems(run) if second_exit == 0 else ["did not finish"],
     }
     shutil.rmtree(work / "store-outage", ignore_errors=True)
-    passed = first_exit == 3 and row["names the local copies"] and row["uploaded the local copies"] and same
+    passed = first_exit == 4 and row["names the local copies"] and row["uploaded the local copies"] and same
     return {**row, "passed": passed and not row["metrics problems"]}
 
 

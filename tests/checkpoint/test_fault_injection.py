@@ -133,7 +133,7 @@ def test_a_store_killed_mid_run_exits_3_and_the_relaunch_finishes_without_retrai
     server.start(bucket)
     try:
         exit_code, output, _ = fault_injection.launch(replace(run, env={**env, "STORE_PID": str(server.process.pid)}))
-        assert exit_code == 3, output
+        assert exit_code == 4, output
         assert "Not on s3://outage/run: ep0-ba3, ep0-ba4, ep0-ba5, ep0-ba6 (" in output and "They are kept in" in output
         server.kill()
         server.start(bucket)  # back, empty
