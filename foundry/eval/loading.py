@@ -104,13 +104,12 @@ def default_attn_implementation(path: Path) -> str:
     Some built-in classes (``MptForCausalLM``, which ``foundry convert to-hf`` writes for MPT) have no
     SDPA path, and transformers refuses to build them with it.
     """
+    if json.loads((path / "config.json").read_text()).get("auto_map"):
+        return "eager"  # its own code (if trusted) runs, whose attention choices are unknown; eager always works
     try:
-        config = AutoConfig.from_pretrained(path)
-        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(path))]
     except (KeyError, ValueError, OSError):
         return "sdpa"  # not a built-in causal LM: HFCausalLM reports what is wrong with it
-    if getattr(config, "auto_map", None):
-        return "eager"  # its own code runs, whose attention choices are unknown; eager always works
     return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
