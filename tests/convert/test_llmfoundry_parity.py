@@ -57,7 +57,7 @@ def test_a_run_resumed_from_llm_foundrys_checkpoint_has_llm_foundrys_resumed_los
     assert [batch["batch"] for batch in resumed] == [4, 5, 6, 7]
     assert metrics[LR_METRIC] == [batch["lr_logged"] for batch in resumed]
     # The same sums in another order (foundry's attention and loss kernels) round the last bits apart.
-    assert metrics["loss/train/total"] == pytest.approx([batch["loss"] for batch in resumed], rel=1e-5)
+    assert metrics["loss/train/total"] == pytest.approx([batch["loss"] for batch in resumed], rel=1e-6)
 
 
 def test_the_converted_checkpoint_carries_the_tokenizer_llm_foundry_stored(converted):
