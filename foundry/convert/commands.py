@@ -25,7 +25,7 @@ from foundry.convert.checkpoint_io import (
     resolve_checkpoint,
     save_weights_checkpoint,
 )
-from foundry.convert.llmfoundry_mpt import is_llm_foundry_mpt_export, load_llm_foundry_export
+from foundry.convert.llmfoundry_mpt import is_llm_foundry_mpt_export, load_export_tokenizer, load_llm_foundry_export
 from foundry.data import load_tokenizer
 from foundry.errors import CheckpointError, ConfigError
 
@@ -189,7 +189,11 @@ def from_hf_model(hf_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
 
 def _hf_tokenizer(hf_dir: Path) -> Any:
     has_tokenizer = any((hf_dir / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
-    return AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=False) if has_tokenizer else None
+    if not has_tokenizer:
+        return None
+    if is_llm_foundry_mpt_export(json.loads((hf_dir / "config.json").read_text())):
+        return load_export_tokenizer(hf_dir)
+    return AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=False)
 
 
 # ----------------------------------------------------------------------------------- helpers

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from foundry.convert.checkpoint_io import assign_weights, meta_model
+from foundry.data import load_tokenizer
 from foundry.errors import CheckpointError
 from foundry.models.mpt import MPTConfig
 
@@ -84,6 +85,18 @@ def load_llm_foundry_export(folder: Path) -> tuple[nn.Module, dict[str, Any]]:
     section = mpt_section(folder / "config.json", config)
     state = {name: tensor.float() for name, tensor in _read_weights(folder).items() if name != "lm_head.weight"}
     return assign_weights(meta_model(section), state, f"{folder} to mpt_causal_lm").eval(), section
+
+
+def load_export_tokenizer(folder: Path) -> Any:
+    """The tokenizer LLM Foundry wrote beside its export.
+
+    transformers 5 builds the folder's config while it looks for the tokenizer class, and its strict
+    ``MptConfig`` refuses LLM Foundry's MPT config (``attn_pdrop: 0.0`` where it wants an int), so the
+    tokenizer is read with a blank config instead.
+    """
+    from transformers import PretrainedConfig
+
+    return load_tokenizer(str(folder), config=PretrainedConfig())
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:

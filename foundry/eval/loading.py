@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint, resolve_checkpoint_path
-from foundry.convert.llmfoundry_mpt import is_llm_foundry_mpt_export, load_llm_foundry_export
+from foundry.convert.llmfoundry_mpt import is_llm_foundry_mpt_export, load_export_tokenizer, load_llm_foundry_export
 from foundry.core.paths import is_object_store_url
 from foundry.data import load_tokenizer
 from foundry.data.config import TokenizerConfig
@@ -85,7 +85,7 @@ def build_model_entry(entry: Mapping[str, Any], key_path: str) -> LoadedModel:
 def _load_hf_directory(path: Path, name: str, attn_implementation: str | None, trust_remote_code: bool) -> LoadedModel:
     if is_llm_foundry_mpt_export(json.loads((path / "config.json").read_text())):
         model, _ = load_llm_foundry_export(path)
-        return LoadedModel(name, model, _tokenizer({"name": str(path)}), _max_seq_len(model))
+        return LoadedModel(name, model, load_export_tokenizer(path), _max_seq_len(model))
     model = HFCausalLM(
         pretrained_model_name_or_path=str(path),
         attn_implementation=attn_implementation,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import json
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -227,6 +228,10 @@ def load_hf_config(config: HFCausalLMConfig) -> Any:
             f"'{_KEY}.pretrained_model_name_or_path' is {path!r}, which is not a directory. Give the path of a "
             "Hugging Face model directory (one holding config.json), or a Hub name such as 'gpt2'."
         )
+    local_config = Path(path).expanduser() / "config.json"
+    if local_config.is_file():  # before transformers reads it: version 5's strict config classes may refuse it first
+        raw = json.loads(local_config.read_text())
+        _refuse_unrun_custom_code(config, raw.get("auto_map"), raw.get("model_type"))
     try:
         hf_config = AutoConfig.from_pretrained(path, **_hub_kwargs(config))
     except ValueError as error:
@@ -247,7 +252,7 @@ def load_hf_config(config: HFCausalLMConfig) -> Any:
         context_key = next((key for key in CONTEXT_LENGTH_KEYS if hasattr(hf_config, key)), None)
         if context_key is not None:
             overrides[context_key] = overrides.pop("max_seq_len")
-    _refuse_unrun_custom_code(config, hf_config)
+    _refuse_unrun_custom_code(config, getattr(hf_config, "auto_map", None), hf_config.model_type)
     _apply_overrides(hf_config, overrides, f"{_KEY}.config_overrides")
     return hf_config
 
@@ -266,21 +271,19 @@ def hf_context_length(hf_config: Any) -> int | None:
     return None
 
 
-def _refuse_unrun_custom_code(config: HFCausalLMConfig, hf_config: Any) -> None:
+def _refuse_unrun_custom_code(config: HFCausalLMConfig, auto_map: dict[str, str] | None, model_type: Any) -> None:
     """A checkpoint with its own modeling code (``auto_map``) whose model_type transformers also knows (an LLM
     Foundry MPT is model_type mpt) would load silently as transformers' class, which computes something else."""
-    auto_map = getattr(hf_config, "auto_map", None) or {}
     if not auto_map or config.trust_remote_code:
         return
     code = auto_map.get("AutoModelForCausalLM") or next(iter(auto_map.values()))
     raise ConfigError(
         f"'{_KEY}.pretrained_model_name_or_path' ({config.pretrained_model_name_or_path}) ships its own modeling "
-        f"code (config.json auto_map: {code}), which transformers' built-in {type(hf_config).__name__} for "
-        f"model_type '{hf_config.model_type}' would replace, computing other logits from the same weights. Set "
-        f"'{_KEY}.trust_remote_code: true' (`foundry eval --trust-remote-code`, `foundry.load_model(..., "
-        "trust_remote_code=True)`) to run that code, only if you trust it. An LLM Foundry MPT export needs none: "
-        "`foundry eval --model DIR` loads it as foundry's mpt_causal_lm, and `foundry convert from-hf DIR OUT` "
-        "converts it."
+        f"code (config.json auto_map: {code}), which a built-in transformers class for model_type '{model_type}' "
+        f"would replace, computing other logits from the same weights. Set '{_KEY}.trust_remote_code: true' "
+        "(`foundry eval --trust-remote-code`, `foundry.load_model(..., trust_remote_code=True)`) to run that code, "
+        "only if you trust it. An LLM Foundry MPT export needs none: `foundry eval --model DIR` loads it as "
+        "foundry's mpt_causal_lm, and `foundry convert from-hf DIR OUT` converts it."
     )
 
 

@@ -32,6 +32,7 @@ def _run_yaml(tmp_path: Path) -> Path:
 
 def _train(tmp_path: Path, *overrides: str) -> dict[str, list[float]]:
     """Train LLM Foundry's YAML with foundry; the metrics of every batch."""
+    pytest.importorskip("streaming", reason="the YAML's MDS data needs mosaicml-streaming")
     assert main(["train", str(_run_yaml(tmp_path)), f"run_folder={tmp_path / 'run'}", *overrides]) == 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     return {name: [row[name] for row in rows if name in row] for name in (LR_METRIC, "loss/train/total")}
@@ -56,7 +57,7 @@ def test_a_run_resumed_from_llm_foundrys_checkpoint_has_llm_foundrys_resumed_los
     assert [batch["batch"] for batch in resumed] == [4, 5, 6, 7]
     assert metrics[LR_METRIC] == [batch["lr_logged"] for batch in resumed]
     # The same sums in another order (foundry's attention and loss kernels) round the last bits apart.
-    assert metrics["loss/train/total"] == pytest.approx([batch["loss"] for batch in resumed], rel=1e-5)
+    assert metrics["loss/train/total"] == pytest.approx([batch["loss"] for batch in resumed], rel=1e-6)
 
 
 def test_the_converted_checkpoint_carries_the_tokenizer_llm_foundry_stored(converted):
