@@ -35,8 +35,8 @@ class JSONLLogger(LoggerDestination):
 
     Lines are buffered and flushed at BATCH_END, EVAL_END and FIT_END, so a crash loses at most one batch, and
     before each checkpoint (BEFORE_CHECKPOINT), so a run resumed from a checkpoint has every line of the batches
-    it holds. A resumed run drops the lines of the batches after its checkpoint, which it trains again: each batch
-    has its line once.
+    it holds. A resumed run drops the lines of the batches after its checkpoint, which it trains again (a run
+    restarted from scratch, all of them): each batch has its line once.
 
     Args:
         path: The file to append to, e.g. '{run_folder}/metrics.jsonl'.
@@ -61,8 +61,8 @@ class JSONLLogger(LoggerDestination):
         self._write({"hyperparameters": hyperparameters})
 
     def after_load(self, state: State, logger: Logger) -> None:
-        if state.timestamp.batch > 0:
-            self._drop_lines_after(state.timestamp.batch)
+        # Also at batch 0: a run killed before its first checkpoint restarts from scratch and logs those batches again.
+        self._drop_lines_after(state.timestamp.batch)
 
     def batch_end(self, state: State, logger: Logger) -> None:
         self.flush()

@@ -107,6 +107,17 @@ def test_a_resumed_run_drops_the_lines_of_the_batches_it_trains_again(tmp_path, 
     assert _read(path) == [{"hyperparameters": {}}, {"step": 1, "x": 1}, {"step": 2, "x": 2}, {"step": 3, "x": 3.5}]
 
 
+def test_a_run_restarted_from_scratch_drops_the_lines_of_its_killed_start(tmp_path, state, fire):
+    # Killed before its first checkpoint, the relaunch trains batch 1 onwards again.
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"hyperparameters": {}}\n{"step": 0, "x": 0}\n{"step": 1, "x": 1}\n{"step": 2, "x": 2}\n')
+    logger = JSONLLogger(str(path))
+    fire(logger, Event.AFTER_LOAD)
+    logger.log_metrics({"x": 1.5}, step=1)
+    logger.close()
+    assert _read(path) == [{"hyperparameters": {}}, {"step": 0, "x": 0}, {"step": 1, "x": 1.5}]
+
+
 def test_a_full_disk_names_the_file_and_the_fix(tmp_path, monkeypatch):
     path = tmp_path / "metrics.jsonl"
     logger = JSONLLogger(str(path))
