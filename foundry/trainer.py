@@ -131,7 +131,7 @@ class Trainer:
             seed=run.seed,
             device_train_microbatch_size=None if self._find_microbatch_size else run.device_train_microbatch_size,
             train_dataloader_len=_dataloader_len(train_dataloader),
-            tokenizer=tokenizer if tokenizer is not None else getattr(train_dataloader, "tokenizer", None),
+            tokenizer=tokenizer if tokenizer is not None else _loader_tokenizer(train_dataloader),
         )
         sharded = self.state.world_size > 1 or (fsdp_config is not None and distributed.shards(fsdp_config, device))
         algorithms = [*algorithms, *compile_algorithm(run.compile_config, algorithms, device, sharded)]
@@ -414,6 +414,12 @@ def _eval_loaders(eval_dataloader: Iterable | Mapping[str, Iterable] | None) -> 
     if isinstance(eval_dataloader, Mapping):
         return dict(eval_dataloader)
     return {"eval": eval_dataloader}
+
+
+def _loader_tokenizer(loader: Iterable | None) -> Any:
+    """The tokenizer a dataloader (or its dataset, as the ``text`` loader's) holds, or None."""
+    found = getattr(loader, "tokenizer", None)
+    return found if found is not None else getattr(getattr(loader, "dataset", None), "tokenizer", None)
 
 
 def _dataloader_len(loader: Iterable | None) -> int | None:
