@@ -41,7 +41,7 @@ from foundry.core.paths import public_location
 from foundry.core.precision import autocast, check_precision, compute_dtype, grad_scaler
 from foundry.core.time import positive_time
 from foundry.distributed.config import FSDPConfig
-from foundry.distributed.fsdp import place_model
+from foundry.distributed.fsdp import GradientAccumulation, place_model
 from foundry.errors import ConfigError, TrainingError
 from foundry.eval.during_training import build_icl_evaluation
 from foundry.kernels.weight_grad import WeightGradSums, accumulate_weight_grads_in_place
@@ -165,7 +165,9 @@ class Trainer:
         self._last_eval_batch: int | None = None
 
         self.engine.run_event(Event.INIT)  # before sharding, so that algorithms' model surgery is sharded too
-        place_model(model, device, fsdp_config, self.state.precision)
+        self._accumulation = place_model(model, device, fsdp_config, self.state.precision)
+        if self._accumulation is None and isinstance(model, FSDPModule):  # sharded by the caller
+            self._accumulation = GradientAccumulation(model, [], FSDPConfig())
         # Unsharded, each linear sums its weight gradient inside the GEMM (FSDP2 owns a sharded model's).
         fuse = run.fuse_weight_grad_accumulation and not isinstance(model, FSDPModule)
         self._weight_grad_sums: WeightGradSums | None = accumulate_weight_grads_in_place(model) if fuse else None
@@ -275,7 +277,8 @@ class Trainer:
         total_weight = distributed.all_reduce_sum(local_weight.clone())
         share_of_global_loss = torch.zeros((), device=state.device)
         for index, (microbatch, weight) in enumerate(zip(microbatches, weights)):
-            distributed.set_gradient_sync(state.model, index == len(microbatches) - 1)  # reduce once per batch
+            if self._accumulation is not None:  # a sharded model: when to reduce gradients and reshard
+                self._accumulation.before_microbatch(last=index == len(microbatches) - 1)
             share_of_global_loss += self._train_microbatch(microbatch, weight * state.world_size / total_weight)
         share_of_global_loss /= state.world_size
         state.loss = share_of_global_loss * total_weight / local_weight  # this rank's mean loss

@@ -8,6 +8,7 @@ from foundry.callbacks.memory_monitor import MemoryMonitor
 from foundry.callbacks.memory_snapshot import MemorySnapshot
 from foundry.callbacks.optimizer_monitor import OptimizerMonitor
 from foundry.callbacks.plot_curves import PlotCurves
+from foundry.callbacks.profiler import Profiler
 from foundry.callbacks.reference_curve import ReferenceCurve
 from foundry.callbacks.runtime_estimator import RuntimeEstimator
 from foundry.callbacks.speed_monitor import SpeedMonitor, TrainClock
@@ -21,6 +22,7 @@ __all__ = [
     "MemorySnapshot",
     "OptimizerMonitor",
     "PlotCurves",
+    "Profiler",
     "ReferenceCurve",
     "RuntimeEstimator",
     "SpeedMonitor",

@@ -16,6 +16,7 @@ import torch
 from foundry import registry
 from foundry.core.callback import Callback
 from foundry.core.logger import Logger
+from foundry.core.paths import run_subfolder
 from foundry.core.state import State
 from foundry.core.time import Time, TimeUnit
 from foundry.errors import ConfigError
@@ -93,8 +94,7 @@ class MemorySnapshot(Callback):
             self._recording_since = None
 
     def _write(self, state: State, logger: Logger, snapshot: dict, stem: str) -> None:
-        folder_text = self.folder.replace("{run_folder}", state.run_folder or ".")
-        folder = Path(folder_text.replace("{run_name}", state.run_name))
+        folder = run_subfolder(self.folder, state.run_folder, state.run_name)
         folder.mkdir(parents=True, exist_ok=True)
         pickle_path = folder / f"{stem}.pickle"
         with open(pickle_path, "wb") as file:

@@ -88,3 +88,8 @@ def check_writable_folder(path: str | Path, key: str) -> None:
             f"'{key}' is '{path}', but this process cannot write in {existing} ({exc.strerror or exc}). Choose a "
             f"folder you can write to, or fix its permissions, before training starts."
         ) from None
+
+
+def run_subfolder(template: str, run_folder: str | None, run_name: str) -> Path:
+    """A callback's output folder: ``{run_folder}`` (``.`` when unset) and ``{run_name}`` filled in."""
+    return Path(template.replace("{run_folder}", run_folder or ".").replace("{run_name}", run_name))

@@ -42,6 +42,20 @@ class FSDPConfig:
         default="BACKWARD_POST",
         metadata=doc("no effect (accepted for LLM Foundry YAMLs): FSDP2 always prefetches the next block in backward"),
     )
+    reduce_every_microbatch: bool = field(
+        default=False,
+        metadata=doc(
+            "reduce-scatter gradients after every microbatch (as Composer does) rather than once a batch: no "
+            "unsharded gradient sums held between microbatches (a bf16 copy of the model's size), more communication"
+        ),
+    )
+    reshard_between_microbatches: bool = field(
+        default=True,
+        metadata=doc(
+            "free gathered parameters between a batch's microbatches; false keeps them gathered until the batch's "
+            "last backward (one all-gather per block a batch, a bf16 copy of the model held meanwhile)"
+        ),
+    )
     verbose: bool = field(default=False, metadata=doc("log how modules are wrapped"))
     cpu_offload: bool = field(default=False, metadata=doc("keep shards and the optimizer step on the CPU (CUDA only)"))
 

@@ -54,7 +54,9 @@ STRATEGIES: dict[str, tuple[str, bool]] = {
 }
 
 
-def parallelize(model: nn.Module, config: FSDPConfig, device: torch.device, precision: str) -> None:
+def parallelize(
+    model: nn.Module, config: FSDPConfig, device: torch.device, precision: str
+) -> GradientAccumulation | None:
     """Shard ``model`` over every rank as ``config`` (an ``FSDPConfig``) says; the process group must exist.
 
     Args:
@@ -62,10 +64,13 @@ def parallelize(model: nn.Module, config: FSDPConfig, device: torch.device, prec
         config: ``fsdp_config``; ``model.config.activation_checkpointing_target`` picks what to checkpoint.
         device: this rank's device; the shards live there (on the CPU with ``cpu_offload``).
         precision: the run's precision; ``mixed_precision`` applies only to the amp precisions.
+
+    Returns:
+        How the sharded model moves gradients and parameters between microbatches (None: unsharded).
     """
     if not shards(config, device):
         _place_unsharded(model, config, device, precision)
-        return
+        return None
     layout, reshard_after_forward = STRATEGIES[config.sharding_strategy]
     mesh = build_mesh(layout, device.type)
     rank0_weights = _rank0_weights(model, config.sync_module_states, device)
@@ -76,17 +81,47 @@ def parallelize(model: nn.Module, config: FSDPConfig, device: torch.device, prec
         "mp_policy": mixed_precision_policy(config.mixed_precision, precision),
         "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
     }
+    blocks_resharded = []
     for index, block in enumerate(blocks):
         # The last block would be gathered again at once for backward: keeping it whole saves an all-gather.
-        is_last = index == len(blocks) - 1
-        fully_shard(block, reshard_after_forward=reshard_after_forward and not is_last, **shard_settings)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **shard_settings)
+        reshards = reshard_after_forward and index != len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshards, **shard_settings)
+        blocks_resharded.append((block, reshards))
+    # The root (embeddings, final norm, output head) runs last in forward and first in backward: resharding it
+    # in between would put an all-gather of the largest parameters on the critical path, every microbatch.
+    fully_shard(model, reshard_after_forward=False, **shard_settings)
     if config.forward_prefetch:
         for block, next_block in itertools.pairwise(blocks):
             block.set_modules_to_forward_prefetch([next_block])
     _materialise(model, torch.device("cpu") if offload else device, device, rank0_weights)
     if config.verbose and get_rank() == 0:
         log.info("FSDP2 (%s) on mesh %s: %d blocks, then the root.", config.sharding_strategy, mesh, len(blocks))
+    return GradientAccumulation(model, blocks_resharded, config)  # type: ignore[arg-type]
+
+
+class GradientAccumulation:
+    """When a sharded model, between the microbatches of one batch, reduces gradients and reshards parameters.
+
+    By default gradients are summed unsharded and reduce-scattered once, after the batch's last
+    microbatch (``reduce_every_microbatch`` reduces after each instead: less memory, more
+    communication), and parameters are resharded after each forward and backward as the strategy says
+    (``reshard_between_microbatches: false`` keeps them gathered from the first forward to the last
+    backward: one all-gather per block a batch).
+    """
+
+    def __init__(self, model: FSDPModule, blocks: list[tuple[FSDPModule, bool]], config: FSDPConfig) -> None:
+        self.model = model
+        self.blocks = blocks  # each block and its reshard_after_forward
+        self.reduce_every_microbatch = config.reduce_every_microbatch
+        self.keep_gathered = not config.reshard_between_microbatches
+
+    def before_microbatch(self, last: bool) -> None:
+        """Set up the next forward and backward; ``last``: the batch's last microbatch."""
+        self.model.set_requires_gradient_sync(last or self.reduce_every_microbatch)
+        if self.keep_gathered:
+            self.model.set_reshard_after_backward(last)
+            for block, reshards in self.blocks:  # the root keeps FSDP2's choice (gathered for backward)
+                block.set_reshard_after_forward(reshards and last, recurse=False)
 
 
 def shards(config: FSDPConfig, device: torch.device) -> bool:
@@ -247,11 +282,13 @@ def prepare_sharding(config: FSDPConfig | Mapping[str, Any] | None, optimizers: 
     return config
 
 
-def place_model(model: nn.Module, device: torch.device, fsdp_config: FSDPConfig | None, precision: str) -> None:
-    """Shard ``model`` onto ``device`` with FSDP2, or move it there (a meta-device model initialised on the CPU)."""
+def place_model(
+    model: nn.Module, device: torch.device, fsdp_config: FSDPConfig | None, precision: str
+) -> GradientAccumulation | None:
+    """Shard ``model`` onto ``device`` with FSDP2 (returns its ``GradientAccumulation``), or move it there."""
     if fsdp_config is not None:
-        parallelize(model, fsdp_config, device, precision)
-    else:
-        if any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()]):
-            init_on_cpu(model)  # the weights a sharded run of the same seed starts from
-        model.to(device)
+        return parallelize(model, fsdp_config, device, precision)
+    if any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()]):
+        init_on_cpu(model)  # the weights a sharded run of the same seed starts from
+    model.to(device)
+    return None

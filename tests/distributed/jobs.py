@@ -95,3 +95,29 @@ def initial_weights(folder: str, fsdp_config: dict[str, Any] | None = None, **kw
     """The full weights right after the Trainer placed (and sharded) the model, on rank 0."""
     result = summary(build_trainer(1, folder, fsdp_config, **kwargs))
     return None if result is None else result["weights"]
+
+
+def collective_counts(folder: str, fsdp_config: dict[str, Any], microbatch_size: int) -> dict[str, int] | None:
+    """How many all-gathers and reduce-scatters FSDP2 issued in one trained batch, on rank 0."""
+    import torch.distributed as dist
+
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    originals = {}
+    for name in ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor"):
+        if hasattr(dist, name):  # FSDP2 calls one or the other, depending on the torch release
+            originals[name] = original = getattr(dist, name)
+            kind = "all_gather" if name.startswith("all_gather") else "reduce_scatter"
+
+            def counting(*args: Any, _original: Any = original, _kind: str = kind, **kwargs: Any) -> Any:
+                counts[_kind] += 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counting)
+    try:
+        trainer = build_trainer(1, folder, fsdp_config, device_train_microbatch_size=microbatch_size)
+        counts.update(all_gather=0, reduce_scatter=0)  # what placing the model sent is not the batch's
+        trainer.fit()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return counts if get_rank() == 0 else None

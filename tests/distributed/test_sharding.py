@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed.jobs import initial_weights, train
+from distributed.jobs import collective_counts, initial_weights, train
 from foundry.algorithms import TorchCompile
 
 NUM_BATCHES = 5
@@ -63,6 +63,39 @@ def test_gradient_accumulation_over_microbatches_matches_one_rank(ranks, one_ran
     fsdp = {"sharding_strategy": strategy}
     result = ranks.run(2, train, NUM_BATCHES, str(tmp_path), fsdp, device_train_microbatch_size=1)[0]
     assert_same_run(result, one_rank)
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        {"reduce_every_microbatch": True},
+        {"reshard_between_microbatches": False},
+        {"reshard_between_microbatches": False, "sharding_strategy": "SHARD_GRAD_OP"},
+        {"reduce_every_microbatch": True, "reshard_between_microbatches": False},
+    ],
+    ids=["reduce-every-microbatch", "keep-gathered", "keep-gathered-zero2", "both"],
+)
+def test_microbatch_schedules_match_one_rank(ranks, one_rank, keys, tmp_path):
+    result = ranks.run(2, train, NUM_BATCHES, str(tmp_path), keys, device_train_microbatch_size=1)[0]
+    assert_same_run(result, one_rank)
+
+
+def test_microbatch_schedules_change_the_collectives(ranks, tmp_path):
+    """Two microbatches a rank, 3 FSDP modules (2 blocks, the root): what each schedule sends in a batch."""
+
+    def counts(**keys) -> dict[str, int]:
+        return ranks.run(2, collective_counts, str(tmp_path / str(len(keys))), keys, 1)[0]
+
+    default = counts()
+    # Per microbatch: the 3 modules in forward, the first block again in backward (the last block and the root
+    # stay gathered for it)
+    assert default["all_gather"] == 8
+    assert default["reduce_scatter"] == 3  # once a module, after the last microbatch
+    assert counts(reduce_every_microbatch=True)["reduce_scatter"] == 6
+    kept = counts(reshard_between_microbatches=False)
+    assert kept["reduce_scatter"] == 3
+    # Gathered once a batch, plus the first block again for the last backward (it reshards after forward)
+    assert kept["all_gather"] == 4
 
 
 @pytest.mark.parametrize("scope", ["blocks", "model"])
