@@ -166,8 +166,9 @@ class Trainer:
 
         self.engine.run_event(Event.INIT)  # before sharding, so that algorithms' model surgery is sharded too
         self._accumulation = place_model(model, device, fsdp_config, self.state.precision)
-        if self._accumulation is None and isinstance(model, FSDPModule):  # sharded by the caller
-            self._accumulation = GradientAccumulation(model, [], FSDPConfig())
+        if self._accumulation is None and isinstance(model, FSDPModule):  # sharded by the caller: FSDP2's own schedule
+            fsdp2_schedule = FSDPConfig(reduce_every_microbatch=False, reshard_between_microbatches=True)
+            self._accumulation = GradientAccumulation(model, [], fsdp2_schedule)
         # Unsharded, each linear sums its weight gradient inside the GEMM (FSDP2 owns a sharded model's).
         fuse = run.fuse_weight_grad_accumulation and not isinstance(model, FSDPModule)
         self._weight_grad_sums: WeightGradSums | None = accumulate_weight_grads_in_place(model) if fuse else None

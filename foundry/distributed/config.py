@@ -42,18 +42,18 @@ class FSDPConfig:
         default="BACKWARD_POST",
         metadata=doc("no effect (accepted for LLM Foundry YAMLs): FSDP2 always prefetches the next block in backward"),
     )
-    reduce_every_microbatch: bool = field(
-        default=False,
+    reduce_every_microbatch: bool | None = field(
+        default=None,
         metadata=doc(
-            "reduce-scatter gradients after every microbatch (as Composer does) rather than once a batch: no "
-            "unsharded gradient sums held between microbatches (a bf16 copy of the model's size), more communication"
+            "reduce-scatter gradients after every microbatch (Composer's schedule) rather than once a batch, which "
+            "holds unsharded gradient sums; null (auto): once a batch when the model is small for the device"
         ),
     )
-    reshard_between_microbatches: bool = field(
-        default=True,
+    reshard_between_microbatches: bool | None = field(
+        default=None,
         metadata=doc(
             "free gathered parameters between a batch's microbatches; false keeps them gathered until the batch's "
-            "last backward (one all-gather per block a batch, a bf16 copy of the model held meanwhile)"
+            "last backward (one all-gather per block a batch); null (auto): kept when the model is small for the device"
         ),
     )
     verbose: bool = field(default=False, metadata=doc("log how modules are wrapped"))

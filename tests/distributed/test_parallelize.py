@@ -7,8 +7,16 @@ import torch
 from helpers import TinyLM
 from torch import nn
 
+from foundry.distributed import fsdp
 from foundry.distributed.activation_checkpoint import block_ids, checkpoint_plan
-from foundry.distributed.fsdp import fsdp_blocks, mixed_precision_policy, prepare_sharding
+from foundry.distributed.config import FSDPConfig
+from foundry.distributed.fsdp import (
+    GradientAccumulation,
+    fsdp_blocks,
+    mixed_precision_policy,
+    model_is_small_for,
+    prepare_sharding,
+)
 from foundry.distributed.process_group import init_process_group
 from foundry.errors import ConfigError
 from foundry.models import MPTCausalLM
@@ -29,6 +37,23 @@ TINY = {"d_model": 16, "n_heads": 2, "n_layers": 4, "vocab_size": 32, "max_seq_l
 def test_mixed_precision_maps_as_llm_foundry(mode, precision, param_dtype, reduce_dtype):
     policy = mixed_precision_policy(mode, precision)
     assert (policy.param_dtype, policy.reduce_dtype) == (param_dtype, reduce_dtype)
+
+
+def test_a_model_is_small_when_two_bf16_copies_fit_a_quarter_of_the_device():
+    model = nn.Linear(1000, 1000, bias=False)  # 1e6 parameters: two bf16 copies are 4e6 bytes
+    assert model_is_small_for(model, None, memory_bytes=16_000_000)
+    assert not model_is_small_for(model, None, memory_bytes=15_999_999)
+    assert model_is_small_for(model, torch.device("cpu"))  # host memory: no device limit to respect
+
+
+@pytest.mark.parametrize("small", [True, False])
+def test_auto_schedule_holds_whole_copies_only_for_small_models(monkeypatch, small):
+    monkeypatch.setattr(fsdp, "model_is_small_for", lambda model, device: small)
+    auto = GradientAccumulation(nn.Linear(2, 2), [], FSDPConfig())  # type: ignore[arg-type]
+    assert (auto.keep_gathered, auto.reduce_every_microbatch) == (small, not small)
+    keys = FSDPConfig(reduce_every_microbatch=small, reshard_between_microbatches=small)
+    chosen = GradientAccumulation(nn.Linear(2, 2), [], keys)  # type: ignore[arg-type]
+    assert (chosen.keep_gathered, chosen.reduce_every_microbatch) == (not small, small)
 
 
 def test_mpt_blocks_are_sharded_one_by_one():

@@ -84,18 +84,16 @@ def test_microbatch_schedules_change_the_collectives(ranks, tmp_path):
     """Two microbatches a rank, 3 FSDP modules (2 blocks, the root): what each schedule sends in a batch."""
 
     def counts(**keys) -> dict[str, int]:
-        return ranks.run(2, collective_counts, str(tmp_path / str(len(keys))), keys, 1)[0]
+        return ranks.run(2, collective_counts, str(tmp_path / str(sorted(keys.items()))), keys, 1)[0]
 
-    default = counts()
+    fsdp2 = counts(reshard_between_microbatches=True, reduce_every_microbatch=False)
     # Per microbatch: the 3 modules in forward, the first block again in backward (the last block and the root
-    # stay gathered for it)
-    assert default["all_gather"] == 8
-    assert default["reduce_scatter"] == 3  # once a module, after the last microbatch
-    assert counts(reduce_every_microbatch=True)["reduce_scatter"] == 6
-    kept = counts(reshard_between_microbatches=False)
-    assert kept["reduce_scatter"] == 3
+    # stay gathered for it); gradients reduced once a module, after the last microbatch.
+    assert fsdp2 == {"all_gather": 8, "reduce_scatter": 3}
+    assert counts(reshard_between_microbatches=True, reduce_every_microbatch=True)["reduce_scatter"] == 6
     # Gathered once a batch, plus the first block again for the last backward (it reshards after forward)
-    assert kept["all_gather"] == 4
+    assert counts(reshard_between_microbatches=False, reduce_every_microbatch=False)["all_gather"] == 4
+    assert counts() == {"all_gather": 4, "reduce_scatter": 3}  # auto: a tiny model on the CPU keeps both
 
 
 @pytest.mark.parametrize("scope", ["blocks", "model"])
