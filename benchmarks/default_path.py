@@ -41,6 +41,10 @@ ROWS: dict[str, tuple[str, int, int]] = {
     "mpt-125m": ("yamls/pretrain/mpt-125m.yaml", 8, 2),
     "mpt-1b": ("yamls/pretrain/mpt-1b.yaml", 2, 1),
     "llama-1b": ("yamls/pretrain/llama-1b.yaml", 2, 1),
+    # 7B-class: sharded over several GPUs (--set 'mpt-7b:global_train_batch_size=32;--nproc;2'); a batch of the
+    # shipped 1024 would take minutes, so rows set a smaller global batch. 2 warm-up batches (compile), 2 timed.
+    "mpt-7b": ("yamls/pretrain/mpt-7b.yaml", 4, 2),
+    "llama-8b": ("yamls/pretrain/llama-8b.yaml", 4, 2),
     "llm-foundry-mpt-1b": ("llm-foundry-yamls/pretrain/mpt-1b.yaml", 2, 1),  # under --reference-yamls
     "llm-foundry-mpt-125m": ("llm-foundry-yamls/pretrain/mpt-125m.yaml", 8, 2),
 }
