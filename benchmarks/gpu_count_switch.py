@@ -17,6 +17,7 @@ Reports |loss - reference| per run, and the relaunches' exit codes; ``--plot`` d
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from bench_utils import REPO_ROOT, save_json
 from default_path import build_data
 
 from foundry.errors import EXIT_HANDED_OVER, EXIT_OK
-from foundry.plotting import plot_runs, read_run
+from foundry.plotting import figure_class, read_run
 
 LOSS = "loss/train/total"
 
@@ -46,21 +47,49 @@ def losses(run_folder: Path) -> dict[int, float]:
     return dict(read_run(run_folder).get(LOSS, []))
 
 
+def plot(result: dict, path: str) -> None:
+    """Loss curves (top) and each run's loss minus the reference's (bottom), the GPU switches marked."""
+    runs, segment = result["runs"], result["args"]["segment"]
+    reference = {int(step): loss for step, loss in runs["uninterrupted-2gpu"]["losses"].items()}
+    figure = figure_class()(figsize=(8, 6), layout="constrained")
+    top, bottom = figure.subplots(2, 1, sharex=True)
+    for name, run in runs.items():
+        curve = {int(step): loss for step, loss in run["losses"].items()}
+        top.plot(list(curve), list(curve.values()), label=name)
+        if name != "uninterrupted-2gpu":
+            steps = [step for step in curve if step in reference]
+            bottom.plot(steps, [curve[step] - reference[step] for step in steps], label=f"{name} - uninterrupted-2gpu")
+    for ax in (top, bottom):
+        for boundary in (segment, 2 * segment):
+            ax.axvline(boundary, color="grey", linestyle=":", linewidth=1)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    top.set_title("train loss; the switched run: 2 GPUs, then 1 (dotted lines: hand-overs), then 2")
+    bottom.set_title("difference from the uninterrupted 2-GPU run")
+    bottom.set_xlabel("batch")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--yaml", default="yamls/pretrain/mpt-125m.yaml")
     parser.add_argument("--corpus", nargs="+", help="text files for the MDS data (unless --data is given)")
     parser.add_argument("--data", default=None, help="MDS data already converted (2048-token samples)")
-    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--tokenizer")
     parser.add_argument("--batches", type=int, default=60)
     parser.add_argument("--segment", type=int, default=20, help="batches per launch of the switched run")
     parser.add_argument("--global-batch", type=int, default=64)
     parser.add_argument("--microbatch", type=int, default=32)
     parser.add_argument("--work", default="/tmp/foundry-gpu-switch")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", help="where the JSON and the runs' metrics.jsonl go (required unless --replot)")
     parser.add_argument("--plot", default=None, help="PNG of the three loss curves")
     parser.add_argument("--override", nargs="*", default=[], help="more key=value overrides for every run")
+    parser.add_argument("--replot", default=None, help="only draw --plot from this saved gpu_count_switch.json")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text())["rows"], args.plot)
+        return 0
     work = Path(args.work)
     shutil.rmtree(work / "runs", ignore_errors=True)
     data = args.data or build_data(args.corpus, args.tokenizer, args.batches * args.global_batch + 200, work / "data")
@@ -102,7 +131,7 @@ def main() -> int:
     for name in result["runs"]:
         shutil.copy(runs / name / "metrics.jsonl", Path(args.out) / f"{name}.metrics.jsonl")
     if args.plot:
-        plot_runs([runs / name for name in result["runs"]], args.plot, metrics=[LOSS])
+        plot(result, args.plot)
     return 0 if result["switched_exit_codes_as_expected"] else 1
 
 

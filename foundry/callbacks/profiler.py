@@ -126,8 +126,8 @@ def subtract_intervals(spans: list[tuple[float, float]], holes: list[tuple[float
 class Profiler(Callback):
     """Profiles batches ``skip_batches + 1`` to ``skip_batches + batches``; writes a summary (and trace) per rank.
 
-    Profiling slows the host a little (kernel launches are recorded), so the profiled batches are not
-    the ones to read throughput from. On a device without CUDA it warns once and writes nothing.
+    Read throughput from a run without it: the window's batches record every launch, and the batch after
+    the window pays for processing the trace. On a device without CUDA it warns once and writes nothing.
 
     Args:
         skip_batches: Batches before the window (the first pays for compilation and lazy init).
