@@ -109,13 +109,9 @@ def run_foundry_row(
         microbatch=latest.get("trainer/device_train_microbatch_size"),
         summary=log[log.find("Run summary") :].strip() if "Run summary" in log else None,
     )
-    profiles = sorted((run_folder / "profile").glob("rank*.summary.json"))
+    profiles = [json.loads(path.read_text()) for path in sorted((run_folder / "profile").glob("rank*.summary.json"))]
     if profiles:  # callbacks.profiler among the overrides: where each rank's profiled batch went
-        result["profile"] = [
-            {key: value for key, value in json.loads(path.read_text()).items() if key != "top_kernels"}
-            | {"top_kernels": json.loads(path.read_text())["top_kernels"][:12]}
-            for path in profiles
-        ]
+        result["profile"] = [profile | {"top_kernels": profile["top_kernels"][:12]} for profile in profiles]
     return result
 
 

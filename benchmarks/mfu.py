@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 from bench_utils import REPO_ROOT, markdown_table, save_json
-from profile_summary import ProfileWindow, profile_loop, recorded_event
+from profile_summary import profile_loop, recorded_event
 
 from foundry import Callback, registry
+from foundry.callbacks import Profiler
 from foundry.config import load_train_config
 from foundry.models import flops
 from foundry.models.build import build_model
@@ -153,7 +154,8 @@ def run_foundry_row(row: Row, args: argparse.Namespace) -> tuple[list[float], in
     batch_size, seq_len = row.microbatch * args.accum, cfg.max_seq_len
     timed_batches = args.warmup + args.steps
     num_batches = timed_batches + (args.profile_steps if args.profile else 0)
-    events, profiler = StepEvents(), ProfileWindow(timed_batches, args.profile_steps)
+    events = StepEvents()
+    profiler = Profiler(skip_batches=timed_batches, batches=args.profile_steps, trace=False)
     trainer = Trainer(
         model=model,
         train_dataloader=random_batches(num_batches, batch_size, seq_len, model.config.vocab_size),
@@ -238,6 +240,7 @@ def measure(name: str, row: Row, args: argparse.Namespace) -> dict[str, Any]:
     }
     if profile_summary is not None:
         result.update({f"{label}_share": share for label, share in profile_summary["share"].items()})
+        result["idle_share"] = profile_summary["timeline"]["idle_ms"] / profile_summary["wall_ms"]
         result["profile"] = profile_summary
     return result
 

@@ -1,4 +1,4 @@
-"""Profiling for the in-memory harnesses: a Trainer window or a plain loop, summarised as the profiler callback does.
+"""Profiling a plain loop for the in-memory harnesses, summarised as the profiler callback (foundry.callbacks) does.
 
 ``summarize`` (foundry/callbacks/profiler.py) groups the device time of every kernel by what it does and
 measures the window's compute, exposed communication and idle time.
@@ -11,32 +11,9 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from foundry import Callback
-from foundry.callbacks.profiler import KERNEL_CATEGORIES, kernel_category, summarize
+from foundry.callbacks.profiler import KERNEL_CATEGORIES, kernel_category, recorded_event, summarize
 
-__all__ = ["KERNEL_CATEGORIES", "ProfileWindow", "kernel_category", "profile_loop", "recorded_event", "summarize"]
-
-
-class ProfileWindow(Callback):
-    """Profile batches ``first_batch + 1 .. first_batch + num_batches`` of a Trainer run."""
-
-    def __init__(self, first_batch: int, num_batches: int) -> None:
-        self.first_batch, self.num_batches = first_batch, num_batches
-        self.profiler: profile | None = None
-        self.marks: list[torch.cuda.Event] = []
-        self.summary: dict[str, Any] | None = None
-
-    def batch_end(self, state, logger) -> None:
-        batch = state.timestamp.batch
-        if batch == self.first_batch:
-            self.profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-            self.profiler.__enter__()
-            self.marks.append(recorded_event())
-        elif batch == self.first_batch + self.num_batches and self.profiler is not None:
-            self.marks.append(recorded_event())
-            torch.cuda.synchronize()
-            self.profiler.__exit__(None, None, None)
-            self.summary = summarize(self.profiler, self.marks[0].elapsed_time(self.marks[1]))
+__all__ = ["KERNEL_CATEGORIES", "kernel_category", "profile_loop", "recorded_event", "summarize"]
 
 
 def profile_loop(step: Any, num_batches: int) -> dict[str, Any]:
@@ -49,9 +26,3 @@ def profile_loop(step: Any, num_batches: int) -> dict[str, Any]:
         end = recorded_event()
         torch.cuda.synchronize()
     return summarize(prof, start.elapsed_time(end))
-
-
-def recorded_event() -> torch.cuda.Event:
-    event = torch.cuda.Event(enable_timing=True)
-    event.record()
-    return event

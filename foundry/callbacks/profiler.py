@@ -165,12 +165,12 @@ class Profiler(Callback):
             torch.cuda.synchronize()  # the window starts with an idle device, not the last batch's tail
             self._profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             self._profiler.__enter__()
-            self._start = _recorded_event()
+            self._start = recorded_event()
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if self._profiler is None or state.timestamp.batch != self.last_batch:
             return
-        end = _recorded_event()
+        end = recorded_event()
         torch.cuda.synchronize()
         self._profiler.__exit__(None, None, None)
         self.summary = summarize(self._profiler, self._start.elapsed_time(end))
@@ -198,7 +198,7 @@ class Profiler(Callback):
             self._profiler = None
 
 
-def _recorded_event() -> torch.cuda.Event:
+def recorded_event() -> torch.cuda.Event:
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     return event

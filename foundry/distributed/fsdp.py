@@ -130,6 +130,7 @@ class GradientAccumulation:
 
     def before_microbatch(self, last: bool) -> None:
         """Set up the next forward and backward; ``last``: the batch's last microbatch."""
+        # Set every microbatch, not only on change: the microbatch-size trials turn gradient sync off between.
         self.model.set_requires_gradient_sync(last or self.reduce_every_microbatch)
         if self.keep_gathered:
             self.model.set_reshard_after_backward(last)
