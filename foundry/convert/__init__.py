@@ -57,7 +57,7 @@ def choose_export(model: Any, model_name: str) -> ExportChoice:
     for family in HF_FAMILIES:
         if model_name not in family.exports:
             continue
-        adapter = _import(family.module)
+        adapter = import_adapter(family)
         unmappable = adapter.unmappable_features(model.config)
         if not unmappable:
             return ExportChoice(family, adapter, passed_over)
@@ -73,17 +73,21 @@ def choose_export(model: Any, model_name: str) -> ExportChoice:
     raise ConfigError(f"No Hugging Face class computes this {model_name} ({reasons}); it cannot be exported.")
 
 
+def family_of_model_type(model_type: str) -> HFFamily | None:
+    return next((family for family in HF_FAMILIES if family.model_type == model_type), None)
+
+
+def import_adapter(family: HFFamily) -> ModuleType:
+    return importlib.import_module(family.module)
+
+
 def adapter_for_hf(model_type: str) -> ModuleType:
     """The adapter that imports a Hugging Face checkpoint of ``config.model_type``."""
-    for family in HF_FAMILIES:
-        if family.model_type == model_type:
-            return _import(family.module)
+    family = family_of_model_type(model_type)
+    if family is not None:
+        return import_adapter(family)
     supported = ", ".join(sorted(family.model_type for family in HF_FAMILIES))
     raise ConfigError(
         f"foundry convert from-hf reads model_type {supported}, not '{model_type}'. Any causal LM trains "
         "without conversion through `model: {name: hf_causal_lm, pretrained_model_name_or_path: <dir>}`."
     )
-
-
-def _import(module_name: str) -> ModuleType:
-    return importlib.import_module(module_name)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from foundry.convert import ExportChoice, choose_export
+from foundry.convert import ExportChoice, choose_export, family_of_model_type, import_adapter
 from foundry.convert.checkpoint_io import assign_weights, meta_model
 from foundry.errors import ConfigError
 from foundry.models.hf import HFCausalLM
@@ -75,17 +75,11 @@ def model_name_of(model: nn.Module) -> str:
 def save_hf_folder(hf_model: nn.Module, out_dir: Path, tokenizer: Any = None) -> None:
     """Weights (safetensors), config, the modeling code where the class is foundry's, and the tokenizer."""
     hf_model.save_pretrained(out_dir)
-    choice_module = _code_writer(hf_model)
-    if choice_module is not None:
-        choice_module.write_code(Path(out_dir))
+    family = family_of_model_type(getattr(hf_model.config, "model_type", ""))
+    if family is not None and not family.built_in:
+        import_adapter(family).write_code(Path(out_dir))
     if tokenizer is not None:
         tokenizer.save_pretrained(out_dir)
-
-
-def _code_writer(hf_model: nn.Module) -> ModuleType | None:
-    from foundry.convert import foundry_mpt
-
-    return foundry_mpt if isinstance(hf_model, foundry_mpt.code.FoundryMPTForCausalLM) else None
 
 
 def exported_section(

@@ -18,7 +18,7 @@ from foundry.convert.checkpoint_io import (
     save_weights_checkpoint,
     unloaded_model,
 )
-from foundry.convert.commands import to_hf_model
+from foundry.convert.hf_export import to_hf_model
 from foundry.errors import CheckpointError
 from foundry.models.build import build_model
 from foundry.models.lora import adapter_state_dict, is_adapter_key
