@@ -53,7 +53,7 @@ def run_to_hf(args: argparse.Namespace) -> int:
     if family != HF_CAUSAL_LM:  # an unexportable model fails before any weight is read
         choose_export(meta_model(config["model"]), family)
     model = load_checkpoint_model(folder, config["model"])
-    export = export_hf_model(model, family)
+    export = export_hf_model(model, family, section=config["model"])
     hf_model = export.hf_model.to(DTYPES[args.dtype])
     if len(tokenizer) > hf_model.config.vocab_size:
         raise ConfigError(

@@ -33,10 +33,16 @@ class HFExport:
     description: str  # the class, and why it was chosen
 
 
-def export_hf_model(model: nn.Module, model_name: str, state_dict: dict[str, torch.Tensor] | None = None) -> HFExport:
+def export_hf_model(
+    model: nn.Module,
+    model_name: str,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    section: dict[str, Any] | None = None,
+) -> HFExport:
     """The ``transformers`` model computing ``model`` with its weights (or ``state_dict``'s, same keys).
 
-    Tensors are shared where names map one to one. An ``hf_causal_lm`` is its own transformers model.
+    Tensors are shared where names map one to one. ``section`` (default: ``model.model_section()``) is the
+    model section recorded in config.json. An ``hf_causal_lm`` is its own transformers model.
     """
     if isinstance(model, HFCausalLM):
         hf_model = model.hf_model
@@ -44,7 +50,7 @@ def export_hf_model(model: nn.Module, model_name: str, state_dict: dict[str, tor
             hf_model.load_state_dict({name.removeprefix("hf_model."): value for name, value in state_dict.items()})
         return HFExport(hf_model, f"{type(hf_model).__name__} (the hf_causal_lm model itself)")
     choice = choose_export(model, model_name)
-    return HFExport(_build(model, choice, state_dict), choice.describe())
+    return HFExport(_build(model, choice, state_dict, section), choice.describe())
 
 
 def to_hf_model(model: nn.Module, model_name: str, state_dict: dict[str, torch.Tensor] | None = None) -> nn.Module:
@@ -52,10 +58,16 @@ def to_hf_model(model: nn.Module, model_name: str, state_dict: dict[str, torch.T
     return export_hf_model(model, model_name, state_dict).hf_model
 
 
-def _build(model: nn.Module, choice: ExportChoice, state_dict: dict[str, torch.Tensor] | None) -> nn.Module:
+def _build(
+    model: nn.Module,
+    choice: ExportChoice,
+    state_dict: dict[str, torch.Tensor] | None,
+    section: dict[str, Any] | None,
+) -> nn.Module:
     adapter = choice.adapter
     hf_config = adapter.to_hf_config(model)
-    section = model.model_section() if hasattr(model, "model_section") else None
+    if section is None and hasattr(model, "model_section"):
+        section = model.model_section()
     if section is not None:
         setattr(hf_config, SECTION_KEY, section)
     hf_state = adapter.to_hf_state_dict(model.state_dict() if state_dict is None else state_dict, model)

@@ -1,0 +1,185 @@
+"""Every model a shipped YAML trains, and every MPT/Llama of LLM Foundry's YAMLs, publishes to Hugging Face.
+
+Each YAML's model, shrunk to a tiny size, trains 2 batches; ``foundry convert to-hf`` exports the checkpoint;
+one subprocess that imports only transformers and torch (tests/convert/hf_reload.py) loads every export and
+checks its logits (fp32, within 1e-5 of the largest logit) and its greedy ``generate`` on left-padded
+prompts against foundry's; ``foundry convert from-hf`` reads each export back to the same model, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from helpers import token_batches
+
+from foundry.cli import main
+from foundry.convert.checkpoint_io import resolve_checkpoint
+from foundry.convert.commands import from_hf_model
+from foundry.models.build import build_model
+from foundry.trainer import Trainer
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHARED_DATA = Path(os.environ.get("FOUNDRY_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
+LLM_FOUNDRY_YAMLS = SHARED_DATA / "reference" / "llm-foundry-yamls"
+SHIPPED = [
+    *sorted(path.relative_to(REPO_ROOT) for path in (REPO_ROOT / "yamls" / "pretrain").glob("*.yaml")),
+    *sorted(path.relative_to(REPO_ROOT) for path in (REPO_ROOT / "yamls" / "finetune").glob("*.yaml")),
+    Path("yamls/quickstart.yaml"),
+]
+VOCAB = 320  # covers the 300-token test tokenizer
+TINY = {"d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 32, "vocab_size": VOCAB, "init_device": "cpu"}
+NEW_TOKENS = 4
+# The class each shipped model exports as (docs/HF_INTEROP.md's table, by example).
+EXPECTED_CLASS = {"llama": "LlamaForCausalLM", "mpt": "GPT2LMHeadModel", "quickstart": "MptForCausalLM"}
+
+
+def llm_foundry_yamls() -> list[Path]:
+    """LLM Foundry's YAMLs whose model is foundry's MPT (MegaBlocks MoE aside, which foundry refuses)."""
+    if not LLM_FOUNDRY_YAMLS.is_dir():
+        return []
+    paths = sorted(LLM_FOUNDRY_YAMLS.glob("*/*.yaml"))
+    return [path for path in paths if _model(path).get("name") == "mpt_causal_lm" and "moe" not in path.name]
+
+
+def _model(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text()).get("model") or {}
+
+
+def tiny_section(path: Path) -> dict[str, Any]:
+    """The YAML's model section at test size, on SDPA; a LoRA run's base model (its adapters go out merged)."""
+    section = {key: value for key, value in _model(path).items() if key != "peft_config"}
+    section.update(TINY)
+    if section.get("kv_n_heads"):
+        section["kv_n_heads"] = 2
+    if section.get("ffn_hidden_size"):
+        section["ffn_hidden_size"] = 128
+    if "attn_impl" in section:
+        section["attn_impl"] = "sdpa"
+    if isinstance(section.get("attn_config"), dict):
+        section["attn_config"] = {**section["attn_config"], "attn_impl": "sdpa"}
+    return section
+
+
+@torch.no_grad()
+def greedy_tokens(model: torch.nn.Module, prompts: torch.Tensor, mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """foundry's greedy continuation (no KV cache) of left-padded ``prompts``: (batch, steps)."""
+    ids, new = prompts, []
+    for _ in range(steps):
+        token = model({"input_ids": ids, "attention_mask": mask})[:, -1].argmax(-1, keepdim=True)
+        new.append(token)
+        ids, mask = torch.cat([ids, token], dim=1), torch.cat([mask, torch.ones_like(token)], dim=1)
+    return torch.cat(new, dim=1)
+
+
+def export(path: Path, root: Path, tokenizer_dir: Path) -> dict[str, Any]:
+    """Train the YAML's tiny model 2 batches, export it; what the reload and the round trip compare against."""
+    section = tiny_section(path)
+    torch.manual_seed(0)
+    model = build_model(section)
+    config = {"model": section, "tokenizer": {"name": str(tokenizer_dir)}}
+    Trainer(
+        model, token_batches(2, 2, seq_len=16, vocab_size=VOCAB), max_duration="2ba", save_folder=str(root / "ckpt"),
+        save_interval="2ba", run_folder=str(root / "run"), log_to_console=False, config=config, device="cpu",
+    ).fit()  # fmt: skip
+    assert main(["convert", "to-hf", str(root / "ckpt"), str(root / "hf")]) == 0
+    model.eval()
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, VOCAB, (2, 16), generator=generator)
+    prompts = torch.randint(0, 300, (2, 6), generator=generator)
+    prompt_mask = torch.ones_like(prompts)
+    prompt_mask[1, :3] = 0  # the second prompt is 3 tokens, left-padded
+    pad_token_id = json.loads((root / "hf" / "config.json").read_text())["pad_token_id"]
+    prompts[1, :3] = pad_token_id
+    with torch.no_grad():
+        logits = model({"input_ids": input_ids})
+    inputs = {"input_ids": input_ids, "logits": logits, "prompts": prompts, "prompt_mask": prompt_mask,
+              "new_tokens": NEW_TOKENS, "pad_token_id": pad_token_id}  # fmt: skip
+    torch.save(inputs, root / "inputs.pt")
+    expected = greedy_tokens(model, prompts, prompt_mask, NEW_TOKENS)
+    eos = json.loads((root / "hf" / "config.json").read_text())["eos_token_id"]
+    return {"dir": root / "hf", "ckpt": root / "ckpt", "model": model, "section": section, "greedy": expected,
+            "eos": eos, "inputs": root / "inputs.pt"}  # fmt: skip
+
+
+def case_name(path: Path) -> str:
+    return str(path) if path in SHIPPED else f"llm-foundry/{path.relative_to(LLM_FOUNDRY_YAMLS)}"
+
+
+CASES = [*SHIPPED, *llm_foundry_yamls()]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Any:
+    """Tiny matrices: one thread is faster than two that wait on each other on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> dict[str, dict[str, Any]]:
+    """Each case's export; YAMLs whose tiny models are the same model (mpt-125m ... mpt-7b) share one."""
+    by_model: dict[str, dict[str, Any]] = {}
+    cases = {}
+    for path in CASES:
+        key = json.dumps(build_model({**tiny_section(path), "init_device": "meta"}).model_section(), sort_keys=True)
+        if key not in by_model:
+            by_model[key] = export(path, tmp_path_factory.mktemp("export"), tokenizer_dir)
+        cases[case_name(path)] = by_model[key]
+    return cases
+
+
+@pytest.fixture(scope="module")
+def reloaded(exports: dict[str, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """What transformers, in a Python that never imported foundry, makes of every export."""
+    folder = tmp_path_factory.mktemp("reload")
+    manifest = {
+        str(entry["dir"]): {"dir": str(entry["dir"]), "inputs": str(entry["inputs"]),
+                            "trust_remote_code": "auto_map" in json.loads((entry["dir"] / "config.json").read_text())}
+        for entry in exports.values()
+    }  # fmt: skip
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    script = Path(__file__).with_name("hf_reload.py")
+    args = [sys.executable, str(script), str(folder / "manifest.json"), str(folder / "results.json")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(args, cwd=folder, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads((folder / "results.json").read_text())
+
+
+def test_the_reloading_process_never_imported_foundry(reloaded) -> None:
+    assert reloaded["_imported_foundry"] is False
+
+
+@pytest.mark.parametrize("path", CASES, ids=case_name)
+def test_export_loads_in_transformers_alone_with_foundrys_logits_and_generation(path, exports, reloaded) -> None:
+    name = case_name(path)
+    entry = exports[name]
+    result = reloaded[str(entry["dir"])]
+    family = "quickstart" if "quickstart" in path.name else path.name.split("-")[0].split("_")[0]
+    assert result["class"] == EXPECTED_CLASS.get(family, EXPECTED_CLASS["mpt"])
+    assert result["relative_gap"] <= 1e-5
+    for row, tokens in enumerate(result["new_tokens"]):  # up to the end of sequence, where generate stops a row
+        length = tokens.index(entry["eos"]) + 1 if entry["eos"] in tokens else NEW_TOKENS
+        assert tokens[:length] == entry["greedy"][row, :length].tolist()
+
+
+@pytest.mark.parametrize("path", CASES, ids=case_name)
+def test_from_hf_gives_back_the_same_model_bit_for_bit(path, exports) -> None:
+    entry = exports[case_name(path)]
+    model, section = from_hf_model(entry["dir"])
+    _, config = resolve_checkpoint(entry["ckpt"])
+    assert section == config["model"]
+    original = entry["model"].state_dict()
+    imported = model.state_dict()
+    assert imported.keys() == original.keys()
+    assert all(torch.equal(imported[name], original[name]) for name in original)
