@@ -12,7 +12,6 @@ a folder back without running its code.
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -68,14 +67,13 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], model: Any) -> dict[str, to
 
 
 def from_hf_config(hf_config: Any) -> dict[str, Any]:
-    """The ``model:`` section stored in the export's config (foundry's own keys)."""
-    keys = hf_config if isinstance(hf_config, dict) else hf_config.to_dict()
+    """The ``model:`` section stored in the export's config (foundry's own keys; ``hf_config`` may be config.json's
+    dict, which leaves out values equal to transformers' defaults)."""
+    if isinstance(hf_config, dict):
+        hf_config = code.FoundryMPTConfig.from_dict(hf_config)
+    keys = hf_config.to_dict()
     fields = {field.name for field in dataclasses.fields(MPTConfig)}
     return {"name": FAMILY, **{key: value for key, value in keys.items() if key in fields}}
-
-
-def read_config(folder: Path) -> dict[str, Any]:
-    return json.loads((folder / "config.json").read_text())
 
 
 def from_hf_state_dict(hf_state: dict[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:

@@ -1,6 +1,7 @@
-"""Every model a shipped YAML trains, and every MPT/Llama of LLM Foundry's YAMLs, publishes to Hugging Face.
+"""Every model a shipped YAML trains, every MPT of LLM Foundry's YAMLs, and an MPT for each way of exporting
+(a built-in class, or foundry's own modeling code for settings none computes) publishes to Hugging Face.
 
-Each YAML's model, shrunk to a tiny size, trains 2 batches; ``foundry convert to-hf`` exports the checkpoint;
+Each model, shrunk to a tiny size, trains 2 batches; ``foundry convert to-hf`` exports the checkpoint;
 one subprocess that imports only transformers and torch (tests/convert/hf_reload.py) loads every export and
 checks its logits (fp32, within 1e-5 of the largest logit) and its greedy ``generate`` on left-padded
 prompts against foundry's; ``foundry convert from-hf`` reads each export back to the same model, bit for bit.
@@ -37,8 +38,6 @@ SHIPPED = [
 VOCAB = 320  # covers the 300-token test tokenizer
 TINY = {"d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 32, "vocab_size": VOCAB, "init_device": "cpu"}
 NEW_TOKENS = 4
-# The class each shipped model exports as (docs/HF_INTEROP.md's table, by example).
-EXPECTED_CLASS = {"llama": "LlamaForCausalLM", "mpt": "GPT2LMHeadModel", "quickstart": "MptForCausalLM"}
 
 
 def llm_foundry_yamls() -> list[Path]:
@@ -79,9 +78,8 @@ def greedy_tokens(model: torch.nn.Module, prompts: torch.Tensor, mask: torch.Ten
     return torch.cat(new, dim=1)
 
 
-def export(path: Path, root: Path, tokenizer_dir: Path) -> dict[str, Any]:
-    """Train the YAML's tiny model 2 batches, export it; what the reload and the round trip compare against."""
-    section = tiny_section(path)
+def export(section: dict[str, Any], root: Path, tokenizer_dir: Path) -> dict[str, Any]:
+    """Train the tiny model 2 batches, export it; what the reload and the round trip compare against."""
     torch.manual_seed(0)
     model = build_model(section)
     config = {"model": section, "tokenizer": {"name": str(tokenizer_dir)}}
@@ -98,10 +96,14 @@ def export(path: Path, root: Path, tokenizer_dir: Path) -> dict[str, Any]:
     prompt_mask[1, :3] = 0  # the second prompt is 3 tokens, left-padded
     pad_token_id = json.loads((root / "hf" / "config.json").read_text())["pad_token_id"]
     prompts[1, :3] = pad_token_id
+    mask = torch.ones_like(input_ids)
+    mask[0, :5] = 0
     with torch.no_grad():
         logits = model({"input_ids": input_ids})
-    inputs = {"input_ids": input_ids, "logits": logits, "prompts": prompts, "prompt_mask": prompt_mask,
-              "new_tokens": NEW_TOKENS, "pad_token_id": pad_token_id}  # fmt: skip
+        padded_logits = model({"input_ids": input_ids, "attention_mask": mask})
+    inputs = {"input_ids": input_ids, "logits": logits, "mask": mask, "padded_logits": padded_logits,
+              "prompts": prompts, "prompt_mask": prompt_mask, "new_tokens": NEW_TOKENS,
+              "pad_token_id": pad_token_id}  # fmt: skip
     torch.save(inputs, root / "inputs.pt")
     expected = greedy_tokens(model, prompts, prompt_mask, NEW_TOKENS)
     eos = json.loads((root / "hf" / "config.json").read_text())["eos_token_id"]
@@ -109,11 +111,49 @@ def export(path: Path, root: Path, tokenizer_dir: Path) -> dict[str, Any]:
             "eos": eos, "inputs": root / "inputs.pt"}  # fmt: skip
 
 
-def case_name(path: Path) -> str:
-    return str(path) if path in SHIPPED else f"llm-foundry/{path.relative_to(LLM_FOUNDRY_YAMLS)}"
+def yaml_class(path: Path) -> str:
+    """The class a YAML's model exports as: docs/HF_INTEROP.md's table, by example."""
+    if path.name.startswith("llama"):
+        return "LlamaForCausalLM"
+    return "MptForCausalLM" if path.name.startswith("quickstart") else "GPT2LMHeadModel"
 
 
-CASES = [*SHIPPED, *llm_foundry_yamls()]
+# One tiny MPT per way of exporting, beyond the YAMLs' models: (model keys, the class it exports as).
+FOUNDRY_CODE = "FoundryMPTForCausalLM"
+SETTINGS: dict[str, tuple[dict[str, Any], str]] = {
+    "gqa-qk_ln-clip-logit_scale": (
+        {"attn_config": {"attn_type": "grouped_query_attention", "kv_n_heads": 2, "qk_ln": True, "clip_qkv": 2.0},
+         "logit_scale": 0.5}, FOUNDRY_CODE),
+    "mqa-alibi-window-qk_gn": (
+        {"learned_pos_emb": False, "attn_config": {"attn_type": "multiquery_attention", "alibi": True,
+                                                   "sliding_window_size": 4, "qk_gn": True}}, FOUNDRY_CODE),
+    "rope_dail-gelu_glu-rmsnorm-untied": (
+        {"learned_pos_emb": False, "attn_config": {"rope": True}, "ffn_config": {"ffn_type": "mptglu"},
+         "norm_type": "rmsnorm", "tie_word_embeddings": False}, FOUNDRY_CODE),
+    "no_positions-biases": ({"learned_pos_emb": False}, FOUNDRY_CODE),
+    "alibi-biases": ({"learned_pos_emb": False, "attn_config": {"alibi": True}}, FOUNDRY_CODE),
+    "rope_hf-layernorm-softmax_scale": (
+        {"learned_pos_emb": False, "attn_config": {"rope": True, "rope_impl": "hf", "softmax_scale": 0.2}},
+        FOUNDRY_CODE),
+    "alibi-no_bias-inv_sqrt_logit_scale": (
+        {"learned_pos_emb": False, "no_bias": True, "attn_config": {"alibi": True}, "logit_scale": "inv_sqrt_d_model"},
+        FOUNDRY_CODE),
+    "llama_in_mpt_keys-llama3_scaling": (
+        {"learned_pos_emb": False, "no_bias": True, "norm_type": "rmsnorm",
+         "attn_config": {"rope": True, "rope_impl": "hf", "attn_type": "grouped_query_attention", "kv_n_heads": 2,
+                         "rope_hf_config": {"type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16}},
+         "ffn_config": {"ffn_type": "mptglu", "ffn_act_fn": {"name": "silu"}}}, "LlamaForCausalLM"),
+    "learned_pos-no_bias-untied-gelu_tanh": (
+        {"no_bias": True, "tie_word_embeddings": False,
+         "ffn_config": {"ffn_act_fn": {"name": "gelu", "approximate": "tanh"}}}, "GPT2LMHeadModel"),
+}  # fmt: skip
+CASES: dict[str, tuple[dict[str, Any], str]] = {
+    **{str(path): (tiny_section(REPO_ROOT / path), yaml_class(path)) for path in SHIPPED},
+    **{f"llm-foundry/{path.relative_to(LLM_FOUNDRY_YAMLS)}": (tiny_section(path), yaml_class(path))
+       for path in llm_foundry_yamls()},
+    **{f"mpt/{name}": ({"name": "mpt_causal_lm", **TINY, **keys}, hf_class)
+       for name, (keys, hf_class) in SETTINGS.items()},
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -130,11 +170,11 @@ def exports(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> di
     """Each case's export; YAMLs whose tiny models are the same model (mpt-125m ... mpt-7b) share one."""
     by_model: dict[str, dict[str, Any]] = {}
     cases = {}
-    for path in CASES:
-        key = json.dumps(build_model({**tiny_section(path), "init_device": "meta"}).model_section(), sort_keys=True)
+    for name, (section, _) in CASES.items():
+        key = json.dumps(build_model({**section, "init_device": "meta"}).model_section(), sort_keys=True)
         if key not in by_model:
-            by_model[key] = export(path, tmp_path_factory.mktemp("export"), tokenizer_dir)
-        cases[case_name(path)] = by_model[key]
+            by_model[key] = export(section, tmp_path_factory.mktemp("export"), tokenizer_dir)
+        cases[name] = by_model[key]
     return cases
 
 
@@ -160,22 +200,21 @@ def test_the_reloading_process_never_imported_foundry(reloaded) -> None:
     assert reloaded["_imported_foundry"] is False
 
 
-@pytest.mark.parametrize("path", CASES, ids=case_name)
-def test_export_loads_in_transformers_alone_with_foundrys_logits_and_generation(path, exports, reloaded) -> None:
-    name = case_name(path)
+@pytest.mark.parametrize("name", CASES)
+def test_export_loads_in_transformers_alone_with_foundrys_logits_and_generation(name, exports, reloaded) -> None:
     entry = exports[name]
     result = reloaded[str(entry["dir"])]
-    family = "quickstart" if "quickstart" in path.name else path.name.split("-")[0].split("_")[0]
-    assert result["class"] == EXPECTED_CLASS.get(family, EXPECTED_CLASS["mpt"])
+    assert result["class"] == CASES[name][1]
     assert result["relative_gap"] <= 1e-5
+    assert result["padded_relative_gap"] <= 1e-5
     for row, tokens in enumerate(result["new_tokens"]):  # up to the end of sequence, where generate stops a row
         length = tokens.index(entry["eos"]) + 1 if entry["eos"] in tokens else NEW_TOKENS
         assert tokens[:length] == entry["greedy"][row, :length].tolist()
 
 
-@pytest.mark.parametrize("path", CASES, ids=case_name)
-def test_from_hf_gives_back_the_same_model_bit_for_bit(path, exports) -> None:
-    entry = exports[case_name(path)]
+@pytest.mark.parametrize("name", CASES)
+def test_from_hf_gives_back_the_same_model_bit_for_bit(name, exports) -> None:
+    entry = exports[name]
     model, section = from_hf_model(entry["dir"])
     _, config = resolve_checkpoint(entry["ckpt"])
     assert section == config["model"]
