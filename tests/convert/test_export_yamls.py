@@ -41,11 +41,39 @@ NEW_TOKENS = 4
 
 
 def llm_foundry_yamls() -> list[Path]:
-    """LLM Foundry's YAMLs whose model is foundry's MPT (MegaBlocks MoE aside, which foundry refuses)."""
+    """LLM Foundry's YAMLs whose model is an MPT or a Llama: foundry's MPT (MegaBlocks MoE aside, which foundry
+    refuses) or a Hugging Face MPT or Llama trained as ``hf_causal_lm``."""
     if not LLM_FOUNDRY_YAMLS.is_dir():
         return []
     paths = sorted(LLM_FOUNDRY_YAMLS.glob("*/*.yaml"))
-    return [path for path in paths if _model(path).get("name") == "mpt_causal_lm" and "moe" not in path.name]
+    return [path for path in paths if (_model(path).get("name") == "mpt_causal_lm" and "moe" not in path.name)
+            or hf_stand_in(path) is not None]  # fmt: skip
+
+
+def hf_stand_in(path: Path) -> str | None:
+    """'llama' or 'mpt' for an ``hf_causal_lm`` YAML of a Llama or MPT (its tiny local stand-in), else None."""
+    model = _model(path)
+    if model.get("name") != "hf_causal_lm":
+        return None
+    source = str(model.get("pretrained_model_name_or_path", ""))
+    source = str(yaml.safe_load(path.read_text()).get("variables", {}).get("model_name", source))
+    return next((family for family in ("llama", "mpt") if family in source.lower()), None)
+
+
+def tiny_hf_model(family: str, folder: Path) -> Path:
+    """A tiny transformers Llama or MPT saved to ``folder``: what an ``hf_causal_lm`` YAML's Hub model stands for."""
+    import transformers
+
+    if family == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32,
+        )  # fmt: skip
+    else:
+        config = transformers.MptConfig(vocab_size=VOCAB, d_model=64, n_heads=4, n_layers=2, max_seq_len=32)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
 
 
 def _model(path: Path) -> dict[str, Any]:
@@ -53,7 +81,11 @@ def _model(path: Path) -> dict[str, Any]:
 
 
 def tiny_section(path: Path) -> dict[str, Any]:
-    """The YAML's model section at test size, on SDPA; a LoRA run's base model (its adapters go out merged)."""
+    """The YAML's model section at test size, on SDPA; a LoRA run's base model (its adapters go out merged).
+    An ``hf_causal_lm`` names its stand-in (``hf_stand_in``), filled in by the ``exports`` fixture."""
+    family = hf_stand_in(path)
+    if family is not None:
+        return {"name": "hf_causal_lm", "pretrained_model_name_or_path": family, "pretrained": True}
     section = {key: value for key, value in _model(path).items() if key != "peft_config"}
     section.update(TINY)
     if section.get("kv_n_heads"):
@@ -113,6 +145,8 @@ def export(section: dict[str, Any], root: Path, tokenizer_dir: Path) -> dict[str
 
 def yaml_class(path: Path) -> str:
     """The class a YAML's model exports as: docs/HF_INTEROP.md's table, by example."""
+    if hf_stand_in(path) is not None:
+        return {"llama": "LlamaForCausalLM", "mpt": "MptForCausalLM"}[hf_stand_in(path)]
     if path.name.startswith("llama"):
         return "LlamaForCausalLM"
     return "MptForCausalLM" if path.name.startswith("quickstart") else "GPT2LMHeadModel"
@@ -170,7 +204,13 @@ def exports(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> di
     """Each case's export; YAMLs whose tiny models are the same model (mpt-125m ... mpt-7b) share one."""
     by_model: dict[str, dict[str, Any]] = {}
     cases = {}
+    stand_ins = {family: tiny_hf_model(family, tmp_path_factory.mktemp(family)) for family in ("llama", "mpt")}
     for name, (section, _) in CASES.items():
+        if section["name"] == "hf_causal_lm":
+            section = {
+                **section,
+                "pretrained_model_name_or_path": str(stand_ins[section["pretrained_model_name_or_path"]]),
+            }
         key = json.dumps(build_model({**section, "init_device": "meta"}).model_section(), sort_keys=True)
         if key not in by_model:
             by_model[key] = export(section, tmp_path_factory.mktemp("export"), tokenizer_dir)
@@ -212,7 +252,7 @@ def test_export_loads_in_transformers_alone_with_foundrys_logits_and_generation(
         assert tokens[:length] == entry["greedy"][row, :length].tolist()
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [name for name, (section, _) in CASES.items() if section["name"] != "hf_causal_lm"])
 def test_from_hf_gives_back_the_same_model_bit_for_bit(name, exports) -> None:
     entry = exports[name]
     model, section = from_hf_model(entry["dir"])
