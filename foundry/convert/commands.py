@@ -111,7 +111,9 @@ def _checkpoint_tokenizer(name: str | None, config: dict[str, Any], folder: Path
 # ----------------------------------------------------------------------------------- from-hf
 def add_from_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "hf_dir", help="a Hugging Face model directory (LlamaForCausalLM, MptForCausalLM or LLM Foundry's MPT export)"
+        "hf_dir",
+        help="a Hugging Face model directory (LlamaForCausalLM, MptForCausalLM, GPT2LMHeadModel, a foundry export "
+        "or LLM Foundry's MPT export)",
     )
     parser.add_argument("out_ckpt", help="the save_folder to write the checkpoint into (load_path for training)")
     parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already there")
@@ -164,7 +166,8 @@ def from_hf_model(hf_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
         reason = "the model needs its own Python code, which foundry does not run" if remote else str(error).strip()
         raise ConfigError(
             f"transformers cannot read {hf_dir / 'config.json'} with its built-in classes: {reason}. foundry convert "
-            "from-hf reads Llama and MPT checkpoints; train any other causal LM with `model: {name: hf_causal_lm}`."
+            "from-hf reads Llama, MPT and GPT-2 checkpoints; train any other causal LM with "
+            "`model: {name: hf_causal_lm}`."
         ) from None
     adapter = adapter_for_hf(hf_config.model_type)
     section = adapter.from_hf_config(hf_config)

@@ -42,13 +42,11 @@ def export_hf_model(
     """The ``transformers`` model computing ``model`` with its weights (or ``state_dict``'s, same keys).
 
     Tensors are shared where names map one to one. ``section`` (default: ``model.model_section()``) is the
-    model section recorded in config.json. An ``hf_causal_lm`` is its own transformers model.
+    model section recorded in config.json. An ``hf_causal_lm`` is its own transformers model (``state_dict``
+    and ``section`` do not apply).
     """
     if isinstance(model, HFCausalLM):
-        hf_model = model.hf_model
-        if state_dict is not None:
-            hf_model.load_state_dict({name.removeprefix("hf_model."): value for name, value in state_dict.items()})
-        return HFExport(hf_model, f"{type(hf_model).__name__} (the hf_causal_lm model itself)")
+        return HFExport(model.hf_model, f"{type(model.hf_model).__name__} (the hf_causal_lm model itself)")
     choice = choose_export(model, model_name)
     return HFExport(_build(model, choice, state_dict, section), choice.describe())
 
