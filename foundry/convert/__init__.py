@@ -1,7 +1,8 @@
 """Moving weights between foundry and Hugging Face transformers.
 
 One adapter module per Hugging Face class, all with the same functions: ``unmappable_features(config)``
-(the settings of a foundry model config the class cannot compute exactly; empty when it can),
+(the settings of a foundry model config the class cannot compute exactly; empty when it can; an adapter
+without it computes every config of the families it exports),
 ``to_hf_config(model)``, ``to_hf_state_dict(state, model)``, ``from_hf_config(hf_config) -> model
 section`` and ``from_hf_state_dict(state, hf_config)``; round trips are exact. ``HF_FAMILIES`` is the
 table that joins them: which foundry models each exports, in order of preference, and which
@@ -58,7 +59,7 @@ def choose_export(model: Any, model_name: str) -> ExportChoice:
         if model_name not in family.exports:
             continue
         adapter = import_adapter(family)
-        unmappable = adapter.unmappable_features(model.config)
+        unmappable = adapter.unmappable_features(model.config) if hasattr(adapter, "unmappable_features") else []
         if not unmappable:
             return ExportChoice(family, adapter, passed_over)
         passed_over[family.hf_class] = unmappable

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import sys
 
+import torch
 from helpers import TINY_MPT
 
 from foundry.convert import choose_export
@@ -31,3 +32,15 @@ def test_the_choice_names_the_class_and_what_each_built_in_class_lacks() -> None
 def test_a_built_in_class_is_chosen_without_reasons() -> None:
     description = choose_export(MPTCausalLM(**TINY_MPT, init_device="meta"), "mpt_causal_lm").describe()
     assert description == "GPT2LMHeadModel (built into transformers)"
+
+
+def test_load_model_reads_an_export_with_foundrys_code_as_foundrys_mpt_without_running_it(tmp_path) -> None:
+    import foundry
+    from foundry.convert.hf_export import export_hf_model, save_hf_folder
+
+    model = MPTCausalLM(**TINY_MPT, attn_config={"attn_type": "grouped_query_attention", "kv_n_heads": 2}).eval()
+    save_hf_folder(export_hf_model(model, "mpt_causal_lm").hf_model, tmp_path / "hf")
+    (tmp_path / "hf" / CODE_FILE.name).write_text("raise SystemExit('the folder code ran')\n")
+    loaded, tokenizer = foundry.load_model(tmp_path / "hf")
+    assert isinstance(loaded, MPTCausalLM) and tokenizer is None
+    assert all(torch.equal(loaded.state_dict()[name], tensor) for name, tensor in model.state_dict().items())
