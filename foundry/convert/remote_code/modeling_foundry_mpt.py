@@ -233,7 +233,7 @@ class Transformer(nn.Module):
     ) -> torch.Tensor:
         """``input_ids`` (batch, new) follow the cache's tokens; ``attention_mask`` (batch, cached + new) marks
         left padding. Positions skip each row's padding (learned and rope_impl hf) as foundry's do."""
-        config, attn, device = self.config, self.config.attn_config, input_ids.device
+        attn, device = self.config.attn_config, input_ids.device
         past_len = cache.get_seq_length() if cache is not None else 0
         batch, seq_len = input_ids.shape
         key_len = past_len + seq_len
@@ -242,35 +242,44 @@ class Transformer(nn.Module):
             real = attention_mask[:, -key_len:].bool()
         columns = past_len + torch.arange(seq_len, device=device)  # (new,)
         shifted = (columns - (~real).cumsum(dim=1)[:, columns]).clamp(min=0)  # (batch, new)
-        x = config_embed(self, input_ids, shifted)
-        distance = columns[:, None] - torch.arange(key_len, device=device)[None, :]  # (new, keys): i - j
-        allowed = distance >= 0
-        window = attn.get("sliding_window_size", -1)
-        if window >= 0:
-            allowed &= distance <= window
-        allowed = (allowed[None] & real[:, None, :]) | (distance == 0)[None]  # a padding query sees itself
-        bias = torch.zeros(distance.shape, device=device)[None, None]
-        if attn.get("alibi"):
-            slopes = alibi_slopes(config.n_heads, attn.get("alibi_bias_max", 8), device)
-            bias = (-distance.float() * slopes[:, None, None])[None]  # (1, heads, new, keys)
-        mask = bias.masked_fill(~allowed[:, None], float("-inf"))
-        rope = None
-        if attn.get("rope"):
-            positions = shifted if attn.get("rope_impl", "dail") == "hf" else columns[None]
-            inv_freq = rope_inv_freq(config, config.d_model // config.n_heads, device)
-            angles = positions.float()[..., None] * inv_freq
-            angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
-            rope = (angles.cos(), angles.sin())
+        x = self._embed(input_ids, shifted)
+        mask = self._additive_mask(columns, real)
+        rope = self._rope(shifted if attn.get("rope_impl", "dail") == "hf" else columns[None])
         for block in self.blocks:
             x = block(x, mask, rope, cache)
         return self.norm_f(x)
 
+    def _additive_mask(self, columns: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """(batch, 1 or heads, new, keys): ALiBi's bias where a query may attend (causal, in the window, a real
+        key), -inf elsewhere; a padding query sees itself, so no row is all -inf."""
+        attn, device = self.config.attn_config, columns.device
+        distance = columns[:, None] - torch.arange(real.shape[1], device=device)[None, :]  # (new, keys): i - j
+        allowed = distance >= 0
+        window = attn.get("sliding_window_size", -1)
+        if window >= 0:
+            allowed &= distance <= window
+        allowed = (allowed[None] & real[:, None, :]) | (distance == 0)[None]
+        bias = torch.zeros(distance.shape, device=device)[None, None]
+        if attn.get("alibi"):
+            slopes = alibi_slopes(self.config.n_heads, attn.get("alibi_bias_max", 8), device)
+            bias = (-distance.float() * slopes[:, None, None])[None]
+        return bias.masked_fill(~allowed[:, None], float("-inf"))
 
-def config_embed(transformer: Transformer, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    x = transformer.wte(input_ids)
-    if transformer.wpe is not None:
-        x = x + transformer.wpe(positions)
-    return transformer.emb_drop(x)
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos and sin of the rotary angles at ``positions`` (batch or 1, new), each (batch or 1, new, 1, head_dim)."""
+        if not self.config.attn_config.get("rope"):
+            return None
+        inv_freq = rope_inv_freq(self.config, self.config.d_model // self.config.n_heads, positions.device)
+        angles = positions.float()[..., None] * inv_freq
+        angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
+        return angles.cos(), angles.sin()
+
+    def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token (+ learned position) embeddings, (batch, seq, d_model)."""
+        x = self.wte(input_ids)
+        if self.wpe is not None:
+            x = x + self.wpe(positions)
+        return self.emb_drop(x)
 
 
 # ----------------------------------------------------------------------------- transformers models
