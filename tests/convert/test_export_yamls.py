@@ -262,3 +262,9 @@ def test_from_hf_gives_back_the_same_model_bit_for_bit(name, exports) -> None:
     imported = model.state_dict()
     assert imported.keys() == original.keys()
     assert all(torch.equal(imported[name], original[name]) for name in original)
+
+
+def test_llm_foundry_mpt_and_llama_yamls_are_among_the_cases(shared_data) -> None:
+    """Skipped, visibly, where the shared data (and so LLM Foundry's YAMLs) is absent; else they are all exported."""
+    assert {path.name for path in llm_foundry_yamls()} >= {"mpt-7b.yaml", "testing.yaml", "hf-llama-3.1-8B.yaml"}
+    assert all(f"llm-foundry/{path.relative_to(LLM_FOUNDRY_YAMLS)}" in CASES for path in llm_foundry_yamls())
