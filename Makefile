@@ -5,17 +5,24 @@ BIN := $(VENV)/bin
 # torch comes first, pinned, so pip never pulls a fresh multi-GB build to satisfy another package.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 
-.PHONY: quickstart test test-gpu fault-injection lint install clean
+.PHONY: quickstart test test-gpu fault-injection lint install install-test clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
+# The runtime: what `make quickstart` needs (matplotlib draws its curves.png).
 $(VENV)/.installed: $(BIN)/activate pyproject.toml
 	$(BIN)/pip install $(TORCH_PINS)
-	$(BIN)/pip install -e '.[test,wandb,plot]'
+	$(BIN)/pip install -e '.[plot]'
+	touch $@
+
+# The test extras on top, for `make test` and `make lint` only.
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
 
 QUICKSTART_DATA := data/quickstart
 
@@ -25,7 +32,7 @@ $(QUICKSTART_DATA)/train/index.json: | install
 quickstart: install $(QUICKSTART_DATA)/train/index.json
 	$(BIN)/foundry train yamls/quickstart.yaml
 
-test: install
+test: install-test
 	$(BIN)/python -m pytest tests
 
 # The same suite on a GPU machine whose Python already has a CUDA torch (no .venv, nothing installed):
@@ -36,10 +43,10 @@ test-gpu:
 	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest tests
 
 # kill -9 trials and the damaged-file matrix behind docs/CHECKPOINTS.md's Reliability section (about 40 min on 2 cores).
-fault-injection: install
+fault-injection: install-test
 	$(BIN)/python benchmarks/fault_injection.py --out benchmarks/results
 
-lint: install
+lint: install-test
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
 clean:
