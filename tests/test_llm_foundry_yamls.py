@@ -54,7 +54,9 @@ def tiny_hf_configs() -> dict[str, Any]:
         ),
         "mpt": tf.MptConfig(vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=2, max_seq_len=128),
         "dbrx": tf.DbrxConfig(
-            vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=2, max_seq_len=128, attn_config={"kv_n_heads": 1},
+            # rope_theta given: transformers 5's DbrxAttention reads it, but its DbrxAttentionConfig has no default
+            vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=2, max_seq_len=128,
+            attn_config={"kv_n_heads": 1, "rope_theta": 10000.0},
             ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 2, "moe_top_k": 1},
         ),
     }  # fmt: skip
