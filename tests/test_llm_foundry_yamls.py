@@ -54,9 +54,10 @@ def tiny_hf_configs() -> dict[str, Any]:
         ),
         "mpt": tf.MptConfig(vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=2, max_seq_len=128),
         "dbrx": tf.DbrxConfig(
-            # rope_theta given: transformers 5's DbrxAttention reads it, but its DbrxAttentionConfig has no default
+            # DBRX's own rope_theta and clip_qkv: transformers 5's DbrxAttention reads the first without a default
+            # and clamps with the second even when it is None (an error), so both are set.
             vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=2, max_seq_len=128,
-            attn_config={"kv_n_heads": 1, "rope_theta": 10000.0},
+            attn_config={"kv_n_heads": 1, "rope_theta": 500000.0, "clip_qkv": 8.0},
             ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 2, "moe_top_k": 1},
         ),
     }  # fmt: skip
