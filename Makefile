@@ -4,6 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 # torch comes first, pinned, so pip never pulls a fresh multi-GB build to satisfy another package.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+# PyPI's Linux torch is the CUDA build (about 4 GB of nvidia and triton wheels). On a CPU-only machine that reaches
+# PyTorch's own index, `make quickstart TORCH_INDEX=https://download.pytorch.org/whl/cpu` installs the CPU build.
+TORCH_INDEX ?=
 
 .PHONY: quickstart test test-gpu fault-injection lint install install-test clean
 
@@ -12,7 +15,7 @@ $(BIN)/activate:
 
 # The runtime: what `make quickstart` needs (matplotlib draws its curves.png).
 $(VENV)/.installed: $(BIN)/activate pyproject.toml
-	$(BIN)/pip install $(TORCH_PINS)
+	$(BIN)/pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH_PINS)
 	$(BIN)/pip install -e '.[plot]'
 	touch $@
 
