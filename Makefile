@@ -35,15 +35,17 @@ $(QUICKSTART_DATA)/train/index.json: | install
 quickstart: install $(QUICKSTART_DATA)/train/index.json
 	$(BIN)/foundry train yamls/quickstart.yaml
 
+# PYTEST_ARGS adds pytest options: PYTEST_ARGS='-m "not slow"' is the quick local loop (CI runs everything).
+PYTEST_ARGS ?=
 test: install-test
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
 # The same suite on a GPU machine whose Python already has a CUDA torch (no .venv, nothing installed):
 # kernel tests then run compiled on the GPU, and it stops at once if torch sees no GPU.
 GPU_PYTHON ?= python3
 test-gpu:
 	$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'test-gpu: torch sees no GPU')"
-	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest tests
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest tests $(PYTEST_ARGS)
 
 # kill -9 trials and the damaged-file matrix behind docs/CHECKPOINTS.md's Reliability section (about 40 min on 2 cores).
 fault-injection: install-test
