@@ -149,6 +149,7 @@ def train(path: Path, overrides: list[str]) -> Any:
     return trainer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", YAMLS, ids=[entry.yaml for entry in YAMLS])
 def test_llm_foundry_yaml(entry: Compat, stand_ins, shared_data, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # the YAMLs' relative save folders and run folders land here
