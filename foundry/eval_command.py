@@ -45,7 +45,7 @@ class EvalConfig:
     icl_seq_len: int | None = None  # default: max_seq_len, else the model's own
     max_seq_len: int | None = None
     device_eval_batch_size: int = 8
-    precision: Precision = Precision.AMP_BF16
+    precision: Precision = Precision.AUTO  # amp_bf16 on a GPU, fp32 on a CPU
     device: str | None = None
     seed: int = 17
     max_examples: int | None = None  # score only the first N rows of each task (quick checks)
@@ -90,7 +90,7 @@ def run_eval(args: argparse.Namespace) -> int:
         distributed.init_process_group()
     try:
         device = torch.device(cfg.device) if cfg.device else distributed.default_device()
-        check_precision(cfg.precision, device)
+        cfg = dataclasses.replace(cfg, precision=check_precision(cfg.precision, device))
         seed_everything(cfg.seed)
         sources = [*((entry, f"models[{i}]") for i, entry in enumerate(cfg.models)), *args.model, *args.compare]
         if args.adapters:  # one base, several LoRA adapters switched in place (foundry.eval.adapters)

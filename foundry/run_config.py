@@ -28,7 +28,8 @@ class RunConfig:
     seed: int = field(default=17, metadata=doc("seed for weights, data order and dropout"))
     run_folder: str = field(default="runs/{run_name}", metadata=doc("where metrics.jsonl goes"))
     precision: Precision = field(
-        default=Precision.AMP_BF16, metadata=doc("compute precision: fp32, amp_bf16 or amp_fp16 (CUDA)")
+        default=Precision.AUTO,
+        metadata=doc("compute precision: auto (amp_bf16 on a GPU, fp32 on a CPU), fp32, amp_bf16 or amp_fp16 (CUDA)"),
     )
     device: str | None = field(default=None, metadata=doc("cpu, cuda, ... (none = this rank's GPU if any)"))
     device_train_microbatch_size: int | Literal["auto"] | None = field(

@@ -296,7 +296,7 @@ def test_a_trainer_given_no_settings_runs_with_the_yamls_defaults(tmp_path: Path
     assert {key: value for key, value in settings.items() if key not in given} == {
         key: getattr(yaml, key) for key in settings if key not in given
     }
-    assert settings["precision"] == "amp_bf16" and settings["save_interval"] == Time.parse("1000ba")
+    assert settings["precision"] == "auto" and settings["save_interval"] == Time.parse("1000ba")
 
 
 def test_an_unknown_trainer_setting_names_the_closest_key(tmp_path: Path) -> None:

@@ -257,8 +257,17 @@ def test_amp_fp16_on_cpu_is_rejected(tmp_path):
 
 def test_amp_bf16_trains_on_cpu(tmp_path):
     trainer = _trainer(tmp_path, precision="amp_bf16")
+    assert trainer.state.precision == "amp_bf16"  # asked for: kept, although the CPU default is fp32
     trainer.fit()
     assert torch.isfinite(trainer.state.loss)
+
+
+def test_a_cpu_trainer_given_no_precision_computes_in_fp32(tmp_path):
+    trainer = Trainer(TinyLM(), train_dataloader=token_batches(1, batch_size=2), max_duration="1ba", device="cpu",
+                      run_folder=str(tmp_path), log_to_console=False)  # fmt: skip
+    assert trainer.state.precision == "fp32"
+    trainer.fit()
+    assert trainer.state.loss.dtype == torch.float32
 
 
 @pytest.mark.parametrize(
