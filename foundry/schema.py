@@ -1,7 +1,8 @@
 """Typed configs from plain dicts: unknown keys, wrong types and bad values fail early with the key path.
 
 Every config in foundry is a dataclass; ``parse_dataclass`` is the one place a YAML mapping becomes
-one, and ``check_call_kwargs`` validates the kwargs a YAML section passes to a registered class.
+one (``config_to_dict`` the way back), and ``check_call_kwargs`` validates the kwargs a YAML section
+passes to a registered class.
 """
 
 from __future__ import annotations
@@ -89,6 +90,21 @@ def parse_dataclass(cls: type[T], data: Mapping[str, Any] | T | None, key_path: 
         raise
     except (TypeError, ValueError) as error:
         raise ConfigError(f"Invalid value under '{key_path}': {error}") from error
+
+
+def config_to_dict(cfg: Any) -> Any:
+    """A plain YAML-ready copy of a config: dataclasses become dicts, ``Time`` becomes ``'100ba'``."""
+    if isinstance(cfg, Time):
+        return str(cfg)
+    if isinstance(cfg, enum.Enum):
+        return cfg.value
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {field.name: config_to_dict(getattr(cfg, field.name)) for field in dataclasses.fields(cfg)}
+    if isinstance(cfg, Mapping):
+        return {key: config_to_dict(value) for key, value in cfg.items()}
+    if isinstance(cfg, list | tuple):
+        return [config_to_dict(value) for value in cfg]
+    return cfg
 
 
 def check_call_kwargs(

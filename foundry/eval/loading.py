@@ -47,7 +47,9 @@ def load_model(
     refused, except an LLM Foundry MPT export, which loads as foundry's MPT without running any of it.
     """
     if not is_object_store_url(str(path)):  # a URL is resolved (downloaded) as given: Path() would mangle it
-        path = Path(path).expanduser()
+        given, path = str(path), Path(path).expanduser()
+        if not path.exists():
+            raise ConfigError(_nothing_at(given))
         if is_hf_directory(path):
             return _load_hf_directory(path, name or path.name, attn_implementation, trust_remote_code)
 
@@ -57,6 +59,19 @@ def load_model(
     model = load_checkpoint_model(folder, config["model"])
     return LoadedModel(
         name or _checkpoint_name(Path(path), folder), model, _tokenizer(config["tokenizer"]), _max_seq_len(model)
+    )
+
+
+def _nothing_at(given: str) -> str:
+    """Why a model path that does not exist cannot load, and what to pass instead."""
+    what = f"No model at '{given}': there is no such file or folder (looked in {Path(given).resolve().parent})."
+    models = "A model is read from disk: a foundry checkpoint, a save_folder, or a Hugging Face model directory."
+    if given.startswith(("/", ".", "~")) or given.count("/") > 1:
+        return f"{what} {models} Check the path."
+    return (
+        f"{what} '{given}' reads as a Hugging Face Hub id, not a local folder, and Hub models are not downloaded "
+        f"here (evaluation runs offline). {models} On a machine with internet, save it once with `hf download "
+        f"{given} --local-dir models/{given}` (or transformers' save_pretrained) and pass models/{given}."
     )
 
 

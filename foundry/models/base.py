@@ -17,7 +17,7 @@ from torch import nn
 from foundry import registry
 from foundry.batches import IGNORE_INDEX, batch_num_samples
 from foundry.checkpoint.hooks import CheckpointHooks
-from foundry.yaml_config import config_to_dict
+from foundry.schema import config_to_dict
 
 
 class FoundryModel(nn.Module):
