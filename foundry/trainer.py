@@ -230,6 +230,7 @@ class Trainer:
     def _train_batch(self, batch_start_s: float) -> None:
         state, engine = self.state, self.engine
         engine.run_event(Event.BATCH_START)
+        self._correct_predictions: torch.Tensor | None = None  # summed over the microbatches by _train_microbatch
         if self._weight_grad_sums is not None:  # the optimizer (or a load, or BATCH_START) moved the weights
             self._weight_grad_sums.start_batch()
         if self._find_microbatch_size:
@@ -268,7 +269,12 @@ class Trainer:
         # (no host sync) until the flush at the console interval converts the queue at once.
         global_loss = distributed.all_reduce_sum(share_of_global_loss)
         # trainer/tokens: the run's tokens so far, so runs of other batch or world sizes compare (foundry compare)
-        self.logger.log_metrics({"loss/train/total": global_loss, "trainer/tokens": state.timestamp.token})
+        metrics = {"loss/train/total": global_loss, "trainer/tokens": state.timestamp.token}
+        correct = self._correct_predictions
+        correct = distributed.all_reduce_sum(correct) if correct is not None else None
+        for name, value in state.model.llm_foundry_metrics(global_loss, correct, total_weight).items():
+            metrics[f"metrics/train/{name}"] = value  # LLM Foundry's names (docs/LOGGING.md)
+        self.logger.log_metrics(metrics)
         if self.log_interval.due(state, since=previous) or self._finished():
             self.logger.flush()
         self.checkpoints.after_batch(since=previous)
@@ -289,6 +295,10 @@ class Trainer:
         with autocast(state.precision, state.device):
             state.loss = state.model.loss(state.outputs, microbatch)
         engine.run_event(Event.AFTER_LOSS)
+        correct = state.model.correct_predictions(state.outputs, microbatch)
+        if correct is not None:
+            previous = self._correct_predictions
+            self._correct_predictions = correct if previous is None else previous + correct
         loss = state.loss * scale
         engine.run_event(Event.BEFORE_BACKWARD)
         (self._grad_scaler.scale(loss) if self._grad_scaler else loss).backward()
@@ -305,7 +315,7 @@ class Trainer:
                 for microbatch in split_batch(state.batch, microbatch_size):
                     self._train_microbatch(microbatch, torch.ones((), device=state.device))
             finally:
-                state.outputs = state.loss = None  # the memory of a failed trial is freed
+                state.outputs = state.loss = self._correct_predictions = None  # a failed trial's memory is freed
 
         size = distributed.find_microbatch_size(state.model, batch_num_samples(state.batch), trial, state.device)
         state.device_train_microbatch_size = size
@@ -333,6 +343,7 @@ class Trainer:
             engine.run_event(Event.EVAL_START)
             loss_sum = torch.zeros((), dtype=torch.float64, device=state.device)
             weight_sum = torch.zeros((), dtype=torch.float64, device=state.device)
+            correct_sum: torch.Tensor | None = None
             count_once = RepeatedSampleMask()  # samples the ranks' shares repeat add to the loss once
             for index, batch in enumerate(loader):
                 if 0 <= self.eval_subset_num_batches <= index:
@@ -348,12 +359,20 @@ class Trainer:
                 # A batch of repeated samples only has no weight (and a NaN mean loss): it adds nothing.
                 loss_sum += torch.where(torch.as_tensor(weight) > 0, loss.double() * weight, 0.0)
                 weight_sum += weight
+                correct = state.model.correct_predictions(state.outputs, state.batch)
+                if correct is not None:
+                    correct_sum = correct if correct_sum is None else correct_sum + correct
                 engine.run_event(Event.EVAL_BATCH_END)
             distributed.all_reduce_sum(loss_sum)
             distributed.all_reduce_sum(weight_sum)
+            if correct_sum is not None:
+                distributed.all_reduce_sum(correct_sum)
             if weight_sum.item() == 0:
                 raise TrainingError(f"Eval loader '{label}' yielded no batches; check its split and batch size.")
-            state.eval_metrics[label] = state.model.eval_metrics_from_loss((loss_sum / weight_sum).item())
+            mean_loss = loss_sum / weight_sum
+            state.eval_metrics[label] = state.model.eval_metrics_from_loss(mean_loss.item())
+            llm_foundry = state.model.llm_foundry_metrics(mean_loss, correct_sum, weight_sum)  # LLM Foundry's names
+            state.eval_metrics[label].update({name: float(value) for name, value in llm_foundry.items()})
             self.logger.log_metrics({f"metrics/{label}/{k}": v for k, v in state.eval_metrics[label].items()})
             engine.run_event(Event.EVAL_END)
         if self.icl is not None:
