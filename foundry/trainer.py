@@ -87,6 +87,9 @@ class Trainer:
             precision still apply. Without it a single process trains the plain module and several ranks
             replicate it (``NO_SHARD``, DDP's layout). See ``foundry.distributed.fsdp``.
         config: the resolved YAML of a ``foundry train`` run, stored in checkpoints and sent to loggers.
+        checkpointer: the checkpoint section already checked, as a ``Checkpointer`` (``foundry train`` builds
+            it before the model, so a refused save_folder fails first); then no ``CheckpointConfig`` key may
+            be given. Default: one built from the keywords.
         **settings: any key of the sections above.
     """
 

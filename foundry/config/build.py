@@ -21,7 +21,6 @@ from foundry.config import TrainConfig, trainer_settings
 from foundry.core import seed_everything
 from foundry.data import load_tokenizer
 from foundry.data.config import LoaderConfig, TokenizerConfig
-from foundry.data.mds import check_local_dataset
 from foundry.distributed import env
 from foundry.errors import ConfigError
 from foundry.models.build import build_model
@@ -34,6 +33,7 @@ from foundry.trainer import Trainer
 
 def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -> Trainer:
     """Build every component of ``cfg`` and the Trainer that runs them.
+
 
     Args:
         cfg: the typed config (``foundry.config.load_train_config``).
@@ -50,8 +50,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
     scheduler = component_factory(registry.schedulers, cfg.scheduler, "scheduler")() if cfg.scheduler else None
     optimizer_factory = component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",))
     check_hyperparameters(optimizer_factory.keywords)
-    for key_path, loader in cfg.loaders():  # a wrong data folder is named before the tokenizer beside it is read
-        check_local_dataset(loader.dataset, f"{key_path}.dataset")
+    check_datasets(cfg)  # a wrong data folder is named before the tokenizer that may sit inside it is read
     tokenizer = build_tokenizer(cfg.tokenizer)
     train_dataloader = build_dataloader(cfg.train_loader, tokenizer, device_batch_size, "train_loader")
     eval_dataloaders = build_eval_dataloaders(cfg, tokenizer)
@@ -96,6 +95,16 @@ def check_config(cfg: TrainConfig) -> Checkpointer:
         optimizer = component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",))
         check_hyperparameters(optimizer.keywords)
     return checkpointer
+
+
+def check_datasets(cfg: TrainConfig) -> None:
+    """Each loader's ``check_dataset(dataset, key_path)``, where its registered builder carries one: a cheap check
+    of its ``dataset`` section (the ``text`` loader's: the local folder exists), run before the tokenizer loads."""
+    for key_path, loader in cfg.loaders():
+        known = loader.name in registry.dataloaders  # an unknown name is reported with its key by build_dataloader
+        check_dataset = getattr(registry.dataloaders.get(loader.name), "check_dataset", None) if known else None
+        if check_dataset is not None:
+            check_dataset(loader.dataset, f"{key_path}.dataset")
 
 
 def torch_device(name: str) -> Any:
