@@ -57,9 +57,11 @@ def run_train(args: argparse.Namespace) -> int:
     ``EXIT_CHECK_FAILED`` (1) when a ``reference_curve`` callback stopped it (foundry.errors).
     """
     from foundry.config import load_train_config
+    from foundry.config.component_keys import check_component_keys
     from foundry.yaml_config import to_yaml
 
     cfg, resolved = load_train_config(args.config, args.overrides)  # every key is checked before any work (no torch)
+    check_component_keys(cfg)  # the built-in components' keys too, read from their source (no torch)
     from foundry.distributed.process_group import launched_by_torchrun
 
     if args.print_config:

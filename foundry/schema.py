@@ -115,7 +115,7 @@ def check_call_kwargs(
     ``supplied`` names arguments the caller passes itself (an optimizer's ``params``): not YAML keys.
     """
     function = target.__init__ if inspect.isclass(target) else target
-    signature = inspect.signature(function)
+    signature = inspect.signature(function if function is not object.__init__ else lambda: None)  # takes nothing
     parameters = {n: p for n, p in signature.parameters.items() if n not in ("self", "cls", *supplied)}
     accepts_any = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     try:
@@ -132,7 +132,7 @@ def check_call_kwargs(
             valid = [n for n, p in parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
             raise ConfigError(
                 f"Unknown key '{_join(key_path, key)}'.{did_you_mean(str(key), valid)} "
-                f"Valid keys under '{key_path}': {', '.join(sorted(valid))}."
+                f"Valid keys under '{key_path}': {', '.join(sorted(valid)) or 'none'}."
             )
         checked[key] = coerce(value, hints[key], _join(key_path, key)) if key in hints else value
     return checked

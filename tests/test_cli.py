@@ -230,11 +230,21 @@ def test_nproc_beyond_the_gpus_or_cores_is_refused_with_the_count(
     assert "--nproc 8 starts 8 ranks" in err and expected in err and "Use --nproc 2 or fewer" in err
 
 
-@pytest.mark.parametrize("typo", ["max_durration=5ba", "train_loader.num_workerz=1", "fsdp_config.sharding_stratgy=x"])
-def test_a_config_typo_is_reported_without_importing_torch(config_path: Path, typo: str) -> None:
+@pytest.mark.parametrize(
+    "typo",
+    [
+        "max_durration=5ba",
+        "train_loader.num_workerz=1",
+        "fsdp_config.sharding_stratgy=x",
+        "model.n_layrs=2",
+        "optimizer.lrr=1",
+        "callbacks.speed_monitor.windw_size=3",
+    ],
+)
+def test_a_config_typo_is_reported_without_importing_torch(typo: str) -> None:
     code = (
         "import sys; from foundry import cli; "
-        f"code = cli.main(['train', {str(config_path)!r}, {typo!r}]); "
+        f"code = cli.main(['train', {str(QUICKSTART)!r}, {typo!r}]); "
         "print(code, 'torch' in sys.modules)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
