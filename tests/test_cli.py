@@ -233,12 +233,10 @@ def test_nproc_beyond_the_gpus_or_cores_is_refused_with_the_count(
 @pytest.mark.parametrize(
     "typo",
     [
-        "max_durration=5ba",
-        "train_loader.num_workerz=1",
-        "fsdp_config.sharding_stratgy=x",
-        "model.n_layrs=2",
-        "optimizer.lrr=1",
-        "callbacks.speed_monitor.windw_size=3",
+        "max_durration=5ba",  # top level
+        "train_loader.num_workerz=1",  # a typed section
+        "model.n_layrs=2",  # a model's config dataclass, read from its source
+        "callbacks.speed_monitor.windw_size=3",  # a component's constructor, read from its source
     ],
 )
 def test_a_config_typo_is_reported_without_importing_torch(typo: str) -> None:

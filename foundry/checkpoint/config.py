@@ -57,7 +57,7 @@ class CheckpointConfig:
     def for_run(self, run_name: str) -> CheckpointConfig:
         """This section (alone, also when it is part of a whole train config) with ``{run_name}`` filled into
         save_folder and load_path: the one place a checkpoint path gets its run's name."""
-        values = {name.name: getattr(self, name.name) for name in dataclasses.fields(CheckpointConfig)}
+        values = {key.name: getattr(self, key.name) for key in dataclasses.fields(CheckpointConfig)}
         values["save_folder"] = fill_run_name(self.save_folder, run_name)
         values["load_path"] = fill_run_name(self.load_path, run_name)
         return CheckpointConfig(**values)
