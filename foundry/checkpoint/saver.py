@@ -92,10 +92,8 @@ class Checkpointer:
             remove_temporaries(self.local_folder)
         if is_object_store_url(self.save_folder):
             store = object_store(self.save_folder)
-            store.upload_retries, store.upload_backoff_s = (
-                self.config.save_upload_retries,
-                self.config.save_upload_backoff_s,
-            )
+            store.upload_retries = self.config.save_upload_retries
+            store.upload_backoff_s = self.config.save_upload_backoff_s
             self._start_uploads(store)
         if self.config.save_async:
             self._async_group = distributed.new_gloo_group()
