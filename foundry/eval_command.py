@@ -25,7 +25,7 @@ from foundry.core.paths import is_object_store_url
 from foundry.core.precision import Precision, check_precision
 from foundry.errors import EXIT_CHECK_FAILED, EXIT_OK, ConfigError
 from foundry.eval.adapters import evaluate_adapters
-from foundry.eval.loading import build_model_entry, load_model
+from foundry.eval.loading import build_model_entry, check_model_path, load_model
 from foundry.eval.reference import deltas, load_references, reference_table, verdict
 from foundry.eval.report import markdown_table, write_reports
 from foundry.eval.runner import build_evaluator, score
@@ -84,6 +84,8 @@ def load_eval_config(args: argparse.Namespace) -> EvalConfig:
 def run_eval(args: argparse.Namespace) -> int:
     cfg = load_eval_config(args)
     references = load_references(args.reference) if args.reference else []  # checked before a model loads
+    for path in [*args.model, *args.compare, *args.adapters]:  # before any task file is fetched
+        check_model_path(path)
     tasks = local_task_files(parse_icl_tasks(cfg.icl_tasks))  # every key and file checked (fetched) before a model
     gauntlet = parse_gauntlet(cfg.eval_gauntlet) if cfg.eval_gauntlet is not None else None
     if distributed.launched_by_torchrun():

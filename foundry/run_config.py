@@ -8,15 +8,13 @@ other sections belong to their components (``CheckpointConfig``, ``EvalConfig``,
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
-import time
 from dataclasses import field
 from typing import Any, Literal
 
 from foundry.checkpoint.config import CheckpointConfig
 from foundry.core.bounds import check_bounds
 from foundry.core.precision_name import Precision
+from foundry.core.run_name import default_run_name, fill_run_name
 from foundry.eval.config import EvalConfig
 from foundry.loggers.config import ConsoleConfig
 from foundry.schema import doc
@@ -58,27 +56,9 @@ class RunConfig:
         if self.run_name is None:
             self.run_name = default_run_name()
 
-
-def default_run_name() -> str:
-    """``$RUN_NAME`` (or Composer's ``$COMPOSER_RUN_NAME``), else ``foundry-<date>-<time>``."""
-    return (
-        os.environ.get("RUN_NAME") or os.environ.get("COMPOSER_RUN_NAME") or f"foundry-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
-
-
-_GENERATED_RUN_NAME = re.compile(r"^foundry-\d{8}-\d{6}$")
-
-
-def is_generated_run_name(run_name: str) -> bool:
-    """Whether ``run_name`` is one ``default_run_name`` made up (``foundry-<date>-<time>``), not one a user gave."""
-    return bool(_GENERATED_RUN_NAME.match(run_name))
-
-
-def fill_run_name(path: str | None, run_name: str | None) -> str | None:
-    """``path`` with ``{run_name}`` filled in (Composer's convention); other braces, like ``{rank}``, stay."""
-    if path is None or run_name is None:
-        return path
-    return path.replace("{run_name}", run_name)
+    def run_folder_path(self) -> str:
+        """``run_folder`` with ``{run_name}`` filled in."""
+        return fill_run_name(self.run_folder, self.run_name)
 
 
 # The sections whose keys are the Trainer's settings (and a train YAML's top-level keys), in this order.

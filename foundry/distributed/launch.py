@@ -7,9 +7,11 @@ code (3 when the run handed over, 2 for a config error), where plain torchrun wo
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
+import torch
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -42,6 +44,30 @@ def launch(command: Sequence[str], nproc: int, nnodes: int = 1, rdzv_endpoint: s
             print(killed_rank_message(killed[0][1], nproc * nnodes, killed[0][2]), file=sys.stderr)
         return ranks_exit_code([failure.exitcode for failure in error.failures.values()])
     return 0
+
+
+def check_local_ranks(nproc: int, device: str | None) -> None:
+    """Refuse ``--nproc`` beyond one rank per GPU (per CPU core when the run is on the CPU), naming the count.
+
+    Two ranks on one GPU fail in NCCL; ranks beyond the cores only take turns on them, slower than fewer
+    ranks, until a collective times out. ``device``: the run's ``device`` key (None: a GPU if there is one).
+    """
+    gpus = torch.cuda.device_count() if device is None or not device.startswith("cpu") else 0
+    if gpus:
+        if nproc > gpus:
+            raise ConfigError(
+                f"--nproc {nproc} starts {nproc} ranks on this machine, which has {gpus} GPU(s): each rank needs a "
+                f"GPU of its own. Use --nproc {gpus} or fewer, or add machines with --nnodes (docs/DISTRIBUTED.md)."
+            )
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if nproc > cores:
+        raise ConfigError(
+            f"--nproc {nproc} starts {nproc} ranks on this machine's CPU, which has {cores} core(s) for this process "
+            f"and no GPU{' in use (device: cpu)' if device else ''}: ranks beyond one per core only take turns on the "
+            f"cores, slower than fewer ranks, until a collective times out. Use --nproc {cores} or fewer, or run on "
+            "machines with GPUs (one rank per GPU)."
+        )
 
 
 def killed_rank_message(rank: int, world_size: int, signal_name: str) -> str:
