@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from foundry.models import flops
+
 BENCHMARKS = Path(__file__).resolve().parent
 REPO_ROOT = BENCHMARKS.parent
 SEQ_LEN = 2048
@@ -53,9 +55,9 @@ class Shape:
     def active_params(self) -> int:
         """Parameters that cost FLOPs per token: all, less the input embedding when untied (a lookup)."""
         d = self.d_model
-        if self.family == "mpt":  # Wqkv 3d^2, out d^2, FFN 2 * 4d^2, two LayerNorms (weight + bias)
-            per_layer = 12 * d * d + 4 * d
-            final_norm = 2 * d
+        if self.family == "mpt":  # Wqkv 3d^2, out d^2, FFN 2 * 4d^2, their biases 9d, two LayerNorms 4d
+            per_layer = 12 * d * d + 13 * d
+            final_norm = 2 * d + SEQ_LEN * d  # + learned position embeddings, counted as LLM Foundry does
         else:  # q, o d^2 each; k, v d * kv_heads * head_dim each; SwiGLU 3 * d * ffn; two RMSNorms
             kv_width = self.kv_heads * (d // self.n_heads)
             per_layer = 2 * d * d + 2 * d * kv_width + 3 * d * self.ffn_hidden + 2 * d
@@ -66,7 +68,7 @@ class Shape:
         return total if self.tied else total - embedding
 
     def flops_per_token(self, seq_len: int = SEQ_LEN) -> int:
-        return 3 * (2 * self.active_params() + self.n_layers * 2 * 2 * self.d_model * seq_len)
+        return flops.flops_per_token(self.active_params(), self.n_layers, self.d_model, seq_len)
 
 
 LLAMA_1B = Shape("llama", 2048, 16, 128256, n_heads=32, kv_heads=8, ffn_hidden=8192, tied=True)
@@ -114,7 +116,10 @@ SMOKE_FOUNDRY = {
               "model.ffn_hidden_size=128", "model.vocab_size=50304"],
     "mpt": ["model.d_model=64", "model.n_layers=2", "model.n_heads=4"],
 }  # fmt: skip
-SMOKE_SETTINGS = ["precision=fp32", "model.init_device=cpu", "train_loader.num_workers=0"]
+SMOKE_SEQ_LEN = 256  # the loaders cut the 2048-token samples to this
+SMOKE_SETTINGS = [
+    "precision=fp32", "model.init_device=cpu", "train_loader.num_workers=0", f"variables.max_seq_len={SMOKE_SEQ_LEN}"
+]  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -161,7 +166,7 @@ def _llm_foundry(row: Row, settings: Settings) -> tuple[list[str], dict[str, str
         f"save_folder={settings.work / 'runs' / row.name}",
     ]
     if settings.smoke:
-        overrides.append("device_train_microbatch_size=2")
+        overrides += ["device_train_microbatch_size=2", f"variables.max_seq_len={SMOKE_SEQ_LEN}"]
     elif not settings.flash_attn_available:
         overrides.append("model.attn_config.attn_impl=torch")  # LLM Foundry's only other attention
     return [sys.executable, "-c", LLM_FOUNDRY_TRAIN_PY, str(yaml), *overrides], {"RUN_NAME": row.name}
@@ -172,7 +177,7 @@ def _hf_trainer(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]
     argv = [sys.executable, str(BENCHMARKS / "peers_hf_trainer.py"), "--tokens", str(settings.data / "tokens.bin")]
     argv += ["--steps", str(settings.steps), "--batch", str(batch)]
     argv += ["--accumulation", str(settings.global_batch // batch), "--output-dir", str(settings.work / row.name)]
-    return argv + (["--tiny"] if settings.smoke else []), {}
+    return argv + (["--tiny", "--seq-len", str(SMOKE_SEQ_LEN)] if settings.smoke else []), {}
 
 
 def titan_config(row: Row, settings: Settings) -> dict[str, dict[str, Any]]:
