@@ -20,12 +20,10 @@ import torch
 from peers_data import read_token_file
 from torch.utils.data import Dataset
 
-# Llama-3.2-1B: the shape yamls/pretrain/llama-1b.yaml trains.
+# Llama-3.2-1B: the shape yamls/pretrain/llama-1b.yaml trains. Its RoPE frequencies (theta, llama3 scaling) are
+# left at the config's defaults: they change no FLOP, and transformers 4.x and 5.x spell them differently.
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True,
-                max_position_embeddings=131072,
-                rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})  # fmt: skip
+                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True)  # fmt: skip
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=50304, tie_word_embeddings=True)  # fmt: skip
 

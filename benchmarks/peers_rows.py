@@ -163,7 +163,6 @@ def _llm_foundry(row: Row, settings: Settings) -> tuple[list[str], dict[str, str
         f"max_duration={settings.steps}ba",
         f"global_train_batch_size={settings.global_batch}",
         "eval_loader=null",
-        f"save_folder={settings.work / 'runs' / row.name}",
     ]
     if settings.smoke:
         overrides += ["device_train_microbatch_size=2", f"variables.max_seq_len={SMOKE_SEQ_LEN}"]
