@@ -196,14 +196,15 @@ def table(results: list[dict]) -> str:
         package = {"torchtitan": "torchtitan", "llm-foundry": "llm-foundry", "hf-trainer": "transformers"}.get(
             result["framework"], "torch"
         )
+        version = f"{package} {versions.get(package)}" + (", foundry" if result["framework"] == "foundry" else "")
         shown.append({
-            "row": result["row"], "version": f"{package} {versions.get(package)}", "GPUs": result["gpus"],
+            "row": result["row"], "version": version, "GPUs": result["gpus"],
             "microbatch": result["microbatch"], "tokens/s per GPU": result.get("tokens_per_s_per_gpu"),
             "MFU": f"{result['mfu']:.1%}" if result.get("mfu") else None,
             "foundry / peer": result.get("foundry_vs_peer"), "peak GiB (nvidia-smi)": result.get("peak_gib_nvidia_smi"),
             "first batch s": result.get("first_batch_s"), "note": result.get("note") or result.get("error", ""),
         })  # fmt: skip
-    return markdown_table(shown)
+    return markdown_table([{key: "" if value is None else value for key, value in row.items()} for row in shown])
 
 
 def save(out: Path | None, settings: Settings, warmup: int, results: list[dict]) -> None:
