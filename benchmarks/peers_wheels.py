@@ -8,8 +8,9 @@
 - ``.whl/peers/titan``: torchtitan 0.2.2, the newest release before 0.3.0, which pins torch 2.14 (its
   docs/release.md); 0.2.2 imports and parses its config on torch 2.14 here.
 - ``.whl/peers/llmf``: LLM Foundry 0.22 and Composer 0.32 with the transformers they pin (4.51; the image's 5.x
-  lacks what they import), and each import they need that the image lacks. Installed without dependencies, so
-  Composer's ``torch<2.7.1`` pin is not enforced: it runs on the image's torch.
+  lacks what they import), and each import they need that the image lacks (found by training LLM Foundry's
+  ``mpt-small-cpu.yaml`` on a CPU with only the image's packages and these on the path). Installed without
+  dependencies, so Composer's ``torch<2.7.1`` pin is not enforced: it runs on the image's torch.
 
 Each list holds one version of a package; pure-Python wheels where they exist, else CPython 3.12 manylinux.
 """
@@ -33,7 +34,10 @@ LLMF = [
     "databricks-sdk==0.162.0", "cachetools==5.5.2", "sqlparse==0.5.3", "backoff==2.2.1", "gql==4.4.0",
     "graphql-core==3.3.2", "websockets==15.0.1", "ruamel.yaml==0.18.14", "questionary==2.1.1",
     "prompt_toolkit==3.0.53", "wcwidth==0.2.13", "validators==0.36.0", "GitPython==3.1.45", "gitdb==4.0.12",
-    "smmap==5.0.2", "beautifulsoup4==4.13.4", "soupsieve==2.7",
+    "smmap==5.0.2", "beautifulsoup4==4.13.4", "soupsieve==2.7", "pydantic==2.11.7", "pydantic-core==2.33.2",
+    "annotated-types==0.7.0", "typing-inspection==0.4.1", "opentelemetry-api==1.34.1", "opentelemetry-sdk==1.34.1",
+    "opentelemetry-semantic-conventions==0.55b1", "google-auth==2.40.3", "pyasn1==0.6.5", "pyasn1_modules==0.4.2",
+    "rsa==4.9.1",
 ]  # fmt: skip
 # Built here from its source distribution (no wheel is published): a pure-Python wheel.
 SDIST_ONLY = {"llmf": ["antlr4-python3-runtime==4.9.3"]}
