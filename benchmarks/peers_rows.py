@@ -1,0 +1,270 @@
+"""What each row of benchmarks/peers.py runs: the command, its environment, the shape it trains.
+
+A row is one workload run by one framework through its own entry point and its own recommended fast
+settings, on the token stream of ``peers.py prepare``, at sequence length 2048 and the same global batch:
+
+- ``torchtitan-llama-1b`` / ``-8b``: ``torch.distributed.run -m torchtitan.train --job.config_file`` with a TOML
+  of its llama3_8b.toml's settings: FSDP2, ``compile`` of model and loss, fused AdamW, bf16 parameters;
+  selective activation checkpointing at 8B as that TOML has, none at 1B.
+- ``llm-foundry-mpt-1b``: LLM Foundry's ``scripts/train/train.py`` (``train_from_yaml``) on its ``mpt-1b.yaml``,
+  paths changed; ``attn_impl: torch`` where flash-attn (its YAML's ``flash``) is not installed.
+- ``hf-trainer-llama-1b``: ``benchmarks/peers_hf_trainer.py``, transformers' ``Trainer`` with bf16, SDPA,
+  ``torch_compile`` and fused AdamW.
+- ``foundry-*``: ``foundry train yamls/pretrain/<yaml>``, the YAML's settings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from foundry.models import flops
+
+BENCHMARKS = Path(__file__).resolve().parent
+REPO_ROOT = BENCHMARKS.parent
+SEQ_LEN = 2048
+# LLM Foundry's scripts/train/train.py (0.22), whole: the wheel ships llmfoundry, not scripts/.
+LLM_FOUNDRY_TRAIN_PY = (
+    "import sys; from llmfoundry.command_utils import train_from_yaml; train_from_yaml(sys.argv[1], sys.argv[2:])"
+)
+VERSION_PACKAGES = {
+    None: ("torch", "transformers", "mosaicml-streaming"),
+    "titan": ("torchtitan", "torch", "torchdata", "datasets"),
+    "llmf": ("llm-foundry", "mosaicml", "transformers", "torch", "mosaicml-streaming"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What the MFU formula needs of a decoder (LLM Foundry's, foundry.models.flops)."""
+
+    family: str  # llama | mpt
+    d_model: int
+    n_layers: int
+    vocab_size: int
+    n_heads: int = 0
+    kv_heads: int = 0
+    ffn_hidden: int = 0
+    tied: bool = True
+
+    def active_params(self) -> int:
+        """Parameters that cost FLOPs per token: all, less the input embedding when untied (a lookup)."""
+        d = self.d_model
+        if self.family == "mpt":  # Wqkv 3d^2, out d^2, FFN 2 * 4d^2, their biases 9d, two LayerNorms 4d
+            per_layer = 12 * d * d + 13 * d
+            final_norm = 2 * d + SEQ_LEN * d  # + learned position embeddings, counted as LLM Foundry does
+        else:  # q, o d^2 each; k, v d * kv_heads * head_dim each; SwiGLU 3 * d * ffn; two RMSNorms
+            kv_width = self.kv_heads * (d // self.n_heads)
+            per_layer = 2 * d * d + 2 * d * kv_width + 3 * d * self.ffn_hidden + 2 * d
+            final_norm = d
+        embedding = self.vocab_size * d
+        output = 0 if self.tied else self.vocab_size * d
+        total = self.n_layers * per_layer + final_norm + embedding + output
+        return total if self.tied else total - embedding
+
+    def flops_per_token(self, seq_len: int = SEQ_LEN) -> int:
+        return flops.flops_per_token(self.active_params(), self.n_layers, self.d_model, seq_len)
+
+
+LLAMA_1B = Shape("llama", 2048, 16, 128256, n_heads=32, kv_heads=8, ffn_hidden=8192, tied=True)
+LLAMA_8B = Shape("llama", 4096, 32, 128256, n_heads=32, kv_heads=8, ffn_hidden=14336, tied=False)
+MPT_1B = Shape("mpt", 2048, 24, 50368)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str
+    framework: str  # foundry | torchtitan | llm-foundry | hf-trainer
+    shape: Shape
+    gpus: int
+    microbatch: int  # per GPU
+    step_pattern: str  # regex whose group 1 is the optimizer step of a line the framework prints per step
+    peer: str | None = None  # its own install target (None: the image's packages plus foundry's)
+    compare_to: str | None = None  # the foundry row of the same shape
+    yaml: str | None = None  # foundry / LLM Foundry rows
+    titan_flavor: str | None = None
+    titan_ac: str = "none"
+
+
+FOUNDRY_STEP = r"\[batch (\d+)/"
+ROWS = {
+    row.name: row
+    for row in (
+        Row("torchtitan-llama-1b", "torchtitan", LLAMA_1B, 1, 8, r"step:\s*(\d+)", "titan", "foundry-llama-1b",
+            titan_flavor="1B"),
+        Row("llm-foundry-mpt-1b", "llm-foundry", MPT_1B, 1, 4, r"\[batch=(\d+)/", "llmf", "foundry-mpt-1b",
+            yaml="llm-foundry/mpt-1b.yaml"),
+        Row("hf-trainer-llama-1b", "hf-trainer", LLAMA_1B, 1, 4, r"peers-step (\d+)", None, "foundry-llama-1b"),
+        Row("foundry-llama-1b", "foundry", LLAMA_1B, 1, 16, FOUNDRY_STEP, yaml="yamls/pretrain/llama-1b.yaml"),
+        Row("foundry-mpt-1b", "foundry", MPT_1B, 1, 16, FOUNDRY_STEP, yaml="yamls/pretrain/mpt-1b.yaml"),
+        Row("torchtitan-llama-8b", "torchtitan", LLAMA_8B, 2, 4, r"step:\s*(\d+)", "titan", "foundry-llama-8b",
+            titan_flavor="8B", titan_ac="selective"),
+        Row("foundry-llama-8b", "foundry", LLAMA_8B, 2, 4, FOUNDRY_STEP, yaml="yamls/pretrain/llama-8b.yaml"),
+    )
+}  # fmt: skip
+ONE_GPU_ROWS = [name for name, row in ROWS.items() if row.gpus == 1]
+TWO_GPU_ROWS = [name for name, row in ROWS.items() if row.gpus == 2]
+
+# The CPU smoke test (--smoke): the same entry points on tiny models, fp32, uncompiled.
+SMOKE_FOUNDRY = {
+    "llama": ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.kv_n_heads=2",
+              "model.ffn_hidden_size=128", "model.vocab_size=50304"],
+    "mpt": ["model.d_model=64", "model.n_layers=2", "model.n_heads=4"],
+}  # fmt: skip
+SMOKE_SEQ_LEN = 256  # the loaders cut the 2048-token samples to this
+SMOKE_SETTINGS = [
+    "precision=fp32", "model.init_device=cpu", "train_loader.num_workers=0", f"variables.max_seq_len={SMOKE_SEQ_LEN}"
+]  # fmt: skip
+
+
+@dataclasses.dataclass
+class Settings:
+    data: Path  # the prepared folder (data/peers)
+    work: Path  # run folders, TOMLs, install targets
+    global_batch: int
+    steps: int  # optimizer steps, warm-up included
+    smoke: bool = False
+    flash_attn_available: bool = False  # in LLM Foundry's environment
+    peak_tflops: float = 989.5  # dense bf16 of the device (H100 SXM)
+
+
+def command(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]]:
+    """The row's command line and its extra environment variables."""
+    build = {"foundry": _foundry, "llm-foundry": _llm_foundry, "hf-trainer": _hf_trainer, "torchtitan": _torchtitan}
+    return build[row.framework](row, settings)
+
+
+def _foundry(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]]:
+    overrides = [
+        f"variables.data_local={settings.data / 'mds'}",
+        f"tokenizer.name={settings.data / 'tokenizer'}",
+        f"max_duration={settings.steps}ba",
+        f"global_train_batch_size={settings.global_batch}",
+        "eval_loader=null",
+        "console_log_interval=1ba",
+        f"run_folder={settings.work / 'runs' / row.name}",
+    ]
+    if settings.smoke:
+        overrides += [*SMOKE_FOUNDRY[row.shape.family], *SMOKE_SETTINGS, "device_train_microbatch_size=2"]
+    launch = ["--nproc", str(row.gpus)] if row.gpus > 1 else []
+    return [sys.executable, "-m", "foundry.cli", "train", str(REPO_ROOT / row.yaml), *overrides, *launch], {}
+
+
+def _llm_foundry(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]]:
+    yaml = settings.data / ("llm-foundry/mpt-small-cpu.yaml" if settings.smoke else row.yaml)
+    overrides = [
+        f"variables.data_local={settings.data / 'mds'}",
+        f"tokenizer.name={settings.data / 'tokenizer'}",
+        f"max_duration={settings.steps}ba",
+        f"global_train_batch_size={settings.global_batch}",
+        "eval_loader=null",
+    ]
+    if settings.smoke:
+        overrides += ["device_train_microbatch_size=2", f"variables.max_seq_len={SMOKE_SEQ_LEN}"]
+    elif not settings.flash_attn_available:
+        overrides.append("model.attn_config.attn_impl=torch")  # LLM Foundry's only other attention
+    return [sys.executable, "-c", LLM_FOUNDRY_TRAIN_PY, str(yaml), *overrides], {"RUN_NAME": row.name}
+
+
+def _hf_trainer(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]]:
+    batch = 2 if settings.smoke else row.microbatch
+    argv = [sys.executable, str(BENCHMARKS / "peers_hf_trainer.py"), "--tokens", str(settings.data / "tokens.bin")]
+    argv += ["--steps", str(settings.steps), "--batch", str(batch)]
+    argv += ["--accumulation", str(settings.global_batch // batch), "--output-dir", str(settings.work / row.name)]
+    return argv + (["--tiny", "--seq-len", str(SMOKE_SEQ_LEN)] if settings.smoke else []), {}
+
+
+def titan_config(row: Row, settings: Settings) -> dict[str, dict[str, Any]]:
+    """torchtitan's TOML for the row: its llama3_8b.toml's settings, our shape, data, length and batch."""
+    return {
+        "job": {"dump_folder": str(settings.work / "runs" / row.name), "description": row.name},
+        "metrics": {"log_freq": 1, "enable_tensorboard": False, "disable_color_printing": True},
+        "model": {"name": "llama3", "flavor": "peers_tiny" if settings.smoke else row.titan_flavor,
+                  "hf_assets_path": str(settings.data / "tokenizer")},
+        "optimizer": {"name": "AdamW", "lr": 3e-4, "eps": 1e-8},
+        "lr_scheduler": {"warmup_steps": min(2, settings.steps - 1)},
+        "training": {"local_batch_size": row.microbatch, "global_batch_size": settings.global_batch,
+                     "seq_len": SEQ_LEN, "max_norm": 1.0, "steps": settings.steps, "dataset": "c4_test",
+                     "dataset_path": str(settings.data / "text")},
+        "parallelism": {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1},
+        "checkpoint": {"enable": False},
+        "compile": {"enable": not settings.smoke, "components": ["model", "loss"]},
+        "activation_checkpoint": {"mode": row.titan_ac, "selective_ac_option": "op"},
+        "experimental": {"custom_import": "peers_torchtitan_flavors"},
+    }  # fmt: skip
+
+
+def _torchtitan(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]]:
+    path = settings.work / f"{row.name}.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_toml(titan_config(row, settings)))
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={row.gpus}"]
+    return [*launch, "-m", "torchtitan.train", "--job.config_file", str(path)], {}
+
+
+# torchtitan trains on CUDA only: on the CPU its row checks that the TOML parses through its ConfigManager,
+# the flavor registers and the model builds (on the meta device), and prints the parameter count.
+TITAN_CHECK_PY = """
+import importlib, sys, torch
+from torchtitan.config import ConfigManager
+from torchtitan.protocols.train_spec import get_train_spec
+config = ConfigManager().parse_args(["--job.config_file", sys.argv[1]])
+importlib.import_module(config.experimental.custom_import)
+spec = get_train_spec(config.model.name)
+model_args = spec.model_args[config.model.flavor]
+model_args.update_from_config(config)
+with torch.device("meta"):
+    model = spec.model_cls(model_args)
+print("torchtitan-config-ok", config.model.flavor, config.training.global_batch_size,
+      sum(parameter.numel() for parameter in model.parameters()))
+"""
+
+
+def titan_check(row: Row, settings: Settings) -> list[str]:
+    """The command of the torchtitan row's CPU check (the TOML as the run would use it)."""
+    argv, _ = _torchtitan(row, settings)
+    return [sys.executable, "-c", TITAN_CHECK_PY, argv[-1]]
+
+
+def to_toml(tables: dict[str, dict[str, Any]]) -> str:
+    """A TOML document of tables of scalars and lists (all torchtitan's config needs)."""
+    lines = []
+    for table, values in tables.items():
+        lines.append(f"[{table}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def install_peer(peer: str, wheels: Path, target: Path) -> None:
+    """pip-install the peer's carried wheels (``wheels/peers/common`` + ``wheels/peers/<peer>``) into ``target``."""
+    if (target / ".installed").exists():
+        return
+    files = sorted((wheels / "peers" / "common").glob("*.whl")) + sorted((wheels / "peers" / peer).glob("*.whl"))
+    if not files:
+        raise FileNotFoundError(f"no wheels under {wheels}/peers/{{common,{peer}}}: run `peers.py wheels` first")
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--upgrade"]
+    subprocess.run([*pip, "--target", str(target), *map(str, files)], check=True, capture_output=True, text=True)
+    (target / ".installed").write_text("\n".join(file.name for file in files))
+
+
+def peer_environment(peer: str | None, site: Path | None) -> dict[str, str]:
+    """The process environment of a row: the peer's target first on PYTHONPATH, then benchmarks/ and the repo."""
+    paths = [str(site)] if site else []
+    paths += [str(BENCHMARKS), str(REPO_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths)), "PYTHONUNBUFFERED": "1"}
+
+
+def versions(peer: str | None, environment: dict[str, str]) -> dict[str, str]:
+    """Installed versions of the row's packages, as its own environment sees them."""
+    probe = "import json, sys, importlib.metadata as m\nout = {}\nfor name in sys.argv[1:]:\n"
+    probe += "    try: out[name] = m.version(name)\n    except m.PackageNotFoundError: out[name] = None\n"
+    probe += "print(json.dumps(out))"
+    process = subprocess.run([sys.executable, "-c", probe, *VERSION_PACKAGES[peer]], env=environment,
+                             capture_output=True, text=True)  # fmt: skip
+    return json.loads(process.stdout) if process.returncode == 0 else {"error": process.stderr.strip()[-300:]}
