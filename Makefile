@@ -45,7 +45,7 @@ test: install-test
 GPU_PYTHON ?= python3
 test-gpu:
 	$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'test-gpu: torch sees no GPU')"
-	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest tests $(PYTEST_ARGS)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m pytest tests $(PYTEST_ARGS)
 
 # kill -9 trials and the damaged-file matrix behind docs/CHECKPOINTS.md's Reliability section (about 40 min on 2 cores).
 fault-injection: install-test
