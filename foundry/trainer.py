@@ -23,6 +23,7 @@ from foundry import distributed
 from foundry.algorithms.torch_compile import compile_algorithm
 from foundry.batches import RepeatedSampleMask, batch_num_samples, batch_num_tokens, batch_to_device, split_batch
 from foundry.checkpoint.load import resume_or_load
+from foundry.checkpoint.preemption import Preemption, preemption_of
 from foundry.checkpoint.saver import CheckpointSaver
 from foundry.core import (
     Algorithm,
@@ -139,7 +140,7 @@ class Trainer:
             loggers, self.run_folder, console.log_to_console, console.progress_bar, console.console_log_interval
         )
         self.logger = Logger(self.state, [*loggers, *defaults])
-        self.engine = Engine(self.state, self.logger, algorithms, callbacks)
+        self.engine = Engine(self.state, self.logger, algorithms, [*callbacks, Preemption()])
         self.eval_interval = Interval(evaluation.eval_interval)
         self.eval_first = evaluation.eval_first
         self.eval_subset_num_batches = evaluation.eval_subset_num_batches
@@ -403,7 +404,8 @@ class Trainer:
     def _at_fit_end(self) -> None:
         """Evaluate and checkpoint the final model unless the last batch already did."""
         state = self.state
-        if (state.eval_dataloaders or self.icl) and self._last_eval_batch != state.timestamp.batch:
+        preempted = preemption_of(self.engine.callbacks) is not None  # the grace period is for the checkpoint
+        if (state.eval_dataloaders or self.icl) and self._last_eval_batch != state.timestamp.batch and not preempted:
             self.eval()
         if self.save_folder and self.checkpoints.last_save_batch != state.timestamp.batch:
             self.checkpoints.save(Event.BATCH_CHECKPOINT)
