@@ -161,6 +161,7 @@ class Trainer:
             autoresume=checkpointing.autoresume,
             load_path=fill_run_name(checkpointing.load_path, run.run_name),
             named_run=not is_generated_run_name(run.run_name),
+            accept_config_changes=checkpointing.autoresume_accept_changes,
         )
         self.config = config
         self._last_eval_batch: int | None = None
@@ -219,6 +220,7 @@ class Trainer:
             if self._weight_grad_sums is not None:  # the model trains as plain nn.Linear layers outside fit()
                 self._weight_grad_sums.release()
             self.logger.flush()  # queued metrics reach the loggers before they close
+            self.checkpoints.release_lock()  # another run may use the save_folder now
             self.engine.close()
 
     def _finished(self) -> bool:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from foundry import distributed
 from foundry.checkpoint.find import latest_checkpoint
+from foundry.checkpoint.lock import SaveFolderLock, lock_save_folder
 from foundry.checkpoint.object_store import ObjectStore, object_store
 from foundry.checkpoint.owner import check_save_folder_owner
 from foundry.checkpoint.remote import (
@@ -21,6 +22,7 @@ from foundry.checkpoint.remote import (
     remove_unpublished,
     store_checkpoints,
 )
+from foundry.checkpoint.resume_check import check_resumed_config
 from foundry.checkpoint.save import PendingCheckpoint, complete_publish, remove_temporaries, start_checkpoint
 from foundry.checkpoint.uploader import CheckpointUploader
 from foundry.core import Engine, Event
@@ -37,7 +39,8 @@ class CheckpointSaver:
     Args:
         engine: fires BEFORE_CHECKPOINT, and the checkpoint event once the checkpoint is published;
             its state, callbacks and algorithms are what is saved.
-        save_folder: where checkpoints go (checked to be writable now); None saves nothing. What
+        save_folder: where checkpoints go (checked to be writable now, and locked for this run until
+            ``release_lock``: ``foundry.checkpoint.lock``); None saves nothing. What
             interrupted saves left there (``.tmp-*``) is deleted now. An object-store URL (``s3://...``):
             checkpoints are written in its local copy and uploaded; what interrupted uploads left on the
             store is deleted now, and local checkpoints the store has not published are uploaded now.
@@ -49,6 +52,8 @@ class CheckpointSaver:
             times, waiting ``upload_backoff_s`` seconds, then twice as long each time.
         autoresume / load_path / named_run: whether the run resumes, what it loads, and whether its name was
             given: a save_folder holding another run's checkpoints is refused (``foundry.checkpoint.owner``).
+        accept_config_changes: resume from a checkpoint of this save_folder even though ``config`` trains otherwise
+            than the one it records (``foundry.checkpoint.resume_check``).
         max_failed_uploads: a save raises ``CheckpointUploadError`` once this many checkpoints in a row failed to
             upload (the run stops rather than train on with nothing durable); ``wait_for_uploads`` raises it for
             any that failed.
@@ -69,16 +74,20 @@ class CheckpointSaver:
         autoresume: bool,
         load_path: str | None,
         named_run: bool,
+        accept_config_changes: bool = False,
     ) -> None:
         self.engine, self.state = engine, engine.state
         self.save_folder = save_folder
         self.local_folder = Path(local_copy(save_folder) if is_object_store_url(save_folder) else save_folder or ".")
         self.overwrite, self.num_to_keep, self.config = overwrite, num_to_keep, config
+        self.accept_config_changes = accept_config_changes
         self.uploader: CheckpointUploader | None = None
         self._first_sequence = 1
         self.max_failed_uploads = max_failed_uploads
+        self.lock: SaveFolderLock | None = None
         if save_folder:
             check_writable_folder(self.local_folder, "save_folder")  # on every rank: all of them stop, or none
+            self.lock = lock_save_folder(self.local_folder, self.state.run_name, self.state.rank)  # one live run
             check_save_folder_owner(
                 save_folder,
                 self.state.run_name,
@@ -136,6 +145,7 @@ class CheckpointSaver:
         after its rename would have left undone.
         """
         if self.save_folder and path.parent.resolve() == self.local_folder.resolve():
+            check_resumed_config(path, self.config, self.accept_config_changes)  # a relaunch trains the same way
             self.last_save_batch = self.state.timestamp.batch
             newest = latest_checkpoint(self.local_folder)
             if self.state.rank == 0 and not self.uploader and newest is not None and newest.resolve() == path.resolve():
@@ -205,6 +215,12 @@ class CheckpointSaver:
         for name in prune_store(store, self.num_to_keep, keep_name=published[-1][0]):
             shutil.rmtree(self.local_folder / name, ignore_errors=True)
         return published_checkpoints(store)
+
+    def release_lock(self) -> None:
+        """Give the save_folder back to other runs (``foundry.checkpoint.lock``); fit's end does."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def settle_after_error(self) -> None:
         """After an exception, finish this rank's write; publish (and upload) it only when no other rank must agree."""
