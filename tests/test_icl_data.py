@@ -115,3 +115,19 @@ def test_the_sources_file_pins_one_commit_of_llm_foundry() -> None:
     assert data["repository"] == "mosaicml/llm-foundry"
     assert len(data["commit"]) == 40
     assert "{commit}" in data["url"] and "raw.githubusercontent.com" in data["url"]
+
+
+def test_a_tampered_cached_file_is_fetched_again_before_use(icl_server, shared_data) -> None:
+    cached = local_file(COPA)
+    cached.write_text('{"query": "tampered", "choices": ["a", "b"], "gold": 0}\n')
+    assert local_file(COPA).read_bytes() == (shared_data / "icl/commonsense_reasoning/copa.jsonl").read_bytes()
+    assert icl_server.requests == [f"/{COPA}", f"/{COPA}"]
+
+
+def test_a_tampered_cached_file_that_cannot_be_fetched_again_is_refused(icl_server, monkeypatch) -> None:
+    cached = local_file(COPA)
+    cached.write_text('{"query": "tampered", "choices": ["a", "b"], "gold": 0}\n')
+    monkeypatch.setenv("FOUNDRY_ICL_URL", "http://127.0.0.1:9")  # offline now
+    with pytest.raises(DataError, match="does not match the checksum") as error:
+        local_file(COPA)
+    assert str(cached) in str(error.value)
