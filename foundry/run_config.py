@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import secrets
 import time
 from dataclasses import field
 from typing import Any, Literal
@@ -24,7 +25,9 @@ from foundry.schema import doc
 
 @dataclasses.dataclass(kw_only=True)
 class RunConfig:
-    run_name: str | None = field(default=None, metadata=doc("default: $RUN_NAME, else foundry-<date>-<time>"))
+    run_name: str | None = field(
+        default=None, metadata=doc("default: $RUN_NAME, else foundry-<date>-<time>-<4 random hex digits>")
+    )
     seed: int = field(default=17, metadata=doc("seed for weights, data order and dropout"))
     run_folder: str = field(default="runs/{run_name}", metadata=doc("where metrics.jsonl goes"))
     precision: Precision = field(
@@ -59,17 +62,17 @@ class RunConfig:
 
 
 def default_run_name() -> str:
-    """``$RUN_NAME`` (or Composer's ``$COMPOSER_RUN_NAME``), else ``foundry-<date>-<time>``."""
-    return (
-        os.environ.get("RUN_NAME") or os.environ.get("COMPOSER_RUN_NAME") or f"foundry-{time.strftime('%Y%m%d-%H%M%S')}"
-    )
+    """``$RUN_NAME`` (or Composer's ``$COMPOSER_RUN_NAME``), else ``foundry-<date>-<time>-<hex>``: the random
+    suffix keeps two launches of the same second apart (their metrics would share a run folder)."""
+    generated = f"foundry-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    return os.environ.get("RUN_NAME") or os.environ.get("COMPOSER_RUN_NAME") or generated
 
 
-_GENERATED_RUN_NAME = re.compile(r"^foundry-\d{8}-\d{6}$")
+_GENERATED_RUN_NAME = re.compile(r"^foundry-\d{8}-\d{6}(-[0-9a-f]{4})?$")  # without the suffix: older foundry's
 
 
 def is_generated_run_name(run_name: str) -> bool:
-    """Whether ``run_name`` is one ``default_run_name`` made up (``foundry-<date>-<time>``), not one a user gave."""
+    """Whether ``run_name`` is one ``default_run_name`` made up (``foundry-<date>-<time>-<hex>``), not a user's."""
     return bool(_GENERATED_RUN_NAME.match(run_name))
 
 
