@@ -66,7 +66,9 @@ class Trainer:
     (``eval_interval``, ``icl_tasks``...) and ``ConsoleConfig``. ``foundry train`` passes a YAML's
     values for the same keys, so ``Trainer(...)`` and ``foundry train`` apply the same defaults and
     the same features (compile, ICL evaluation, the allocator setting); ``foundry train --help``
-    lists every key.
+    lists every key. A ``save_folder`` is locked for this run until ``fit()`` ends
+    (``foundry.checkpoint.lock``); on SIGTERM or SIGUSR1 ``fit()`` checkpoints the batch reached and
+    returns with ``state.stop_reason`` saying so (``foundry.checkpoint.preemption``).
 
     Args:
         model: a ``FoundryModel``, or any ``nn.Module`` whose forward returns a loss. A registered model
