@@ -36,12 +36,16 @@ class Preemption(Callback):
         self._received = 0  # the number of the last signal received, written by the handler
         self._previous_handlers: dict[signal.Signals, Any] = {}
         self._several_ranks = False
+        self._group: dist.ProcessGroup | None = None  # None: the default group, which serves CPU tensors
 
     def fit_start(self, state: State, logger: Logger) -> None:
+        self._received, self.signal_name, self.stopped_at = 0, None, None
         if threading.current_thread() is threading.main_thread():  # Python runs handlers in the main thread only
             for number in PREEMPTION_SIGNALS:
                 self._previous_handlers[number] = signal.signal(number, self._note_signal)
         self._several_ranks = state.world_size > 1
+        if self._several_ranks and self._group is None and "gloo" not in str(dist.get_backend()):
+            self._group = dist.new_group(backend="gloo")  # a caller's NCCL-only group has no CPU collectives
 
     def _note_signal(self, number: int, frame: Any) -> None:
         del frame
@@ -62,12 +66,12 @@ class Preemption(Callback):
         if not self._several_ranks:
             return self._received
         flag = torch.tensor([self._received], dtype=torch.int64)  # on the CPU: gloo, no wait for the device
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return int(flag.item())
 
     def fit_end(self, state: State, logger: Logger) -> None:
         if self.stopped_at is not None and self._several_ranks:
-            dist.barrier()  # the ranks exit together: torchrun stops the slower ones otherwise
+            dist.barrier(group=self._group)  # the ranks exit together: torchrun stops the slower ones otherwise
         self.close()
 
     def close(self) -> None:
