@@ -57,7 +57,6 @@ def launch(
         preemption signal, 130 after SIGINT.
     """
     arguments = torchrun.get_args_parser().parse_args(torchrun_arguments(command, nproc, nnodes, rdzv_endpoint))
-    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(int(grace_period_s)))  # torchrun's own wait
     failure: list[BaseException] = []
 
     def run_agent() -> None:
