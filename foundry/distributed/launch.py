@@ -73,13 +73,13 @@ def launch(
     error = failure[0] if failure else None
     if error is not None and not isinstance(error, ChildFailedError):
         raise error
-    exit_codes = [f.exitcode for f in error.failures.values()] if error is not None else []
+    if error is None:  # every rank finished (a signal that came during the last batch changes nothing)
+        return 0
+    exit_codes = [f.exitcode for f in error.failures.values()]
     if forwarded.signal in PREEMPTION_SIGNALS:
         return preempted_exit_code(forwarded, exit_codes)
     if forwarded.signal is not None:
         return EXIT_INTERRUPTED
-    if error is None:
-        return 0
     # A rank killed by a signal could say nothing itself; torchrun then stopped the others with SIGTERM.
     killed = sorted(
         (failure.timestamp, rank, failure.signal_name())

@@ -16,7 +16,7 @@ from helpers import repo_pythonpath
 from foundry.checkpoint import kill_points, latest_checkpoint
 from foundry.cli import main
 from foundry.data import convert_to_mds
-from foundry.distributed.launch import ranks_exit_code, torchrun_arguments
+from foundry.distributed.launch import ForwardedSignal, preempted_exit_code, ranks_exit_code, torchrun_arguments
 from foundry.errors import EXIT_PREEMPTED, ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +62,19 @@ def test_several_nodes_need_a_rendezvous_endpoint():
 def test_exit_code_is_the_one_the_failed_ranks_share():
     assert ranks_exit_code([3, -15]) == 3  # rank 1 was stopped by torchrun after rank 0 handed over
     assert ranks_exit_code([3, 1]) == 1
+
+
+def test_after_a_preemption_signal_the_launcher_exits_5_unless_a_rank_failed_for_its_own_reason(capsys):
+    forwarded = ForwardedSignal()
+    forwarded.signal = signal.SIGTERM
+    assert preempted_exit_code(forwarded, [5, 5]) == EXIT_PREEMPTED
+    assert capsys.readouterr().err == ""  # the ranks said it
+    assert preempted_exit_code(forwarded, [-15, -15]) == EXIT_PREEMPTED
+    assert "before training started" in capsys.readouterr().err
+    assert preempted_exit_code(forwarded, [2, -15]) == 2  # a config error stays one
+    forwarded.ranks_killed = True
+    assert preempted_exit_code(forwarded, [-9, 5]) == EXIT_PREEMPTED
+    assert "did not checkpoint within the grace period" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
