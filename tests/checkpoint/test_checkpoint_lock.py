@@ -11,7 +11,7 @@ import sys
 import threading
 
 import pytest
-import torch
+from helpers import TinyLM, token_batches
 
 from foundry.checkpoint import lock
 from foundry.errors import ConfigError
@@ -19,22 +19,11 @@ from foundry.trainer import Trainer
 
 
 def _trainer(save_folder, **kwargs) -> Trainer:
-    torch.manual_seed(0)
-    batches = [torch.randn(4, 8) for _ in range(2)]
-    model = torch.nn.Sequential(torch.nn.Linear(8, 1))
     return Trainer(
-        model=_Loss(model), train_dataloader=batches, max_duration="2ba", device="cpu", save_folder=str(save_folder),
-        run_folder=str(save_folder) + "-run", log_to_console=False, run_name="second", **kwargs,
+        model=TinyLM(), train_dataloader=token_batches(2, 4), max_duration="2ba", device="cpu",
+        save_folder=str(save_folder), run_folder=str(save_folder) + "-run", log_to_console=False, run_name="second",
+        **kwargs,
     )  # fmt: skip
-
-
-class _Loss(torch.nn.Module):
-    def __init__(self, net: torch.nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        return self.net(batch).pow(2).mean()
 
 
 def _write_lock(folder, **holder) -> None:

@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import TinyLM, token_batches
 
 from foundry.checkpoint.resume_check import changed_trained_keys
-from foundry.cli import main
-from foundry.data import convert_to_mds
+from foundry.errors import ConfigError
+from foundry.trainer import Trainer
 
-QUICKSTART = Path(__file__).resolve().parents[2] / "yamls" / "quickstart.yaml"
 RECORDED = {
     "global_train_batch_size": 8,
     "max_seq_len": 128,
@@ -46,29 +46,27 @@ def test_a_key_added_or_removed_counts_as_a_change():
     assert changed_trained_keys(RECORDED, current) == [("scheduler.alpha_f", None, 0.1)]
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "quickstart"
-    convert_to_mds(None, out, max_seq_len=32, vocab_size=512, progress=False)
-    return out
+def _trainer(folder: Path, config: dict, max_duration: str, **settings) -> Trainer:
+    return Trainer(
+        model=TinyLM(), train_dataloader=token_batches(4, 4), max_duration=max_duration, device="cpu",
+        save_folder=str(folder / "ckpt"), save_interval="2ba", autoresume=True, run_folder=str(folder / "run"),
+        log_to_console=False, config=config, **settings,
+    )  # fmt: skip
 
 
-def _train(folder: Path, data: Path, *overrides: str) -> int:
-    tiny = ["model.d_model=32", "model.n_layers=1", "model.vocab_size=512", "variables.max_seq_len=32",
-            "global_train_batch_size=8", "device_train_microbatch_size=8", "eval_first=false", "eval_interval=100ba",
-            "callbacks={}", "save_interval=2ba", "autoresume=true", "algorithms={}"]  # fmt: skip
-    paths = [f"variables.data_local={data}", f"run_folder={folder / 'run'}", f"save_folder={folder / 'ckpt'}"]
-    return main(["train", str(QUICKSTART), *paths, *tiny, *overrides])
-
-
-def test_a_relaunch_with_another_global_batch_is_refused_unless_accepted(tmp_path, data, capsys):
-    assert _train(tmp_path, data, "max_duration=2ba") == 0
-    capsys.readouterr()
-    assert _train(tmp_path, data, "max_duration=4ba", "global_train_batch_size=16") == 2
-    error = capsys.readouterr().err
-    assert "global_train_batch_size: 8 in the checkpoint, 16 now" in error and "autoresume_accept_changes" in error
+def test_a_relaunch_with_another_global_batch_is_refused_unless_accepted(tmp_path):
+    _trainer(tmp_path, {**RECORDED}, "2ba").fit()
+    changed = {**RECORDED, "global_train_batch_size": 16, "eval_interval": "1ba"}
+    with pytest.raises(ConfigError, match="global_train_batch_size: 8 in the checkpoint, 16 now") as refused:
+        _trainer(tmp_path, changed, "4ba")
+    assert "autoresume_accept_changes: true" in str(refused.value) and "eval_interval" not in str(refused.value)
     assert (tmp_path / "ckpt" / "latest").read_text() == "ep0-ba2"  # nothing trained
 
-    changed = ["max_duration=4ba", "global_train_batch_size=16", "autoresume_accept_changes=true"]
-    assert _train(tmp_path, data, *changed) == 0
+    _trainer(tmp_path, changed, "4ba", autoresume_accept_changes=True).fit()
+    assert (tmp_path / "ckpt" / "latest").read_text() == "ep0-ba4"
+
+
+def test_a_python_run_without_a_config_resumes_unchecked(tmp_path):
+    _trainer(tmp_path, None, "2ba").fit()
+    _trainer(tmp_path, None, "4ba").fit()
     assert (tmp_path / "ckpt" / "latest").read_text() == "ep0-ba4"
