@@ -102,7 +102,8 @@ def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
         distributed.destroy_process_group()
     if preemption_of(trainer.engine.callbacks):
         if main_process:
-            print(preempted_line(cfg.run_name, trainer.state.stop_reason, trainer.state.last_checkpoint_path))
+            saved = trainer.state.last_checkpoint_path if trainer.save_folder else None
+            print(preempted_line(cfg.run_name, trainer.state.stop_reason, saved))
         return EXIT_PREEMPTED
     if handed_over(trainer.engine.callbacks):
         if main_process:
