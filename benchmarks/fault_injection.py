@@ -88,6 +88,7 @@ class Kill:
     """Where a trial's one SIGKILL lands: at ``point``'s ``visit``-th visit, or ``after_s`` after the start marker.
 
     ``signal`` other than SIGKILL goes to the launched process itself (a run's launcher), as a scheduler sends it.
+    With ``after_file``, ``after_s`` counts from the moment that file exists (a first checkpoint published).
     """
 
     rank: int = 0
@@ -95,6 +96,7 @@ class Kill:
     visit: int = 1
     after_s: float | None = None
     signal: str = "SIGKILL"
+    after_file: Path | None = None
 
     def describe(self) -> str:
         where = f"{self.point}@{self.visit}" if self.point else f"random t+{self.after_s:.2f}s"
@@ -157,6 +159,8 @@ def launch(run: Run, kill: Kill | None = None, timeout_s: float | None = None) -
     reader = threading.Thread(target=read_output, daemon=True)
     reader.start()
     if kill is not None and kill.after_s is not None and started.wait(timeout_s):
+        while kill.after_file is not None and not kill.after_file.exists() and process.poll() is None:
+            time.sleep(0.05)
         time.sleep(kill.after_s)
         if kill.signal == "SIGKILL":
             _kill_rank(process, kill.rank)
@@ -452,12 +456,13 @@ def other_run_case(source: Run, data: Path, work: Path) -> dict[str, Any]:
 
 
 def sigterm_case(data: Path, work: Path, reference: dict[str, Any], ranks: int, after_s: float) -> dict[str, Any]:
-    """SIGTERM ``after_s`` into the run, to the run itself (1 rank) or to its launcher (2 ranks): it must exit 5
-    with a checkpoint at the batch it names and no traceback; the relaunch must finish bit-identically."""
+    """SIGTERM ``after_s`` after the run's first checkpoint, to the run itself (1 rank) or to its launcher (2 ranks):
+    it must exit 5 with a checkpoint at the batch it names and no traceback; the relaunch must finish
+    bit-identically."""
     from foundry.checkpoint import latest_checkpoint
 
     run = quickstart_run(work / f"sigterm-{ranks}", data, ranks, save_async=False)
-    exit_code, output, _ = launch(run, Kill(after_s=after_s, signal="SIGTERM"))
+    exit_code, output, _ = launch(run, Kill(after_s=after_s, signal="SIGTERM", after_file=run.save_folder / "latest"))
     stopped = re.search(r"preempted by SIGTERM at batch (\d+); checkpoint (\S+)", output)
     newest = latest_checkpoint(run.save_folder) if run.save_folder.is_dir() else None
     at_batch = stopped is not None and newest is not None and newest.name.endswith(f"-ba{stopped.group(1)}")
@@ -665,13 +670,13 @@ def main() -> int:
     rng = random.Random(args.seed)
     data = _prepare_data(work / "data")
     trials: list[TrialResult] = []
-    references, training_seconds = {}, {}
+    references = {}
     for ranks in sorted(set(args.ranks) | ({1} if set(args.cases) & set(CASES[2:]) else set())):
         reference_run = quickstart_run(work / f"reference-{ranks}", data, ranks, save_async=False)
         exit_code, output, training_s = launch(reference_run)
         if exit_code != 0:
             raise SystemExit(f"the uninterrupted {ranks}-rank run failed:\n{output}")
-        references[ranks], training_seconds[ranks] = reference_run, training_s
+        references[ranks] = reference_run
         reference = final_tensors(reference_run.save_folder)
         for save_async in (False, True) if "kills" in args.cases and ranks in args.ranks else ():
             mode = "async" if save_async else "sync"
@@ -693,7 +698,7 @@ def main() -> int:
     if "other-run" in args.cases:
         cases.append(other_run_case(references[1], data, work))
     for ranks in args.ranks if "sigterm" in args.cases else ():
-        after_s = rng.uniform(0.2, 0.6) * training_seconds[ranks]  # well inside the training part of the run
+        after_s = rng.uniform(0.0, 1.0)  # after the first of 10 checkpoints: well inside the training part
         cases.append(sigterm_case(data, work, final_tensors(references[ranks].save_folder), ranks, after_s))
     if "concurrent-folder" in args.cases:
         cases.append(concurrent_folder_case(data, work))
