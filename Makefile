@@ -4,18 +4,28 @@ VENV := .venv
 BIN := $(VENV)/bin
 # torch comes first, pinned, so pip never pulls a fresh multi-GB build to satisfy another package.
 TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
+# PyPI's Linux torch is the CUDA build (about 4 GB of nvidia and triton wheels). On a CPU-only machine that reaches
+# PyTorch's own index, `make quickstart TORCH_INDEX=https://download.pytorch.org/whl/cpu` installs the CPU build.
+TORCH_INDEX ?=
 
-.PHONY: quickstart test test-gpu fault-injection lint install clean
+.PHONY: quickstart test test-gpu fault-injection lint install install-test clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
 
+# The runtime: what `make quickstart` needs (matplotlib draws its curves.png).
 $(VENV)/.installed: $(BIN)/activate pyproject.toml
-	$(BIN)/pip install $(TORCH_PINS)
-	$(BIN)/pip install -e '.[test,wandb,plot]'
+	$(BIN)/pip install $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) $(TORCH_PINS)
+	$(BIN)/pip install -e '.[plot]'
+	touch $@
+
+# The test extras on top, for `make test` and `make lint` only.
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
 
 QUICKSTART_DATA := data/quickstart
 
@@ -25,21 +35,23 @@ $(QUICKSTART_DATA)/train/index.json: | install
 quickstart: install $(QUICKSTART_DATA)/train/index.json
 	$(BIN)/foundry train yamls/quickstart.yaml
 
-test: install
-	$(BIN)/python -m pytest tests
+# PYTEST_ARGS adds pytest options: PYTEST_ARGS='-m "not slow"' is the quick local loop (CI runs everything).
+PYTEST_ARGS ?=
+test: install-test
+	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
 
 # The same suite on a GPU machine whose Python already has a CUDA torch (no .venv, nothing installed):
 # kernel tests then run compiled on the GPU, and it stops at once if torch sees no GPU.
 GPU_PYTHON ?= python3
 test-gpu:
 	$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'test-gpu: torch sees no GPU')"
-	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest tests
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m pytest tests $(PYTEST_ARGS)
 
 # kill -9 trials and the damaged-file matrix behind docs/CHECKPOINTS.md's Reliability section (about 40 min on 2 cores).
-fault-injection: install
+fault-injection: install-test
 	$(BIN)/python benchmarks/fault_injection.py --out benchmarks/results
 
-lint: install
+lint: install-test
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
 clean:

@@ -65,9 +65,11 @@ def run_train(args: argparse.Namespace) -> int:
     callback stopped it (foundry.errors).
     """
     from foundry.config import load_train_config
+    from foundry.config.component_keys import check_component_keys
     from foundry.yaml_config import to_yaml
 
     cfg, resolved = load_train_config(args.config, args.overrides)  # every key is checked before any work (no torch)
+    check_component_keys(cfg)  # the built-in components' keys too, read from their source (no torch)
     from foundry.distributed.process_group import launched_by_torchrun
 
     if args.print_config:
@@ -77,7 +79,7 @@ def run_train(args: argparse.Namespace) -> int:
         print(to_yaml(cfg), end="")
         return 0
     if (args.nproc is not None or args.nnodes > 1) and not launched_by_torchrun():
-        return _launch_ranks(args, cfg.run_name)
+        return _launch_ranks(args, cfg)
     _configure_logging(cfg.python_log_level)
     return _train(cfg, resolved)
 
@@ -125,11 +127,12 @@ def preempted_line(run_name: str, stop_reason: str, checkpoint: str | None) -> s
     return f"foundry: run '{run_name}' {stop_reason}; checkpoint {checkpoint}; relaunch with autoresume: true"
 
 
-def _launch_ranks(args: argparse.Namespace, run_name: str) -> int:
+def _launch_ranks(args: argparse.Namespace, cfg: TrainConfig) -> int:
     """``foundry train`` again, as ``--nproc`` ranks under torchrun, all with this run name."""
-    from foundry.distributed.launch import launch
+    from foundry.distributed.launch import check_local_ranks, launch
 
-    os.environ["RUN_NAME"] = run_name  # the ranks' default run name, when the YAML sets none
+    check_local_ranks(args.nproc or 1, cfg.device)
+    os.environ["RUN_NAME"] = cfg.run_name  # the ranks' default run name, when the YAML sets none
     command = ["train", args.config, *args.overrides, *(["--debug"] if args.debug else [])]
     return launch(command, args.nproc or 1, args.nnodes, args.rdzv_endpoint, args.grace_period_s)
 

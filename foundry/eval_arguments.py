@@ -48,7 +48,7 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, metavar="N", help="score only the first N rows of each task")
     parser.add_argument("--batch-size", type=int, metavar="N", help="rows per forward (device_eval_batch_size)")
     parser.add_argument("--seq-len", type=int, metavar="N", help="tokens per row (icl_seq_len)")
-    parser.add_argument("--precision", choices=PRECISIONS)
+    parser.add_argument("--precision", choices=PRECISIONS, help="default auto: amp_bf16 on a GPU, fp32 on a CPU")
     parser.add_argument("--device", help="cpu, cuda, ... (default: this rank's GPU if any)")
     parser.add_argument(
         "--attn-impl",

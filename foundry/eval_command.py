@@ -25,7 +25,7 @@ from foundry.core.paths import is_object_store_url
 from foundry.core.precision import Precision, check_precision
 from foundry.errors import EXIT_CHECK_FAILED, EXIT_OK, ConfigError
 from foundry.eval.adapters import evaluate_adapters
-from foundry.eval.loading import build_model_entry, load_model
+from foundry.eval.loading import build_model_entry, check_model_path, load_model
 from foundry.eval.reference import deltas, load_references, reference_table, verdict
 from foundry.eval.report import markdown_table, write_reports
 from foundry.eval.runner import build_evaluator, score
@@ -45,7 +45,7 @@ class EvalConfig:
     icl_seq_len: int | None = None  # default: max_seq_len, else the model's own
     max_seq_len: int | None = None
     device_eval_batch_size: int = 8
-    precision: Precision = Precision.AMP_BF16
+    precision: Precision = Precision.AUTO  # amp_bf16 on a GPU, fp32 on a CPU
     device: str | None = None
     seed: int = 17
     max_examples: int | None = None  # score only the first N rows of each task (quick checks)
@@ -84,13 +84,15 @@ def load_eval_config(args: argparse.Namespace) -> EvalConfig:
 def run_eval(args: argparse.Namespace) -> int:
     cfg = load_eval_config(args)
     references = load_references(args.reference) if args.reference else []  # checked before a model loads
+    for path in [*args.model, *args.compare, *args.adapters]:  # before any task file is fetched
+        check_model_path(path)
     tasks = local_task_files(parse_icl_tasks(cfg.icl_tasks))  # every key and file checked (fetched) before a model
     gauntlet = parse_gauntlet(cfg.eval_gauntlet) if cfg.eval_gauntlet is not None else None
     if distributed.launched_by_torchrun():
         distributed.init_process_group()
     try:
         device = torch.device(cfg.device) if cfg.device else distributed.default_device()
-        check_precision(cfg.precision, device)
+        cfg = dataclasses.replace(cfg, precision=check_precision(cfg.precision, device))
         seed_everything(cfg.seed)
         sources = [*((entry, f"models[{i}]") for i, entry in enumerate(cfg.models)), *args.model, *args.compare]
         if args.adapters:  # one base, several LoRA adapters switched in place (foundry.eval.adapters)

@@ -7,7 +7,8 @@ files: a task whose ``dataset_uri`` does not exist locally but ends in ``local_d
 ``v0.3``, ``tasks_v0.3`` or ``eval/yamls/tasks_v0.3.yaml``, come from, in this order:
 
 1. ``$FOUNDRY_ICL_DATA`` (``foundry eval --icl-data DIR``): a copy of LLM Foundry's ``scripts/eval``
-   folder (or of its ``local_data`` folder alone), for machines without internet; nothing is fetched;
+   folder, for machines without internet; nothing is fetched. A copy of its ``local_data`` folder alone
+   serves the task files; the named lists are then read from a ``yamls/`` beside it, or the cache;
 2. the cache, ``$FOUNDRY_CACHE_DIR/icl/<commit>/`` (default ``~/.cache/foundry``), each file checked
    against its recorded checksum once per process before use (and again if its size or time changes):
    a file that differs is fetched again;
@@ -86,9 +87,9 @@ def list_names(kind: ListKind) -> list[str]:
 def local_file(recorded: str) -> Path:
     """The local copy of a recorded file: from ``$FOUNDRY_ICL_DATA``, the cache, or downloaded into the cache."""
     offline = os.environ.get(ICL_DATA_ENV)
-    if offline:
-        return _offline_copy(Path(offline).expanduser(), recorded)
     cached = cache_dir() / "icl" / sources()["commit"] / recorded
+    if offline:
+        return _offline_copy(Path(offline).expanduser(), recorded, cached)
     if not cached.is_file():
         _download(recorded, cached)
     elif not _cached_file_intact(cached, recorded):
@@ -118,13 +119,25 @@ def _cached_file_intact(cached: Path, recorded: str) -> bool:
     return True
 
 
-def _offline_copy(folder: Path, recorded: str) -> Path:
+def _offline_copy(folder: Path, recorded: str, cached: Path) -> Path:
+    """``recorded`` in the copy ``folder`` (of ``scripts/eval``, or of its ``local_data`` alone, whose task lists
+    are then read from the ``yamls/`` beside it), else in the cache; never downloaded."""
     candidates = [folder / recorded]
     if recorded.startswith("local_data/"):  # a copy of the local_data folder alone
         candidates.append(folder / recorded.removeprefix("local_data/"))
-    for candidate in candidates:
+    elif folder.name == "local_data":  # scripts/eval/local_data given: its task lists sit in scripts/eval/yamls
+        candidates.append(folder.parent / recorded)
+    for candidate in (*candidates, cached):
         if candidate.is_file():
             return candidate
+    if recorded.startswith("yamls/"):
+        name = recorded.removeprefix("yamls/")
+        raise DataError(
+            f"{ICL_DATA_ENV} (--icl-data) is {folder}, which has no task list {recorded} (looked for "
+            f"{candidates[0]}). A copy of local_data/ holds the task files, not the lists that name them: pass a "
+            f"copy of LLM Foundry's whole scripts/eval folder (local_data/ and yamls/, commit "
+            f"{sources()['commit'][:12]}), or give the list's file itself (--tasks path/to/{name})."
+        )
     raise DataError(
         f"{ICL_DATA_ENV} (--icl-data) is {folder}, which has no {recorded} (looked for {candidates[0]}). Point it "
         "at a copy of LLM Foundry's scripts/eval folder (or its local_data folder), or unset it to download the "

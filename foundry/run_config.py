@@ -8,16 +8,13 @@ other sections belong to their components (``CheckpointConfig``, ``EvalConfig``,
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
-import secrets
-import time
 from dataclasses import field
 from typing import Any, Literal
 
 from foundry.checkpoint.config import CheckpointConfig
 from foundry.core.bounds import check_bounds
 from foundry.core.precision_name import Precision
+from foundry.core.run_name import default_run_name, fill_run_name
 from foundry.eval.config import EvalConfig
 from foundry.loggers.config import ConsoleConfig
 from foundry.schema import doc
@@ -31,7 +28,8 @@ class RunConfig:
     seed: int = field(default=17, metadata=doc("seed for weights, data order and dropout"))
     run_folder: str = field(default="runs/{run_name}", metadata=doc("where metrics.jsonl goes"))
     precision: Precision = field(
-        default=Precision.AMP_BF16, metadata=doc("compute precision: fp32, amp_bf16 or amp_fp16 (CUDA)")
+        default=Precision.AUTO,
+        metadata=doc("compute precision: auto (amp_bf16 on a GPU, fp32 on a CPU), fp32, amp_bf16 or amp_fp16 (CUDA)"),
     )
     device: str | None = field(default=None, metadata=doc("cpu, cuda, ... (none = this rank's GPU if any)"))
     device_train_microbatch_size: int | Literal["auto"] | None = field(
@@ -60,27 +58,9 @@ class RunConfig:
         if self.run_name is None:
             self.run_name = default_run_name()
 
-
-def default_run_name() -> str:
-    """``$RUN_NAME`` (or Composer's ``$COMPOSER_RUN_NAME``), else ``foundry-<date>-<time>-<hex>``: the random
-    suffix keeps two launches of the same second apart (their metrics would share a run folder)."""
-    generated = f"foundry-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-    return os.environ.get("RUN_NAME") or os.environ.get("COMPOSER_RUN_NAME") or generated
-
-
-_GENERATED_RUN_NAME = re.compile(r"^foundry-\d{8}-\d{6}(-[0-9a-f]{4})?$")  # without the suffix: older foundry's
-
-
-def is_generated_run_name(run_name: str) -> bool:
-    """Whether ``run_name`` is one ``default_run_name`` made up (``foundry-<date>-<time>-<hex>``), not a user's."""
-    return bool(_GENERATED_RUN_NAME.match(run_name))
-
-
-def fill_run_name(path: str | None, run_name: str | None) -> str | None:
-    """``path`` with ``{run_name}`` filled in (Composer's convention); other braces, like ``{rank}``, stay."""
-    if path is None or run_name is None:
-        return path
-    return path.replace("{run_name}", run_name)
+    def run_folder_path(self) -> str:
+        """``run_folder`` with ``{run_name}`` filled in."""
+        return fill_run_name(self.run_folder, self.run_name)
 
 
 # The sections whose keys are the Trainer's settings (and a train YAML's top-level keys), in this order.

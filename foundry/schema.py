@@ -1,7 +1,8 @@
 """Typed configs from plain dicts: unknown keys, wrong types and bad values fail early with the key path.
 
 Every config in foundry is a dataclass; ``parse_dataclass`` is the one place a YAML mapping becomes
-one, and ``check_call_kwargs`` validates the kwargs a YAML section passes to a registered class.
+one (``config_to_dict`` the way back), and ``check_call_kwargs`` validates the kwargs a YAML section
+passes to a registered class.
 """
 
 from __future__ import annotations
@@ -91,6 +92,21 @@ def parse_dataclass(cls: type[T], data: Mapping[str, Any] | T | None, key_path: 
         raise ConfigError(f"Invalid value under '{key_path}': {error}") from error
 
 
+def config_to_dict(cfg: Any) -> Any:
+    """A plain YAML-ready copy of a config: dataclasses become dicts, ``Time`` becomes ``'100ba'``."""
+    if isinstance(cfg, Time):
+        return str(cfg)
+    if isinstance(cfg, enum.Enum):
+        return cfg.value
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {field.name: config_to_dict(getattr(cfg, field.name)) for field in dataclasses.fields(cfg)}
+    if isinstance(cfg, Mapping):
+        return {key: config_to_dict(value) for key, value in cfg.items()}
+    if isinstance(cfg, list | tuple):
+        return [config_to_dict(value) for value in cfg]
+    return cfg
+
+
 def check_call_kwargs(
     target: Callable[..., Any], kwargs: Mapping[str, Any], key_path: str, supplied: Collection[str] = ()
 ) -> dict[str, Any]:
@@ -99,7 +115,7 @@ def check_call_kwargs(
     ``supplied`` names arguments the caller passes itself (an optimizer's ``params``): not YAML keys.
     """
     function = target.__init__ if inspect.isclass(target) else target
-    signature = inspect.signature(function)
+    signature = inspect.signature(function if function is not object.__init__ else lambda: None)  # takes nothing
     parameters = {n: p for n, p in signature.parameters.items() if n not in ("self", "cls", *supplied)}
     accepts_any = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     try:
@@ -116,7 +132,7 @@ def check_call_kwargs(
             valid = [n for n, p in parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
             raise ConfigError(
                 f"Unknown key '{_join(key_path, key)}'.{did_you_mean(str(key), valid)} "
-                f"Valid keys under '{key_path}': {', '.join(sorted(valid))}."
+                f"Valid keys under '{key_path}': {', '.join(sorted(valid)) or 'none'}."
             )
         checked[key] = coerce(value, hints[key], _join(key_path, key)) if key in hints else value
     return checked

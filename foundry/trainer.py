@@ -10,6 +10,7 @@ Read ``foundry.core.event`` for where each event fires. Example::
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -22,9 +23,9 @@ from torch.distributed.fsdp import FSDPModule
 from foundry import distributed
 from foundry.algorithms.torch_compile import compile_algorithm
 from foundry.batches import RepeatedSampleMask, batch_num_samples, batch_num_tokens, batch_to_device, split_batch
-from foundry.checkpoint.load import resume_or_load
+from foundry.checkpoint.config import CheckpointConfig
 from foundry.checkpoint.preemption import Preemption, preemption_of
-from foundry.checkpoint.saver import CheckpointSaver
+from foundry.checkpoint.saver import Checkpointer
 from foundry.core import (
     Algorithm,
     Callback,
@@ -38,19 +39,20 @@ from foundry.core import (
     seed_everything,
 )
 from foundry.core.cuda_allocator import apply_allocator_settings
-from foundry.core.paths import public_location
 from foundry.core.precision import autocast, check_precision, compute_dtype, grad_scaler
 from foundry.core.time import positive_time
 from foundry.distributed.config import FSDPConfig
 from foundry.distributed.fsdp import GradientAccumulation, place_model
 from foundry.errors import ConfigError, TrainingError
+from foundry.eval.config import EvalConfig
 from foundry.eval.during_training import build_icl_evaluation
 from foundry.kernels.weight_grad import WeightGradSums, accumulate_weight_grads_in_place
 from foundry.loggers import default_loggers
+from foundry.loggers.config import ConsoleConfig
 from foundry.models.base import FoundryModel, ModuleModel
 from foundry.optim import build_optimizers, build_schedulers
 from foundry.optim.schedulers import TimeScheduler
-from foundry.run_config import TRAINER_SECTIONS, fill_run_name, is_generated_run_name
+from foundry.run_config import TRAINER_SECTIONS, RunConfig
 from foundry.schema import split_settings
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -88,6 +90,9 @@ class Trainer:
             precision still apply. Without it a single process trains the plain module and several ranks
             replicate it (``NO_SHARD``, DDP's layout). See ``foundry.distributed.fsdp``.
         config: the resolved YAML of a ``foundry train`` run, stored in checkpoints and sent to loggers.
+        checkpointer: the checkpoint section already checked, as a ``Checkpointer`` (``foundry train`` builds
+            it before the model, so a refused save_folder fails first); then no ``CheckpointConfig`` key may
+            be given. Default: one built from the keywords.
         **settings: any key of the sections above.
     """
 
@@ -106,36 +111,20 @@ class Trainer:
         tokenizer: Any = None,
         fsdp_config: FSDPConfig | Mapping[str, Any] | None = None,
         config: dict[str, Any] | None = None,
+        checkpointer: Checkpointer | None = None,
         **settings: Any,
     ) -> None:
-        if isinstance(settings.get("device"), torch.device):
-            settings["device"] = str(settings["device"])
-        run, checkpointing, evaluation, console = split_settings(settings, TRAINER_SECTIONS, "Trainer")
-        self.settings = (run, checkpointing, evaluation, console)
+        run, evaluation, console, self.checkpoints = _sections(settings, checkpointer)
+        self.settings = (run, self.checkpoints.config, evaluation, console)
         seed_everything(run.seed)
         apply_allocator_settings(run.expandable_segments)
         fsdp_config = distributed.prepare_sharding(fsdp_config, optimizers)
         device = torch.device(run.device) if run.device is not None else distributed.default_device()
         self._find_microbatch_size = run.device_train_microbatch_size == "auto"
         model = model if isinstance(model, FoundryModel) else ModuleModel(model)
-        self.run_folder = Path(fill_run_name(run.run_folder, run.run_name))
-        self.state = State(
-            model=model,
-            max_duration=positive_time(max_duration if max_duration is not None else "1ep", "max_duration"),
-            run_name=run.run_name,
-            run_folder=str(self.run_folder),
-            train_dataloader=train_dataloader,
-            eval_dataloaders=_eval_loaders(eval_dataloader),
-            precision=check_precision(run.precision, device),
-            device=device,
-            rank=distributed.get_rank(),
-            local_rank=distributed.get_local_rank(),
-            world_size=distributed.get_world_size(),
-            seed=run.seed,
-            device_train_microbatch_size=None if self._find_microbatch_size else run.device_train_microbatch_size,
-            train_dataloader_len=_dataloader_len(train_dataloader),
-            tokenizer=tokenizer if tokenizer is not None else _loader_tokenizer(train_dataloader),
-        )
+        self.run_folder = Path(run.run_folder_path())
+        tokenizer = tokenizer if tokenizer is not None else _loader_tokenizer(train_dataloader)
+        self.state = _new_state(run, model, device, max_duration, train_dataloader, eval_dataloader, tokenizer)
         sharded = self.state.world_size > 1 or (fsdp_config is not None and distributed.shards(fsdp_config, device))
         algorithms = [*algorithms, *compile_algorithm(run.compile_config, algorithms, device, sharded)]
         defaults = default_loggers(
@@ -148,27 +137,21 @@ class Trainer:
         self.eval_subset_num_batches = evaluation.eval_subset_num_batches
         self.icl = build_icl_evaluation(evaluation, self.state.tokenizer, model)
         self.log_interval = Interval(console.console_log_interval)
-        self.save_folder = fill_run_name(checkpointing.save_folder, run.run_name) or None
-        self.save_interval = Interval(checkpointing.save_interval)
-        self.checkpoints = CheckpointSaver(
-            self.engine,
-            self.save_folder,
-            overwrite=checkpointing.save_overwrite,
-            num_to_keep=checkpointing.save_num_checkpoints_to_keep,
-            save_async=checkpointing.save_async,
-            config=config,
-            upload_retries=checkpointing.save_upload_retries,
-            upload_backoff_s=checkpointing.save_upload_backoff_s,
-            max_failed_uploads=checkpointing.save_max_failed_uploads,
-            autoresume=checkpointing.autoresume,
-            load_path=fill_run_name(checkpointing.load_path, run.run_name),
-            named_run=not is_generated_run_name(run.run_name),
-            accept_config_changes=checkpointing.autoresume_accept_changes,
-        )
+        self.checkpoints.start(self.engine, config)
         self.config = config
         self._last_eval_batch: int | None = None
 
         self.engine.run_event(Event.INIT)  # before sharding, so that algorithms' model surgery is sharded too
+        self._place_model(model, device, fsdp_config, run)
+        self.state.optimizers = build_optimizers(optimizers, self.state.model)
+        self.state.schedulers = build_schedulers(schedulers, self.state)
+        if config is not None:
+            self.logger.log_hyperparameters(config)
+        self.checkpoints.resume()
+        self.engine.run_event(Event.AFTER_LOAD)
+
+    def _place_model(self, model: FoundryModel, device: torch.device, fsdp_config: Any, run: RunConfig) -> None:
+        """Move (and shard) the model onto its device, and choose how gradients accumulate and are scaled."""
         self._accumulation = place_model(model, device, fsdp_config, self.state.precision)
         if self._accumulation is None and isinstance(model, FSDPModule):  # sharded by the caller: FSDP2's own schedule
             fsdp2_schedule = FSDPConfig(reduce_every_microbatch=False, reshard_between_microbatches=True)
@@ -177,27 +160,11 @@ class Trainer:
         fuse = run.fuse_weight_grad_accumulation and not isinstance(model, FSDPModule)
         self._weight_grad_sums: WeightGradSums | None = accumulate_weight_grads_in_place(model) if fuse else None
         self._grad_scaler = grad_scaler(run.precision, sharded=isinstance(model, FSDPModule))
-        self.state.optimizers = build_optimizers(optimizers, self.state.model)
-        self.state.schedulers = build_schedulers(schedulers, self.state)
-        if config is not None:
-            self.logger.log_hyperparameters(config)
-        load_path = fill_run_name(checkpointing.load_path, run.run_name)
-        self._load(load_path, checkpointing.load_weights_only, checkpointing.autoresume)
-        self.engine.run_event(Event.AFTER_LOAD)
 
-    def _load(self, load_path: str | None, weights_only: bool, autoresume: bool) -> None:
-        path = resume_or_load(
-            self.state,
-            save_folder=self.save_folder,
-            load_path=load_path,
-            weights_only=weights_only,
-            autoresume=autoresume,
-            callbacks=self.engine.callbacks,
-            algorithms=self.engine.algorithms,
-        )
-        if path is not None:
-            self.checkpoints.loaded(path)
-            self.logger.log_text(f"Loaded checkpoint {public_location(path)} at batch {self.state.timestamp.batch}.")
+    @property
+    def save_folder(self) -> str | None:
+        """Where the run's checkpoints go (``{run_name}`` filled in), or None."""
+        return self.checkpoints.save_folder
 
     # ------------------------------------------------------------------------------------- fit
     def fit(self) -> None:
@@ -253,8 +220,7 @@ class Trainer:
             state.timestamp = previous.after_epoch()
             self.logger.flush()  # epoch-unit console intervals print at EPOCH_END with the epoch's last loss
             self.engine.run_event(Event.EPOCH_END)
-            if self.save_interval.due(state, epoch_end=True, since=previous):
-                self.checkpoints.save(Event.EPOCH_CHECKPOINT)
+            self.checkpoints.after_epoch(since=previous)
             if self.eval_interval.due(state, epoch_end=True, since=previous) and not self._finished():
                 self.eval()
 
@@ -271,6 +237,7 @@ class Trainer:
     def _train_batch(self, batch_start_s: float) -> None:
         state, engine = self.state, self.engine
         engine.run_event(Event.BATCH_START)
+        self._correct_predictions: torch.Tensor | None = None  # summed over the microbatches by _train_microbatch
         if self._weight_grad_sums is not None:  # the optimizer (or a load, or BATCH_START) moved the weights
             self._weight_grad_sums.start_batch()
         if self._find_microbatch_size:
@@ -309,11 +276,15 @@ class Trainer:
         # (no host sync) until the flush at the console interval converts the queue at once.
         global_loss = distributed.all_reduce_sum(share_of_global_loss)
         # trainer/tokens: the run's tokens so far, so runs of other batch or world sizes compare (foundry compare)
-        self.logger.log_metrics({"loss/train/total": global_loss, "trainer/tokens": state.timestamp.token})
+        metrics = {"loss/train/total": global_loss, "trainer/tokens": state.timestamp.token}
+        correct = self._correct_predictions
+        correct = distributed.all_reduce_sum(correct) if correct is not None else None
+        for name, value in state.model.llm_foundry_metrics(global_loss, correct, total_weight).items():
+            metrics[f"metrics/train/{name}"] = value  # LLM Foundry's names (docs/LOGGING.md)
+        self.logger.log_metrics(metrics)
         if self.log_interval.due(state, since=previous) or self._finished():
             self.logger.flush()
-        if self.save_interval.due(state, since=previous):
-            self.checkpoints.save(Event.BATCH_CHECKPOINT)
+        self.checkpoints.after_batch(since=previous)
         if self.eval_interval.due(state, since=previous) and not self._finished():
             self.eval()
 
@@ -331,6 +302,10 @@ class Trainer:
         with autocast(state.precision, state.device):
             state.loss = state.model.loss(state.outputs, microbatch)
         engine.run_event(Event.AFTER_LOSS)
+        correct = state.model.correct_predictions(state.outputs, microbatch)
+        if correct is not None:
+            previous = self._correct_predictions
+            self._correct_predictions = correct if previous is None else previous + correct
         loss = state.loss * scale
         engine.run_event(Event.BEFORE_BACKWARD)
         (self._grad_scaler.scale(loss) if self._grad_scaler else loss).backward()
@@ -347,7 +322,7 @@ class Trainer:
                 for microbatch in split_batch(state.batch, microbatch_size):
                     self._train_microbatch(microbatch, torch.ones((), device=state.device))
             finally:
-                state.outputs = state.loss = None  # the memory of a failed trial is freed
+                state.outputs = state.loss = self._correct_predictions = None  # a failed trial's memory is freed
 
         size = distributed.find_microbatch_size(state.model, batch_num_samples(state.batch), trial, state.device)
         state.device_train_microbatch_size = size
@@ -375,6 +350,7 @@ class Trainer:
             engine.run_event(Event.EVAL_START)
             loss_sum = torch.zeros((), dtype=torch.float64, device=state.device)
             weight_sum = torch.zeros((), dtype=torch.float64, device=state.device)
+            correct_sum: torch.Tensor | None = None
             count_once = RepeatedSampleMask()  # samples the ranks' shares repeat add to the loss once
             for index, batch in enumerate(loader):
                 if 0 <= self.eval_subset_num_batches <= index:
@@ -390,12 +366,20 @@ class Trainer:
                 # A batch of repeated samples only has no weight (and a NaN mean loss): it adds nothing.
                 loss_sum += torch.where(torch.as_tensor(weight) > 0, loss.double() * weight, 0.0)
                 weight_sum += weight
+                correct = state.model.correct_predictions(state.outputs, state.batch)
+                if correct is not None:
+                    correct_sum = correct if correct_sum is None else correct_sum + correct
                 engine.run_event(Event.EVAL_BATCH_END)
             distributed.all_reduce_sum(loss_sum)
             distributed.all_reduce_sum(weight_sum)
+            if correct_sum is not None:
+                distributed.all_reduce_sum(correct_sum)
             if weight_sum.item() == 0:
                 raise TrainingError(f"Eval loader '{label}' yielded no batches; check its split and batch size.")
-            state.eval_metrics[label] = state.model.eval_metrics_from_loss((loss_sum / weight_sum).item())
+            mean_loss = loss_sum / weight_sum
+            state.eval_metrics[label] = state.model.eval_metrics_from_loss(mean_loss.item())
+            llm_foundry = state.model.llm_foundry_metrics(mean_loss, correct_sum, weight_sum)  # LLM Foundry's names
+            state.eval_metrics[label].update({name: float(value) for name, value in llm_foundry.items()})
             self.logger.log_metrics({f"metrics/{label}/{k}": v for k, v in state.eval_metrics[label].items()})
             engine.run_event(Event.EVAL_END)
         if self.icl is not None:
@@ -411,10 +395,56 @@ class Trainer:
         preempted = preemption_of(self.engine.callbacks) is not None  # the grace period is for the checkpoint
         if (state.eval_dataloaders or self.icl) and self._last_eval_batch != state.timestamp.batch and not preempted:
             self.eval()
-        if self.save_folder and self.checkpoints.last_save_batch != state.timestamp.batch:
-            self.checkpoints.save(Event.BATCH_CHECKPOINT)
-        self.checkpoints.publish_pending()
-        self.checkpoints.wait_for_uploads()
+        self.checkpoints.at_fit_end()
+
+
+def _sections(
+    settings: dict[str, Any], checkpointer: Checkpointer | None
+) -> tuple[RunConfig, EvalConfig, ConsoleConfig, Checkpointer]:
+    """The Trainer's sections from its keywords; the checkpoint section comes whole as ``checkpointer``, or from
+    the keywords (never both)."""
+    if isinstance(settings.get("device"), torch.device):
+        settings["device"] = str(settings["device"])
+    run, checkpointing, evaluation, console = split_settings(settings, TRAINER_SECTIONS, "Trainer")
+    if checkpointer is None:
+        return run, evaluation, console, Checkpointer(checkpointing, run.run_name)
+    if given := sorted(set(settings) & {field.name for field in dataclasses.fields(CheckpointConfig)}):
+        raise ConfigError(
+            f"Trainer got a checkpointer and checkpoint settings ({', '.join(given)}); set them on the "
+            "checkpointer's CheckpointConfig, or pass the settings alone."
+        )
+    return run, evaluation, console, checkpointer
+
+
+def _new_state(
+    run: RunConfig,
+    model: FoundryModel,
+    device: torch.device,
+    max_duration: str | Time | int | None,
+    train_dataloader: Iterable | None,
+    eval_dataloader: Iterable | Mapping[str, Iterable] | None,
+    tokenizer: Any,
+) -> State:
+    """The run's state before its first batch, on this rank."""
+    return State(
+        model=model,
+        max_duration=positive_time(max_duration if max_duration is not None else "1ep", "max_duration"),
+        run_name=run.run_name,
+        run_folder=run.run_folder_path(),
+        train_dataloader=train_dataloader,
+        eval_dataloaders=_eval_loaders(eval_dataloader),
+        precision=check_precision(run.precision, device),
+        device=device,
+        rank=distributed.get_rank(),
+        local_rank=distributed.get_local_rank(),
+        world_size=distributed.get_world_size(),
+        seed=run.seed,
+        device_train_microbatch_size=None
+        if run.device_train_microbatch_size == "auto"
+        else run.device_train_microbatch_size,
+        train_dataloader_len=_dataloader_len(train_dataloader),
+        tokenizer=tokenizer,
+    )
 
 
 def _eval_loaders(eval_dataloader: Iterable | Mapping[str, Iterable] | None) -> dict[str, Iterable]:

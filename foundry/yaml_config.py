@@ -3,8 +3,6 @@ and printing a config back as YAML that reads to the same config."""
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -12,9 +10,8 @@ from typing import Any, TypeVar
 
 import yaml
 
-from foundry.core.time import Time
 from foundry.errors import ConfigError, did_you_mean
-from foundry.schema import parse_dataclass
+from foundry.schema import config_to_dict, parse_dataclass
 
 
 class _Loader(yaml.SafeLoader):
@@ -173,21 +170,6 @@ class _Resolver:
 
 
 # ----------------------------------------------------------------------------------- printing
-def config_to_dict(cfg: Any) -> Any:
-    """A plain YAML-ready copy of a config: dataclasses become dicts, ``Time`` becomes ``'100ba'``."""
-    if isinstance(cfg, Time):
-        return str(cfg)
-    if isinstance(cfg, enum.Enum):
-        return cfg.value
-    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return {field.name: config_to_dict(getattr(cfg, field.name)) for field in dataclasses.fields(cfg)}
-    if isinstance(cfg, Mapping):
-        return {key: config_to_dict(value) for key, value in cfg.items()}
-    if isinstance(cfg, list | tuple):
-        return [config_to_dict(value) for value in cfg]
-    return cfg
-
-
 def to_yaml(cfg: Any) -> str:
     """``cfg`` (a config or plain dict) as YAML that ``foundry train`` reads back to the same config."""
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import http.server
 import logging
-import os
 import random
 import secrets
 import threading
@@ -17,13 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import FakeClock, TinyLM
+from helpers import SHARED_DATA, FakeClock, TinyLM
 
 from foundry.core import Algorithm, Callback, Event, Logger, LoggerDestination, State, Time
 from foundry.models.base import FoundryModel
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = Path(os.environ.get("FOUNDRY_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +40,7 @@ def _no_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
 def shared_data() -> Path:
     """``../shared/data``; tests that use it skip cleanly when it is absent."""
     if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared data folder {SHARED_DATA} is absent")
+        pytest.skip(f"shared data folder {SHARED_DATA} is absent (FOUNDRY_SHARED_DATA names another)")
     return SHARED_DATA
 
 

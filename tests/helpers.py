@@ -12,6 +12,8 @@ import torch
 from foundry.models.base import CausalLM
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# The shared data folder (corpora, ICL files, tokenizers): $FOUNDRY_SHARED_DATA, else ../shared/data beside the repo.
+SHARED_DATA = Path(os.environ.get("FOUNDRY_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 
 
 def repo_pythonpath() -> str:

@@ -219,3 +219,18 @@ def test_no_lazy_export_is_shadowed_by_a_submodule_of_the_same_name() -> None:
                 if export in submodules and module != f"{name}.{export}"  # exporting the module itself is fine
             ]
     assert shadowed == []
+
+
+def test_the_trainer_constructor_stays_short() -> None:
+    # The Trainer takes its sections whole (the checkpoint section through its Checkpointer): nothing is relayed.
+    tree = ast.parse((FOUNDRY / "trainer.py").read_text())
+    trainer = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Trainer")
+    init = next(node for node in trainer.body if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+    assert init.end_lineno - init.lineno + 1 <= 60
+
+
+def test_models_do_not_import_the_yaml_module() -> None:
+    # A model's config becomes a plain dict through foundry.schema; the YAML reader is the adapter's, above it.
+    files, _ = graphs()
+    importers = sorted(name for name, targets in files.items() if "foundry.yaml_config" in targets)
+    assert not [name for name in importers if package_of(name) == "foundry.models"], importers

@@ -184,3 +184,67 @@ def test_help_and_config_errors_answer_without_importing_torch(
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip().splitlines()[-1] == f"EXIT {exit_code} False False", result.stdout
+
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "yamls" / "quickstart.yaml"
+
+
+def test_a_wrong_data_folder_is_named_as_the_data_not_the_tokenizer(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["train", str(QUICKSTART), f"variables.data_local={tmp_path / 'nowhere'}"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"No dataset at '{tmp_path / 'nowhere'}' ('train_loader.dataset.local'" in err
+    assert "variables.data_local" in err and "foundry data convert" in err
+    assert "tokenizer" not in err and "../shared" not in err
+
+
+def test_a_missing_tokenizer_folder_names_ways_every_user_has() -> None:
+    from foundry.data import load_tokenizer
+    from foundry.errors import DataError
+
+    with pytest.raises(DataError) as failed:
+        load_tokenizer("./nowhere/tokenizer")
+    message = str(failed.value)
+    assert "does not exist" in message and "foundry data convert" in message and "save_pretrained" in message
+    assert "shared" not in message
+
+
+@pytest.mark.parametrize(
+    ("gpus", "device", "expected"),
+    [(0, None, "which has 2 core(s)"), (2, None, "which has 2 GPU(s)"), (2, "cpu", "which has 2 core(s)")],
+)
+def test_nproc_beyond_the_gpus_or_cores_is_refused_with_the_count(
+    config_path: Path, capsys, monkeypatch, gpus: int, device: str | None, expected: str
+) -> None:
+    import os
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    overrides = [f"device={device}"] if device else []
+    code = cli.main(["train", str(config_path), "--nproc", "8", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--nproc 8 starts 8 ranks" in err and expected in err and "Use --nproc 2 or fewer" in err
+
+
+@pytest.mark.parametrize(
+    "typo",
+    [
+        "max_durration=5ba",  # top level
+        "train_loader.num_workerz=1",  # a typed section
+        "model.n_layrs=2",  # a model's config dataclass, read from its source
+        "callbacks.speed_monitor.windw_size=3",  # a component's constructor, read from its source
+    ],
+)
+def test_a_config_typo_is_reported_without_importing_torch(typo: str) -> None:
+    code = (
+        "import sys; from foundry import cli; "
+        f"code = cli.main(['train', {str(QUICKSTART)!r}, {typo!r}]); "
+        "print(code, 'torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["2", "False"]
+    assert "Did you mean" in result.stderr

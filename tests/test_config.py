@@ -296,7 +296,7 @@ def test_a_trainer_given_no_settings_runs_with_the_yamls_defaults(tmp_path: Path
     assert {key: value for key, value in settings.items() if key not in given} == {
         key: getattr(yaml, key) for key in settings if key not in given
     }
-    assert settings["precision"] == "amp_bf16" and settings["save_interval"] == Time.parse("1000ba")
+    assert settings["precision"] == "auto" and settings["save_interval"] == Time.parse("1000ba")
 
 
 def test_an_unknown_trainer_setting_names_the_closest_key(tmp_path: Path) -> None:
@@ -322,7 +322,7 @@ def test_activation_checkpointing_is_non_reentrant_by_default_from_both_switches
 
 
 def test_generated_run_names_of_the_same_second_differ(monkeypatch):
-    from foundry.run_config import default_run_name, is_generated_run_name
+    from foundry.core.run_name import default_run_name, is_generated_run_name
 
     monkeypatch.delenv("RUN_NAME", raising=False)
     monkeypatch.delenv("COMPOSER_RUN_NAME", raising=False)
@@ -332,3 +332,52 @@ def test_generated_run_names_of_the_same_second_differ(monkeypatch):
     assert all(is_generated_run_name(name) for name in names)
     assert is_generated_run_name("foundry-20261126-120000")  # a name older foundry generated
     assert not is_generated_run_name("foundry-20261126-120000-mine")
+
+
+def _keys_it_takes(target) -> set[str]:
+    """The keywords a component takes: its signature's, or for ``config: XConfig | ..., **keys`` XConfig's fields."""
+    import dataclasses
+    import typing
+
+    function = target.__init__ if inspect.isclass(target) else target
+    if function is object.__init__:
+        return set()
+    parameters = inspect.signature(function).parameters
+    names = {name for name, p in parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    if not any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        return names - {"self", "params"}
+    hints = typing.get_type_hints(function)
+    configs = [arg for hint in hints.values() for arg in typing.get_args(hint) if dataclasses.is_dataclass(arg)]
+    return {field.name for field in dataclasses.fields(configs[0])}
+
+
+def test_component_keys_read_from_the_source_are_the_ones_each_component_takes() -> None:
+    from foundry import registry
+    from foundry.config.component_keys import accepted_keys
+
+    read = 0
+    sources = (registry.models, registry.optimizers, registry.schedulers, registry.callbacks, registry.algorithms)
+    for source in (*sources, registry.loggers):
+        for name in source:
+            static = accepted_keys(source, name)
+            if static is not None:
+                read += 1
+                assert static == _keys_it_takes(source.get(name)), f"{source.name}.{name}"
+    assert read >= 30  # every built-in component but those without a constructor of their own (lr_monitor)
+
+
+def test_a_component_key_typo_names_the_closest_key_before_the_component_is_imported() -> None:
+    from foundry.config.component_keys import check_component_keys
+
+    cfg, _ = load_train_config(Path(__file__).parents[1] / "yamls" / "quickstart.yaml", ["model.n_layrs=2"])
+    with pytest.raises(ConfigError, match=r"Unknown key 'model\.n_layrs'\. Did you mean 'n_layers'\?"):
+        check_component_keys(cfg)
+    cfg, _ = load_train_config(Path(__file__).parents[1] / "yamls" / "quickstart.yaml")
+    check_component_keys(cfg)  # the quickstart's own keys pass
+
+
+def test_a_component_that_takes_no_keys_refuses_one_by_name() -> None:
+    from foundry import registry
+
+    with pytest.raises(ConfigError, match=r"Unknown key 'callbacks\.lr_monitor\.x'.*'callbacks\.lr_monitor': none\."):
+        registry.bound_component(registry.callbacks, "lr_monitor", {"x": 1}, "callbacks.lr_monitor")

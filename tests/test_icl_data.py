@@ -131,3 +131,31 @@ def test_a_tampered_cached_file_that_cannot_be_fetched_again_is_refused(icl_serv
     with pytest.raises(DataError, match="does not match the checksum") as error:
         local_file(COPA)
     assert str(cached) in str(error.value)
+
+
+@pytest.fixture
+def local_data_copy(tmp_path, monkeypatch) -> Path:
+    """A copy of LLM Foundry's scripts/eval/local_data (one task file), named by --icl-data; an empty cache."""
+    folder = tmp_path / "eval" / "local_data"
+    (folder / "commonsense_reasoning").mkdir(parents=True)
+    (folder / "commonsense_reasoning" / "copa.jsonl").write_text('{"query": "q", "choices": ["a", "b"], "gold": 0}\n')
+    monkeypatch.setenv("FOUNDRY_ICL_DATA", str(folder))
+    monkeypatch.setenv("FOUNDRY_CACHE_DIR", str(tmp_path / "cache"))
+    return folder
+
+
+def test_a_local_data_copy_reads_named_lists_from_the_yamls_folder_beside_it(local_data_copy) -> None:
+    lists = local_data_copy.parent / "yamls"
+    lists.mkdir()
+    (lists / "tasks_light.yaml").write_text("icl_tasks: []\n")
+    assert task_list_path("light", "icl_tasks") == lists / "tasks_light.yaml"
+
+
+def test_a_local_data_copy_alone_says_what_named_lists_need(local_data_copy, capsys) -> None:
+    from foundry.cli import main
+
+    code = main(["eval", "--model", "unused", "--tasks", "light", "--icl-data", str(local_data_copy)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "has no task list yamls/tasks_light.yaml" in err and "whole scripts/eval folder" in err
+    assert "--tasks path/to/tasks_light.yaml" in err

@@ -54,7 +54,10 @@ def tiny_hf_configs() -> dict[str, Any]:
         ),
         "mpt": tf.MptConfig(vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=2, max_seq_len=128),
         "dbrx": tf.DbrxConfig(
-            vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=2, max_seq_len=128, attn_config={"kv_n_heads": 1},
+            # DBRX's own rope_theta and clip_qkv: transformers 5's DbrxAttention reads the first without a default
+            # and clamps with the second even when it is None (an error), so both are set.
+            vocab_size=VOCAB, d_model=32, n_heads=2, n_layers=2, max_seq_len=128,
+            attn_config={"kv_n_heads": 1, "rope_theta": 500000.0, "clip_qkv": 8.0},
             ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 2, "moe_top_k": 1},
         ),
     }  # fmt: skip
@@ -146,6 +149,7 @@ def train(path: Path, overrides: list[str]) -> Any:
     return trainer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", YAMLS, ids=[entry.yaml for entry in YAMLS])
 def test_llm_foundry_yaml(entry: Compat, stand_ins, shared_data, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # the YAMLs' relative save folders and run folders land here

@@ -257,8 +257,17 @@ def test_amp_fp16_on_cpu_is_rejected(tmp_path):
 
 def test_amp_bf16_trains_on_cpu(tmp_path):
     trainer = _trainer(tmp_path, precision="amp_bf16")
+    assert trainer.state.precision == "amp_bf16"  # asked for: kept, although the CPU default is fp32
     trainer.fit()
     assert torch.isfinite(trainer.state.loss)
+
+
+def test_a_cpu_trainer_given_no_precision_computes_in_fp32(tmp_path):
+    trainer = Trainer(TinyLM(), train_dataloader=token_batches(1, batch_size=2), max_duration="1ba", device="cpu",
+                      run_folder=str(tmp_path), log_to_console=False)  # fmt: skip
+    assert trainer.state.precision == "fp32"
+    trainer.fit()
+    assert trainer.state.loss.dtype == torch.float32
 
 
 @pytest.mark.parametrize(
@@ -377,3 +386,29 @@ def test_summing_weight_gradients_in_the_gemm_trains_like_autograd(tmp_path, pre
     assert plain[-1] < plain[0] - 0.1  # the weights move enough that a stale bf16 copy would show
     tolerance = {"fp32": 1e-5, "amp_bf16": 1e-2}[precision]
     torch.testing.assert_close(torch.tensor(fused), torch.tensor(plain), rtol=tolerance, atol=tolerance)
+
+
+def test_llm_foundry_metric_names_are_logged_for_train_and_eval(tmp_path, recorder):
+    batches = token_batches(1, batch_size=4)
+    trainer = _trainer(
+        tmp_path, train_dataloader=batches, eval_dataloader=batches, max_duration="1ba", loggers=[recorder]
+    )
+    model = trainer.state.model
+    with torch.no_grad():  # the batch as the model sees it before its one step
+        logits = model(batches[0])
+        loss = model.loss(logits, batches[0])
+        targets = torch.roll(batches[0]["input_ids"], -1, dims=1)[:, :-1]
+        accuracy = (logits[:, :-1].argmax(-1) == targets).float().mean()
+    trainer.fit()
+    assert recorder.last("metrics/train/LanguageCrossEntropy") == pytest.approx(loss.item(), rel=1e-5)
+    assert recorder.last("metrics/train/LanguageCrossEntropy") == pytest.approx(recorder.last("loss/train/total"))
+    assert recorder.last("metrics/train/LanguagePerplexity") == pytest.approx(torch.exp(loss).item(), rel=1e-5)
+    assert recorder.last("metrics/train/TokenAccuracy") == pytest.approx(accuracy.item())
+    with torch.no_grad():  # after the step: what eval scores
+        logits = model(batches[0])
+        eval_loss = model.loss(logits, batches[0])
+        eval_accuracy = (logits[:, :-1].argmax(-1) == targets).float().mean()
+    assert recorder.last("metrics/eval/LanguageCrossEntropy") == pytest.approx(eval_loss.item(), rel=1e-5)
+    assert recorder.last("metrics/eval/LanguagePerplexity") == pytest.approx(torch.exp(eval_loss).item(), rel=1e-5)
+    assert recorder.last("metrics/eval/TokenAccuracy") == pytest.approx(eval_accuracy.item())
+    assert recorder.last("metrics/eval/loss") == pytest.approx(eval_loss.item(), rel=1e-5)  # foundry's own names too

@@ -6,7 +6,9 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
+from foundry import registry
 from foundry.config import load_train_config
 from foundry.models.build import build_model
 
@@ -19,14 +21,21 @@ NOMINAL_PARAMS = {"mpt-1b.yaml": 1.3e9}
 MODELS_MD = Path(__file__).resolve().parents[1] / "docs" / "MODELS.md"
 
 
-def num_params(path: Path) -> int:
+def model_section_and_model(path: Path) -> tuple[dict, torch.nn.Module]:
     cfg, _ = load_train_config(path, ["model.init_device=meta"])  # meta: no memory, no init time
-    return sum(p.numel() for p in build_model(cfg.model).parameters())
+    return cfg.model, build_model(cfg.model)
+
+
+def num_params(path: Path) -> int:
+    return sum(p.numel() for p in model_section_and_model(path)[1].parameters())
 
 
 @pytest.mark.parametrize("path", YAMLS, ids=[str(path.relative_to(path.parents[1])) for path in YAMLS])
-def test_yaml_builds_its_model(path: Path) -> None:
-    assert num_params(path) > 0
+def test_yaml_builds_the_model_its_section_describes(path: Path) -> None:
+    section, model = model_section_and_model(path)
+    assert isinstance(model, registry.models.get(section["name"]))
+    assert len(model.transformer.blocks) == section["n_layers"]
+    assert model.transformer.wte.weight.shape == (section["vocab_size"], section["d_model"])
 
 
 @pytest.mark.parametrize("path", [p for p in YAMLS if p.parent.name == "pretrain"], ids=lambda p: p.name)

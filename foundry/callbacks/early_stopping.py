@@ -17,7 +17,7 @@ from foundry.core.time import Time, Timestamp
 from foundry.errors import ConfigError, did_you_mean
 
 Comparison = Literal["auto", "min", "max"]
-_LOWER_IS_BETTER = ("loss", "perplexity", "error")  # Composer's rule for comparison: auto
+_LOWER_IS_BETTER = ("loss", "perplexity", "error", "entropy")  # comparison: auto (LanguageCrossEntropy too)
 
 
 class _EvalMetricStopper(Callback):

@@ -1,9 +1,11 @@
 """Checkpoints that are atomic on disk, safe to load, and resume a run exactly.
 
-``layout`` (the folder and its files), ``integrity`` (the manifest's checksums), ``find`` (the
-checkpoint to load), ``save`` (writing, async, retention), ``load`` (reading, resharding, restoring
-the training state), ``hooks`` (what a model may change about its checkpoints), ``consolidate`` (one file out of
-a sharded checkpoint), ``object_store``, ``remote`` and ``uploader`` (a save_folder on an object store).
+``config`` (the run's checkpoint section) and ``saver`` (its ``Checkpointer``: the section's checks, resume
+and cadence), ``owner`` (whose checkpoints a save_folder holds), ``layout`` (the folder and its files),
+``meta`` (meta.json), ``integrity`` (the manifest's checksums), ``find`` (the checkpoint to load), ``save``
+(writing, async, retention), ``load`` (reading, resharding, restoring the training state), ``hooks`` (what
+a model may change about its checkpoints), ``consolidate`` (one file out of a sharded checkpoint),
+``object_store``, ``remote`` and ``uploader`` (a save_folder on an object store).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from foundry.lazy import lazy_exports
 
 _EXPORTS = {
+    "CheckpointConfig": "foundry.checkpoint.config",
+    "Checkpointer": "foundry.checkpoint.saver",
     "PendingCheckpoint": "foundry.checkpoint.save",
     "SafeFileSystemReader": "foundry.checkpoint.safe_reader",
     "SafeLoadPlanner": "foundry.checkpoint.safe_reader",

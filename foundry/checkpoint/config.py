@@ -1,6 +1,7 @@
 """The checkpoint section of a run: where checkpoints go, how often, how many stay, and where a run starts from.
 
-Its keys are LLM Foundry's top-level YAML keys and ``Trainer`` keywords of the same names.
+Its keys are LLM Foundry's top-level YAML keys and ``Trainer`` keywords of the same names. The
+section is handed whole to ``foundry.checkpoint.saver.Checkpointer``, which acts on it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import field
 
 from foundry.core.bounds import check_bounds
 from foundry.core.paths import check_storage_path
+from foundry.core.run_name import fill_run_name
 from foundry.core.time import Time, positive_time
 from foundry.errors import ConfigError
 from foundry.schema import doc
@@ -58,3 +60,11 @@ class CheckpointConfig:
             raise ConfigError("save_weights_only: true is not supported yet; remove it to save full checkpoints.")
         if not self.load_strict_model_weights:
             raise ConfigError("load_strict_model_weights: false is not supported yet; checkpoints load strictly.")
+
+    def for_run(self, run_name: str) -> CheckpointConfig:
+        """This section (alone, also when it is part of a whole train config) with ``{run_name}`` filled into
+        save_folder and load_path: the one place a checkpoint path gets its run's name."""
+        values = {key.name: getattr(self, key.name) for key in dataclasses.fields(CheckpointConfig)}
+        values["save_folder"] = fill_run_name(self.save_folder, run_name)
+        values["load_path"] = fill_run_name(self.load_path, run_name)
+        return CheckpointConfig(**values)

@@ -22,7 +22,8 @@ from typing import Any
 
 import xxhash
 
-from foundry.checkpoint.layout import MANIFEST_FILE, META_FILE, folder_order, named_folders
+from foundry.checkpoint.layout import MANIFEST_FILE, folder_order, named_folders
+from foundry.checkpoint.meta import format_version
 from foundry.checkpoint.safe_reader import METADATA_FILE
 from foundry.distributed.env import all_gather_object, get_rank, get_world_size
 from foundry.errors import CheckpointError, DamagedCheckpointError
@@ -122,21 +123,12 @@ def publish_sequence(folder: Path) -> float:
         return math.inf
     if manifest is not None:
         return manifest.sequence
-    return 0 if _format_version(folder) == 1 else math.inf
+    return 0 if format_version(folder) == 1 else math.inf
 
 
 def checkpoint_folders(save_folder: str | Path) -> list[Path]:
     """The ``ep*-ba*`` checkpoints in ``save_folder``, oldest first: in publish order, then by batch."""
     return sorted(named_folders(save_folder), key=lambda path: (publish_sequence(path), *folder_order(path)))
-
-
-def _format_version(folder: Path) -> int | None:
-    """meta.json's format_version (1 when absent), or None when meta.json cannot be read."""
-    try:
-        version = json.loads((folder / META_FILE).read_bytes()).get("format_version", 1)
-    except (OSError, ValueError, UnicodeDecodeError, AttributeError):
-        return None
-    return version if isinstance(version, int) else None
 
 
 # --------------------------------------------------------------------------------------- verify
@@ -197,7 +189,7 @@ def _signature(folder: Path, names: list[str]) -> tuple:
 
 def _check_unverifiable(folder: Path) -> None:
     """A checkpoint without a manifest: one of an older foundry (loads, with a warning), else damaged."""
-    if _format_version(folder) != 1:
+    if format_version(folder) != 1:
         raise damaged(folder, [f"{MANIFEST_FILE} is missing"])
     if not (folder / METADATA_FILE).is_file():
         raise damaged(folder, [f"{METADATA_FILE} is missing"])

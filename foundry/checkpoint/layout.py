@@ -100,16 +100,24 @@ def read_json_object(path: Path) -> dict[str, Any]:
     """The JSON object in ``path`` (meta.json, rng-rank<r>.json); a ``CheckpointError`` naming the file when it is
     missing, unreadable, not UTF-8 JSON or not an object, never a traceback."""
     try:
-        value = json.loads(path.read_bytes())
+        data = path.read_bytes()
     except OSError as error:
         raise CheckpointError(f"Cannot read {path} ({error.strerror or error}); load another checkpoint.") from None
+    return parse_json_object(data, str(path))
+
+
+def parse_json_object(data: bytes, where: str) -> dict[str, Any]:
+    """The JSON object in ``data``, read from ``where`` (a file, or an object-store key); ``CheckpointError`` if
+    it is not UTF-8 JSON or not an object."""
+    try:
+        value = json.loads(data)
     except ValueError as error:  # UnicodeDecodeError and JSONDecodeError alike
         raise CheckpointError(
-            f"{path} is not valid JSON ({type(error).__name__}: {str(error)[:120]}): the file is damaged. Load "
+            f"{where} is not valid JSON ({type(error).__name__}: {str(error)[:120]}): the file is damaged. Load "
             "another checkpoint (load_path), or let autoresume: true fall back to the newest intact one."
         ) from None
     if not isinstance(value, dict):
-        raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object: the file is damaged.")
+        raise CheckpointError(f"{where} holds a JSON {type(value).__name__}, not an object: the file is damaged.")
     return value
 
 

@@ -9,7 +9,7 @@ past damaged checkpoints to the newest intact one; an explicit ``load_path`` nev
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from foundry.checkpoint.layout import (
     stateful_key_pairs,
     tensor_state,
 )
-from foundry.checkpoint.meta import read_meta
+from foundry.checkpoint.meta import model_section, model_section_of, read_meta
 from foundry.checkpoint.remote import newest_intact_on_store
 from foundry.checkpoint.rng import load_rng_file, rng_file_for_rank
 from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
@@ -130,7 +130,7 @@ def load_checkpoint(
     """
     path = resolve_checkpoint_path(path)
     meta = _read_meta(path)
-    _load_tensors(path, state, weights_only=weights_only, strict=strict)
+    _load_tensors(path, state, weights_only=weights_only, strict=strict, model_change=_model_change(meta, state.model))
     if not weights_only:
         _restore_training_state(path, meta, state, callbacks, algorithms)
     return meta
@@ -143,13 +143,45 @@ def _read_meta(path: Path) -> dict:
     return meta
 
 
-def _load_tensors(path: Path, state: State, *, weights_only: bool, strict: bool) -> None:
+def _model_change(meta: Mapping[str, Any], model: Any) -> str:
+    """How this run's model section differs from the checkpoint's (``n_layers: 4 in the checkpoint, 2 in this
+    run``), or "" when either names none or they agree: what explains weights that do not fit."""
+    saved, current = model_section(meta), model_section_of(model)
+    if saved is None or current is None:
+        return ""
+    saved, current = _flat(saved), _flat(current)
+    changes = [
+        f"{key}: {saved.get(key, '(unset)')!r} in the checkpoint, {current.get(key, '(unset)')!r} in this run"
+        for key in sorted(set(saved) | set(current))
+        if saved.get(key) != current.get(key)
+    ]
+    return f" The model differs from the checkpoint's: {'; '.join(changes)}." if changes else ""
+
+
+def _flat(section: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"attn_config": {"alibi": True}}`` as ``{"attn_config.alibi": True}``."""
+    flat: dict[str, Any] = {}
+    for key, value in section.items():
+        if isinstance(value, Mapping):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+_MODEL_MISMATCH_FIX = (
+    " To resume from this checkpoint, set the model's keys back to the values it was saved with; to train this "
+    "model from fresh weights instead, give the run a new save_folder and no load_path."
+)
+
+
+def _load_tensors(path: Path, state: State, *, weights_only: bool, strict: bool, model_change: str = "") -> None:
     reader = SafeFileSystemReader(path)
     saved_keys = set(reader.read_metadata().state_dict_metadata)
     wanted = tensor_state(state, model_only=weights_only)
     absent: set[str] = set()
     if strict:
-        absent = _check_model_keys(path, state.model, set(wanted["model"]), saved_keys)
+        absent = _check_model_keys(path, state.model, set(wanted["model"]), saved_keys, model_change)
         wanted["model"] = {key: value for key, value in wanted["model"].items() if key not in absent}
     if "optim" in wanted and not any(key.startswith("optim.") for key in saved_keys):
         raise CheckpointError(
@@ -162,8 +194,9 @@ def _load_tensors(path: Path, state: State, *, weights_only: bool, strict: bool)
         cause = root_cause(exc)
         if isinstance(cause, CheckpointError):
             raise cause from exc
+        fix = f"{model_change}{_MODEL_MISMATCH_FIX}" if model_change else ""
         raise CheckpointError(
-            f"Cannot load the tensors of checkpoint {path} ({type(cause).__name__}: {cause})."
+            f"Cannot load the tensors of checkpoint {path} ({type(cause).__name__}: {cause}).{fix}"
         ) from exc
     options = StateDictOptions(strict=strict and not absent)
     if "optim" in wanted:
@@ -178,7 +211,9 @@ def _load_tensors(path: Path, state: State, *, weights_only: bool, strict: bool)
         set_model_state_dict(state.model, wanted["model"], options=options)
 
 
-def _check_model_keys(path: Path, model: Any, model_keys: set[str], saved_keys: set[str]) -> set[str]:
+def _check_model_keys(
+    path: Path, model: Any, model_keys: set[str], saved_keys: set[str], model_change: str
+) -> set[str]:
     """The model keys the checkpoint may lack (the model's hooks say which); raises on any other mismatch."""
     saved_model_keys = {key.removeprefix("model.") for key in saved_keys if key.startswith("model.")}
     missing, unexpected = sorted(model_keys - saved_model_keys), sorted(saved_model_keys - model_keys)
@@ -187,8 +222,8 @@ def _check_model_keys(path: Path, model: Any, model_keys: set[str], saved_keys: 
     if missing or unexpected:
         raise CheckpointError(
             f"Checkpoint {path} does not match the model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}. Check that the model config "
-            "matches the run that saved it, or load with strict=False to take only the keys both have."
+            f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}."
+            f"{model_change or ' Check that the model section matches the run that saved it.'}{_MODEL_MISMATCH_FIX}"
         )
 
 

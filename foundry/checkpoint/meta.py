@@ -12,17 +12,41 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from foundry.checkpoint.layout import FORMAT_VERSION, META_FILE, read_json_object
+from foundry.checkpoint.layout import FORMAT_VERSION, META_FILE, parse_json_object, read_json_object
 from foundry.errors import CheckpointError
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
     """The ``meta.json`` of checkpoint ``folder`` as a mapping; a ``CheckpointError`` naming it if unreadable."""
-    meta = read_json_object(Path(folder) / META_FILE)
+    return _checked_version(read_json_object(Path(folder) / META_FILE), str(folder))
+
+
+def parse_meta(data: bytes, where: str) -> dict[str, Any]:
+    """A ``meta.json`` read as bytes (from an object store), checked as ``read_meta`` checks a local one."""
+    return _checked_version(parse_json_object(data, where), where)
+
+
+def format_version(folder: Path) -> int | None:
+    """meta.json's ``format_version`` (1 when absent), or None when meta.json cannot be read."""
+    try:
+        version = read_json_object(Path(folder) / META_FILE).get("format_version", 1)
+    except CheckpointError:
+        return None
+    return version if isinstance(version, int) else None
+
+
+def run_name_of(meta: Mapping[str, Any]) -> str | None:
+    """The name of the run that saved the checkpoint (``run.run_name``), or None if it recorded none."""
+    run = meta.get("run")
+    name = run.get("run_name") if isinstance(run, Mapping) else None
+    return name if isinstance(name, str) else None
+
+
+def _checked_version(meta: dict[str, Any], where: str) -> dict[str, Any]:
     version = meta.get("format_version", 1)
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointError(
-            f"Checkpoint {folder} has format version {version!r}, newer than this foundry reads ({FORMAT_VERSION}). "
+            f"Checkpoint {where} has format version {version!r}, newer than this foundry reads ({FORMAT_VERSION}). "
             "Upgrade foundry."
         )
     return meta

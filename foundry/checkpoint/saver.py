@@ -1,4 +1,4 @@
-"""The Trainer's checkpoint writes: one at a time, each published (and its event fired) once complete.
+"""The run's checkpoint section at work: where its checkpoints go, when they are written, where it starts from.
 
 A save_folder on an object store is written in its local copy, and each checkpoint published there is
 then uploaded in the background (``foundry.checkpoint.uploader``).
@@ -11,10 +11,12 @@ import shutil
 from pathlib import Path
 
 from foundry import distributed
+from foundry.checkpoint.config import CheckpointConfig
 from foundry.checkpoint.find import latest_checkpoint
+from foundry.checkpoint.load import resume_or_load
 from foundry.checkpoint.lock import SaveFolderLock, lock_save_folder
 from foundry.checkpoint.object_store import ObjectStore, object_store
-from foundry.checkpoint.owner import check_save_folder_owner
+from foundry.checkpoint.owner import check_save_folder
 from foundry.checkpoint.remote import (
     prune_store,
     publish_local_copies,
@@ -25,86 +27,120 @@ from foundry.checkpoint.remote import (
 from foundry.checkpoint.resume_check import check_resumed_config
 from foundry.checkpoint.save import PendingCheckpoint, complete_publish, remove_temporaries, start_checkpoint
 from foundry.checkpoint.uploader import CheckpointUploader
-from foundry.core import Engine, Event
-from foundry.core.paths import check_writable_folder, is_object_store_url, local_copy
+from foundry.core import Engine, Event, Interval
+from foundry.core.paths import is_object_store_url, local_copy, public_location
+from foundry.core.time import Timestamp
 from foundry.distributed.env import all_gather_object
-from foundry.errors import CheckpointError, CheckpointUploadError
+from foundry.errors import CheckpointError, CheckpointUploadError, ConfigError
 
 log = logging.getLogger(__name__)
 
 
-class CheckpointSaver:
-    """Writes the run's checkpoints into ``save_folder`` (nothing without one) when the Trainer asks.
+class Checkpointer:
+    """Owns a run's ``CheckpointConfig``: checks it, resumes the run, and writes its checkpoints at ``save_interval``.
 
-    Args:
-        engine: fires BEFORE_CHECKPOINT, and the checkpoint event once the checkpoint is published;
-            its state, callbacks and algorithms are what is saved.
-        save_folder: where checkpoints go (checked to be writable now, and locked for this run until
-            ``release_lock``: ``foundry.checkpoint.lock``); None saves nothing. What
-            interrupted saves left there (``.tmp-*``) is deleted now. An object-store URL (``s3://...``):
-            checkpoints are written in its local copy and uploaded; what interrupted uploads left on the
-            store is deleted now, and local checkpoints the store has not published are uploaded now.
-        overwrite / num_to_keep: ``start_checkpoint``'s options.
-        save_async: write in a background thread (over a gloo group of its own) while training goes on;
-            the checkpoint is published at the next save, at fit's end, or after an error.
-        config: the resolved YAML, stored in each checkpoint.
-        upload_retries / upload_backoff_s: an object-store save_folder retries each failed upload this many
-            times, waiting ``upload_backoff_s`` seconds, then twice as long each time.
-        autoresume / load_path / named_run: whether the run resumes, what it loads, and whether its name was
-            given: a save_folder holding another run's checkpoints is refused (``foundry.checkpoint.owner``).
-        accept_config_changes: resume from a checkpoint of this save_folder even though ``config`` trains otherwise
-            than the one it records (``foundry.checkpoint.resume_check``).
-        max_failed_uploads: a save raises ``CheckpointUploadError`` once this many checkpoints in a row failed to
-            upload (the run stops rather than train on with nothing durable); ``wait_for_uploads`` raises it for
-            any that failed.
+    Built from the section and the run's name before the model exists (``foundry train`` builds it first,
+    so a refused save_folder fails before any model is built): ``{run_name}`` is filled into save_folder
+    and load_path here, and the save_folder is checked here, once (writable, and holding no other run's
+    checkpoints: ``foundry.checkpoint.owner``). ``start`` joins the run's engine and locks the save_folder
+    for this run until ``release_lock`` (``foundry.checkpoint.lock``); ``resume`` loads what the run starts
+    from, and refuses a checkpoint of this save_folder recorded with other trained settings unless
+    ``autoresume_accept_changes`` (``foundry.checkpoint.resume_check``); ``after_batch`` / ``after_epoch`` /
+    ``at_fit_end`` save when due. Without a save_folder nothing is written.
+
+    A save_folder on an object store (``s3://...``) is written in its local copy and uploaded, each failed
+    upload retried ``save_upload_retries`` times; after ``save_max_failed_uploads`` failed checkpoints in a
+    row a save raises ``CheckpointUploadError`` (the run stops rather than train on with nothing durable).
+    With ``save_async`` checkpoints are written in a background thread (over a gloo group of its own) and
+    published at the next save, at fit's end, or after an error.
     """
 
-    def __init__(
-        self,
-        engine: Engine,
-        save_folder: str | None,
-        *,
-        overwrite: bool,
-        num_to_keep: int,
-        save_async: bool,
-        config: dict | None,
-        upload_retries: int,
-        upload_backoff_s: float,
-        max_failed_uploads: int,
-        autoresume: bool,
-        load_path: str | None,
-        named_run: bool,
-        accept_config_changes: bool = False,
-    ) -> None:
-        self.engine, self.state = engine, engine.state
-        self.save_folder = save_folder
-        self.local_folder = Path(local_copy(save_folder) if is_object_store_url(save_folder) else save_folder or ".")
-        self.overwrite, self.num_to_keep, self.config = overwrite, num_to_keep, config
-        self.accept_config_changes = accept_config_changes
+    def __init__(self, config: CheckpointConfig, run_name: str) -> None:
+        self.config = config.for_run(run_name)
+        self.save_folder = self.config.save_folder or None
+        self.load_path = self.config.load_path
+        on_store = is_object_store_url(self.save_folder)
+        self.local_folder = Path(local_copy(self.save_folder) if on_store else self.save_folder or ".")
+        self.save_interval = Interval(self.config.save_interval)
+        if self.save_folder:
+            check_save_folder(self.config, run_name)
+        self._check_load_path()
         self.uploader: CheckpointUploader | None = None
         self._first_sequence = 1
-        self.max_failed_uploads = max_failed_uploads
+        self._async_group = None
         self.lock: SaveFolderLock | None = None
-        if save_folder:
-            check_writable_folder(self.local_folder, "save_folder")  # on every rank: all of them stop, or none
-            self.lock = lock_save_folder(self.local_folder, self.state.run_name, self.state.rank)  # one live run
-            check_save_folder_owner(
-                save_folder,
-                self.state.run_name,
-                named=named_run,
-                autoresume=autoresume,
-                overwrite=overwrite,
-                load_path=load_path,
-            )
-            if self.state.rank == 0 and self.local_folder.is_dir():
-                remove_temporaries(self.local_folder)
-            if is_object_store_url(save_folder):
-                store = object_store(save_folder)
-                store.upload_retries, store.upload_backoff_s = upload_retries, upload_backoff_s
-                self._start_uploads(store)
-        self._async_group = distributed.new_gloo_group() if save_async and save_folder else None
         self._pending: tuple[PendingCheckpoint, Event] | None = None  # and the event to fire when published
         self.last_save_batch: int | None = None
+
+    def _check_load_path(self) -> None:
+        """A local load_path must exist, unless autoresume finds a checkpoint in save_folder first."""
+        load_path = self.load_path
+        if not load_path or is_object_store_url(load_path) or Path(load_path).exists():
+            return
+        resumable = is_object_store_url(self.save_folder) or latest_checkpoint(self.local_folder) is not None
+        if self.config.autoresume and self.save_folder and resumable:
+            return
+        raise ConfigError(
+            f"'load_path' is '{load_path}', where nothing exists. Give a checkpoint folder (e.g. "
+            "<save_folder>/ep0-ba100) or the save_folder of a run that saved one, or remove load_path to start from "
+            "fresh weights."
+        )
+
+    def start(self, engine: Engine, run_config: dict | None) -> None:
+        """Join the run of ``engine`` (whose state, callbacks and algorithms are saved, with ``run_config``, the
+        resolved YAML): delete what interrupted saves left (``.tmp-*``; on a store, unpublished folders), upload
+        local checkpoints the store has not published, and start the upload thread. Every rank calls it: the
+        save_folder is locked for this run (one live run per folder), or every rank raises."""
+        self.engine, self.state, self.run_config = engine, engine.state, run_config
+        if not self.save_folder:
+            return
+        self.lock = lock_save_folder(self.local_folder, self.state.run_name, self.state.rank)
+        if self.state.rank == 0 and self.local_folder.is_dir():
+            remove_temporaries(self.local_folder)
+        if is_object_store_url(self.save_folder):
+            store = object_store(self.save_folder)
+            store.upload_retries = self.config.save_upload_retries
+            store.upload_backoff_s = self.config.save_upload_backoff_s
+            self._start_uploads(store)
+        if self.config.save_async:
+            self._async_group = distributed.new_gloo_group()
+
+    def resume(self) -> Path | None:
+        """Load what the run starts from (autoresume's newest intact checkpoint, else load_path); its folder or None."""
+        config = self.config
+        path = resume_or_load(
+            self.state,
+            save_folder=self.save_folder,
+            load_path=self.load_path,
+            weights_only=config.load_weights_only,
+            autoresume=config.autoresume,
+            callbacks=self.engine.callbacks,
+            algorithms=self.engine.algorithms,
+        )
+        if path is not None:
+            self._loaded(path)
+            self.engine.logger.log_text(
+                f"Loaded checkpoint {public_location(path)} at batch {self.state.timestamp.batch}."
+            )
+        return path
+
+    def after_batch(self, since: Timestamp) -> None:
+        """Save if the batch that began at ``since`` crossed a multiple of save_interval."""
+        if self.save_interval.due(self.state, since=since):
+            self.save(Event.BATCH_CHECKPOINT)
+
+    def after_epoch(self, since: Timestamp) -> None:
+        """Save if save_interval is in epochs and the epoch that ended after ``since`` crossed one of its multiples."""
+        if self.save_interval.due(self.state, epoch_end=True, since=since):
+            self.save(Event.EPOCH_CHECKPOINT)
+
+    def at_fit_end(self) -> None:
+        """Checkpoint the final model unless the last batch already did; wait until every checkpoint is published
+        (and uploaded)."""
+        if self.save_folder and self.last_save_batch != self.state.timestamp.batch:
+            self.save(Event.BATCH_CHECKPOINT)
+        self.publish_pending()
+        self.wait_for_uploads()
 
     def save(self, event: Event) -> None:
         """Start a checkpoint of the current state; ``event`` fires once it is published."""
@@ -113,7 +149,7 @@ class CheckpointSaver:
         self.publish_pending()  # one write at a time
         if self.uploader is not None:
             self.uploader.wait()  # one upload at a time, and every rank counts the same failures
-        store_down = self.uploader is not None and self.uploader.failed_in_a_row >= self.max_failed_uploads
+        store_down = self.uploader is not None and self.uploader.failed_in_a_row >= self.config.save_max_failed_uploads
         self.engine.logger.flush()  # the metrics of the batches this checkpoint holds reach the loggers first
         self.engine.run_event(Event.BEFORE_CHECKPOINT)
         pending = start_checkpoint(
@@ -121,8 +157,8 @@ class CheckpointSaver:
             self.state,
             callbacks=self.engine.callbacks,
             algorithms=self.engine.algorithms,
-            config=self.config,
-            overwrite=self.overwrite,
+            config=self.run_config,
+            overwrite=self.config.save_overwrite,
             num_to_keep=-1 if self.uploader else self.num_to_keep,  # the uploader prunes once the store has published
             async_process_group=self._async_group,
             first_sequence=self._first_sequence,
@@ -134,18 +170,23 @@ class CheckpointSaver:
         if store_down:
             self.uploader.failed.append(pending.final_dir.name)  # not uploaded either
             raise self._upload_error(
-                f"The last {self.max_failed_uploads} checkpoints in a row could not be uploaded, so the run stops "
-                "rather than train on with nothing durable (save_max_failed_uploads)."
+                f"The last {self.config.save_max_failed_uploads} checkpoints in a row could not be uploaded, so the "
+                "run stops rather than train on with nothing durable (save_max_failed_uploads)."
             )
 
-    def loaded(self, path: Path) -> None:
+    @property
+    def num_to_keep(self) -> int:
+        return self.config.save_num_checkpoints_to_keep
+
+    def _loaded(self, path: Path) -> None:
         """The run resumed from checkpoint ``path``: if it is one of ours, fit's end need not save that batch again.
 
         If it is our newest, rank 0 also completes its publish (``latest``, retention), which a kill right
         after its rename would have left undone.
         """
         if self.save_folder and path.parent.resolve() == self.local_folder.resolve():
-            check_resumed_config(path, self.config, self.accept_config_changes)  # a relaunch trains the same way
+            # A relaunch trains what its checkpoint was trained with (or says so with autoresume_accept_changes).
+            check_resumed_config(path, self.run_config, self.config.autoresume_accept_changes)
             self.last_save_batch = self.state.timestamp.batch
             newest = latest_checkpoint(self.local_folder)
             if self.state.rank == 0 and not self.uploader and newest is not None and newest.resolve() == path.resolve():

@@ -77,28 +77,32 @@ class TrainConfig(ConsoleConfig, EvalConfig, CheckpointConfig, RunConfig):  # fi
         self.icl_seq_len = merge_alias(self.icl_seq_len, self.icl_max_seq_len, "icl_seq_len", "icl_max_seq_len")
         if self.icl_seq_len is None:
             self.icl_seq_len = self.max_seq_len
-        for loader in (self.train_loader, self.eval_loader, *self.eval_loaders):  # a `<<:` merge may drop it
-            if loader is not None and self.max_seq_len is not None:
+        for _, loader in self.loaders():  # a `<<:` merge may drop it
+            if self.max_seq_len is not None:
                 loader.dataset.setdefault("max_seq_len", self.max_seq_len)
         for name in ("model", "optimizer", "scheduler"):
             value = getattr(self, name)
             if value is not None and not value.get("name"):
                 raise ConfigError(f"'{name}.name' is missing: every {name} section names what to build.")
         check_bounds(vars(self))
-        loaders = [("train_loader", self.train_loader), ("eval_loader", self.eval_loader)]
-        for path, loader in [*loaders, *((f"eval_loaders[{i}]", each) for i, each in enumerate(self.eval_loaders))]:
-            if loader is not None:
-                check_bounds(vars(loader), path)
+        for path, loader in self.loaders():
+            check_bounds(vars(loader), path)
         positive_time(self.max_duration, "max_duration")
         if self.eval_loader is not None and self.eval_loaders:
             raise ConfigError("Both 'eval_loader' and 'eval_loaders' are set; keep one (a list under 'eval_loader').")
 
+    def loaders(self) -> list[tuple[str, LoaderConfig]]:
+        """Every loader the config sets, with its key path (``train_loader``, ``eval_loaders[1]``...)."""
+        named = [("train_loader", self.train_loader), ("eval_loader", self.eval_loader)]
+        named += [(f"eval_loaders[{index}]", loader) for index, loader in enumerate(self.eval_loaders)]
+        return [(key_path, loader) for key_path, loader in named if loader is not None]
 
-def trainer_settings(cfg: TrainConfig) -> dict[str, Any]:
-    """The keys of ``cfg`` that the Trainer takes as they are: every field of ``TRAINER_SECTIONS``."""
-    return {
-        field.name: getattr(cfg, field.name) for section in TRAINER_SECTIONS for field in dataclasses.fields(section)
-    }
+
+def trainer_settings(cfg: TrainConfig, without: type | None = None) -> dict[str, Any]:
+    """The keys of ``cfg`` that the Trainer takes as they are: every field of ``TRAINER_SECTIONS`` (but the
+    section ``without``, which the caller hands over whole)."""
+    sections = [section for section in TRAINER_SECTIONS if section is not without]
+    return {field.name: getattr(cfg, field.name) for section in sections for field in dataclasses.fields(section)}
 
 
 def merge_alias(value: Any, alias_value: Any, key: str, alias: str) -> Any:

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from foundry import registry
-from foundry.checkpoint import latest_checkpoint
-from foundry.checkpoint.owner import check_save_folder_owner
+from foundry.checkpoint.config import CheckpointConfig
+from foundry.checkpoint.saver import Checkpointer
 from foundry.config import TrainConfig, trainer_settings
 from foundry.core import seed_everything
-from foundry.core.paths import check_writable_folder, is_object_store_url
 from foundry.data import load_tokenizer
 from foundry.data.config import LoaderConfig, TokenizerConfig
 from foundry.distributed import env
@@ -29,19 +27,19 @@ from foundry.models.build import build_model
 from foundry.models.lora_checkpoint import has_pretrained_base
 from foundry.optim.optimizers import check_hyperparameters
 from foundry.registry import bound_component, build_components, component_factory
-from foundry.run_config import fill_run_name, is_generated_run_name
+from foundry.schema import config_to_dict
 from foundry.trainer import Trainer
-from foundry.yaml_config import config_to_dict
 
 
 def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -> Trainer:
     """Build every component of ``cfg`` and the Trainer that runs them.
 
+
     Args:
         cfg: the typed config (``foundry.config.load_train_config``).
         resolved: the resolved YAML, stored in checkpoints and sent to loggers (default: ``cfg`` as a dict).
     """
-    check_config(cfg)
+    checkpointer = check_config(cfg)
     device_batch_size = device_train_batch_size(cfg.global_train_batch_size, env.get_world_size())
     if cfg.device:
         torch_device(cfg.device)
@@ -52,6 +50,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
     scheduler = component_factory(registry.schedulers, cfg.scheduler, "scheduler")() if cfg.scheduler else None
     optimizer_factory = component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",))
     check_hyperparameters(optimizer_factory.keywords)
+    check_datasets(cfg)  # a wrong data folder is named before the tokenizer that may sit inside it is read
     tokenizer = build_tokenizer(cfg.tokenizer)
     train_dataloader = build_dataloader(cfg.train_loader, tokenizer, device_batch_size, "train_loader")
     eval_dataloaders = build_eval_dataloaders(cfg, tokenizer)
@@ -69,15 +68,17 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
         tokenizer=tokenizer,
         fsdp_config=cfg.fsdp_config,
         config=dict(resolved) if resolved is not None else config_to_dict(cfg),
-        **trainer_settings(cfg),
+        checkpointer=checkpointer,
+        **trainer_settings(cfg, without=CheckpointConfig),
     )
 
 
-def check_config(cfg: TrainConfig) -> None:
-    """The checks of ``build_trainer`` that build nothing: values that cannot work, paths, every component's
-    name and arguments. ``foundry train --print-config`` runs them too."""
+def check_config(cfg: TrainConfig) -> Checkpointer:
+    """The checks of ``build_trainer`` before it builds anything: values that cannot work, every component's name
+    and arguments, and the checkpoint section, whose ``Checkpointer`` (save_folder and load_path checked) is
+    returned for the Trainer. ``foundry train --print-config`` runs them too."""
     _check_hand_over(cfg)
-    _check_checkpoint_paths(cfg)
+    checkpointer = Checkpointer(cfg, cfg.run_name)
     _check_adapters_only_base(cfg)
     _check_sections(cfg)
     _check_packing(cfg)
@@ -93,6 +94,17 @@ def check_config(cfg: TrainConfig) -> None:
     if cfg.optimizer:
         optimizer = component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",))
         check_hyperparameters(optimizer.keywords)
+    return checkpointer
+
+
+def check_datasets(cfg: TrainConfig) -> None:
+    """Each loader's ``check_dataset(dataset, key_path)``, where its registered builder carries one: a cheap check
+    of its ``dataset`` section (the ``text`` loader's: the local folder exists), run before the tokenizer loads."""
+    for key_path, loader in cfg.loaders():
+        known = loader.name in registry.dataloaders  # an unknown name is reported with its key by build_dataloader
+        check_dataset = getattr(registry.dataloaders.get(loader.name), "check_dataset", None) if known else None
+        if check_dataset is not None:
+            check_dataset(loader.dataset, f"{key_path}.dataset")
 
 
 def torch_device(name: str) -> Any:
@@ -184,10 +196,8 @@ def _check_packing(cfg: TrainConfig) -> None:
     """Packed finetuning rows need a model that masks attention between examples; hf_causal_lm cannot."""
     if cfg.model.get("name") != "hf_causal_lm":
         return
-    loaders = [("train_loader", cfg.train_loader), ("eval_loader", cfg.eval_loader)]
-    loaders += [(f"eval_loaders[{i}]", loader) for i, loader in enumerate(cfg.eval_loaders)]
-    for key, loader in loaders:
-        ratio = loader.dataset.get("packing_ratio") if loader is not None else None
+    for key, loader in cfg.loaders():
+        ratio = loader.dataset.get("packing_ratio")
         if ratio not in (None, 1, 1.0):
             raise ConfigError(
                 f"'{key}.dataset.packing_ratio' is {ratio!r}, which packs several examples per row, but hf_causal_lm "
@@ -195,26 +205,6 @@ def _check_packing(cfg: TrainConfig) -> None:
                 "sees the ones before it). Remove packing_ratio, or train mpt_causal_lm / llama_causal_lm with "
                 "attn_config.attn_uses_sequence_id: true, which mask them."
             )
-
-
-def _check_checkpoint_paths(cfg: TrainConfig) -> None:
-    """save_folder must be writable and load_path must exist now, not after the model and data are built."""
-    # Object-store folders are checked when the Trainer reaches the store (bucket, credentials).
-    save_folder = fill_run_name(cfg.save_folder, cfg.run_name)
-    on_store = is_object_store_url(save_folder)
-    load_path = fill_run_name(cfg.load_path, cfg.run_name)
-    if save_folder and not on_store:
-        check_writable_folder(save_folder, "save_folder")
-        named = not is_generated_run_name(cfg.run_name)
-        options = {"autoresume": cfg.autoresume, "overwrite": cfg.save_overwrite, "load_path": load_path}
-        check_save_folder_owner(save_folder, cfg.run_name, named=named, **options)
-    resumes = cfg.autoresume and save_folder and (on_store or latest_checkpoint(save_folder) is not None)
-    if load_path and not resumes and not is_object_store_url(load_path) and not Path(load_path).exists():
-        raise ConfigError(
-            f"'load_path' is '{load_path}', where nothing exists. Give a checkpoint folder (e.g. "
-            "<save_folder>/ep0-ba100) or the save_folder of a run that saved one, or remove load_path to start from "
-            "fresh weights."
-        )
 
 
 def _check_hand_over(cfg: TrainConfig) -> None:

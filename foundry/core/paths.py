@@ -8,6 +8,7 @@ import secrets
 import urllib.parse
 from pathlib import Path
 
+from foundry.core.run_name import fill_run_name
 from foundry.errors import ConfigError, FoundryError
 
 _URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -92,4 +93,4 @@ def check_writable_folder(path: str | Path, key: str) -> None:
 
 def run_subfolder(template: str, run_folder: str | None, run_name: str) -> Path:
     """A callback's output folder: ``{run_folder}`` (``.`` when unset) and ``{run_name}`` filled in."""
-    return Path(template.replace("{run_folder}", run_folder or ".").replace("{run_name}", run_name))
+    return Path(fill_run_name(template.replace("{run_folder}", run_folder or "."), run_name))

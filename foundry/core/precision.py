@@ -15,10 +15,17 @@ from foundry.errors import ConfigError
 
 
 def check_precision(precision: str | Precision, device: torch.device) -> Precision:
-    """``precision`` as a ``Precision``, refusing a name foundry does not know or one ``device`` cannot run."""
+    """The ``Precision`` a run on ``device`` computes in: ``auto`` becomes amp_bf16 on a GPU and fp32 elsewhere;
+    a name foundry does not know, or one ``device`` cannot run, is refused.
+
+    ``auto`` is fp32 on a CPU because bf16 autocast there is an order of magnitude slower than fp32 on
+    most CPUs (no bf16 matmul units): a tiny MPT's batch takes minutes instead of seconds.
+    """
     if precision not in PRECISIONS:
         raise ConfigError(f"precision is {precision!r}; choose one of {', '.join(PRECISIONS)}.")
     precision = Precision(precision)
+    if precision == Precision.AUTO:
+        return Precision.AMP_BF16 if device.type == "cuda" else Precision.FP32
     if precision == Precision.AMP_FP16 and device.type != "cuda":
         raise ConfigError(
             f"precision 'amp_fp16' needs a CUDA device (this run is on {device.type}); use 'amp_bf16' or 'fp32'."

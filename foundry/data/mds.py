@@ -11,8 +11,9 @@ import atexit
 import contextlib
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from foundry.errors import ConfigError, DataError
@@ -42,6 +43,21 @@ def build_checked_streams(config: Any, key_path: str) -> list[Stream] | None:
     for local, remote, split in _stream_locations(config):
         _check_local_split(local, remote, split, key_path)
     return streams
+
+
+def check_local_dataset(dataset: Mapping[str, Any], key_path: str) -> None:
+    """A loader's ``dataset`` section (``key_path``) that reads a local MDS folder without a remote: the folder
+    must exist. Cheap, so ``foundry train`` runs it before loading the tokenizer that may live beside the data."""
+    if "local" not in dataset and not dataset.get("streams"):
+        return
+    config = SimpleNamespace(
+        streams=dataset.get("streams"),
+        local=dataset.get("local"),
+        remote=dataset.get("remote") or None,
+        split=dataset.get("split"),
+    )
+    for local, remote, split in _stream_locations(config):
+        _check_local_split(local, remote, split, key_path)
 
 
 def _build_streams(config: Any, key_path: str) -> list[Stream] | None:
@@ -78,9 +94,11 @@ def _check_local_split(local: str | None, remote: str | None, split: str | None,
     split_dir = root / split if split else root
     if not root.is_dir():
         raise DataError(
-            f"No dataset at '{local}' (split '{split}'): the folder does not exist and '{key_path}.remote' is empty. "
-            f"Create it with 'foundry data convert <files> --out {local} --concat-tokens <max_seq_len>', "
-            f"or set '{key_path}.remote' to where the dataset is stored."
+            f"No dataset at '{local}' ('{key_path}.local', split '{split}'): the folder does not exist and "
+            f"'{key_path}.remote' is empty. If the data is elsewhere, point '{key_path}.local' at it (in a YAML "
+            f"that sets it through variables, e.g. variables.data_local); to create it, run 'foundry data convert "
+            f"<files> --out {local} --concat-tokens <max_seq_len>'; or set '{key_path}.remote' to where the "
+            "dataset is stored."
         )
     if not (split_dir / "index.json").is_file():
         splits = sorted(child.name for child in root.iterdir() if (child / "index.json").is_file())

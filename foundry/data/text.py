@@ -36,7 +36,7 @@ from foundry import registry
 from foundry.core.bounds import check_bounds
 from foundry.data.collate import collate_lm_samples
 from foundry.data.config import LOADER_DEFAULTS
-from foundry.data.mds import build_checked_streams, import_streaming
+from foundry.data.mds import build_checked_streams, check_local_dataset, import_streaming
 from foundry.errors import ConfigError
 from foundry.schema import parse_dataclass
 
@@ -162,6 +162,11 @@ def build_text_dataloader(
         persistent_workers=persistent_workers and use_workers,
         timeout=timeout,
     )
+
+
+# Run by `foundry train` before the tokenizer loads: a wrong data folder is named as such, not as the tokenizer
+# that a YAML keeps inside it (LLM Foundry's and the quickstart's ${data_local}/tokenizer).
+build_text_dataloader.check_dataset = check_local_dataset
 
 
 def _reject_sequence_ids(config: TextDatasetConfig, key_path: str) -> None:

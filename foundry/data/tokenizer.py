@@ -108,6 +108,8 @@ def _looks_like_path(name: str) -> bool:
 def _load_failure(name: str, reason: str) -> str:
     return (
         f"Cannot load tokenizer '{name}' ({reason}). Point tokenizer.name at a local tokenizer directory "
-        f"(one holding tokenizer.json and tokenizer_config.json, e.g. ../shared/data/tokenizers/gpt-neox-20b), "
-        f"or let 'foundry data convert --concat-tokens N' train one into <out>/tokenizer."
+        "(one holding tokenizer.json and tokenizer_config.json: the <out>/tokenizer that 'foundry data convert "
+        "--concat-tokens N' trains, or a Hub tokenizer saved once with AutoTokenizer.from_pretrained(NAME)"
+        ".save_pretrained(DIR) on a machine with internet), or name a Hub id (downloaded on first use; offline, "
+        "only one already in the Hugging Face cache loads)."
     )

@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -185,6 +186,30 @@ def _quiet_child_thread_warning() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(quiet)
+
+
+def check_local_ranks(nproc: int, device: str | None) -> None:
+    """Refuse ``--nproc`` beyond one rank per GPU (per CPU core when the run is on the CPU), naming the count.
+
+    Two ranks on one GPU fail in NCCL; ranks beyond the cores only take turns on them, slower than fewer
+    ranks, until a collective times out. ``device``: the run's ``device`` key (None: a GPU if there is one).
+    """
+    gpus = torch.cuda.device_count() if device is None or not device.startswith("cpu") else 0
+    if gpus:
+        if nproc > gpus:
+            raise ConfigError(
+                f"--nproc {nproc} starts {nproc} ranks on this machine, which has {gpus} GPU(s): each rank needs a "
+                f"GPU of its own. Use --nproc {gpus} or fewer, or add machines with --nnodes (docs/DISTRIBUTED.md)."
+            )
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if nproc > cores:
+        raise ConfigError(
+            f"--nproc {nproc} starts {nproc} ranks on this machine's CPU, which has {cores} core(s) for this process "
+            f"and no GPU{' in use (device: cpu)' if device else ''}: ranks beyond one per core only take turns on the "
+            f"cores, slower than fewer ranks, until a collective times out. Use --nproc {cores} or fewer, or run on "
+            "machines with GPUs (one rank per GPU)."
+        )
 
 
 def killed_rank_message(rank: int, world_size: int, signal_name: str) -> str:

@@ -17,6 +17,8 @@ from typing import Any
 from torch import nn
 
 from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint, resolve_checkpoint_path
+from foundry.convert.commands import from_hf_model
+from foundry.convert.foundry_mpt import is_foundry_export
 from foundry.convert.llmfoundry_mpt import is_llm_foundry_mpt_export, load_export_tokenizer, load_llm_foundry_export
 from foundry.core.paths import is_object_store_url
 from foundry.data import load_tokenizer
@@ -36,9 +38,17 @@ class LoadedModel:
 
 
 def load_model(
-    path: str | Path, name: str | None = None, attn_implementation: str | None = None, trust_remote_code: bool = False
+    path: str | Path,
+    name: str | None = None,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    tokenizer: Any = None,
 ) -> LoadedModel:
     """The model (on CPU, weights loaded) and tokenizer stored at ``path``.
+
+    ``tokenizer`` (a tokenizer, or a directory or Hub name) replaces the stored one. A foundry checkpoint
+    whose run had no tokenizer (pre-tokenized batches) loads with tokenizer None; what needs one (ICL
+    eval, generation) says so.
 
     ``attn_implementation`` applies to Hugging Face directories (transformers' names: ``sdpa``, ``eager``,
     ...; None picks ``sdpa`` where the model's class implements it, else ``eager``); a foundry
@@ -47,16 +57,59 @@ def load_model(
     refused, except an LLM Foundry MPT export, which loads as foundry's MPT without running any of it.
     """
     if not is_object_store_url(str(path)):  # a URL is resolved (downloaded) as given: Path() would mangle it
+        check_model_path(path)
         path = Path(path).expanduser()
         if is_hf_directory(path):
-            return _load_hf_directory(path, name or path.name, attn_implementation, trust_remote_code)
+            loaded = _load_hf_directory(path, name or path.name, attn_implementation, trust_remote_code)
+            return dataclasses.replace(loaded, tokenizer=_given_tokenizer(tokenizer) or loaded.tokenizer)
 
     folder, config = resolve_checkpoint(path)
-    if not isinstance(config.get("tokenizer"), Mapping):
-        raise ConfigError(f"Checkpoint {folder} names no tokenizer in its config; it cannot be evaluated on text.")
     model = load_checkpoint_model(folder, config["model"])
-    return LoadedModel(
-        name or _checkpoint_name(Path(path), folder), model, _tokenizer(config["tokenizer"]), _max_seq_len(model)
+    stored = config.get("tokenizer")
+    given = _given_tokenizer(tokenizer)
+    if given is None and isinstance(stored, Mapping):
+        given = _tokenizer(stored)
+    return LoadedModel(name or _checkpoint_name(Path(path), folder), model, given, _max_seq_len(model))
+
+
+def _given_tokenizer(tokenizer: Any) -> Any:
+    """A tokenizer passed as an object, or loaded from its directory or Hub name."""
+    return _tokenizer({"name": str(tokenizer)}) if isinstance(tokenizer, (str, Path)) else tokenizer
+
+
+def require_tokenizer(loaded: LoadedModel, purpose: str) -> Any:
+    """``loaded.tokenizer``, or an error saying how to give one: a checkpoint from pre-tokenized batches has none."""
+    if loaded.tokenizer is None:
+        raise ConfigError(
+            f"{loaded.name} has no tokenizer (its run's config names no tokenizer.name: it trained on pre-tokenized "
+            f"batches), so it cannot {purpose}. Pass the tokenizer it was trained with: "
+            "foundry.load_model(path, tokenizer=DIR_OR_NAME), or export it with `foundry convert to-hf CKPT OUT "
+            "--tokenizer DIR_OR_NAME` and evaluate OUT."
+        )
+    return loaded.tokenizer
+
+
+def check_model_path(path: str | Path) -> None:
+    """A ``ConfigError`` saying what ``path`` is and what to pass instead, unless something is there (or it is
+    an object-store URL, fetched when loaded)."""
+    given = str(path)
+    if not is_object_store_url(given) and not Path(given).expanduser().exists():
+        raise ConfigError(_nothing_at(given))
+
+
+def _nothing_at(given: str) -> str:
+    """Why a model path that does not exist cannot load, and what to pass instead."""
+    what = f"No model at '{given}': there is no such file or folder (looked in {Path(given).resolve().parent})."
+    models = (
+        "Models are read from disk, never downloaded: a foundry checkpoint, a save_folder, or a Hugging Face model "
+        "directory."
+    )
+    if given.startswith(("/", ".", "~")) or given.count("/") > 1:
+        return f"{what} {models} Check the path."
+    return (
+        f"{what} '{given}' reads as a Hugging Face Hub id, not a local folder. {models} On a machine with internet, "
+        f"save it once with `hf download {given} --local-dir models/{given}` (or transformers' save_pretrained) "
+        f"and pass models/{given}."
     )
 
 
@@ -83,9 +136,13 @@ def build_model_entry(entry: Mapping[str, Any], key_path: str) -> LoadedModel:
 
 
 def _load_hf_directory(path: Path, name: str, attn_implementation: str | None, trust_remote_code: bool) -> LoadedModel:
-    if is_llm_foundry_mpt_export(json.loads((path / "config.json").read_text())):
-        model, _ = load_llm_foundry_export(path)
-        return LoadedModel(name, model, load_export_tokenizer(path), _max_seq_len(model))
+    raw_config = json.loads((path / "config.json").read_text())
+    if is_llm_foundry_mpt_export(raw_config) or is_foundry_export(raw_config):  # foundry's MPT, their code never runs
+        model, _ = load_llm_foundry_export(path) if is_llm_foundry_mpt_export(raw_config) else from_hf_model(path)
+        has_tokenizer = (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file()
+        return LoadedModel(
+            name, model.eval(), load_export_tokenizer(path) if has_tokenizer else None, _max_seq_len(model)
+        )
     model = HFCausalLM(
         pretrained_model_name_or_path=str(path),
         attn_implementation=attn_implementation,

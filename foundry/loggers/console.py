@@ -98,7 +98,7 @@ class ConsoleLogger(LoggerDestination):
                 self._print_due()
             elif self._bar is not None:  # the bar shows the newest loss, not the one of the last interval
                 self._bar.set_postfix(ordered_dict=self._bar_values(), refresh=True)
-        eval_metrics = {key: value for key, value in metrics.items() if key.startswith("metrics/")}
+        eval_metrics = {key: value for key, value in metrics.items() if _is_eval_line_metric(key)}
         if eval_metrics:
             self._write(f"[eval @ batch {step}] " + _join({key: f"{v:.4f}" for key, v in eval_metrics.items()}))
 
@@ -232,6 +232,17 @@ def format_duration(seconds: float) -> str:
     minutes, secs = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+# LLM Foundry's names for the train metrics, and for the eval loss and perplexity the line already shows: they
+# reach metrics.jsonl and the other loggers, not the console (docs/LOGGING.md).
+_NOT_ON_THE_EVAL_LINE = ("/LanguageCrossEntropy", "/LanguagePerplexity")
+
+
+def _is_eval_line_metric(key: str) -> bool:
+    return (
+        key.startswith("metrics/") and not key.startswith("metrics/train/") and not key.endswith(_NOT_ON_THE_EVAL_LINE)
+    )
 
 
 def _is_summary_loss(key: str) -> bool:

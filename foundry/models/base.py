@@ -17,7 +17,7 @@ from torch import nn
 from foundry import registry
 from foundry.batches import IGNORE_INDEX, batch_num_samples
 from foundry.checkpoint.hooks import CheckpointHooks
-from foundry.yaml_config import config_to_dict
+from foundry.schema import config_to_dict
 
 
 class FoundryModel(nn.Module):
@@ -47,6 +47,18 @@ class FoundryModel(nn.Module):
     def eval_metrics_from_loss(self, loss: float) -> dict[str, float]:
         """Eval metrics derived from the token-weighted eval loss."""
         return {"loss": loss}
+
+    def correct_predictions(self, outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor | None:
+        """How many of the batch's loss units the outputs predict exactly (a tensor on device), or None when the
+        model cannot tell (it then logs no ``TokenAccuracy``)."""
+        del outputs, batch
+        return None
+
+    def llm_foundry_metrics(self, loss: torch.Tensor, correct: torch.Tensor | None, weight: torch.Tensor) -> dict:
+        """The metrics LLM Foundry (Composer) logs for this model, by its names, from the mean ``loss`` over
+        ``weight`` loss units of which ``correct`` were predicted; none for a model that is not a language model."""
+        del loss, correct, weight
+        return {}
 
     def model_section(self) -> dict[str, Any] | None:
         """``{"name": <registered name>, **config}``: what rebuilds this model, stored in its checkpoints.
@@ -114,6 +126,21 @@ class CausalLM(FoundryModel):
 
     def eval_metrics_from_loss(self, loss: float) -> dict[str, float]:
         return {"loss": loss, "perplexity": math.exp(min(loss, 80.0))}
+
+    def correct_predictions(self, outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor | None:
+        """Target tokens the logits' argmax predicts; None for a fused loss's outputs, which hold no logits."""
+        if isinstance(outputs, LossOutput):
+            return None
+        logits = outputs.logits if hasattr(outputs, "logits") else outputs
+        targets = shifted_targets(batch)
+        return ((logits.argmax(dim=-1) == targets) & (targets != IGNORE_INDEX)).sum()
+
+    def llm_foundry_metrics(self, loss: torch.Tensor, correct: torch.Tensor | None, weight: torch.Tensor) -> dict:
+        """Composer's ``LanguageCrossEntropy``, ``LanguagePerplexity`` and ``TokenAccuracy`` (without logits, none)."""
+        metrics = {"LanguageCrossEntropy": loss, "LanguagePerplexity": torch.exp(loss.clamp(max=80.0))}
+        if correct is not None:
+            metrics["TokenAccuracy"] = correct / weight.clamp(min=1)
+        return metrics
 
 
 def shifted_targets(batch: Mapping[str, Any]) -> torch.Tensor:

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,13 +27,15 @@ MPT_ALL_KERNELS = {
 MODELS = {"mpt": (MPTCausalLM, MPT_ALL_KERNELS), "llama": (LlamaCausalLM, {**TINY_LLAMA, "max_seq_len": 16})}
 
 
-@pytest.fixture
-def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(scope="module")
+def triton_interpreter() -> Iterator[None]:
     """Kernels compiled where there is a GPU (the Trainer then trains there); Triton's interpreter on a CPU."""
-    if torch.cuda.is_available():
-        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    else:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        if torch.cuda.is_available():
+            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        else:
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+        yield
 
 
 class _RecordLoss(Callback):
@@ -42,32 +46,63 @@ class _RecordLoss(Callback):
         self.losses.append(state.loss.item())
 
 
-def _train(folder: Path, family: str, fused: bool, **trainer_keys) -> tuple[list[float], torch.nn.Module]:
+@dataclass
+class Run:
+    losses: list[float]
+    model: torch.nn.Module
+    checkpoint: Path  # the save_folder holding its checkpoint after the last batch
+
+
+def _train(folder: Path, family: str, fused: bool) -> Run:
+    """Two batches (the second after an optimizer step through the kernels' backward), saved at the end."""
     model_class, keys = MODELS[family]
     torch.manual_seed(0)
     model = model_class(keys)
     recorder = _RecordLoss()
     Trainer(
         model=model,
-        train_dataloader=token_batches(3, batch_size=2, seq_len=16, vocab_size=96),
-        max_duration="3ba",
+        train_dataloader=token_batches(2, batch_size=2, seq_len=16, vocab_size=96),
+        max_duration="2ba",
         algorithms=[FusedKernels()] if fused else [],
         callbacks=[recorder],
-        run_folder=str(folder),
+        run_folder=str(folder / "run"),
+        save_folder=str(folder / "checkpoints"),
+        save_interval="2ba",
         log_to_console=False,
         precision="fp32",  # the kernels' losses are compared with PyTorch's within fp32 round-off
-        **trainer_keys,
     ).fit()
-    return recorder.losses, model
+    return Run(recorder.losses, model, folder / "checkpoints")
 
 
-@pytest.mark.usefixtures("triton_interpreter")
+@pytest.fixture(scope="module")
+def runs(triton_interpreter, tmp_path_factory) -> Callable[[str, bool], Run]:
+    """``runs(family, fused)``: each family's run with and without the kernels, trained once for the module."""
+    cache: dict[tuple[str, bool], Run] = {}
+
+    def get(family: str, fused: bool) -> Run:
+        if (family, fused) not in cache:
+            cache[family, fused] = _train(tmp_path_factory.mktemp(f"{family}-{fused}"), family, fused)
+        return cache[family, fused]
+
+    return get
+
+
 @pytest.mark.parametrize("family", ["mpt", "llama"])
-def test_fused_kernels_train_to_the_same_losses(tmp_path: Path, family: str) -> None:
-    plain_losses, _ = _train(tmp_path / "plain", family, fused=False)
-    fused_losses, fused_model = _train(tmp_path / "fused", family, fused=True)
-    assert sum(isinstance(m, FusedNorm) for m in fused_model.modules()) == 2 * 2 + 1  # two per block + final
-    torch.testing.assert_close(torch.tensor(fused_losses), torch.tensor(plain_losses), rtol=1e-5, atol=0)
+def test_fused_kernels_train_to_the_same_losses(runs, family: str) -> None:
+    plain, fused = runs(family, fused=False), runs(family, fused=True)
+    assert sum(isinstance(m, FusedNorm) for m in fused.model.modules()) == 2 * 2 + 1  # two per block + final
+    torch.testing.assert_close(torch.tensor(fused.losses), torch.tensor(plain.losses), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("saved_fused", [True, False])
+def test_checkpoints_load_with_or_without_the_algorithm(runs, tmp_path: Path, saved_fused: bool) -> None:
+    saved = runs("llama", fused=saved_fused)
+    model_class, keys = MODELS["llama"]
+    loaded = model_class(keys)
+    Trainer(model=loaded, algorithms=[FusedKernels()] if not saved_fused else [], load_path=str(saved.checkpoint),
+            run_folder=str(tmp_path / "load"), log_to_console=False)  # fmt: skip
+    for (name, want), (_, got) in zip(saved.model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
 
 
 def test_fusing_keeps_parameter_names_and_objects() -> None:
@@ -78,19 +113,6 @@ def test_fusing_keeps_parameter_names_and_objects() -> None:
     after = dict(model.named_parameters())
     assert after.keys() == before.keys()
     assert all(after[name] is before[name] for name in before)
-
-
-@pytest.mark.usefixtures("triton_interpreter")
-@pytest.mark.parametrize("saved_fused", [True, False])
-def test_checkpoints_load_with_or_without_the_algorithm(tmp_path: Path, saved_fused: bool) -> None:
-    _, saved = _train(tmp_path / "save", "llama", fused=saved_fused, save_folder=str(tmp_path / "ckpt"),
-                      save_interval="3ba")  # fmt: skip
-    model_class, keys = MODELS["llama"]
-    loaded = model_class(keys)
-    Trainer(model=loaded, algorithms=[FusedKernels()] if not saved_fused else [], load_path=str(tmp_path / "ckpt"),
-            run_folder=str(tmp_path / "load"), log_to_console=False)  # fmt: skip
-    for (name, want), (_, got) in zip(saved.state_dict().items(), loaded.state_dict().items(), strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
 
 
 def test_cpu_without_the_interpreter_falls_back_with_one_warning(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

@@ -12,20 +12,24 @@ from foundry.models import LlamaCausalLM, MPTCausalLM
 from foundry.models.layers import LowPrecisionLayerNorm, LowPrecisionRMSNorm
 
 
-def test_layernorms_become_low_precision_with_the_same_parameters():
-    model = MPTCausalLM({**TINY_MPT, "norm_type": "layernorm"})
+@pytest.mark.parametrize(
+    ("model", "low_precision_norm"),
+    [
+        (lambda: MPTCausalLM({**TINY_MPT, "norm_type": "layernorm"}), LowPrecisionLayerNorm),
+        (lambda: LlamaCausalLM(TINY_LLAMA), LowPrecisionRMSNorm),
+    ],
+    ids=["layernorm", "rmsnorm"],
+)
+def test_every_norm_becomes_low_precision_with_the_same_parameters(model, low_precision_norm):
+    model = model()
     before = {name: p.clone() for name, p in model.named_parameters()}
-    assert to_low_precision_norms(model) == 2 * TINY_MPT["n_layers"] + 1
-    assert isinstance(model.transformer.norm_f, LowPrecisionLayerNorm)
+    assert to_low_precision_norms(model) == 2 * TINY_MPT["n_layers"] + 1  # two per block and the final one
+    norms = {name: type(module) for name, module in model.named_modules() if name.rsplit(".", 1)[-1].startswith("norm")}
+    assert len(norms) == 2 * TINY_MPT["n_layers"] + 1
+    assert set(norms.values()) == {low_precision_norm}
     after = dict(model.named_parameters())
     assert before.keys() == after.keys()
     assert all(torch.equal(before[name], after[name]) for name in before)
-
-
-def test_rmsnorms_become_low_precision():
-    model = LlamaCausalLM(TINY_LLAMA)
-    to_low_precision_norms(model)
-    assert isinstance(model.transformer.norm_f, LowPrecisionRMSNorm)
 
 
 def test_fp32_losses_are_unchanged(train):

@@ -7,16 +7,19 @@ does, without inductor's C++/Triton code generation, which takes minutes on a 2-
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.registry import lookup_backend
 
 from foundry.algorithms import TorchCompile
 from foundry.algorithms.torch_compile import from_compile_config
 from foundry.core import LoggerDestination
 from foundry.errors import ConfigError
 from foundry.trainer import Trainer
+from tests.algorithms.conftest import train_tiny_mpt
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -40,23 +43,86 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def test_compiled_blocks_train_to_the_same_losses(train):
-    _, eager = train()
-    _, compiled = train([TorchCompile(backend="aot_eager", compile_loss=True)])
-    assert compiled == pytest.approx(eager, rel=1e-5)
+class Recorder(LoggerDestination):
+    """The metrics and texts a run logs."""
+
+    def __init__(self):
+        self.metrics, self.texts = [], []
+
+    def log_metrics(self, metrics, step):
+        self.metrics.append(metrics)
+
+    def log_text(self, text):
+        self.texts.append(text)
 
 
-def test_compile_keeps_parameter_names(train):
-    trainer, _ = train([TorchCompile(backend="aot_eager")], num_batches=1)
-    names = [name for name, _ in trainer.state.model.named_parameters()]
+@dataclass
+class CompiledRun:
+    """One compiled training run that several tests inspect (compiling is most of a test's time on a CPU)."""
+
+    trainer: Trainer
+    losses: list[float]
+    recorder: Recorder
+    graphs: list  # each graph the backend was handed, in order
+    warnings: list[warnings.WarningMessage]
+
+
+def _compiled_run(tmp_path_factory, scope: str, **compile_keys) -> CompiledRun:
+    graphs = []
+
+    def counting_aot_eager(graph, example_inputs):
+        graphs.append(graph)
+        return lookup_backend("aot_eager")(graph, example_inputs)
+
+    torch._dynamo.reset()
+    recorder = Recorder()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, losses = train_tiny_mpt(
+            [TorchCompile(backend=counting_aot_eager, scope=scope, **compile_keys)],
+            tmp_path=tmp_path_factory.mktemp(scope),
+            loggers=[recorder],
+        )
+    return CompiledRun(trainer, losses, recorder, graphs, caught)
+
+
+@pytest.fixture(scope="module")
+def eager_losses(tmp_path_factory) -> list[float]:
+    return train_tiny_mpt(tmp_path=tmp_path_factory.mktemp("eager"))[1]
+
+
+@pytest.fixture(scope="module")
+def compiled_blocks(tmp_path_factory) -> CompiledRun:
+    """Each block compiled, and the loss: 3 batches."""
+    return _compiled_run(tmp_path_factory, "blocks", compile_loss=True)
+
+
+@pytest.fixture(scope="module")
+def compiled_model(tmp_path_factory) -> CompiledRun:
+    """The whole model compiled: 3 batches."""
+    return _compiled_run(tmp_path_factory, "model")
+
+
+def test_compiled_blocks_train_to_the_same_losses(compiled_blocks, eager_losses):
+    assert compiled_blocks.graphs and compiled_blocks.losses == pytest.approx(eager_losses, rel=1e-5)
+
+
+def test_compile_keeps_parameter_names(compiled_blocks):
+    names = [name for name, _ in compiled_blocks.trainer.state.model.named_parameters()]
     assert "transformer.blocks.0.attn.Wqkv.weight" in names
     assert not any("_orig_mod" in name for name in names)
 
 
-def test_every_block_forward_is_compiled(train):
-    trainer, _ = train([TorchCompile(backend="aot_eager")], num_batches=1)
-    blocks = trainer.state.model.transformer.blocks
+def test_every_block_forward_is_compiled(compiled_blocks):
+    blocks = compiled_blocks.trainer.state.model.transformer.blocks
     assert all("forward" in vars(block) for block in blocks)  # an instance attribute: the compiled function
+
+
+def test_compile_time_is_logged_once(compiled_blocks):
+    recorder = compiled_blocks.recorder
+    compile_times = [m["time/compile_s"] for m in recorder.metrics if "time/compile_s" in m]
+    assert len(compile_times) == 1 and compile_times[0] > 0
+    assert sum("the first forward took" in text for text in recorder.texts) == 1
 
 
 def test_model_without_blocks_is_a_config_error(tiny_lm):
@@ -64,12 +130,26 @@ def test_model_without_blocks_is_a_config_error(tiny_lm):
         Trainer(model=tiny_lm, algorithms=[TorchCompile(backend="eager")], device="cpu", log_to_console=False)
 
 
-def test_whole_model_compile_trains_to_the_same_losses(train):
-    _, eager = train()
-    trainer, compiled = train([TorchCompile(backend="aot_eager", scope="model")])
-    assert compiled == pytest.approx(eager, rel=1e-5)
-    assert "forward" in vars(trainer.state.model)
-    assert not any("forward" in vars(block) for block in trainer.state.model.transformer.blocks)
+def test_whole_model_compile_trains_to_the_same_losses(compiled_model, eager_losses):
+    model = compiled_model.trainer.state.model
+    assert compiled_model.losses == pytest.approx(eager_losses, rel=1e-5)
+    assert "forward" in vars(model)
+    assert not any("forward" in vars(block) for block in model.transformer.blocks)
+
+
+def test_compiled_training_warns_about_nothing(compiled_model):
+    assert not [w for w in compiled_model.warnings if "torch.compile failed" in str(w.message)]
+
+
+def test_whole_model_compile_runs_eval_forwards_eagerly(compiled_model):
+    model, compiled_graphs = compiled_model.trainer.state.model, len(compiled_model.graphs)
+    model.eval()
+    try:
+        with torch.no_grad():
+            model({"input_ids": torch.zeros(2, 16, dtype=torch.long)})
+    finally:
+        model.train()
+    assert compiled_graphs > 0 and len(compiled_model.graphs) == compiled_graphs
 
 
 def test_whole_model_compile_runs_the_fused_loss_outside_the_graph(train):
@@ -105,46 +185,12 @@ def test_options_and_scope_reach_torch_compile(train, monkeypatch):
 
 @pytest.mark.parametrize("backend", [BROKEN_FORWARD, BROKEN_BACKWARD], ids=["forward", "backward"])
 @pytest.mark.parametrize("scope", ["blocks", "model"])
-def test_a_compiler_error_falls_back_to_eager_with_one_warning(train, backend, scope):
-    _, eager = train()
+def test_a_compiler_error_falls_back_to_eager_with_one_warning(train, eager_losses, backend, scope):
     with pytest.warns(UserWarning, match="torch.compile failed.*continues with the eager model") as caught:
         trainer, losses = train([TorchCompile(backend=backend, scope=scope, compile_loss=True)])
     assert len([w for w in caught if "torch.compile failed" in str(w.message)]) == 1
-    assert losses == pytest.approx(eager, rel=1e-6)
+    assert losses == pytest.approx(eager_losses, rel=1e-6)
     assert trainer.state.timestamp.batch == 3
-
-
-def test_whole_model_compile_runs_eval_forwards_eagerly(train):
-    calls = []
-
-    def counting_backend(graph, example_inputs):
-        calls.append(graph)
-        return graph
-
-    trainer, _ = train([TorchCompile(backend=counting_backend, scope="model")], num_batches=1)
-    compiled_graphs = len(calls)
-    trainer.state.model.eval()
-    with torch.no_grad():
-        trainer.state.model({"input_ids": torch.zeros(2, 16, dtype=torch.long)})
-    assert compiled_graphs > 0 and len(calls) == compiled_graphs
-
-
-def test_compile_time_is_logged_once(train):
-    class Recorder(LoggerDestination):
-        def __init__(self):
-            self.metrics, self.texts = [], []
-
-        def log_metrics(self, metrics, step):
-            self.metrics.append(metrics)
-
-        def log_text(self, text):
-            self.texts.append(text)
-
-    recorder = Recorder()
-    train([TorchCompile(backend="aot_eager")], num_batches=3, loggers=[recorder])
-    compile_times = [m["time/compile_s"] for m in recorder.metrics if "time/compile_s" in m]
-    assert len(compile_times) == 1 and compile_times[0] > 0
-    assert sum("the first forward took" in text for text in recorder.texts) == 1
 
 
 def test_compile_config_auto_compiles_only_on_a_gpu():
@@ -166,9 +212,3 @@ def test_compile_config_mapping_sets_the_algorithm_keys():
 def test_compile_config_typo_names_the_key():
     with pytest.raises(ConfigError, match=r"'compile_config\.scop'.*Did you mean 'scope'"):
         from_compile_config({"scop": "model"}, CUDA, sharded=False)
-
-
-def test_compiled_training_warns_about_nothing(train):
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", "torch.compile failed")
-        train([TorchCompile(backend="aot_eager", scope="model")], num_batches=1)

@@ -1,37 +1,22 @@
-"""End to end: the monitors' metrics reach metrics.jsonl through a real Trainer run (skipped until it exists)."""
+"""End to end: the monitors' metrics reach metrics.jsonl through a real Trainer run."""
 
 from __future__ import annotations
 
 import json
 
-import pytest
 import torch
+from helpers import TinyLM
 
 from foundry.callbacks import LRMonitor, RuntimeEstimator, SpeedMonitor
 from foundry.loggers import JSONLLogger
-from foundry.models.base import CausalLM
-
-trainer_module = pytest.importorskip("foundry.trainer")
-
-
-class TinyLM(CausalLM):
-    def __init__(self, vocab_size: int = 16) -> None:
-        super().__init__()
-        self.embedding = torch.nn.Embedding(vocab_size, 8)
-        self.head = torch.nn.Linear(8, vocab_size)
-
-    def forward(self, batch):
-        return self.head(self.embedding(batch["input_ids"]))  # (batch, seq, vocab)
-
-    def flops_per_batch(self, batch) -> int:
-        return 6 * sum(p.numel() for p in self.parameters()) * batch["input_ids"].numel()
+from foundry.trainer import Trainer
 
 
 def test_monitor_metrics_reach_the_jsonl_file(tmp_path):
-    model = TinyLM()
+    model = TinyLM(vocab_size=16)
     batches = [{"input_ids": torch.randint(0, 16, (2, 8))} for _ in range(4)]
     path = tmp_path / "metrics.jsonl"
-    trainer = trainer_module.Trainer(
+    trainer = Trainer(
         model=model,
         train_dataloader=batches,
         max_duration="4ba",

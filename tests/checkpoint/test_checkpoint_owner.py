@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -70,4 +71,8 @@ def test_save_overwrite_or_load_path_let_another_run_write_there(saved_by_a, opt
     options = {
         key: str(value).format(folder=saved_by_a) if key == "load_path" else value for key, value in options.items()
     }
-    _trainer(saved_by_a, "run-b", **options).fit()
+    _trainer(saved_by_a, "run-b", max_duration="4ba", **options).fit()
+    checkpoints = saved_by_a / "checkpoints"
+    latest = (checkpoints / "latest").read_text()
+    assert latest == "ep0-ba4"
+    assert json.loads((checkpoints / latest / "meta.json").read_text())["run"]["run_name"] == "run-b"

@@ -119,3 +119,33 @@ def test_a_crafted_meta_json_with_a_matching_manifest_is_refused_naming_the_file
     resealed(checkpoint)
     with pytest.raises(CheckpointError, match=r"meta\.json .*damaged"):
         _trainer(folder, autoresume=False, load_path=str(checkpoint))
+
+
+@pytest.mark.parametrize(("key", "saved", "changed"), [("n_layers", 2, 4), ("d_model", 64, 32)])
+def test_a_resume_with_a_changed_model_names_each_changed_key_and_the_ways_out(tmp_path, key, saved, changed):
+    from helpers import TINY_MPT
+
+    from foundry import registry
+
+    def trainer(value: int) -> Trainer:
+        model = registry.models.get("mpt_causal_lm")(**{**TINY_MPT, key: value})
+        return Trainer(
+            model=model,
+            train_dataloader=token_batches(1, batch_size=2, vocab_size=96),
+            max_duration="1ba",
+            save_folder=str(tmp_path / "checkpoints"),
+            autoresume=True,
+            run_name="changed-model",
+            run_folder=str(tmp_path / "run"),
+            log_to_console=False,
+            device="cpu",
+            precision="fp32",
+        )
+
+    trainer(saved).fit()
+    with pytest.raises(CheckpointError) as refused:
+        trainer(changed)
+    message = str(refused.value)
+    assert f"{key}: {saved} in the checkpoint, {changed} in this run" in message
+    assert "set the model's keys back" in message and "new save_folder and no load_path" in message
+    assert "strict=False" not in message

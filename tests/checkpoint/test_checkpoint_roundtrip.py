@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers import assert_nested_close
 
 from foundry.checkpoint import load_checkpoint, save_checkpoint
 from foundry.core import Callback
@@ -45,8 +46,7 @@ def test_load_restores_parameters_exactly(tmp_path, trained_state, new_state):
     save_checkpoint(tmp_path, trained_state)
     resumed = new_state(seed=1)
     load_checkpoint(tmp_path, resumed)
-    for saved, loaded in zip(trained_state.model.parameters(), resumed.model.parameters()):
-        assert torch.equal(saved, loaded)
+    assert_nested_close(resumed.model.state_dict(), trained_state.model.state_dict())  # same names, exact values
 
 
 def test_load_restores_optimizer_state_exactly(tmp_path, trained_state, new_state):
@@ -66,8 +66,7 @@ def test_resumed_training_matches_uninterrupted_training(tmp_path, trained_state
     resumed = new_state(seed=1)
     load_checkpoint(tmp_path, resumed)
     train_steps(resumed, 2)
-    for uninterrupted, loaded in zip(trained_state.model.parameters(), resumed.model.parameters()):
-        assert torch.equal(uninterrupted, loaded)
+    assert_nested_close(resumed.model.state_dict(), trained_state.model.state_dict())
 
 
 def test_load_restores_timestamp_and_scheduler(tmp_path, trained_state, new_state):
@@ -141,7 +140,7 @@ def test_model_mismatch_names_the_keys(tmp_path, trained_state, new_state):
     save_checkpoint(tmp_path, trained_state)
     other = new_state()
     other.model.append(torch.nn.Linear(2, 2))
-    with pytest.raises(CheckpointError, match=r"missing \['3.bias', '3.weight'\].*strict=False"):
+    with pytest.raises(CheckpointError, match=r"missing \['3.bias', '3.weight'\].*new save_folder"):
         load_checkpoint(tmp_path, other, weights_only=True)
 
 

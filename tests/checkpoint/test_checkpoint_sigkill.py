@@ -109,6 +109,7 @@ def build_trainer(save_folder: str, save_async: bool, max_batches: int, announce
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_trainer_autoresumes_from_the_last_complete_checkpoint_after_sigkill(tmp_path, mode):
     save_folder = tmp_path / "checkpoints"

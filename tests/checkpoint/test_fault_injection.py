@@ -13,6 +13,7 @@ import pytest
 from foundry.checkpoint import latest_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # each test kills and relaunches `foundry train` processes
 _spec = importlib.util.spec_from_file_location("fault_injection", REPO_ROOT / "benchmarks" / "fault_injection.py")
 fault_injection = sys.modules["fault_injection"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
 _spec.loader.exec_module(fault_injection)

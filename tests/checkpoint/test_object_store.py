@@ -89,6 +89,7 @@ def reference(tmp_path_factory) -> dict:
     return fault_injection.final_tensors(folder / "ckpt")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("point", "visit", "resumed_on"),
     [

@@ -168,9 +168,10 @@ def _read_first_batch(local: str, barrier: multiprocessing.synchronize.Barrier, 
         results.put(f"{type(error).__name__}: {error}")
 
 
+@pytest.mark.slow
 def test_runs_that_start_at_once_on_one_folder_all_read_it(tmp_path: Path) -> None:
     write_tokens(tmp_path, num_samples=8)
-    processes = 6
+    processes = 3  # more than this machine's 2 cores: they contend as a node's ranks do
     context = multiprocessing.get_context("spawn")
     barrier, results = context.Barrier(processes), context.Queue()
     children = [

@@ -101,6 +101,7 @@ def _losses(folder: Path) -> dict[int, float]:
     return {row["step"]: row["loss/train/total"] for row in rows if "loss/train/total" in row}
 
 
+@pytest.mark.slow
 def test_hand_over_from_two_ranks_to_one_continues_the_run(tmp_path, data, capsys):
     cpu_ranks = {**os.environ, "PYTHONPATH": repo_pythonpath(), "CUDA_VISIBLE_DEVICES": ""}  # 2 ranks, also on 1 GPU
     launched = subprocess.run(

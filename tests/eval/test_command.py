@@ -93,3 +93,20 @@ def test_importing_the_evaluator_does_not_import_streaming() -> None:
     code = f"import sys, {modules}; print('streaming' in sys.modules)"
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert output.strip() == "False"
+
+
+@pytest.mark.parametrize("given", ["gpt2", "EleutherAI/pythia-14m"])
+def test_a_hub_id_is_named_as_one_with_the_way_to_get_it_on_disk(given, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no folder of that name here
+    code = main(["eval", "--model", given, "--tasks", "light", "--precision", "fp32"])  # before the list is fetched
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"No model at '{given}'" in err and "reads as a Hugging Face Hub id" in err and "never downloaded" in err
+    assert f"hf download {given} --local-dir models/{given}" in err and f"pass models/{given}" in err
+    assert "load_path" not in err
+
+
+def test_a_missing_local_model_path_says_to_check_it(tasks_yaml, tmp_path, capsys) -> None:
+    code = main(["eval", "--model", str(tmp_path / "absent"), "--tasks", str(tasks_yaml), "--precision", "fp32"])
+    err = capsys.readouterr().err
+    assert code == 2 and "no such file or folder" in err and "Check the path" in err and "Hub id" not in err

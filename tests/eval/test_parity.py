@@ -19,13 +19,6 @@ from foundry.eval.evaluator import ICLEvaluator, Subtask
 from foundry.eval.task_config import ICLTaskConfig
 
 FIXTURES = Path(__file__).parent / "fixtures"
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-TOKENIZER_DIR = SHARED_DATA / "tokenizers" / "gpt-neox-20b"
-
-pytestmark = pytest.mark.skipif(
-    not (TOKENIZER_DIR / "tokenizer.json").is_file() or not (SHARED_DATA / "icl").is_dir(),
-    reason="needs ../shared/data (ICL jsonl files and the GPT-NeoX tokenizer)",
-)
 
 
 def _fixture_module(name: str) -> Any:
@@ -40,11 +33,13 @@ request_digest = _fixture_module("make_llmfoundry_prompts").request_digest
 
 
 @pytest.fixture(scope="module")
-def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def tokenizers(shared_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The GPT-NeoX tokenizer of the shared data folder, as it is and made to add BOS."""
     from transformers import AutoTokenizer
 
-    bos_dir = _fixture_module("tokenizer_variants").write_bos_variant(TOKENIZER_DIR, tmp_path_factory.mktemp("bos"))
-    plain, with_bos = AutoTokenizer.from_pretrained(TOKENIZER_DIR), AutoTokenizer.from_pretrained(bos_dir)
+    tokenizer_dir = shared_data / "tokenizers" / "gpt-neox-20b"
+    bos_dir = _fixture_module("tokenizer_variants").write_bos_variant(tokenizer_dir, tmp_path_factory.mktemp("bos"))
+    plain, with_bos = AutoTokenizer.from_pretrained(tokenizer_dir), AutoTokenizer.from_pretrained(bos_dir)
     plain.pad_token_id = with_bos.pad_token_id = FIXTURE["pad_token_id"]
     return {"gpt-neox-20b": plain, "gpt-neox-20b+bos": with_bos}
 
@@ -60,11 +55,11 @@ def _task_groups() -> dict[tuple[str, str, int], list[dict[str, Any]]]:
 GROUPS = _task_groups()
 
 
-def _foundry_subtasks(entries: list[dict[str, Any]], tokenizer: Any) -> list[Subtask]:
+def _foundry_subtasks(entries: list[dict[str, Any]], tokenizer: Any, shared_data: Path) -> list[Subtask]:
     first = entries[0]
     task = ICLTaskConfig(
         label=first["label"],
-        dataset_uri=str(SHARED_DATA / "icl" / first["dataset_uri"]),
+        dataset_uri=str(shared_data / "icl" / first["dataset_uri"]),
         icl_task_type=first["icl_task_type"],
         num_fewshot=[first["num_fewshot"]],
         **first["keys"],
@@ -74,9 +69,11 @@ def _foundry_subtasks(entries: list[dict[str, Any]], tokenizer: Any) -> list[Sub
 
 
 @pytest.mark.parametrize("key", sorted(GROUPS), ids=lambda key: f"{key[1]}-{key[2]}shot-{key[0]}")
-def test_prompt_ids_equal_llm_foundrys(key: tuple[str, str, int], tokenizers: dict[str, Any]) -> None:
+def test_prompt_ids_equal_llm_foundrys(
+    key: tuple[str, str, int], tokenizers: dict[str, Any], shared_data: Path
+) -> None:
     entries = GROUPS[key]
-    subtasks = _foundry_subtasks(entries, tokenizers[key[0]])
+    subtasks = _foundry_subtasks(entries, tokenizers[key[0]], shared_data)
     expected_names = [f"{key[1]}/{key[2]}-shot" + (f"/{e['category']}" if e["category"] else "") for e in entries]
     assert [subtask.name for subtask in subtasks] == expected_names
     for subtask, entry in zip(subtasks, entries, strict=True):

@@ -87,6 +87,17 @@ def test_eval_metrics_are_printed_when_logged(capsys):
     assert capsys.readouterr().out == "[eval @ batch 40] metrics/eval/loss: 3.1000 metrics/eval/perplexity: 22.2000\n"
 
 
+def test_llm_foundry_names_stay_off_the_console_but_token_accuracy_shows(capsys):
+    console = ConsoleLogger(progress_bar=False)
+    console.log_metrics({"metrics/train/LanguageCrossEntropy": 3.0, "metrics/train/TokenAccuracy": 0.2}, step=1)
+    assert capsys.readouterr().out == ""  # the train metrics are not an eval line
+    eval_metrics = {"metrics/eval/loss": 3.1, "metrics/eval/LanguageCrossEntropy": 3.1}
+    console.log_metrics(
+        {**eval_metrics, "metrics/eval/LanguagePerplexity": 22.2, "metrics/eval/TokenAccuracy": 0.25}, 40
+    )
+    assert capsys.readouterr().out == "[eval @ batch 40] metrics/eval/loss: 3.1000 metrics/eval/TokenAccuracy: 0.2500\n"
+
+
 def test_summary_shows_first_and_last_losses_and_checkpoint(state, fire, advance, clock, capsys):
     console = ConsoleLogger(log_interval="100ba", progress_bar=False, clock=clock)
     fire(console, Event.FIT_START)
