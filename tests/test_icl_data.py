@@ -154,7 +154,8 @@ def test_a_local_data_copy_reads_named_lists_from_the_yamls_folder_beside_it(loc
 def test_a_local_data_copy_alone_says_what_named_lists_need(local_data_copy, capsys) -> None:
     from foundry.cli import main
 
-    code = main(["eval", "--model", "unused", "--tasks", "light", "--icl-data", str(local_data_copy)])
+    model = str(local_data_copy.parent)  # exists: the model path is checked before the task lists, never loaded
+    code = main(["eval", "--model", model, "--tasks", "light", "--icl-data", str(local_data_copy)])
     err = capsys.readouterr().err
     assert code == 2
     assert "has no task list yamls/tasks_light.yaml" in err and "whole scripts/eval folder" in err
