@@ -16,10 +16,17 @@ message naming the file::
     python benchmarks/fault_injection.py --ranks 1 --random-trials 1 --no-matrix   # a quick look
     python benchmarks/fault_injection.py --cases store-outage garbage-pointer other-run   # the other faults
 
-``--cases`` also runs three faults other than kills, each once on a 1-rank run: the object store's server
+``--cases`` also runs faults other than kills, each once on a 1-rank run: the object store's server
 killed mid-run (the run must exit 4 naming the checkpoints the store lacks; the relaunch on an empty bucket
 uploads them and finishes bit-identically without retraining), a ``latest`` pointer of garbage bytes, and
-another run (another ``run_name``) launched on a finished run's save_folder (refused, exit 2).
+another run (another ``run_name``) launched on a finished run's save_folder (refused, exit 2). And the
+scheduler's view: SIGTERM at a random instant to a 1-rank run and to the launcher of a 2-rank run
+(``sigterm``: exit 5, a checkpoint at the batch reached, no traceback, the relaunch bit-identical), the same
+command launched again while the first still trains (``concurrent-folder``: refused at once, exit 2, naming
+the first; the first unharmed), and a relaunch with another global batch (``changed-config``: refused
+naming the key and both values; accepted with ``autoresume_accept_changes: true``)::
+
+    python benchmarks/fault_injection.py --cases sigterm concurrent-folder changed-config --out benchmarks/results
 
 ``run_trial`` takes any command that trains with ``autoresume`` into a save folder; the test suite
 runs a few trials of a small Trainer script through it (tests/checkpoint/test_fault_injection.py).
@@ -33,6 +40,7 @@ import io
 import os
 import platform
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -62,17 +70,33 @@ STARTED_MARKER = "foundry: run '"  # printed by rank 0 just before fit() starts
 LAUNCH_TIMEOUT_S = 300
 SLOW_LAUNCH_S = 120  # a launch this long (they take well under a minute) has its output kept
 MISSED_KILL_RETRIES = 3  # redraws of a random instant that came after the run's end
-CASES = ("kills", "matrix", "store-outage", "garbage-pointer", "other-run")  # what --cases selects
+CASES = (  # what --cases selects
+    "kills",
+    "matrix",
+    "store-outage",
+    "garbage-pointer",
+    "other-run",
+    "sigterm",
+    "concurrent-folder",
+    "changed-config",
+)
+EXIT_PREEMPTED, EXIT_CONFIG_ERROR = 5, 2  # foundry.errors
 
 
 @dataclass
 class Kill:
-    """Where a trial's one SIGKILL lands: at ``point``'s ``visit``-th visit, or ``after_s`` after the start marker."""
+    """Where a trial's one SIGKILL lands: at ``point``'s ``visit``-th visit, or ``after_s`` after the start marker.
+
+    ``signal`` other than SIGKILL goes to the launched process itself (a run's launcher), as a scheduler sends it.
+    With ``after_file``, ``after_s`` counts from the moment that file exists (a first checkpoint published).
+    """
 
     rank: int = 0
     point: str | None = None
     visit: int = 1
     after_s: float | None = None
+    signal: str = "SIGKILL"
+    after_file: Path | None = None
 
     def describe(self) -> str:
         where = f"{self.point}@{self.visit}" if self.point else f"random t+{self.after_s:.2f}s"
@@ -112,18 +136,10 @@ class TrialResult:
 
 
 # --------------------------------------------------------------------------------------- launching
-def launch(run: Run, kill: Kill | None = None, timeout_s: float = LAUNCH_TIMEOUT_S) -> tuple[int, str, float]:
+def launch(run: Run, kill: Kill | None = None, timeout_s: float | None = None) -> tuple[int, str, float]:
     """Run ``run.command`` once (killed as ``kill`` says); (exit code, output tail, seconds after the start marker)."""
-    # CPU ranks (gloo) on any machine: a GPU machine with fewer GPUs than ranks could not place them.
-    # Unbuffered output: the start marker arrives when it is printed, and random kills are timed from it.
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONUNBUFFERED": "1",
-        **run.env,
-    }
-    env.pop("FOUNDRY_KILL_AT", None)
+    timeout_s = timeout_s or LAUNCH_TIMEOUT_S
+    env = launch_env(run)
     if kill is not None and kill.point:
         env["FOUNDRY_KILL_AT"] = f"{kill.point}@{kill.visit}:rank{kill.rank}"
     process = subprocess.Popen(
@@ -143,8 +159,14 @@ def launch(run: Run, kill: Kill | None = None, timeout_s: float = LAUNCH_TIMEOUT
     reader = threading.Thread(target=read_output, daemon=True)
     reader.start()
     if kill is not None and kill.after_s is not None and started.wait(timeout_s):
+        while kill.after_file is not None and not kill.after_file.exists() and process.poll() is None:
+            time.sleep(0.05)
         time.sleep(kill.after_s)
-        _kill_rank(process, kill.rank)
+        if kill.signal == "SIGKILL":
+            _kill_rank(process, kill.rank)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.Signals[kill.signal])
     try:
         exit_code = process.wait(timeout_s)
     except subprocess.TimeoutExpired:
@@ -156,6 +178,21 @@ def launch(run: Run, kill: Kill | None = None, timeout_s: float = LAUNCH_TIMEOUT
         os.killpg(process.pid, signal.SIGKILL)  # ranks a dead launcher left behind
     after_start_s = time.perf_counter() - started_at[0] if started_at else 0.0
     return exit_code, "".join(lines[-40:]), after_start_s
+
+
+def launch_env(run: Run) -> dict[str, str]:
+    """The environment of a launch of ``run``."""
+    # CPU ranks (gloo) on any machine: a GPU machine with fewer GPUs than ranks could not place them.
+    # Unbuffered output: the start marker arrives when it is printed, and random kills are timed from it.
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONUNBUFFERED": "1",
+        **run.env,
+    }
+    env.pop("FOUNDRY_KILL_AT", None)
+    return env
 
 
 def _kill_rank(process: subprocess.Popen, rank: int) -> None:
@@ -418,6 +455,96 @@ def other_run_case(source: Run, data: Path, work: Path) -> dict[str, Any]:
     return {**row, "passed": exit_code == 2 and row["names both runs"] and row["folder untouched"]}
 
 
+def sigterm_case(data: Path, work: Path, reference: dict[str, Any], ranks: int, after_s: float) -> dict[str, Any]:
+    """SIGTERM ``after_s`` after the run's first checkpoint, to the run itself (1 rank) or to its launcher (2 ranks):
+    it must exit 5 with a checkpoint at the batch it names and no traceback; the relaunch must finish
+    bit-identically."""
+    from foundry.checkpoint import latest_checkpoint
+
+    run = quickstart_run(work / f"sigterm-{ranks}", data, ranks, save_async=False)
+    exit_code, output, _ = launch(run, Kill(after_s=after_s, signal="SIGTERM", after_file=run.save_folder / "latest"))
+    stopped = re.search(r"preempted by SIGTERM at batch (\d+); checkpoint (\S+)", output)
+    newest = latest_checkpoint(run.save_folder) if run.save_folder.is_dir() else None
+    at_batch = stopped is not None and newest is not None and newest.name.endswith(f"-ba{stopped.group(1)}")
+    relaunch_exit, relaunch_output, _ = launch(run)
+    finished = relaunch_exit == 0
+    row = {
+        "case": f"SIGTERM mid-run to {'the launcher of 2 ranks' if ranks > 1 else 'a 1-rank run'}",
+        "signal after s": round(after_s, 2),
+        "exit code": exit_code,
+        "stopped at batch": int(stopped.group(1)) if stopped else None,
+        "checkpoint at that batch": at_batch,
+        "no traceback": "Traceback" not in output + relaunch_output,
+        "relaunch exit code": relaunch_exit,
+        "identical": finished and identical(final_tensors(run.save_folder), reference),
+        "metrics problems": metrics_problems(run) if finished else ["did not finish"],
+        "leftovers": leftovers(run.save_folder, run.num_to_keep),
+    }
+    shutil.rmtree(run.save_folder.parent, ignore_errors=True)
+    passed = exit_code == EXIT_PREEMPTED and at_batch and row["no traceback"] and row["identical"]
+    return {**row, "passed": passed and not row["metrics problems"] and not row["leftovers"]}
+
+
+def concurrent_folder_case(data: Path, work: Path) -> dict[str, Any]:
+    """The same command launched again while the first launch trains: refused at its start (exit 2) naming the
+    first, which goes on unharmed (each batch's metrics line once) until SIGTERM stops it."""
+    first = quickstart_run(work / "concurrent-folder", data, ranks=1, save_async=False)
+    first.command += ["max_duration=100000ba", "save_interval=200ba", "eval_interval=100000ba"]
+    process = subprocess.Popen(
+        first.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=launch_env(first), text=True
+    )
+    lock = first.save_folder / ".lock"
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while not lock.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    second_exit, second_output, _ = launch(first)
+    first_was_training = process.poll() is None
+    process.send_signal(signal.SIGTERM)
+    first_output, _ = process.communicate(timeout=LAUNCH_TIMEOUT_S)
+    stopped = re.search(r"preempted by SIGTERM at batch (\d+)", first_output)
+    first.num_batches = int(stopped.group(1)) if stopped else 0
+    row = {
+        "case": "the same command launched twice at once",
+        "second exit code": second_exit,
+        "second names the first": "in use by run 'quickstart' (pid" in second_output,
+        "second trained no batch": "loss/train" not in second_output,
+        "first was training meanwhile": first_was_training,
+        "first exit code (SIGTERM after)": process.returncode,
+        "first's metrics problems": metrics_problems(first) if stopped else ["did not stop at a batch"],
+    }
+    shutil.rmtree(first.save_folder.parent, ignore_errors=True)
+    passed = second_exit == EXIT_CONFIG_ERROR and row["second names the first"] and first_was_training
+    return {**row, "passed": passed and process.returncode == EXIT_PREEMPTED and not row["first's metrics problems"]}
+
+
+def changed_config_case(source: Run, data: Path, work: Path) -> dict[str, Any]:
+    """Relaunches of a finished run: logging and eval changes pass; another global batch is refused naming the key
+    and both values, the folder untouched; ``autoresume_accept_changes: true`` accepts it."""
+    from foundry.checkpoint import latest_checkpoint
+
+    case = work / "changed-config"
+    shutil.copytree(source.save_folder.parent, case)
+    run = quickstart_run(case, data, ranks=1, save_async=False)
+    quiet_exit, _, _ = launch(replace(run, command=[*run.command, "console_log_interval=5ba", "eval_interval=8ba"]))
+    before = sorted(path.name for path in run.save_folder.iterdir())
+    changed = [*run.command, "global_train_batch_size=16", "max_duration=44ba"]
+    refused_exit, refused_output, _ = launch(replace(run, command=changed))
+    untouched = sorted(path.name for path in run.save_folder.iterdir()) == before
+    accepted_exit, _, _ = launch(replace(run, command=[*changed, "autoresume_accept_changes=true"]))
+    row = {
+        "case": "a relaunch with another global batch",
+        "logging/eval changes: exit code": quiet_exit,
+        "refused: exit code": refused_exit,
+        "names the key and both values": "global_train_batch_size: 8 in the checkpoint, 16 now" in refused_output,
+        "folder untouched": untouched,
+        "with autoresume_accept_changes: exit code": accepted_exit,
+        "trained on to batch 44": latest_checkpoint(run.save_folder).name.endswith("-ba44"),
+    }
+    shutil.rmtree(case)
+    passed = quiet_exit == 0 and refused_exit == EXIT_CONFIG_ERROR and row["names the key and both values"]
+    return {**row, "passed": passed and untouched and accepted_exit == 0 and row["trained on to batch 44"]}
+
+
 class MotoServer:
     """moto's S3 server in a process of its own, which the harness kills (SIGKILL) and starts again, empty."""
 
@@ -518,6 +645,7 @@ def store_outage_case(data: Path, work: Path, reference: dict[str, Any]) -> dict
 
 # ------------------------------------------------------------------------------------------- main
 def main() -> int:
+    global LAUNCH_TIMEOUT_S
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="world sizes to run (default: 1 2)")
     parser.add_argument("--random-trials", type=int, default=6, help="random-instant kills per configuration")
@@ -528,12 +656,16 @@ def main() -> int:
         choices=CASES,
         default=list(CASES),
         help="what to run (default: all): the kill -9 trials, the damaged-file matrix, and the store-outage, "
-        "garbage-pointer and other-run cases",
+        "garbage-pointer, other-run, sigterm, concurrent-folder and changed-config cases",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--launch-timeout-s", type=float, default=LAUNCH_TIMEOUT_S, help="a launch that runs longer is killed"
+    )
     parser.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temporary one)")
     parser.add_argument("--out", type=Path, default=None, help="write <out>/<date>_cpu_fault_injection.json")
     args = parser.parse_args()
+    LAUNCH_TIMEOUT_S = args.launch_timeout_s  # a busy machine's launches take longer
     work = args.work or Path(__import__("tempfile").mkdtemp(prefix="fault_injection-"))
     rng = random.Random(args.seed)
     data = _prepare_data(work / "data")
@@ -565,6 +697,13 @@ def main() -> int:
         cases.append(garbage_pointer_case(references[1], data, work, final_tensors(references[1].save_folder)))
     if "other-run" in args.cases:
         cases.append(other_run_case(references[1], data, work))
+    for ranks in args.ranks if "sigterm" in args.cases else ():
+        after_s = rng.uniform(0.0, 1.0)  # after the first of 10 checkpoints: well inside the training part
+        cases.append(sigterm_case(data, work, final_tensors(references[ranks].save_folder), ranks, after_s))
+    if "concurrent-folder" in args.cases:
+        cases.append(concurrent_folder_case(data, work))
+    if "changed-config" in args.cases:
+        cases.append(changed_config_case(references[1], data, work))
     for case in cases:
         print(f"{'PASS' if case['passed'] else 'FAIL'} {case}")
     summary = _summary(trials, matrix, cases)

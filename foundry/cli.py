@@ -25,7 +25,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from foundry.errors import EXIT_CHECK_FAILED, FoundryError
+from foundry.errors import EXIT_CHECK_FAILED, EXIT_PREEMPTED, FoundryError
 
 if TYPE_CHECKING:
     from foundry.config import TrainConfig
@@ -48,13 +48,21 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument("--nproc", type=int, metavar="N", help="run N ranks on this machine (one per GPU)")
     launch.add_argument("--nnodes", type=int, default=1, metavar="N", help="machines in the job (default 1)")
     launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="where the machines' ranks meet (nnodes > 1)")
+    launch.add_argument(
+        "--grace-period-s",
+        type=float,
+        default=100.0,
+        metavar="S",
+        help="after SIGTERM/SIGUSR1, seconds the ranks may take to checkpoint before they are killed (default 100)",
+    )
 
 
 def run_train(args: argparse.Namespace) -> int:
     """Train in this process (one rank of a launched job, or alone), or launch ``--nproc`` ranks.
 
     Returns 0 when the run finished, ``HANDED_OVER_EXIT_CODE`` (3) when a ``hand_over`` callback stopped it,
-    ``EXIT_CHECK_FAILED`` (1) when a ``reference_curve`` callback stopped it (foundry.errors).
+    ``EXIT_PREEMPTED`` (5) when SIGTERM or SIGUSR1 did, ``EXIT_CHECK_FAILED`` (1) when a ``reference_curve``
+    callback stopped it (foundry.errors).
     """
     from foundry.config import load_train_config
     from foundry.config.component_keys import check_component_keys
@@ -80,6 +88,7 @@ def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
     from foundry import distributed
     from foundry.callbacks.hand_over import HANDED_OVER_EXIT_CODE, handed_over
     from foundry.callbacks.reference_curve import stopped_outside_band
+    from foundry.checkpoint.preemption import preemption_of
     from foundry.config.build import build_trainer
 
     if distributed.launched_by_torchrun():
@@ -93,6 +102,11 @@ def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
             trainer.fit()
     finally:
         distributed.destroy_process_group()
+    if preemption_of(trainer.engine.callbacks):
+        if main_process:
+            saved = trainer.state.last_checkpoint_path if trainer.save_folder else None
+            print(preempted_line(cfg.run_name, trainer.state.stop_reason, saved))
+        return EXIT_PREEMPTED
     if handed_over(trainer.engine.callbacks):
         if main_process:
             print(f"foundry: run '{cfg.run_name}' {trainer.state.stop_reason}; relaunch with autoresume: true")
@@ -106,6 +120,13 @@ def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
     return 0
 
 
+def preempted_line(run_name: str, stop_reason: str, checkpoint: str | None) -> str:
+    """What ``foundry train`` prints when a preemption signal stopped it."""
+    if checkpoint is None:
+        return f"foundry: run '{run_name}' {stop_reason}; no save_folder, so nothing was saved"
+    return f"foundry: run '{run_name}' {stop_reason}; checkpoint {checkpoint}; relaunch with autoresume: true"
+
+
 def _launch_ranks(args: argparse.Namespace, cfg: TrainConfig) -> int:
     """``foundry train`` again, as ``--nproc`` ranks under torchrun, all with this run name."""
     from foundry.distributed.launch import check_local_ranks, launch
@@ -113,7 +134,7 @@ def _launch_ranks(args: argparse.Namespace, cfg: TrainConfig) -> int:
     check_local_ranks(args.nproc or 1, cfg.device)
     os.environ["RUN_NAME"] = cfg.run_name  # the ranks' default run name, when the YAML sets none
     command = ["train", args.config, *args.overrides, *(["--debug"] if args.debug else [])]
-    return launch(command, args.nproc or 1, args.nnodes, args.rdzv_endpoint)
+    return launch(command, args.nproc or 1, args.nnodes, args.rdzv_endpoint, args.grace_period_s)
 
 
 def train_epilog() -> str:

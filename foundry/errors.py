@@ -11,6 +11,7 @@ EXIT_CHECK_FAILED = 1  # a verdict is FAIL: `compare`, `eval --reference`, a `re
 EXIT_CONFIG_ERROR = 2  # a config or data error (a FoundryError): fix what the message names
 EXIT_HANDED_OVER = 3  # `hand_over` stopped the run to be relaunched elsewhere (foundry.callbacks.hand_over)
 EXIT_NOT_DURABLE = 4  # checkpoints did not reach the object store; their local copies are kept (CheckpointUploadError)
+EXIT_PREEMPTED = 5  # SIGTERM or SIGUSR1 stopped the run after a checkpoint (foundry.checkpoint.preemption)
 
 
 class FoundryError(Exception):

@@ -9,7 +9,9 @@ files: a task whose ``dataset_uri`` does not exist locally but ends in ``local_d
 1. ``$FOUNDRY_ICL_DATA`` (``foundry eval --icl-data DIR``): a copy of LLM Foundry's ``scripts/eval``
    folder, for machines without internet; nothing is fetched. A copy of its ``local_data`` folder alone
    serves the task files; the named lists are then read from a ``yamls/`` beside it, or the cache;
-2. the cache, ``$FOUNDRY_CACHE_DIR/icl/<commit>/`` (default ``~/.cache/foundry``);
+2. the cache, ``$FOUNDRY_CACHE_DIR/icl/<commit>/`` (default ``~/.cache/foundry``), each file checked
+   against its recorded checksum once per process before use (and again if its size or time changes):
+   a file that differs is fetched again;
 3. the repository at the commit of ``icl_sources.json`` (or ``$FOUNDRY_ICL_URL``, a mirror with the same
    layout), checked against the checksum recorded there before it enters the cache.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import secrets
 import urllib.error
@@ -28,6 +31,8 @@ from typing import Literal
 
 from foundry.core.paths import cache_dir
 from foundry.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
 
 ICL_DATA_ENV = "FOUNDRY_ICL_DATA"  # a local copy of LLM Foundry's scripts/eval folder: offline
 ICL_URL_ENV = "FOUNDRY_ICL_URL"  # a mirror of LLM Foundry's scripts/eval folder at the pinned commit
@@ -87,7 +92,31 @@ def local_file(recorded: str) -> Path:
         return _offline_copy(Path(offline).expanduser(), recorded, cached)
     if not cached.is_file():
         _download(recorded, cached)
+    elif not _cached_file_intact(cached, recorded):
+        log.warning("The cached %s does not match its recorded checksum; fetching it again.", cached)
+        try:
+            _download(recorded, cached)
+        except DataError as error:
+            raise DataError(
+                f"The cached {cached} does not match the checksum icl_sources.json records for it (it was altered or "
+                f"damaged), and fetching it again failed: {error}"
+            ) from None
     return cached
+
+
+_intact: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) → the checksum of the recorded file it matched
+
+
+def _cached_file_intact(cached: Path, recorded: str) -> bool:
+    """Whether ``cached`` holds the recorded bytes (hashed once per process while its size and time stay)."""
+    expected = sources()["files"][recorded]
+    stat = cached.stat()
+    key = (str(cached), stat.st_size, stat.st_mtime_ns)
+    if _intact.get(key) != expected:
+        if checksum(cached.read_bytes(), expected.partition(":")[0]) != expected:
+            return False
+        _intact[key] = expected
+    return True
 
 
 def _offline_copy(folder: Path, recorded: str, cached: Path) -> Path:

@@ -22,7 +22,9 @@ from foundry.schema import doc
 
 @dataclasses.dataclass(kw_only=True)
 class RunConfig:
-    run_name: str | None = field(default=None, metadata=doc("default: $RUN_NAME, else foundry-<date>-<time>"))
+    run_name: str | None = field(
+        default=None, metadata=doc("default: $RUN_NAME, else foundry-<date>-<time>-<4 random hex digits>")
+    )
     seed: int = field(default=17, metadata=doc("seed for weights, data order and dropout"))
     run_folder: str = field(default="runs/{run_name}", metadata=doc("where metrics.jsonl goes"))
     precision: Precision = field(

@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Mapping
 from types import SimpleNamespace
 from typing import Any, TypeVar
 
-from foundry.core.time import Time
+from foundry.core.time import Time, looks_like_time
 from foundry.errors import ConfigError, did_you_mean
 
 T = TypeVar("T")
@@ -147,6 +147,8 @@ def coerce(value: Any, expected: Any, key_path: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        if Time in args and looks_like_time(value):  # '-5ba' is a wrong time, not a fine string: name the key
+            return coerce(value, Time, key_path)
         errors = []
         for option in (a for a in args if a is not type(None)):
             try:

@@ -24,6 +24,7 @@ from foundry import distributed
 from foundry.algorithms.torch_compile import compile_algorithm
 from foundry.batches import RepeatedSampleMask, batch_num_samples, batch_num_tokens, batch_to_device, split_batch
 from foundry.checkpoint.config import CheckpointConfig
+from foundry.checkpoint.preemption import Preemption, preemption_of
 from foundry.checkpoint.saver import Checkpointer
 from foundry.core import (
     Algorithm,
@@ -67,7 +68,9 @@ class Trainer:
     (``eval_interval``, ``icl_tasks``...) and ``ConsoleConfig``. ``foundry train`` passes a YAML's
     values for the same keys, so ``Trainer(...)`` and ``foundry train`` apply the same defaults and
     the same features (compile, ICL evaluation, the allocator setting); ``foundry train --help``
-    lists every key.
+    lists every key. A ``save_folder`` is locked for this run until ``fit()`` ends
+    (``foundry.checkpoint.lock``); on SIGTERM or SIGUSR1 ``fit()`` checkpoints the batch reached and
+    returns with ``state.stop_reason`` saying so (``foundry.checkpoint.preemption``).
 
     Args:
         model: a ``FoundryModel``, or any ``nn.Module`` whose forward returns a loss. A registered model
@@ -128,7 +131,7 @@ class Trainer:
             loggers, self.run_folder, console.log_to_console, console.progress_bar, console.console_log_interval
         )
         self.logger = Logger(self.state, [*loggers, *defaults])
-        self.engine = Engine(self.state, self.logger, algorithms, callbacks)
+        self.engine = Engine(self.state, self.logger, algorithms, [*callbacks, Preemption()])
         self.eval_interval = Interval(evaluation.eval_interval)
         self.eval_first = evaluation.eval_first
         self.eval_subset_num_batches = evaluation.eval_subset_num_batches
@@ -186,6 +189,7 @@ class Trainer:
             if self._weight_grad_sums is not None:  # the model trains as plain nn.Linear layers outside fit()
                 self._weight_grad_sums.release()
             self.logger.flush()  # queued metrics reach the loggers before they close
+            self.checkpoints.release_lock()  # another run may use the save_folder now
             self.engine.close()
 
     def _finished(self) -> bool:
@@ -388,7 +392,8 @@ class Trainer:
     def _at_fit_end(self) -> None:
         """Evaluate and checkpoint the final model unless the last batch already did."""
         state = self.state
-        if (state.eval_dataloaders or self.icl) and self._last_eval_batch != state.timestamp.batch:
+        preempted = preemption_of(self.engine.callbacks) is not None  # the grace period is for the checkpoint
+        if (state.eval_dataloaders or self.icl) and self._last_eval_batch != state.timestamp.batch and not preempted:
             self.eval()
         self.checkpoints.at_fit_end()
 

@@ -321,6 +321,19 @@ def test_activation_checkpointing_is_non_reentrant_by_default_from_both_switches
     assert algorithm is fsdp_config is FSDP_DEFAULTS.activation_checkpointing_reentrant is False
 
 
+def test_generated_run_names_of_the_same_second_differ(monkeypatch):
+    from foundry.core.run_name import default_run_name, is_generated_run_name
+
+    monkeypatch.delenv("RUN_NAME", raising=False)
+    monkeypatch.delenv("COMPOSER_RUN_NAME", raising=False)
+    monkeypatch.setattr("time.strftime", lambda pattern: "20261126-120000")  # one second for every launch
+    names = {default_run_name() for _ in range(20)}
+    assert len(names) > 15  # 4 hex digits: two of 20 launches collide with a chance of 0.3%
+    assert all(is_generated_run_name(name) for name in names)
+    assert is_generated_run_name("foundry-20261126-120000")  # a name older foundry generated
+    assert not is_generated_run_name("foundry-20261126-120000-mine")
+
+
 def _keys_it_takes(target) -> set[str]:
     """The keywords a component takes: its signature's, or for ``config: XConfig | ..., **keys`` XConfig's fields."""
     import dataclasses

@@ -117,6 +117,22 @@ def test_the_sources_file_pins_one_commit_of_llm_foundry() -> None:
     assert "{commit}" in data["url"] and "raw.githubusercontent.com" in data["url"]
 
 
+def test_a_tampered_cached_file_is_fetched_again_before_use(icl_server, shared_data) -> None:
+    cached = local_file(COPA)
+    cached.write_text('{"query": "tampered", "choices": ["a", "b"], "gold": 0}\n')
+    assert local_file(COPA).read_bytes() == (shared_data / "icl/commonsense_reasoning/copa.jsonl").read_bytes()
+    assert icl_server.requests == [f"/{COPA}", f"/{COPA}"]
+
+
+def test_a_tampered_cached_file_that_cannot_be_fetched_again_is_refused(icl_server, monkeypatch) -> None:
+    cached = local_file(COPA)
+    cached.write_text('{"query": "tampered", "choices": ["a", "b"], "gold": 0}\n')
+    monkeypatch.setenv("FOUNDRY_ICL_URL", "http://127.0.0.1:9")  # offline now
+    with pytest.raises(DataError, match="does not match the checksum") as error:
+        local_file(COPA)
+    assert str(cached) in str(error.value)
+
+
 @pytest.fixture
 def local_data_copy(tmp_path, monkeypatch) -> Path:
     """A copy of LLM Foundry's scripts/eval/local_data (one task file), named by --icl-data; an empty cache."""
@@ -138,7 +154,8 @@ def test_a_local_data_copy_reads_named_lists_from_the_yamls_folder_beside_it(loc
 def test_a_local_data_copy_alone_says_what_named_lists_need(local_data_copy, capsys) -> None:
     from foundry.cli import main
 
-    code = main(["eval", "--model", "unused", "--tasks", "light", "--icl-data", str(local_data_copy)])
+    model = str(local_data_copy.parent)  # exists: the model path is checked before the task lists, never loaded
+    code = main(["eval", "--model", model, "--tasks", "light", "--icl-data", str(local_data_copy)])
     err = capsys.readouterr().err
     assert code == 2
     assert "has no task list yamls/tasks_light.yaml" in err and "whole scripts/eval folder" in err

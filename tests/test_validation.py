@@ -13,6 +13,7 @@ from helpers import TinyLM, token_batches
 from foundry import registry
 from foundry.cli import main
 from foundry.config import TrainConfig, load_train_config
+from foundry.config import build as builders
 from foundry.config.build import build_trainer
 from foundry.core.time import Time
 from foundry.data.config import LoaderConfig, TokenizerConfig
@@ -157,3 +158,23 @@ def test_the_command_line_prints_the_message_and_exits_2(tmp_path: Path, capsys)
     path.write_text(YAML)
     assert main(["train", str(path), "optimizer.lr=-1", f"run_folder={tmp_path / 'run'}"]) == 2
     assert "'optimizer.lr' is -1.0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("scheduler.t_warmup=-5ba", "scheduler.t_warmup"),
+        ("scheduler.t_max=0.5ep", "scheduler.t_max"),
+        ("callbacks={hand_over: {interval: -2ba}}", "callbacks.hand_over.interval"),
+        ("callbacks={optimizer_monitor: {log_interval: -1ba}}", "callbacks.optimizer_monitor.log_interval"),
+        ("algorithms={ema: {half_life: -10ba}}", "algorithms.ema.half_life"),
+    ],
+)
+def test_a_wrong_time_names_its_key_before_anything_is_built(override, key, monkeypatch, capsys):
+    def must_not_build(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a component was built before the config was checked")
+
+    monkeypatch.setattr(builders, "build_components", must_not_build)
+    monkeypatch.setattr(builders, "build_model", must_not_build)
+    assert main(["train", str(Path(__file__).parents[1] / "yamls" / "quickstart.yaml"), override]) == 2
+    assert f"'{key}'" in capsys.readouterr().err

@@ -48,9 +48,9 @@ class EMA(Algorithm):
 
     def __init__(
         self,
-        half_life: str | None = None,
+        half_life: str | Time | None = None,
         smoothing: float | None = None,
-        update_interval: str = "1ba",
+        update_interval: str | Time = "1ba",
         eval_with_ema: bool = True,
         swap_at_fit_end: bool = False,
     ) -> None:
@@ -141,10 +141,10 @@ _EVENTS = {
 }
 
 
-def _batches(value: str, key: str) -> int:
+def _batches(value: str | Time, key: str) -> int:
     time = Time.parse(value)
     if time.unit != TimeUnit.BATCH or time.value <= 0:
-        raise ConfigError(f"'{_KEY}.{key}' is {value!r}; give a positive number of batches, e.g. '100ba'.")
+        raise ConfigError(f"'{_KEY}.{key}' is '{value}'; give a positive number of batches, e.g. '100ba'.")
     return time.value
 
 

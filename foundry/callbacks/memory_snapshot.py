@@ -41,7 +41,7 @@ class MemorySnapshot(Callback):
     def __init__(
         self,
         skip_batches: int = 1,
-        interval: str | int = "3ba",
+        interval: str | int | Time = "3ba",
         batches: list[int] | None = None,
         max_entries: int = 100_000,
         folder: str = "{run_folder}/memory_snapshots",

@@ -93,7 +93,7 @@ class OptimizerMonitor(Callback):
             with per-parameter metrics, one read of weights, gradients and moments).
     """
 
-    def __init__(self, log_optimizer_metrics: bool = True, log_interval: str | int = "10ba") -> None:
+    def __init__(self, log_optimizer_metrics: bool = True, log_interval: str | int | Time = "10ba") -> None:
         interval = Time.parse(log_interval)
         if interval.unit != TimeUnit.BATCH or interval.value < 1:
             raise ConfigError(

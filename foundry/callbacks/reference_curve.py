@@ -19,6 +19,7 @@ from foundry.core.callback import Callback
 from foundry.core.interval import Interval
 from foundry.core.logger import Logger
 from foundry.core.state import State
+from foundry.core.time import Time
 from foundry.errors import ConfigError, DataError
 
 
@@ -47,7 +48,7 @@ class ReferenceCurve(Callback):
         reference: str,
         tolerance: float = DEFAULT_TOLERANCE * DEFAULT_MAX_FACTOR,
         action: Literal["warn", "stop"] = "warn",
-        interval: str = "1ba",
+        interval: str | Time = "1ba",
     ) -> None:
         if tolerance <= 0:
             raise ConfigError(f"callbacks.reference_curve.tolerance is {tolerance}; it must be positive.")

@@ -43,6 +43,13 @@ class CheckpointConfig:
         default=True, metadata=doc("fail on missing or unexpected weight names (false is not supported)")
     )
     autoresume: bool = field(default=False, metadata=doc("resume from the newest checkpoint in save_folder"))
+    autoresume_accept_changes: bool = field(
+        default=False,
+        metadata=doc(
+            "resume even though global batch, sequence length, seed, train data, optimizer or schedule differ from "
+            "the checkpoint's (foundry.checkpoint.resume_check)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_bounds(vars(self))

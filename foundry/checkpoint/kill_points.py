@@ -3,6 +3,9 @@
 ``benchmarks/fault_injection.py`` (and the quick tests of it) set ``FOUNDRY_KILL_AT`` to
 ``<point>[@<n>][:rank<r>]``: the process (only rank ``r``'s when given) sends itself SIGKILL the
 ``n``-th time (default: the first) it reaches ``<point>``. Unset, a point costs one environment lookup.
+``FOUNDRY_KILL_WITH`` sends another signal instead: ``SIGTERM`` (to the process itself) or
+``SIGTERM:parent`` (to the process that started it: ``foundry train --nproc``'s launcher), which is
+how tests preempt a run at a known batch.
 
 The points, in the order a save reaches them (``foundry.checkpoint.save``)::
 
@@ -14,6 +17,10 @@ The points, in the order a save reaches them (``foundry.checkpoint.save``)::
     publish.renamed         the folder renamed into place, the `latest` pointer not yet updated
     publish.latest_written  `latest` updated, older checkpoints not yet pruned
     prune.renamed           an old checkpoint renamed to .tmp-delete-*, not yet deleted
+
+At the end of each training batch, before the ranks agree whether to stop (``foundry.checkpoint.preemption``)::
+
+    train.batch_end
 
 With an object-store save_folder, in the upload thread (``foundry.checkpoint.remote``)::
 
@@ -30,11 +37,13 @@ import signal
 from collections import Counter
 
 ENV_VARIABLE = "FOUNDRY_KILL_AT"
+SIGNAL_VARIABLE = "FOUNDRY_KILL_WITH"
 _reached: Counter[str] = Counter()
 
 
 def kill_point(name: str) -> None:
-    """SIGKILL this process here if ``FOUNDRY_KILL_AT`` names this point, this visit and this rank."""
+    """SIGKILL this process here (or send ``FOUNDRY_KILL_WITH``) if ``FOUNDRY_KILL_AT`` names this point, this
+    visit and this rank."""
     target = os.environ.get(ENV_VARIABLE)
     if not target:
         return
@@ -44,4 +53,10 @@ def kill_point(name: str) -> None:
         return
     _reached[name] += 1
     if _reached[name] == int(visit or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+        signal_name, _, target = os.environ.get(SIGNAL_VARIABLE, "SIGKILL").partition(":")
+        os.kill(os.getppid() if target == "parent" else os.getpid(), signal.Signals[signal_name])
+
+
+def reset() -> None:
+    """Forget the visits counted so far (a test that trains several times in one process)."""
+    _reached.clear()

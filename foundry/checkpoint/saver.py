@@ -14,6 +14,7 @@ from foundry import distributed
 from foundry.checkpoint.config import CheckpointConfig
 from foundry.checkpoint.find import latest_checkpoint
 from foundry.checkpoint.load import resume_or_load
+from foundry.checkpoint.lock import SaveFolderLock, lock_save_folder
 from foundry.checkpoint.object_store import ObjectStore, object_store
 from foundry.checkpoint.owner import check_save_folder
 from foundry.checkpoint.remote import (
@@ -23,6 +24,7 @@ from foundry.checkpoint.remote import (
     remove_unpublished,
     store_checkpoints,
 )
+from foundry.checkpoint.resume_check import check_resumed_config
 from foundry.checkpoint.save import PendingCheckpoint, complete_publish, remove_temporaries, start_checkpoint
 from foundry.checkpoint.uploader import CheckpointUploader
 from foundry.core import Engine, Event, Interval
@@ -40,9 +42,11 @@ class Checkpointer:
     Built from the section and the run's name before the model exists (``foundry train`` builds it first,
     so a refused save_folder fails before any model is built): ``{run_name}`` is filled into save_folder
     and load_path here, and the save_folder is checked here, once (writable, and holding no other run's
-    checkpoints: ``foundry.checkpoint.owner``). ``start`` joins the run's engine; ``resume`` loads what the
-    run starts from; ``after_batch`` / ``after_epoch`` / ``at_fit_end`` save when due. Without a save_folder
-    nothing is written.
+    checkpoints: ``foundry.checkpoint.owner``). ``start`` joins the run's engine and locks the save_folder
+    for this run until ``release_lock`` (``foundry.checkpoint.lock``); ``resume`` loads what the run starts
+    from, and refuses a checkpoint of this save_folder recorded with other trained settings unless
+    ``autoresume_accept_changes`` (``foundry.checkpoint.resume_check``); ``after_batch`` / ``after_epoch`` /
+    ``at_fit_end`` save when due. Without a save_folder nothing is written.
 
     A save_folder on an object store (``s3://...``) is written in its local copy and uploaded, each failed
     upload retried ``save_upload_retries`` times; after ``save_max_failed_uploads`` failed checkpoints in a
@@ -64,6 +68,7 @@ class Checkpointer:
         self.uploader: CheckpointUploader | None = None
         self._first_sequence = 1
         self._async_group = None
+        self.lock: SaveFolderLock | None = None
         self._pending: tuple[PendingCheckpoint, Event] | None = None  # and the event to fire when published
         self.last_save_batch: int | None = None
 
@@ -84,10 +89,12 @@ class Checkpointer:
     def start(self, engine: Engine, run_config: dict | None) -> None:
         """Join the run of ``engine`` (whose state, callbacks and algorithms are saved, with ``run_config``, the
         resolved YAML): delete what interrupted saves left (``.tmp-*``; on a store, unpublished folders), upload
-        local checkpoints the store has not published, and start the upload thread."""
+        local checkpoints the store has not published, and start the upload thread. Every rank calls it: the
+        save_folder is locked for this run (one live run per folder), or every rank raises."""
         self.engine, self.state, self.run_config = engine, engine.state, run_config
         if not self.save_folder:
             return
+        self.lock = lock_save_folder(self.local_folder, self.state.run_name, self.state.rank)
         if self.state.rank == 0 and self.local_folder.is_dir():
             remove_temporaries(self.local_folder)
         if is_object_store_url(self.save_folder):
@@ -178,6 +185,8 @@ class Checkpointer:
         after its rename would have left undone.
         """
         if self.save_folder and path.parent.resolve() == self.local_folder.resolve():
+            # A relaunch trains what its checkpoint was trained with (or says so with autoresume_accept_changes).
+            check_resumed_config(path, self.run_config, self.config.autoresume_accept_changes)
             self.last_save_batch = self.state.timestamp.batch
             newest = latest_checkpoint(self.local_folder)
             if self.state.rank == 0 and not self.uploader and newest is not None and newest.resolve() == path.resolve():
@@ -247,6 +256,12 @@ class Checkpointer:
         for name in prune_store(store, self.num_to_keep, keep_name=published[-1][0]):
             shutil.rmtree(self.local_folder / name, ignore_errors=True)
         return published_checkpoints(store)
+
+    def release_lock(self) -> None:
+        """Give the save_folder back to other runs (``foundry.checkpoint.lock``); fit's end does."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def settle_after_error(self) -> None:
         """After an exception, finish this rank's write; publish (and upload) it only when no other rank must agree."""

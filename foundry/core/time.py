@@ -172,6 +172,13 @@ _INSTEAD_OF_ZERO = {
 }
 
 
+def looks_like_time(value: object) -> bool:
+    """Whether ``value`` is written as a time (``"-5ba"``, ``"0.25dur"``, ``100``), right or wrong."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, str) and _TIME_PATTERN.match(value) is not None)
+
+
 def positive_time(value: str | int | Time, key: str) -> Time:
     """``Time.parse(value)``, refusing zero: a run that never trains, an interval that never comes."""
     time = Time.parse(value)

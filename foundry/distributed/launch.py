@@ -2,23 +2,47 @@
 
 The command re-runs itself as ``torchrun --nproc-per-node N ... -m foundry.cli train CFG ...``; each
 rank then joins the process group from torchrun's environment. It exits with the ranks' common exit
-code (3 when the run handed over, 2 for a config error), where plain torchrun would exit 1.
+code (3 when the run handed over, 5 when it was preempted, 2 for a config error), where plain torchrun
+would exit 1.
+
+Preemption: torchrun's agent runs in a thread of this process, so the launcher keeps its own signal
+handlers. On SIGTERM or SIGUSR1 (what Slurm and Kubernetes send before SIGKILL) it forwards the signal
+to its ranks, which checkpoint after the batch in progress and exit 5 (``foundry.checkpoint.preemption``);
+it waits for them up to ``grace_period_s`` and then kills them (the last complete checkpoint stays).
+SIGINT, SIGHUP and SIGQUIT are forwarded as they are. No traceback is printed either way.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from foundry.errors import ConfigError
+from foundry.errors import EXIT_PREEMPTED, ConfigError
+
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a rank checkpoints and stops (exit 5)
+FORWARDED_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+DEFAULT_GRACE_PERIOD_S = 100.0  # below Slurm's --signal=B:TERM@120, so the launcher's line comes before SIGKILL
+EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C), as a shell reports it
 
 
-def launch(command: Sequence[str], nproc: int, nnodes: int = 1, rdzv_endpoint: str | None = None) -> int:
+def launch(
+    command: Sequence[str],
+    nproc: int,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    grace_period_s: float = DEFAULT_GRACE_PERIOD_S,
+) -> int:
     """Run ``python -m foundry.cli *command`` as ``nproc`` local ranks of an ``nnodes``-node job.
 
     Args:
@@ -26,24 +50,142 @@ def launch(command: Sequence[str], nproc: int, nnodes: int = 1, rdzv_endpoint: s
         nproc: ranks on this machine (usually its GPU count).
         nnodes: machines in the job; more than one needs ``rdzv_endpoint``.
         rdzv_endpoint: ``host:port`` that every machine reaches, where the ranks find each other.
+        grace_period_s: after a preemption signal, how long the ranks may take to checkpoint and exit
+            before they are killed.
 
     Returns:
-        0, or the exit code every failed rank shared (1 when they differ).
+        0, the exit code every failed rank shared (1 when they differ), ``EXIT_PREEMPTED`` (5) after a
+        preemption signal, 130 after SIGINT.
     """
-    arguments = torchrun_arguments(command, nproc, nnodes, rdzv_endpoint)
+    arguments = torchrun.get_args_parser().parse_args(torchrun_arguments(command, nproc, nnodes, rdzv_endpoint))
+    failure: list[BaseException] = []
+
+    def run_agent() -> None:
+        try:
+            torchrun.run(arguments)
+        except BaseException as error:  # reported by the main thread
+            failure.append(error)
+
+    agent = threading.Thread(target=run_agent, name="torchrun-agent", daemon=True)
+    with _quiet_child_thread_warning(), forwarding_signals(grace_period_s) as forwarded:
+        agent.start()
+        while agent.is_alive():
+            agent.join(timeout=0.5)  # wakes up for the signal handlers, which run in this thread
+    error = failure[0] if failure else None
+    if error is not None and not isinstance(error, ChildFailedError):
+        raise error
+    if error is None:  # every rank finished (a signal that came during the last batch changes nothing)
+        return 0
+    exit_codes = [f.exitcode for f in error.failures.values()]
+    if forwarded.signal in PREEMPTION_SIGNALS:
+        return preempted_exit_code(forwarded, exit_codes)
+    if forwarded.signal is not None:
+        return EXIT_INTERRUPTED
+    # A rank killed by a signal could say nothing itself; torchrun then stopped the others with SIGTERM.
+    killed = sorted(
+        (failure.timestamp, rank, failure.signal_name())
+        for rank, failure in error.failures.items()
+        if failure.exitcode < 0 and failure.signal_name() != "SIGTERM"
+    )
+    if killed:
+        print(killed_rank_message(killed[0][1], nproc * nnodes, killed[0][2]), file=sys.stderr)
+    return ranks_exit_code(exit_codes)
+
+
+class ForwardedSignal:
+    """What ``forwarding_signals`` did: the first signal it forwarded, and whether the grace period ran out."""
+
+    def __init__(self) -> None:
+        self.signal: signal.Signals | None = None
+        self.ranks_killed = False
+
+
+@contextlib.contextmanager
+def forwarding_signals(grace_period_s: float) -> Iterator[ForwardedSignal]:
+    """While inside, ``FORWARDED_SIGNALS`` go to this process's ranks; after a preemption signal the ranks are
+    killed once ``grace_period_s`` has passed."""
+    forwarded = ForwardedSignal()
+    deadline: list[threading.Timer] = []
+
+    def kill_ranks() -> None:
+        forwarded.ranks_killed = True
+        _signal_ranks(signal.SIGKILL)
+
+    def forward(number: int, frame: Any) -> None:
+        del frame
+        received = signal.Signals(number)
+        forwarded.signal = forwarded.signal or received
+        _signal_ranks(received)
+        if received in PREEMPTION_SIGNALS and not deadline:
+            deadline.append(threading.Timer(grace_period_s, kill_ranks))
+            deadline[0].daemon = True
+            deadline[0].start()
+
+    previous = {number: signal.signal(number, forward) for number in FORWARDED_SIGNALS}
     try:
-        torchrun.run(torchrun.get_args_parser().parse_args(arguments))
-    except ChildFailedError as error:
-        # A rank killed by a signal could say nothing itself; torchrun then stopped the others with SIGTERM.
-        killed = sorted(
-            (failure.timestamp, rank, failure.signal_name())
-            for rank, failure in error.failures.items()
-            if failure.exitcode < 0 and failure.signal_name() != "SIGTERM"
+        yield forwarded
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        for timer in deadline:
+            timer.cancel()
+
+
+def preempted_exit_code(forwarded: ForwardedSignal, exit_codes: Sequence[int]) -> int:
+    """``EXIT_PREEMPTED`` unless a rank failed for a reason of its own (then its code); says what happened to the
+    ranks that could not say it themselves."""
+    own_failures = {code for code in exit_codes if code > 0 and code != EXIT_PREEMPTED}
+    if own_failures:
+        return ranks_exit_code(exit_codes)
+    name = forwarded.signal.name
+    if forwarded.ranks_killed:
+        print(
+            f"foundry: {name}: the ranks did not checkpoint within the grace period (--grace-period-s) and were "
+            "killed; the last complete checkpoint in save_folder stays. Relaunch to continue from it.",
+            file=sys.stderr,
         )
-        if killed:
-            print(killed_rank_message(killed[0][1], nproc * nnodes, killed[0][2]), file=sys.stderr)
-        return ranks_exit_code([failure.exitcode for failure in error.failures.values()])
-    return 0
+    elif EXIT_PREEMPTED not in exit_codes:
+        print(
+            f"foundry: {name} stopped the ranks before training started, so there was nothing new to checkpoint. "
+            "Relaunch to continue.",
+            file=sys.stderr,
+        )
+    return EXIT_PREEMPTED
+
+
+def _signal_ranks(number: signal.Signals) -> None:
+    """Send ``number`` to this process's ranks: its children that run ``foundry.cli`` (torchrun starts them)."""
+    for pid in _rank_pids():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, number)
+
+
+def _rank_pids() -> list[int]:
+    """The pids of this process's children that run ``foundry.cli`` (read from /proc: Linux)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if parent == os.getpid() and b"foundry.cli" in (stat.parent / "cmdline").read_bytes():
+                pids.append(int(stat.parent.name))
+    return pids
+
+
+class _ChildThreadWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "child thread" not in record.getMessage()  # on purpose: this launcher handles the signals
+
+
+@contextlib.contextmanager
+def _quiet_child_thread_warning() -> Iterator[None]:
+    """Without torchrun's warning that it runs in a thread and so registers no signal handlers."""
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    quiet = _ChildThreadWarning()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def check_local_ranks(nproc: int, device: str | None) -> None:

@@ -1,9 +1,11 @@
-"""`foundry train --nproc N` launches ranks through torchrun; a hand-over exits 3 and a relaunch continues."""
+"""`foundry train --nproc N` launches ranks through torchrun; a hand-over exits 3, a preemption signal 5, and a
+relaunch continues."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +13,11 @@ from pathlib import Path
 import pytest
 from helpers import repo_pythonpath
 
+from foundry.checkpoint import kill_points, latest_checkpoint
 from foundry.cli import main
 from foundry.data import convert_to_mds
-from foundry.distributed.launch import ranks_exit_code, torchrun_arguments
-from foundry.errors import ConfigError
+from foundry.distributed.launch import ForwardedSignal, preempted_exit_code, ranks_exit_code, torchrun_arguments
+from foundry.errors import EXIT_PREEMPTED, ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = [
@@ -61,6 +64,19 @@ def test_exit_code_is_the_one_the_failed_ranks_share():
     assert ranks_exit_code([3, 1]) == 1
 
 
+def test_after_a_preemption_signal_the_launcher_exits_5_unless_a_rank_failed_for_its_own_reason(capsys):
+    forwarded = ForwardedSignal()
+    forwarded.signal = signal.SIGTERM
+    assert preempted_exit_code(forwarded, [5, 5]) == EXIT_PREEMPTED
+    assert capsys.readouterr().err == ""  # the ranks said it
+    assert preempted_exit_code(forwarded, [-15, -15]) == EXIT_PREEMPTED
+    assert "before training started" in capsys.readouterr().err
+    assert preempted_exit_code(forwarded, [2, -15]) == 2  # a config error stays one
+    forwarded.ranks_killed = True
+    assert preempted_exit_code(forwarded, [-9, 5]) == EXIT_PREEMPTED
+    assert "did not checkpoint within the grace period" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data") / "quickstart"
@@ -104,3 +120,35 @@ def test_hand_over_from_two_ranks_to_one_continues_the_run(tmp_path, data, capsy
     assert sorted(handed_over) == list(range(1, 7))
     for step, loss in uninterrupted.items():
         assert handed_over[step] == pytest.approx(loss, abs=1e-4), step
+
+
+def test_sigterm_to_one_rank_of_foundry_train_checkpoints_the_batch_reached_and_exits_5(
+    tmp_path, data, capsys, monkeypatch
+):
+    monkeypatch.setenv(kill_points.ENV_VARIABLE, "train.batch_end@3")  # the run sends itself SIGTERM after batch 3
+    monkeypatch.setenv(kill_points.SIGNAL_VARIABLE, "SIGTERM")
+    kill_points.reset()
+    assert main(_args(tmp_path, data, "save_interval=2ba")) == EXIT_PREEMPTED
+    output = capsys.readouterr()
+    assert f"preempted by SIGTERM at batch 3; checkpoint {tmp_path / 'ckpt' / 'ep0-ba3'}" in output.out
+    assert "Traceback" not in output.out + output.err
+    assert latest_checkpoint(tmp_path / "ckpt").name == "ep0-ba3"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # fit() gave the handlers back
+
+
+def test_sigterm_to_the_launcher_of_two_ranks_checkpoints_the_batch_reached_and_exits_5(tmp_path, data):
+    """Rank 0 sends SIGTERM to the launcher after batch 2; the launcher forwards it to both ranks. (That the ranks
+    agree on the batch and resume bit-identically: tests/distributed/test_preemption.py.)"""
+    cpu_ranks = {**os.environ, "PYTHONPATH": repo_pythonpath(), "CUDA_VISIBLE_DEVICES": ""}
+    preempt = {kill_points.ENV_VARIABLE: "train.batch_end@2:rank0", kill_points.SIGNAL_VARIABLE: "SIGTERM:parent"}
+    arguments = _args(tmp_path, data)
+    command = [sys.executable, "-m", "foundry.cli", arguments[0], "--nproc", "2", "--grace-period-s", "60"]
+    launched = subprocess.run(
+        [*command, *arguments[1:]], capture_output=True, text=True, timeout=300, env={**cpu_ranks, **preempt}
+    )
+    output = launched.stdout + launched.stderr
+    assert launched.returncode == EXIT_PREEMPTED, output[-3000:]
+    assert "Traceback" not in output and "SignalException" not in output
+    reached = latest_checkpoint(tmp_path / "ckpt").name
+    assert reached in ("ep0-ba2", "ep0-ba3"), output[-3000:]  # the batch the ranks agreed on, after the signal
+    assert f"preempted by SIGTERM at batch {reached[-1]}; checkpoint" in launched.stdout
