@@ -1,0 +1,79 @@
+"""How the job's ranks divide the work: one DeviceMesh whose axes are named, built in one place.
+
+The axes, outermost first (torchtitan's names):
+
+- ``dp_replicate``: copies of the whole sharded model (HYBRID_SHARD across nodes, NO_SHARD);
+- ``dp_shard``: ranks that shard parameters and see different samples;
+- ``cp``: ranks that split each sequence along its length (context parallelism).
+
+Two flattened axes serve the components: ``dp_shard_cp`` is what FSDP2 shards over (context-parallel
+ranks hold different tokens, so they can hold different shards too), and ``dp`` is the ranks that see
+different samples. A new axis (tensor or expert parallelism) is one more degree in ``ParallelDims``
+and one more name in ``AXES``; callers ask the mesh for the axes they use and stay unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from foundry.distributed.config import ParallelismConfig
+from foundry.distributed.env import get_local_world_size, get_world_size
+from foundry.errors import ConfigError
+
+AXES = ("dp_replicate", "dp_shard", "cp")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelDims:
+    """The degree of each axis of ``AXES``; their product is the world size."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The world's mesh with every axis of ``AXES`` (size-1 ones included) and the flattened ones."""
+        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp), mesh_dim_names=AXES)
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh
+
+
+def parallel_dims(layout: str, parallelism: ParallelismConfig) -> ParallelDims:
+    """The degrees for ``fsdp_config``'s rank layout (shard, hybrid, replicate) and ``parallelism``'s degrees.
+
+    ``hybrid`` shards within a node and replicates across nodes, ``replicate`` gives every data-parallel
+    rank the whole model; context-parallel ranks always share the shards (they sit inside a node).
+    """
+    world_size, cp = get_world_size(), parallelism.context_parallel_degree
+    if world_size % cp:
+        raise ConfigError(
+            f"'parallelism.context_parallel_degree' is {cp}, which does not divide the {world_size} ranks of this "
+            f"job. Launch a multiple of {cp} ranks (`foundry train --nproc {cp}`) or lower the degree."
+        )
+    data_parallel = world_size // cp
+    if layout == "replicate":
+        return ParallelDims(dp_replicate=data_parallel, cp=cp)
+    if layout == "hybrid":
+        ranks_per_node = get_local_world_size()
+        if world_size % ranks_per_node or ranks_per_node % cp:
+            raise ConfigError(
+                f"fsdp_config.sharding_strategy HYBRID_SHARD shards within a node, but the {world_size} ranks do not "
+                f"split into nodes of LOCAL_WORLD_SIZE={ranks_per_node} (each a multiple of "
+                f"parallelism.context_parallel_degree={cp}). Launch the same number of ranks per node."
+            )
+        return ParallelDims(dp_replicate=world_size // ranks_per_node, dp_shard=ranks_per_node // cp, cp=cp)
+    return ParallelDims(dp_shard=data_parallel, cp=cp)
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """What FSDP2 shards over: ``dp_shard_cp``, with ``dp_replicate`` outside it when there are copies (HSDP)."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard_cp"]
+    return mesh["dp_shard_cp"]
