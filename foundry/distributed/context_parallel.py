@@ -166,8 +166,20 @@ def _prefix_attention(
     k, v = k[:, :, :key_len], v[:, :, :key_len]
     if k.shape[1] != q.shape[1]:  # grouped-query heads: the lower-right causal kernels take equal head counts
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    if q.shape[2] == key_len:  # the first chunk: plain causal, any fused kernel (cuDNN on an H100)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
+    if _flash_runs(q):
+        # FlashAttention aligns its causal mask to the last key when keys outnumber queries. Called as the
+        # op (as torch's CausalBias does) so that torch.compile traces it: CausalBias breaks the graph.
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, True, scale=scale)[0]
     mask = causal_lower_right(q.shape[2], key_len)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+
+
+def _flash_runs(q: torch.Tensor) -> bool:
+    """Whether SDPA's FlashAttention kernel takes ``q`` (CUDA, half precision, head_dim a multiple of 8 up to 256)."""
+    head_dim = q.shape[-1]
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
 
 
 def _refuse_masks(inputs: Any) -> None:
