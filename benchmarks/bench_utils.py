@@ -28,7 +28,7 @@ def yaml_trainer(
     cfg: Any, batches: list[dict], microbatch: int, callbacks: Sequence[Any] = (), **overrides: Any
 ) -> Any:
     """A Trainer as ``foundry train`` builds it from ``cfg`` (its optimizer, schedule, algorithms with the
-    compile_config default, fsdp_config and precision), on in-memory ``batches`` on the GPU; ``overrides``
+    compile_config default, fsdp_config, parallelism and precision), on in-memory ``batches`` on the GPU; ``overrides``
     replace Trainer arguments (e.g. ``precision``)."""
     import tempfile
 
@@ -46,6 +46,7 @@ def yaml_trainer(
         algorithms=build_components(registry.algorithms, cfg.algorithms, "algorithms"),
         compile_config=cfg.compile_config,
         fsdp_config=cfg.fsdp_config,
+        parallelism=cfg.parallelism,
         callbacks=list(callbacks),
         precision=cfg.precision,
         device="cuda",

@@ -41,6 +41,8 @@ from foundry.errors import ConfigError
 from foundry.targets import SHIFTED_LABELS_KEY, shifted_targets
 
 _KEY = "parallelism.context_parallel_degree"
+# torch 2.14 renamed the autograd-aware all-gather (its backward reduce-scatters the gradient)
+_all_gather_autograd = getattr(functional, "all_gather_single_autograd", None) or functional.all_gather_tensor_autograd
 # Per-token tensors a split batch carries: each is split along the sequence like input_ids.
 SEQUENCE_KEYS = ("input_ids", SHIFTED_LABELS_KEY, "position_ids", "attention_mask", "sequence_id")
 
@@ -155,7 +157,7 @@ class ContextParallel:
         return torch.cat(outputs, dim=2)
 
     def _gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        gathered = functional.all_gather_tensor_autograd(x.contiguous(), gather_dim=2, group=self.group)
+        gathered = _all_gather_autograd(x.contiguous(), gather_dim=2, group=self.group)
         return unshard_sequence(functional.wait_tensor(gathered), self.size, dim=2)
 
 

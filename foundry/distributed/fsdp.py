@@ -42,7 +42,7 @@ from foundry.distributed.activation_checkpoint import apply_activation_checkpoin
 from foundry.distributed.config import FSDPConfig, ParallelismConfig
 from foundry.distributed.context_parallel import ContextParallel, WholeSequences, apply_context_parallel
 from foundry.distributed.env import all_reduce_sum, get_rank, get_world_size
-from foundry.distributed.mesh import fsdp_mesh, parallel_dims
+from foundry.distributed.mesh import parallel_dims
 from foundry.distributed.process_group import init_process_group
 from foundry.errors import ConfigError
 from foundry.schema import parse_dataclass
@@ -97,7 +97,7 @@ def parallelize(
     blocks = _wrap_blocks(model, config, device)
     offload = config.cpu_offload and device.type == "cuda"
     shard_settings = {
-        "mesh": fsdp_mesh(mesh),
+        "mesh": mesh.fsdp,
         "mp_policy": mixed_precision_policy(config.mixed_precision, precision),
         "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
     }

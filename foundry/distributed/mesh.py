@@ -37,12 +37,33 @@ class ParallelDims:
     def world_size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.cp
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
+    def build_mesh(self, device_type: str) -> JobMesh:
         """The world's mesh with every axis of ``AXES`` (size-1 ones included) and the flattened ones."""
-        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp), mesh_dim_names=AXES)
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        return mesh
+        world = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp), mesh_dim_names=AXES)
+        # torch asks callers to keep the flattened meshes rather than slice them from the world's again
+        dp_shard_cp = world["dp_shard", "cp"]._flatten("dp_shard_cp")
+        return JobMesh(world, dp_shard_cp=dp_shard_cp, dp=world["dp_replicate", "dp_shard"]._flatten("dp"))
+
+
+@dataclasses.dataclass(frozen=True)
+class JobMesh:
+    """The world's DeviceMesh and its flattened axes; ``mesh[name]`` gives any axis by name."""
+
+    world: DeviceMesh
+    dp_shard_cp: DeviceMesh  # what FSDP2 shards over
+    dp: DeviceMesh  # the ranks that load different samples
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        return self.world[name] if name in AXES else getattr(self, name)
+
+    @property
+    def fsdp(self) -> DeviceMesh:
+        """What FSDP2 shards over: ``dp_shard_cp``, with ``dp_replicate`` outside it when there are copies (HSDP)."""
+        if self.world["dp_replicate"].size() == 1:
+            return self.dp_shard_cp
+        if self.world["cp"].size() == 1:
+            return self.world["dp_replicate", "dp_shard"]
+        return self.world["dp_replicate", "dp_shard_cp"]  # HSDP across nodes with cp inside each
 
 
 def parallel_dims(layout: str, parallelism: ParallelismConfig) -> ParallelDims:
@@ -70,10 +91,3 @@ def parallel_dims(layout: str, parallelism: ParallelismConfig) -> ParallelDims:
             )
         return ParallelDims(dp_replicate=world_size // ranks_per_node, dp_shard=ranks_per_node // cp, cp=cp)
     return ParallelDims(dp_shard=data_parallel, cp=cp)
-
-
-def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """What FSDP2 shards over: ``dp_shard_cp``, with ``dp_replicate`` outside it when there are copies (HSDP)."""
-    if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard_cp"]
-    return mesh["dp_shard_cp"]

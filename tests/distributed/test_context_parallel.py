@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distributed.jobs import train
+from distributed.jobs import build_trainer, train
 from foundry.callbacks.hand_over import HandOver
+from foundry.callbacks.speed_monitor import model_flops_per_batch
 from foundry.distributed import get_rank
 from foundry.distributed.config import ParallelismConfig
 from foundry.distributed.context_parallel import (
@@ -17,7 +18,7 @@ from foundry.distributed.context_parallel import (
     shard_sequence,
     unshard_sequence,
 )
-from foundry.distributed.mesh import fsdp_mesh, parallel_dims
+from foundry.distributed.mesh import parallel_dims
 from foundry.errors import ConfigError
 from foundry.models import MPTCausalLM
 from foundry.targets import IGNORE_INDEX, SHIFTED_LABELS_KEY, shifted_targets
@@ -71,7 +72,7 @@ def mesh_axes(cp: int) -> dict:
     dims = parallel_dims("shard", ParallelismConfig(context_parallel_degree=cp))
     mesh = dims.build_mesh("cpu")
     names = ("dp_replicate", "dp_shard", "cp", "dp", "dp_shard_cp")
-    return {"sizes": {name: mesh[name].size() for name in names}, "fsdp": fsdp_mesh(mesh).mesh_dim_names}
+    return {"sizes": {name: mesh[name].size() for name in names}, "fsdp": mesh.fsdp.mesh_dim_names}
 
 
 def test_the_mesh_shards_parameters_over_data_and_context_ranks(ranks):
@@ -149,6 +150,20 @@ def test_cp2_llama_with_rope_and_grouped_query_attention_trains_like_one_rank(ra
     reference = ranks.run(1, train, NUM_BATCHES, str(tmp_path / "one"), model_keys=LLAMA)[0]
     result = ranks.run(2, train, NUM_BATCHES, str(tmp_path / "cp"), FULL_SHARD, model_keys=LLAMA, parallelism=CP2)
     assert_same_run(result[0], reference)
+
+
+def flops_of_a_batch(folder: str, parallelism: dict | None) -> int:
+    trainer = build_trainer(1, folder, FULL_SHARD if parallelism else None, parallelism=parallelism)
+    trainer.fit()
+    return model_flops_per_batch(trainer.state)
+
+
+def test_mfu_counts_attention_over_whole_sequences_under_cp(ranks, tmp_path):
+    """A cp rank's FLOPs are those of its loaded samples at their whole length: attention's seq² is not
+    split into (seq / cp)² pieces. One rank holds the whole global batch: twice a cp rank's count."""
+    one = ranks.run(1, flops_of_a_batch, str(tmp_path / "one"), None)[0]
+    cp_ranks = ranks.run(2, flops_of_a_batch, str(tmp_path / "cp"), CP2)
+    assert cp_ranks == [one // 2] * 2
 
 
 @pytest.mark.parametrize(
