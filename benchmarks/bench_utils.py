@@ -16,6 +16,11 @@ from foundry.config import load_train_config
 from foundry.models.build import build_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# The shared data folder (docs: shared/data/README.md): inside the checkout on a GPU machine, beside it here.
+SHARED_DATA = next(
+    (path for path in (REPO_ROOT / "shared" / "data", REPO_ROOT.parent / "shared" / "data") if path.exists()),
+    REPO_ROOT / "shared" / "data",
+)
 
 
 def model_from_yaml(config_path: str | Path, overrides: Sequence[str] = ()) -> tuple[nn.Module, int]:

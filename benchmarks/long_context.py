@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_utils import REPO_ROOT, environment, markdown_table, save_json, yaml_trainer
+from bench_utils import REPO_ROOT, SHARED_DATA, environment, markdown_table, save_json, yaml_trainer
 
 from foundry import Callback
 from foundry.callbacks.device_flops import peak_flops_per_sec
@@ -55,7 +55,6 @@ ROWS: dict[str, tuple[str, int, int, int, int, int]] = {
     "mpt1b-64k-cp2": (MPT_1B, 65536, 2, 4, 2, 45),
     "mpt1b-128k-cp2": (MPT_1B, 131072, 2, 4, 2, 70),
 }
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 
 class BatchTimes(Callback):

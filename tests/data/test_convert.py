@@ -190,7 +190,6 @@ def test_shared_gpt_neox_converts_tinyshakespeare(tmp_path: Path, shared_data: P
     assert summary.splits["val"].samples > 0
 
 
-
 def test_128k_token_samples_convert_and_load_whole(tmp_path: Path, tiny_tokenizer_dir: Path, make_loader) -> None:
     """Nothing caps a sample's length (``--concat-tokens 131072``): samples are written and read back whole."""
     max_seq_len = 131072

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distributed.jobs import build_trainer, train
+from distributed.jobs import build_trainer, rank_batches, train
 from foundry.callbacks.hand_over import HandOver
 from foundry.callbacks.speed_monitor import model_flops_per_batch
 from foundry.distributed import get_rank
@@ -150,6 +150,17 @@ def test_cp2_llama_with_rope_and_grouped_query_attention_trains_like_one_rank(ra
     reference = ranks.run(1, train, NUM_BATCHES, str(tmp_path / "one"), model_keys=LLAMA)[0]
     result = ranks.run(2, train, NUM_BATCHES, str(tmp_path / "cp"), FULL_SHARD, model_keys=LLAMA, parallelism=CP2)
     assert_same_run(result[0], reference)
+
+
+def eval_loss(folder: str, parallelism: dict | None) -> float:
+    trainer = build_trainer(1, folder, FULL_SHARD if parallelism else None, parallelism=parallelism)
+    trainer.state.eval_dataloaders = {"eval": rank_batches(2)}
+    return trainer.eval()["eval"]["loss"]
+
+
+def test_evaluation_under_cp2_gives_one_ranks_loss(ranks, tmp_path):
+    one = ranks.run(1, eval_loss, str(tmp_path / "one"), None)[0]
+    assert ranks.run(2, eval_loss, str(tmp_path / "cp"), CP2) == [pytest.approx(one, abs=1e-6)] * 2
 
 
 def flops_of_a_batch(folder: str, parallelism: dict | None) -> int:
