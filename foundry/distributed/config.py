@@ -78,8 +78,8 @@ class ParallelismConfig:
     context_parallel_degree: int = field(
         default=1,
         metadata=doc(
-            "ranks that split each sequence along its length (ring-free all-gather of keys and values, "
-            "causally load-balanced); must divide the number of ranks. 1: every rank holds whole sequences"
+            "ranks that split each sequence along its length, causally load-balanced (long context; "
+            "docs/DISTRIBUTED.md); must divide the number of ranks. 1: every rank holds whole sequences"
         ),
     )
 

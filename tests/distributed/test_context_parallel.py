@@ -213,3 +213,20 @@ def refusal(attn_config: dict) -> str:
 )
 def test_masks_beyond_causal_are_refused_by_key(ranks, attn_config, key):
     assert f"model.attn_config.{key}" in ranks.run(2, refusal, attn_config)[0]
+
+
+def padded_forward() -> str:
+    model = MPTCausalLM(d_model=16, n_heads=2, n_layers=1, vocab_size=32, max_seq_len=8)
+    mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
+    context_parallel = apply_context_parallel(model, mesh["cp"])
+    batch = context_parallel.shard(
+        {"input_ids": torch.ones(1, 8, dtype=torch.long), "attention_mask": torch.ones(1, 8)}
+    )
+    batch["attention_mask"][0, 0] = 0  # a padded token
+    with context_parallel.activated(), pytest.raises(ConfigError) as error:
+        model(batch)
+    return str(error.value)
+
+
+def test_a_padded_batch_is_refused_at_its_forward(ranks):
+    assert all("this batch needs a mask: padding" in message for message in ranks.run(2, padded_forward))
