@@ -40,7 +40,7 @@ def batches(args: argparse.Namespace, order_seed: int) -> list[dict[str, torch.T
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     text = "\n\n".join(path.read_text() for path in sorted(Path(args.corpus).rglob("*.txt")))
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"]) % args.vocab_size
     samples = ids[: ids.numel() // args.seq_len * args.seq_len].view(-1, args.seq_len)
     order = torch.randperm(samples.shape[0], generator=torch.Generator().manual_seed(order_seed))
     needed = args.steps * args.batch_size
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace, moments_dtype: str, order_seed: int) -> dict[i
     losses = Losses()
     torch.manual_seed(17)
     trainer = Trainer(
-        model=LlamaCausalLM(**MODEL),
+        model=LlamaCausalLM(**{**MODEL, "vocab_size": args.vocab_size, "d_model": args.d_model}),
         train_dataloader=batches(args, order_seed),
         max_duration=f"{args.steps}ba",
         optimizers=lambda params: DecoupledAdamW(params, lr=2e-3, weight_decay=1e-4, moments_dtype=moments_dtype),
@@ -72,6 +72,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--vocab-size", type=int, default=MODEL["vocab_size"], help="token ids taken modulo this")
+    parser.add_argument("--d-model", type=int, default=MODEL["d_model"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--corpus", default=str(SHARED_DATA / "corpus"))
     parser.add_argument("--tokenizer", default=str(SHARED_DATA / "tokenizers" / "gpt-neox-20b"))
@@ -81,7 +83,7 @@ def main() -> int:
     steps = sorted(fp32)
     last = steps[-50:]
     row = {
-        "model": MODEL,
+        "model": {**MODEL, "vocab_size": args.vocab_size, "d_model": args.d_model},
         "steps": args.steps,
         "tokens_per_step": args.batch_size * args.seq_len,
         "device": args.device,
