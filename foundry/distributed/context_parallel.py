@@ -166,10 +166,13 @@ def _prefix_attention(
 ) -> torch.Tensor:
     """Queries that end the first ``key_len`` keys, each seeing the keys up to its own position."""
     k, v = k[:, :, :key_len], v[:, :, :key_len]
-    if k.shape[1] != q.shape[1]:  # grouped-query heads: the lower-right causal kernels take equal head counts
+    grouped = k.shape[1] != q.shape[1]
+    if q.shape[2] == key_len:  # the first chunk: plain causal, as foundry's SDPA path runs it
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=grouped
+        )
+    if grouped:  # the end-aligned causal kernels take equal head counts
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-    if q.shape[2] == key_len:  # the first chunk: plain causal, any fused kernel (cuDNN on an H100)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale)
     if _flash_runs(q):
         # FlashAttention aligns its causal mask to the last key when keys outnumber queries. Called as the
         # op (as torch's CausalBias does) so that torch.compile traces it: CausalBias breaks the graph.
