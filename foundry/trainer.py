@@ -40,7 +40,7 @@ from foundry.core import (
 from foundry.core.cuda_allocator import apply_allocator_settings
 from foundry.core.precision import autocast, check_precision, compute_dtype, grad_scaler
 from foundry.core.time import positive_time
-from foundry.distributed.config import FSDPConfig
+from foundry.distributed.config import FSDPConfig, ParallelismConfig
 from foundry.distributed.fsdp import GradientAccumulation, place_model
 from foundry.errors import ConfigError, TrainingError
 from foundry.eval.config import EvalConfig
@@ -52,7 +52,7 @@ from foundry.models.base import FoundryModel, ModuleModel
 from foundry.optim import build_optimizers, build_schedulers
 from foundry.optim.schedulers import TimeScheduler
 from foundry.run_config import TRAINER_SECTIONS, RunConfig
-from foundry.schema import split_settings
+from foundry.schema import parse_dataclass, split_settings
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -86,6 +86,8 @@ class Trainer:
             rank FSDP is skipped (it would only add copies) but its activation checkpointing and mixed
             precision still apply. Without it a single process trains the plain module and several ranks
             replicate it (``NO_SHARD``, DDP's layout). See ``foundry.distributed.fsdp``.
+        parallelism: a ``ParallelismConfig`` (or its keys), e.g. ``{"context_parallel_degree": 2}``: ranks
+            that split each sequence along its length (``foundry.distributed.context_parallel``).
         config: the resolved YAML of a ``foundry train`` run, stored in checkpoints and sent to loggers.
         checkpointer: the checkpoint section already checked, as a ``Checkpointer`` (``foundry train`` builds
             it before the model, so a refused save_folder fails first); then no ``CheckpointConfig`` key may
@@ -107,6 +109,7 @@ class Trainer:
         *,
         tokenizer: Any = None,
         fsdp_config: FSDPConfig | Mapping[str, Any] | None = None,
+        parallelism: ParallelismConfig | Mapping[str, Any] | None = None,
         config: dict[str, Any] | None = None,
         checkpointer: Checkpointer | None = None,
         **settings: Any,
@@ -116,6 +119,7 @@ class Trainer:
         seed_everything(run.seed)
         apply_allocator_settings(run.expandable_segments)
         fsdp_config = distributed.prepare_sharding(fsdp_config, optimizers)
+        parallelism = parse_dataclass(ParallelismConfig, parallelism, "parallelism")
         device = torch.device(run.device) if run.device is not None else distributed.default_device()
         self._find_microbatch_size = run.device_train_microbatch_size == "auto"
         model = model if isinstance(model, FoundryModel) else ModuleModel(model)
@@ -139,7 +143,7 @@ class Trainer:
         self._last_eval_batch: int | None = None
 
         self.engine.run_event(Event.INIT)  # before sharding, so that algorithms' model surgery is sharded too
-        self._place_model(model, device, fsdp_config, run)
+        self._place_model(model, device, fsdp_config, parallelism, run)
         self.state.optimizers = build_optimizers(optimizers, self.state.model)
         self.state.schedulers = build_schedulers(schedulers, self.state)
         if config is not None:
@@ -147,9 +151,17 @@ class Trainer:
         self.checkpoints.resume()
         self.engine.run_event(Event.AFTER_LOAD)
 
-    def _place_model(self, model: FoundryModel, device: torch.device, fsdp_config: Any, run: RunConfig) -> None:
+    def _place_model(
+        self,
+        model: FoundryModel,
+        device: torch.device,
+        fsdp_config: Any,
+        parallelism: ParallelismConfig,
+        run: RunConfig,
+    ) -> None:
         """Move (and shard) the model onto its device, and choose how gradients accumulate and are scaled."""
-        self._accumulation = place_model(model, device, fsdp_config, self.state.precision)
+        placement = place_model(model, device, fsdp_config, self.state.precision, parallelism)
+        self._accumulation, self._batches = placement.accumulation, placement.batches
         if self._accumulation is None and isinstance(model, FSDPModule):  # sharded by the caller: FSDP2's own schedule
             fsdp2_schedule = FSDPConfig(reduce_every_microbatch=False, reshard_between_microbatches=True)
             self._accumulation = GradientAccumulation(model, [], fsdp2_schedule)
@@ -238,7 +250,7 @@ class Trainer:
             self._weight_grad_sums.start_batch()
         if self._find_microbatch_size:
             self._choose_microbatch_size()
-        microbatches = split_batch(state.batch, state.device_train_microbatch_size)
+        microbatches = split_batch(self._batches.shard(state.batch), state.device_train_microbatch_size)
         weights = [state.model.loss_weight(mb) for mb in microbatches]
         # Sum of loss units over all microbatches on all ranks: each microbatch's mean loss is scaled
         # by its share, so gradients equal those of one big batch however it is split.
@@ -290,37 +302,39 @@ class Trainer:
         state.microbatch = microbatch
         if self._weight_grad_sums is not None:
             self._weight_grad_sums.prepare(compute_dtype(state.precision))
-        engine.run_event(Event.BEFORE_FORWARD)
-        with autocast(state.precision, state.device):
-            state.outputs = state.model(microbatch)
-        engine.run_event(Event.AFTER_FORWARD)
-        engine.run_event(Event.BEFORE_LOSS)
-        with autocast(state.precision, state.device):
-            state.loss = state.model.loss(state.outputs, microbatch)
-        engine.run_event(Event.AFTER_LOSS)
-        correct = state.model.correct_predictions(state.outputs, microbatch)
-        if correct is not None:
-            previous = self._correct_predictions
-            self._correct_predictions = correct if previous is None else previous + correct
-        loss = state.loss * scale
-        engine.run_event(Event.BEFORE_BACKWARD)
-        (self._grad_scaler.scale(loss) if self._grad_scaler else loss).backward()
-        engine.run_event(Event.AFTER_BACKWARD)
+        with self._batches.activated():  # backward too: activation checkpointing recomputes forwards there
+            engine.run_event(Event.BEFORE_FORWARD)
+            with autocast(state.precision, state.device):
+                state.outputs = state.model(microbatch)
+            engine.run_event(Event.AFTER_FORWARD)
+            engine.run_event(Event.BEFORE_LOSS)
+            with autocast(state.precision, state.device):
+                state.loss = state.model.loss(state.outputs, microbatch)
+            engine.run_event(Event.AFTER_LOSS)
+            correct = state.model.correct_predictions(state.outputs, microbatch)
+            if correct is not None:
+                previous = self._correct_predictions
+                self._correct_predictions = correct if previous is None else previous + correct
+            loss = state.loss * scale
+            engine.run_event(Event.BEFORE_BACKWARD)
+            (self._grad_scaler.scale(loss) if self._grad_scaler else loss).backward()
+            engine.run_event(Event.AFTER_BACKWARD)
         state.outputs = None  # free activations' outputs (logits) before the next microbatch
         return loss.detach()
 
     def _choose_microbatch_size(self) -> None:
         """``device_train_microbatch_size: auto``: trial runs on this first batch pick the size for the run."""
         state = self.state
+        batch = self._batches.shard(state.batch)
 
         def trial(microbatch_size: int) -> None:
             try:
-                for microbatch in split_batch(state.batch, microbatch_size):
+                for microbatch in split_batch(batch, microbatch_size):
                     self._train_microbatch(microbatch, torch.ones((), device=state.device))
             finally:
                 state.outputs = state.loss = self._correct_predictions = None  # a failed trial's memory is freed
 
-        size = distributed.find_microbatch_size(state.model, batch_num_samples(state.batch), trial, state.device)
+        size = distributed.find_microbatch_size(state.model, batch_num_samples(batch), trial, state.device)
         state.device_train_microbatch_size = size
         self._find_microbatch_size = False
         self.logger.log_text(f"device_train_microbatch_size: auto chose {size} samples per microbatch.")
@@ -354,15 +368,16 @@ class Trainer:
                 state.batch = batch_to_device(count_once(batch), state.device)
                 engine.run_event(Event.EVAL_BATCH_START)
                 engine.run_event(Event.EVAL_BEFORE_FORWARD)
-                with autocast(state.precision, state.device):
-                    state.outputs = state.model(state.batch)
-                    loss = state.model.loss(state.outputs, state.batch)
+                pieces = self._batches.shard(state.batch)  # this rank's part of each sequence
+                with self._batches.activated(), autocast(state.precision, state.device):
+                    state.outputs = state.model(pieces)
+                    loss = state.model.loss(state.outputs, pieces)
                 engine.run_event(Event.EVAL_AFTER_FORWARD)
-                weight = state.model.loss_weight(state.batch)
+                weight = state.model.loss_weight(pieces)
                 # A batch of repeated samples only has no weight (and a NaN mean loss): it adds nothing.
                 loss_sum += torch.where(torch.as_tensor(weight) > 0, loss.double() * weight, 0.0)
                 weight_sum += weight
-                correct = state.model.correct_predictions(state.outputs, state.batch)
+                correct = state.model.correct_predictions(state.outputs, pieces)
                 if correct is not None:
                     correct_sum = correct if correct_sum is None else correct_sum + correct
                 engine.run_event(Event.EVAL_BATCH_END)

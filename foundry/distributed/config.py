@@ -1,4 +1,7 @@
-"""``fsdp_config``: LLM Foundry's FSDP keys, validated here and applied by ``foundry.distributed.fsdp``."""
+"""The distributed sections: ``fsdp_config`` (LLM Foundry's FSDP keys) and ``parallelism`` (the mesh's degrees).
+
+Validated here; ``foundry.distributed.mesh`` lays the ranks out and ``foundry.distributed.fsdp`` applies them.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import dataclasses
 from dataclasses import field
 from typing import Literal
 
+from foundry.errors import ConfigError
 from foundry.schema import doc, field_defaults
 
 
@@ -61,3 +65,27 @@ class FSDPConfig:
 
 
 FSDP_DEFAULTS = field_defaults(FSDPConfig)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParallelismConfig:
+    """``parallelism``: how many ranks share each dimension of the work beyond data parallelism (torchtitan's keys).
+
+    The ranks left over after every degree here are the data-parallel ones; FSDP2 shards parameters over
+    data × context ranks (torchtitan's ``dp_shard_cp``), so context parallelism costs no extra weight memory.
+    """
+
+    context_parallel_degree: int = field(
+        default=1,
+        metadata=doc(
+            "ranks that split each sequence along its length, causally load-balanced (long context; "
+            "docs/DISTRIBUTED.md); must divide the number of ranks. 1: every rank holds whole sequences"
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if self.context_parallel_degree < 1:
+            raise ConfigError(
+                f"'parallelism.context_parallel_degree' is {self.context_parallel_degree}; it must be 1 (off) or a "
+                "number of ranks that divides the world size, e.g. 2."
+            )
