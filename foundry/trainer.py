@@ -114,6 +114,7 @@ class Trainer:
         fsdp_config = distributed.prepare_sharding(fsdp_config, optimizers)
         device = torch.device(run.device) if run.device is not None else distributed.default_device()
         self._find_microbatch_size = run.device_train_microbatch_size == "auto"
+        self._loss_term_shares: dict[str, torch.Tensor] = {}  # this batch's model.loss_terms(), as the loss's share
         model = model if isinstance(model, FoundryModel) else ModuleModel(model)
         self.run_folder = Path(fill_run_name(run.run_folder, run.run_name))
         self.state = State(
@@ -277,6 +278,7 @@ class Trainer:
         local_weight = torch.as_tensor(sum(weights), dtype=torch.float32, device=state.device)
         total_weight = distributed.all_reduce_sum(local_weight.clone())
         share_of_global_loss = torch.zeros((), device=state.device)
+        self._loss_term_shares = {}
         for index, (microbatch, weight) in enumerate(zip(microbatches, weights)):
             if self._accumulation is not None:  # a sharded model: when to reduce gradients and reshard
                 self._accumulation.before_microbatch(last=index == len(microbatches) - 1)
@@ -305,6 +307,8 @@ class Trainer:
         global_loss = distributed.all_reduce_sum(share_of_global_loss)
         # trainer/tokens: the run's tokens so far, so runs of other batch or world sizes compare (foundry compare)
         self.logger.log_metrics({"loss/train/total": global_loss, "trainer/tokens": state.timestamp.token})
+        if self._loss_term_shares:
+            self.logger.log_metrics(self._global_loss_terms())
         if self.log_interval.due(state, since=previous) or self._finished():
             self.logger.flush()
         if self.save_interval.due(state, since=previous):
@@ -327,11 +331,20 @@ class Trainer:
             state.loss = state.model.loss(state.outputs, microbatch)
         engine.run_event(Event.AFTER_LOSS)
         loss = state.loss * scale
+        for name, term in state.model.loss_terms().items():
+            self._loss_term_shares[name] = self._loss_term_shares.get(name, 0.0) + term.float() * scale
         engine.run_event(Event.BEFORE_BACKWARD)
         (self._grad_scaler.scale(loss) if self._grad_scaler else loss).backward()
         engine.run_event(Event.AFTER_BACKWARD)
         state.outputs = None  # free activations' outputs (logits) before the next microbatch
         return loss.detach()
+
+    def _global_loss_terms(self) -> dict[str, torch.Tensor]:
+        """``loss/train/<name>`` for each part of the loss: the batch's mean over all ranks, as the total's."""
+        names = sorted(self._loss_term_shares)
+        shares = torch.stack([self._loss_term_shares[name] for name in names])
+        means = distributed.all_reduce_sum(shares) / self.state.world_size
+        return {f"loss/train/{name}": mean for name, mean in zip(names, means)}
 
     def _choose_microbatch_size(self) -> None:
         """``device_train_microbatch_size: auto``: trial runs on this first batch pick the size for the run."""

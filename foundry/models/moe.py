@@ -21,6 +21,7 @@ Each forward records its routing (``MoE.routing``), from which the model adds tw
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import torch
 from torch import nn
@@ -28,7 +29,7 @@ from torch import nn
 from foundry.errors import ConfigError
 from foundry.models.experts import GroupedExperts, combine, dispatch, sort_by_expert
 from foundry.models.init import InitFn
-from foundry.models.layers import GLU, MLP, ActFnConfig
+from foundry.models.layers import GLU, MLP, ActFnConfig, FFNConfig
 
 _KEY = "model.ffn_config"
 
@@ -62,6 +63,31 @@ class MoEConfig:
                 f"'{self.key}' normalizes the top-k weights to a p-norm of p = {self.normalize_expert_weights}; "
                 "p must be positive (1: weights sum to 1), or null for none."
             )
+
+
+def moe_config_from_ffn(ffn_config: FFNConfig, hidden_size: int, bias: bool) -> MoEConfig:
+    """LLM Foundry's ``mb_moe`` / ``mb_dmoe`` ffn_config keys (MegaBlocks' ``Arguments``) as an ``MoEConfig``."""
+    if ffn_config.ffn_type == "mb_moe" and ffn_config.moe_capacity_factor > 0:
+        warnings.warn(
+            f"'{_KEY}.ffn_type' is mb_moe, whose MegaBlocks layer drops tokens past "
+            f"moe_capacity_factor={ffn_config.moe_capacity_factor}; foundry's MoE computes every token (as mb_dmoe).",
+            stacklevel=4,
+        )
+    shared_hidden = ffn_config.shared_expert_hidden_size or hidden_size
+    return MoEConfig(
+        num_experts=ffn_config.moe_num_experts,
+        top_k=ffn_config.moe_top_k,
+        hidden_size=hidden_size,
+        act=ffn_config.ffn_act_fn or ActFnConfig(),
+        glu=ffn_config.mlp_type == "glu",
+        normalize_expert_weights=ffn_config.moe_normalize_expert_weights,
+        shared_expert_hidden_size=shared_hidden if ffn_config.shared_expert else None,
+        bias=bias,
+        load_balancing_weight=ffn_config.moe_loss_weight,
+        z_loss_weight=ffn_config.moe_zloss_weight,
+        jitter_eps=ffn_config.moe_jitter_eps,
+        uniform_expert_assignment=ffn_config.uniform_expert_assignment,
+    )
 
 
 @dataclasses.dataclass
@@ -121,12 +147,21 @@ class MoE(nn.Module):
             self.shared_expert = shared_class(d_model, config.shared_expert_hidden_size, config.act, bias=False)
         self.bias = nn.Parameter(torch.empty(d_model)) if config.bias else None
         self.routing: Routing | None = None
+        # Training assignments per expert since the moe_monitor callback last read them (not saved in checkpoints).
+        self.register_buffer("assignments_since_read", torch.zeros(config.num_experts), persistent=False)
 
     def init_weights_with(self, weight_init: InitFn, residual_divisor: float | None) -> None:
-        """The output bias starts at zero (the router, experts and shared expert are initialised as submodules)."""
+        """The output bias and the load counts start at zero (submodules are initialised on their own)."""
         del weight_init, residual_divisor
+        self.assignments_since_read.zero_()
         if self.bias is not None:
             nn.init.zeros_(self.bias)
+
+    @property
+    def inactive_params(self) -> int:
+        """Expert parameters a token does not use: all experts' but its top_k (MFU counts active parameters)."""
+        expert_params = sum(p.numel() for p in self.experts.parameters())
+        return expert_params * (self.config.num_experts - self.config.top_k) // self.config.num_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -134,6 +169,8 @@ class MoE(nn.Module):
         logits, probs, weights, expert_ids = self.router(x)
         layout = sort_by_expert(expert_ids, self.config.num_experts, self.experts.row_alignment(x))
         out = combine(self.experts(dispatch(x, layout), layout), layout, weights)
+        if self.training:
+            self.assignments_since_read += layout.tokens_per_expert.detach()
         self.routing = Routing(
             tokens_per_expert=layout.tokens_per_expert,
             mean_probs=probs.mean(dim=0),
