@@ -13,7 +13,8 @@ from foundry.models.build import build_model
 # Train configs: every YAML but yamls/eval/, which holds ICL task lists and gauntlets (tests/eval reads those).
 YAMLS = sorted(p for p in (Path(__file__).resolve().parents[1] / "yamls").rglob("*.yaml") if p.parent.name != "eval")
 # Parameter counts published for the architectures these widths reproduce (Hugging Face model cards).
-PUBLISHED_PARAMS = {"llama-1b.yaml": 1_235_814_400, "llama-8b.yaml": 8_030_261_248}  # Llama-3.2-1B, Llama-3-8B
+# Llama-3.2-1B, Llama-3-8B, OLMoE-1B-7B
+PUBLISHED_PARAMS = {"llama-1b.yaml": 1_235_814_400, "llama-8b.yaml": 8_030_261_248, "moe-1b-7b.yaml": 6_919_161_856}
 # Names that round more than 15%: LLM Foundry's MPT-1B has 1.3B parameters.
 NOMINAL_PARAMS = {"mpt-1b.yaml": 1.3e9}
 MODELS_MD = Path(__file__).resolve().parents[1] / "docs" / "MODELS.md"
