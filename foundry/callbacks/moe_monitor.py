@@ -21,13 +21,13 @@ class MoEMonitor(Callback):
     """
 
     def batch_end(self, state: State, logger: Logger) -> None:
-        layers = moe_layers(state.model)
+        layers = [layer for layer in moe_layers(state.model) if layer.assignments_since_read is not None]
         if not layers:
             return
         counts = torch.stack([layer.assignments_since_read for layer in layers])  # (layers, experts)
-        counts = distributed.all_reduce_sum(counts.clone())
+        counts = distributed.all_reduce_sum(counts.float())
         for layer in layers:
-            layer.assignments_since_read.zero_()
+            layer.assignments_since_read = None
         loads = torch.stack([expert_load(layer_counts) for layer_counts in counts])
         metrics = {f"moe/layer_{index}/max_load": load for index, load in enumerate(loads)}
         logger.log_metrics({**metrics, "moe/max_load": loads.max()})

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from foundry.checkpoint import latest_checkpoint
-from foundry.convert import adapter_for_family, adapter_for_hf
+from foundry.convert import adapter_for_family, adapter_for_hf, adapter_for_model
 from foundry.convert.checkpoint_io import (
     assign_weights,
     load_checkpoint_model,
@@ -100,7 +100,7 @@ def _refuse_lora(section: dict[str, Any], folder: Path) -> None:
 def to_hf_model(model: nn.Module, family: str, state_dict: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """The ``transformers`` model holding ``model``'s weights, or those of ``state_dict`` (its keys) when given;
     tensors are shared where names map one to one."""
-    adapter = adapter_for_family(family)
+    adapter = adapter_for_model(model, family)
     hf_config = adapter.to_hf_config(model)
     hf_state = adapter.to_hf_state_dict(model.state_dict() if state_dict is None else state_dict, model)
     with torch.device("meta"):  # no random init of weights about to be replaced (an 8B model is 32 GB)

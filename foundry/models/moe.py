@@ -147,13 +147,12 @@ class MoE(nn.Module):
             self.shared_expert = shared_class(d_model, config.shared_expert_hidden_size, config.act, bias=False)
         self.bias = nn.Parameter(torch.empty(d_model)) if config.bias else None
         self.routing: Routing | None = None
-        # Training assignments per expert since the moe_monitor callback last read them (not saved in checkpoints).
-        self.register_buffer("assignments_since_read", torch.zeros(config.num_experts), persistent=False)
+        # Training assignments per expert since the moe_monitor callback last read them (None: none since).
+        self.assignments_since_read: torch.Tensor | None = None
 
     def init_weights_with(self, weight_init: InitFn, residual_divisor: float | None) -> None:
-        """The output bias and the load counts start at zero (submodules are initialised on their own)."""
+        """The output bias starts at zero (the router, experts and shared expert are initialised as submodules)."""
         del weight_init, residual_divisor
-        self.assignments_since_read.zero_()
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
@@ -170,7 +169,8 @@ class MoE(nn.Module):
         layout = sort_by_expert(expert_ids, self.config.num_experts, self.experts.row_alignment(x))
         out = combine(self.experts(dispatch(x, layout), layout), layout, weights)
         if self.training:
-            self.assignments_since_read += layout.tokens_per_expert.detach()
+            counts, so_far = layout.tokens_per_expert.detach(), self.assignments_since_read
+            self.assignments_since_read = counts if so_far is None else so_far + counts
         self.routing = Routing(
             tokens_per_expert=layout.tokens_per_expert,
             mean_probs=probs.mean(dim=0),

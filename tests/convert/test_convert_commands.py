@@ -159,7 +159,7 @@ def test_unexportable_family_error_lists_the_families_and_hf_causal_lm() -> None
 
 
 def test_unimportable_model_type_error_lists_the_types_and_hf_causal_lm() -> None:
-    with pytest.raises(ConfigError, match="llama, mpt.*hf_causal_lm"):
+    with pytest.raises(ConfigError, match="dbrx, llama, mixtral, mpt, olmoe, qwen3_moe.*hf_causal_lm"):
         adapter_for_hf("gpt2")
 
 
