@@ -112,11 +112,16 @@ class GroupedExperts(nn.Module):
             weight = getattr(self, name)
             if weight is None:
                 continue
-            local = weight.to_local() if hasattr(weight, "to_local") else weight  # an FSDP2 shard: its experts
+            local = self.local(weight)  # an FSDP2 or expert-parallel shard: this rank's experts
             for expert_weight in local:
                 weight_init(expert_weight)
             if name == "down_proj" and residual_divisor is not None:
                 local.div_(residual_divisor)
+
+    @staticmethod
+    def local(weight: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of ``weight``: all of them, or its shard under expert parallelism (a DTensor)."""
+        return weight.to_local() if hasattr(weight, "to_local") else weight
 
     def act(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_name == "gelu":
@@ -132,9 +137,20 @@ class GroupedExperts(nn.Module):
         runs = grouped_mm_runs_on(x, dtype)
         return runs if self.use_grouped_mm is None else self.use_grouped_mm and runs
 
+    def route(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token (tokens, d_model) through its experts (tokens, top_k), outputs summed with ``weights``.
+
+        Returns the (tokens, d_model) outputs and the assignments per expert (experts,). Expert
+        parallelism (``foundry.distributed.expert_parallel``) replaces this with an exchange between ranks.
+        """
+        layout = sort_by_expert(expert_ids, self.num_experts, self.row_alignment(x))
+        return combine(self(dispatch(x, layout), layout), layout, weights), layout.tokens_per_expert
+
     def forward(self, x: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
         """(rows, d_model) expert-sorted tokens -> (rows, d_model); padding rows give zeros."""
-        weights = [w for w in (self.up_proj, self.gate_proj, self.down_proj) if w is not None]
+        weights = [self.local(w) for w in (self.up_proj, self.gate_proj, self.down_proj) if w is not None]
         dtype = autocast_dtype(x.device.type) or x.dtype  # autocast does not cover grouped_mm: cast here
         x, weights = x.to(dtype), [w.to(dtype) for w in weights]
         if self._uses_grouped_mm(x):

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from foundry.errors import ConfigError
-from foundry.models.experts import GroupedExperts, combine, dispatch, sort_by_expert
+from foundry.models.experts import GroupedExperts
 from foundry.models.init import InitFn
 from foundry.models.layers import GLU, MLP, ActFnConfig, FFNConfig
 
@@ -166,13 +166,12 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (tokens, d_model)
         logits, probs, weights, expert_ids = self.router(x)
-        layout = sort_by_expert(expert_ids, self.config.num_experts, self.experts.row_alignment(x))
-        out = combine(self.experts(dispatch(x, layout), layout), layout, weights)
+        out, tokens_per_expert = self.experts.route(x, expert_ids, weights)
         if self.training:
-            counts, so_far = layout.tokens_per_expert.detach(), self.assignments_since_read
+            counts, so_far = tokens_per_expert.detach(), self.assignments_since_read
             self.assignments_since_read = counts if so_far is None else so_far + counts
         self.routing = Routing(
-            tokens_per_expert=layout.tokens_per_expert,
+            tokens_per_expert=tokens_per_expert,
             mean_probs=probs.mean(dim=0),
             z=torch.logsumexp(logits.float(), dim=-1).square().mean(),
         )
