@@ -56,6 +56,14 @@ class FSDPConfig:
             "last backward (one all-gather per block a batch); null (auto): kept when the model is small for the device"
         ),
     )
+    expert_parallel_degree: int = field(
+        default=1,
+        metadata=doc(
+            "ranks over which each MoE layer's experts are split, tokens moving between them by all-to-all "
+            "(foundry.distributed.expert_parallel); 1: every rank holds all experts (FSDP shards them); else the "
+            "number of ranks"
+        ),
+    )
     verbose: bool = field(default=False, metadata=doc("log how modules are wrapped"))
     cpu_offload: bool = field(default=False, metadata=doc("keep shards and the optimizer step on the CPU (CUDA only)"))
 

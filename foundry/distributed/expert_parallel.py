@@ -22,22 +22,26 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from foundry.distributed.env import get_world_size
 from foundry.errors import ConfigError
-from foundry.models.experts import GroupedExperts, combine, dispatch, sort_by_expert
-from foundry.models.moe import moe_layers
+
+_PARALLEL_CLASSES: dict[type, type] = {}  # an experts class -> its expert-parallel subclass
 
 
-class ExpertParallelExperts(GroupedExperts):
-    """``GroupedExperts`` whose weights hold this rank's experts and whose tokens travel by all-to-all."""
+class ExpertParallelRouting:
+    """Mixed into an experts module (``foundry.models.experts.GroupedExperts``): its weights hold this rank's
+    experts, and its tokens travel by all-to-all. The module's own ``sort_by_expert``, ``dispatch`` and
+    ``combine`` lay the rows out (distributed code does not import the models)."""
 
     ep_mesh: DeviceMesh
 
     def route(
         self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        sort_by_expert, dispatch, combine = self.sort_by_expert, self.dispatch, self.combine
         group, ep = self.ep_mesh.get_group(), self.ep_mesh.size()
         layout = sort_by_expert(expert_ids, self.num_experts)  # rows grouped by expert, so by destination rank
         tokens_per_expert = layout.tokens_per_expert
@@ -57,16 +61,42 @@ class ExpertParallelExperts(GroupedExperts):
         return combine(returned, layout, weights), tokens_per_expert
 
 
+def shard_experts(model: nn.Module, degree: int, device_type: str) -> set[nn.Parameter]:
+    """``fsdp_config.expert_parallel_degree``: the experts split over all ranks (an ``ep`` mesh); their parameters.
+
+    FSDP2 shards every other parameter over the same ranks and ignores these: each expert lives on one
+    rank, and its gradient already sums every rank's tokens (the all-to-all's backward), so it is only
+    divided by the number of ranks, as FSDP's reduction averages the others.
+    """
+    if degree == 1:
+        return set()
+    world_size = get_world_size()
+    if degree != world_size:
+        raise ConfigError(
+            f"fsdp_config.expert_parallel_degree is {degree} but the run has {world_size} ranks; expert parallelism "
+            f"splits the experts over every rank: set it to {world_size}, or to 1 (FSDP shards the experts)."
+        )
+    ep_mesh = init_device_mesh(device_type, (degree,), mesh_dim_names=("ep",))
+    if not apply_expert_parallel(model, ep_mesh):
+        raise ConfigError(
+            f"fsdp_config.expert_parallel_degree is {degree} but the model has no mixture-of-experts layers; "
+            "remove the key."
+        )
+    params = {param for experts in expert_modules(model) for param in experts.parameters()}
+    for param in params:
+        param.register_hook(lambda grad: grad / world_size)
+    return params
+
+
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> int:
     """Shard every MoE layer of ``model`` over the 1-D ``ep_mesh``; returns how many layers were sharded.
 
     The expert weights must hold the same values on every rank of ``ep_mesh`` (a seeded CPU build, or
     weights loaded afterwards through a distributed checkpoint).
     """
-    layers = moe_layers(model)
+    layers = expert_modules(model)
     ep = ep_mesh.size()
-    for layer in layers:
-        experts = layer.experts
+    for experts in layers:
         if experts.num_experts % ep:
             raise ConfigError(
                 f"Expert parallelism over {ep} ranks splits each MoE layer's {experts.num_experts} experts evenly; "
@@ -75,6 +105,14 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> int:
         for name, parameter in list(experts.named_parameters(recurse=False)):
             sharded = distribute_tensor(parameter.data, ep_mesh, [Shard(0)], src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=parameter.requires_grad))
-        experts.__class__ = ExpertParallelExperts
+        cls = type(experts)
+        if cls not in _PARALLEL_CLASSES:
+            _PARALLEL_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelRouting, cls), {})
+        experts.__class__ = _PARALLEL_CLASSES[cls]
         experts.ep_mesh = ep_mesh
     return len(layers)
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that hold stacked experts and route tokens to them (``route``, ``num_experts``)."""
+    return [module for module in model.modules() if hasattr(module, "route") and hasattr(module, "num_experts")]

@@ -38,6 +38,7 @@ from foundry.core.precision import cast_embeddings_to_autocast_dtype, compute_dt
 from foundry.distributed.activation_checkpoint import apply_activation_checkpointing, apply_activation_offload
 from foundry.distributed.config import FSDPConfig
 from foundry.distributed.env import all_reduce_sum, get_local_world_size, get_rank, get_world_size
+from foundry.distributed.expert_parallel import shard_experts
 from foundry.distributed.process_group import init_process_group
 from foundry.errors import ConfigError
 from foundry.schema import parse_dataclass
@@ -69,17 +70,20 @@ def parallelize(
         How the sharded model moves gradients and parameters between microbatches (None: unsharded).
     """
     if not shards(config, device):
+        shard_experts(model, config.expert_parallel_degree, device.type)  # refuses a degree above one rank
         _place_unsharded(model, config, device, precision)
         return None
     layout, reshard_after_forward = STRATEGIES[config.sharding_strategy]
     mesh = build_mesh(layout, device.type)
     rank0_weights = _rank0_weights(model, config.sync_module_states, device)
+    expert_params = shard_experts(model, config.expert_parallel_degree, device.type)  # FSDP leaves them be
     blocks = _wrap_blocks(model, config, device)
     offload = config.cpu_offload and device.type == "cuda"
     shard_settings = {
         "mesh": mesh,
         "mp_policy": mixed_precision_policy(config.mixed_precision, precision),
         "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
+        "ignored_params": expert_params or None,
     }
     for index, block in enumerate(blocks):
         # The last block would be gathered again at once for backward: keeping it whole saves an all-gather.

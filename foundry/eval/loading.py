@@ -19,6 +19,7 @@ from typing import Any
 from torch import nn
 
 from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint, resolve_checkpoint_path
+from foundry.convert.commands import from_hf_model
 from foundry.convert.llmfoundry_mpt import is_llm_foundry_mpt_export, load_export_tokenizer, load_llm_foundry_export
 from foundry.core.paths import is_object_store_url
 from foundry.data import load_tokenizer
@@ -90,8 +91,6 @@ def _load_hf_directory(path: Path, name: str, attn_implementation: str | None, t
         model, _ = load_llm_foundry_export(path)
         return LoadedModel(name, model, load_export_tokenizer(path), _max_seq_len(model))
     if raw_config.get("model_type") in NATIVE_MOE and not raw_config.get("auto_map"):
-        from foundry.convert.commands import from_hf_model  # imports transformers (seconds): only when needed
-
         model, _ = from_hf_model(path)  # foundry's MoE: grouped experts, not transformers' loop over them
         return LoadedModel(name, model, _tokenizer({"name": str(path)}), _max_seq_len(model))
     model = HFCausalLM(

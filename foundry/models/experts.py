@@ -106,6 +106,11 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.use_grouped_mm: bool | None = None
 
+    # The row layout, as methods: expert parallelism (foundry.distributed) routes with them.
+    sort_by_expert = staticmethod(sort_by_expert)
+    dispatch = staticmethod(dispatch)
+    combine = staticmethod(combine)
+
     def init_weights_with(self, weight_init: InitFn, residual_divisor: float | None) -> None:
         """Each expert's matrix initialised as its own nn.Linear weight would be (foundry/models/init.py)."""
         for name in ("up_proj", "gate_proj", "down_proj"):

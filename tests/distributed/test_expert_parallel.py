@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from foundry.distributed.expert_parallel import ExpertParallelExperts, apply_expert_parallel
+from foundry.distributed.expert_parallel import ExpertParallelRouting, apply_expert_parallel
 from foundry.models.init import InitConfig, init_weights_
 from foundry.models.layers import ActFnConfig
 from foundry.models.moe import MoE, MoEConfig
@@ -29,7 +30,7 @@ def exchange_matches_one_rank() -> bool:
     reference = tiny_moe()
     sharded = copy.deepcopy(reference)
     assert apply_expert_parallel(sharded, init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))) == 1
-    assert isinstance(sharded.experts, ExpertParallelExperts)
+    assert isinstance(sharded.experts, ExpertParallelRouting)
     torch.manual_seed(10 + rank)  # each rank routes its own tokens, unevenly (rank 1 has more)
     x = torch.randn(1, 5 + 3 * rank, D_MODEL)
     x_ref = x.clone().requires_grad_(True)
@@ -53,3 +54,39 @@ def exchange_matches_one_rank() -> bool:
 
 def test_dispatch_and_combine_over_two_ranks_equal_one_rank(ranks) -> None:
     assert ranks.run(2, exchange_matches_one_rank) == [True, True]
+
+
+MOE_MODEL = {"expansion_ratio": 1, "ffn_config": {"ffn_type": "mb_dmoe", "moe_num_experts": 4, "moe_top_k": 2}}
+EP2 = {"sharding_strategy": "FULL_SHARD", "expert_parallel_degree": 2}
+
+
+def moe_keys(loss_weight: float) -> dict:
+    return {**MOE_MODEL, "ffn_config": {**MOE_MODEL["ffn_config"], "moe_loss_weight": loss_weight}}
+
+
+def test_ep2_trains_as_fsdp_alone_with_clipping_and_the_load_balancing_loss(ranks, tmp_path) -> None:
+    from distributed.jobs import train
+    from foundry.algorithms import GradientClipping
+
+    common = {"model_keys": moe_keys(0.01), "algorithms": [GradientClipping(clipping_threshold=0.05)]}
+    fsdp = ranks.run(2, train, 2, str(tmp_path / "fsdp"), {"sharding_strategy": "FULL_SHARD"}, **common)[0]
+    ep = ranks.run(2, train, 2, str(tmp_path / "ep"), EP2, **common)[0]
+    assert ep["losses"] == pytest.approx(fsdp["losses"], abs=1e-5)
+    for name, weight in fsdp["weights"].items():
+        torch.testing.assert_close(ep["weights"][name], weight, atol=1e-5, rtol=0, msg=name)
+
+
+def test_an_ep2_checkpoint_resumes_on_one_rank(ranks, tmp_path) -> None:
+    from distributed.jobs import train
+    from foundry.callbacks.hand_over import HandOver
+
+    keys = {"model_keys": moe_keys(0.0)}  # without the per-rank balancing loss, any world size trains alike
+    uninterrupted = ranks.run(1, train, 6, str(tmp_path / "one"), None, **keys)[0]
+    relaunch = {"callbacks": [HandOver("3ba")], "save_folder": str(tmp_path / "ckpt"), "autoresume": True, **keys}
+    first = ranks.run(2, train, 6, str(tmp_path), EP2, **relaunch)[0]
+    second = ranks.run(1, train, 6, str(tmp_path), None, **relaunch)[0]
+    assert (first["batch"], second["batch"]) == (3, 6)
+    for step, loss in second["losses"].items():
+        assert loss == pytest.approx(uninterrupted["losses"][step], abs=1e-5), step
+    for name, weight in uninterrupted["weights"].items():
+        torch.testing.assert_close(second["weights"][name], weight, atol=1e-5, rtol=0, msg=name)
