@@ -149,6 +149,7 @@ class MoE(nn.Module):
         self.routing: Routing | None = None
         # Training assignments per expert since the moe_monitor callback last read them (None: none since).
         self.assignments_since_read: torch.Tensor | None = None
+        self._warned_no_grad = False
 
     def init_weights_with(self, weight_init: InitFn, residual_divisor: float | None) -> None:
         """The output bias starts at zero (the router, experts and shared expert are initialised as submodules)."""
@@ -167,6 +168,14 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])  # (tokens, d_model)
         logits, probs, weights, expert_ids = self.router(x)
         out, tokens_per_expert = self.experts.route(x, expert_ids, weights)
+        if self.training and not torch.is_grad_enabled() and not self._warned_no_grad:
+            self._warned_no_grad = True
+            warnings.warn(
+                "An MoE layer ran a training forward without gradients (reentrant activation checkpointing does), so "
+                "its load-balancing and z-loss terms cannot train the router. Use non-reentrant checkpointing "
+                "(fsdp_config.activation_checkpointing_reentrant: false, the default).",
+                stacklevel=2,
+            )
         if self.training:
             counts, so_far = tokens_per_expert.detach(), self.assignments_since_read
             self.assignments_since_read = counts if so_far is None else so_far + counts

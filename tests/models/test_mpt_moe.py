@@ -82,3 +82,30 @@ def test_loss_terms_and_expert_load_reach_the_logger(tmp_path: Path) -> None:
     )
     assert 1.0 <= logged["moe/max_load"] <= 4.0
     assert model.transformer.blocks[0].ffn.assignments_since_read is None  # read and reset
+
+
+def test_activation_checkpointing_keeps_loss_terms_and_gradients() -> None:
+    from foundry.distributed.activation_checkpoint import apply_activation_checkpointing
+
+    batch = token_batches(1, 2, 16, 64)[0]
+    grads = []
+    for checkpointed in (False, True):
+        model = tiny_moe_mpt(moe_zloss_weight=0.001)
+        if checkpointed:
+            apply_activation_checkpointing(model, list(model.transformer.blocks), None, reentrant=False)
+        model.loss(model(batch), batch).backward()
+        unwrapped = {name.replace("._checkpoint_wrapped_module", ""): p for name, p in model.named_parameters()}
+        grads.append({name: p.grad.clone() for name, p in unwrapped.items()})
+    assert grads[1].keys() == grads[0].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, msg=name)
+
+
+def test_reentrant_checkpointing_warns_that_the_router_loses_its_loss_terms() -> None:
+    from foundry.distributed.activation_checkpoint import apply_activation_checkpointing
+
+    model = tiny_moe_mpt()
+    apply_activation_checkpointing(model, list(model.transformer.blocks), None, reentrant=True)
+    batch = token_batches(1, 2, 16, 64)[0]
+    with pytest.warns(UserWarning, match="reentrant activation checkpointing"):
+        model(batch)
