@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from foundry.checkpoint import latest_checkpoint
 from foundry.convert import adapter_for_model
 from foundry.convert.commands import from_hf_model, to_hf_model
 from foundry.errors import ConfigError
@@ -127,3 +129,19 @@ def test_load_model_reads_a_hugging_face_moe_as_foundry_moe(tmp_path: Path, toke
     assert isinstance(model, LlamaCausalLM) and model.config.ffn_config.moe_num_experts == 4
     assert logit_gap(model, hf_model) < 1e-4
     assert len(tokenizer) == 300
+
+
+def test_convert_commands_round_trip_a_checkpoint_bit_exact(tmp_path: Path, tokenizer_dir: Path) -> None:
+    from foundry.cli import main
+    from foundry.convert.checkpoint_io import load_checkpoint_model, save_weights_checkpoint
+
+    model = foundry_model("qwen3_moe", vocab_size=320)
+    section = model.model_section()
+    save_weights_checkpoint(model, tmp_path / "ckpt", {"model": section}, overwrite=False)
+    to_hf = ["convert", "to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--tokenizer", str(tokenizer_dir)]
+    assert main(to_hf) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert main(["convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    back = load_checkpoint_model(latest_checkpoint(tmp_path / "back"), {**section, "init_device": "meta"})
+    original = model.state_dict()
+    assert all(torch.equal(back.state_dict()[name], tensor) for name, tensor in original.items())
