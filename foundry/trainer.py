@@ -306,9 +306,8 @@ class Trainer:
         # (no host sync) until the flush at the console interval converts the queue at once.
         global_loss = distributed.all_reduce_sum(share_of_global_loss)
         # trainer/tokens: the run's tokens so far, so runs of other batch or world sizes compare (foundry compare)
-        self.logger.log_metrics({"loss/train/total": global_loss, "trainer/tokens": state.timestamp.token})
-        if self._loss_term_shares:
-            self.logger.log_metrics(self._global_loss_terms())
+        metrics = {"loss/train/total": global_loss, "trainer/tokens": state.timestamp.token}
+        self.logger.log_metrics({**metrics, **self._global_loss_terms()})
         if self.log_interval.due(state, since=previous) or self._finished():
             self.logger.flush()
         if self.save_interval.due(state, since=previous):
@@ -341,6 +340,8 @@ class Trainer:
 
     def _global_loss_terms(self) -> dict[str, torch.Tensor]:
         """``loss/train/<name>`` for each part of the loss: the batch's mean over all ranks, as the total's."""
+        if not self._loss_term_shares:
+            return {}
         names = sorted(self._loss_term_shares)
         shares = torch.stack([self._loss_term_shares[name] for name in names])
         means = distributed.all_reduce_sum(shares) / self.state.world_size
