@@ -16,6 +16,10 @@ Parts (each writes ``<out>/moe_<part>.json``: rows plus device, torch and date):
   alone and FSDP2 + expert parallelism over both GPUs (``fsdp_config.expert_parallel_degree: 2``):
   tokens/s per GPU, MFU on active parameters, peak memory. A row that fails (out of memory) is
   retried with activation checkpointing and says so.
+- ``parity`` (2 GPUs, its own call: ``--parts parity``): a small MoE (8 experts, top-2, d_model 512) trained
+  200 steps in bf16 on real text (Python's help topics, a 4,096-token BPE) with FSDP2 alone twice and with
+  FSDP2 + EP2 once, same seed and data: the largest per-step loss gap EP2 vs EP1 beside the EP1 vs EP1
+  run-to-run gap (atomics in the backward make bf16 runs differ), and the final losses.
 
 Batches are random tokens fed from memory (the GPU image has no mosaicml-streaming); time is wall
 time between the ends of the first and last timed batches, after a device sync.
@@ -39,6 +43,7 @@ from bench_utils import REPO_ROOT, cuda_time_ms, environment, random_batch, writ
 from foundry import Callback
 from foundry.callbacks.device_flops import peak_flops_per_sec
 from foundry.config import load_train_config
+from foundry.core import LoggerDestination
 from foundry.distributed import get_rank, get_world_size
 from foundry.models.layers import ActFnConfig
 from foundry.models.moe import MoE, MoEConfig
@@ -48,6 +53,22 @@ OLMOE_YAML = REPO_ROOT / "yamls/pretrain/moe-1b-7b.yaml"
 SMALL_MODEL = ["model.d_model=1024", "model.n_layers=8", "model.n_heads=16", "model.max_seq_len=2048"]
 SMALL_MOE = [*SMALL_MODEL, "model.moe_num_experts=16", "model.moe_top_k=2", "model.ffn_hidden_size=1408"]
 SMALL_DENSE = [*SMALL_MODEL, "model.moe_num_experts=null", "model.ffn_hidden_size=2816"]
+PARITY_MODEL = [
+    "model.d_model=512", "model.n_layers=4", "model.n_heads=8", "model.vocab_size=4096", "model.max_seq_len=512",
+    "model.moe_num_experts=8", "model.moe_top_k=2", "model.ffn_hidden_size=512",
+]  # fmt: skip
+PARITY_SEQ_LEN, PARITY_MICROBATCH = 512, 8
+
+
+class LossRecorder(LoggerDestination):
+    """Every batch's ``loss/train/total`` (the same on every rank)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
+        if "loss/train/total" in metrics:
+            self.losses.append(float(metrics["loss/train/total"]))
 
 
 class BatchTimes(Callback):
@@ -116,6 +137,60 @@ def train_row(overrides: list[str], microbatch: int, seq_len: int, batches: int,
     }
 
 
+def text_batches(steps: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's share of ``steps`` global batches of real text: Python's help topics, a 4,096-token BPE."""
+    from foundry.data import builtin_corpus_documents, train_bpe_tokenizer
+
+    documents = builtin_corpus_documents()
+    tokenizer = train_bpe_tokenizer(documents, vocab_size=4096, out_dir=Path(tempfile.mkdtemp()))
+    ids = torch.tensor([i for text in documents for i in [*tokenizer(text)["input_ids"], tokenizer.eos_token_id]])
+    rows = ids[: ids.numel() // PARITY_SEQ_LEN * PARITY_SEQ_LEN].view(-1, PARITY_SEQ_LEN)  # ~250 rows of 512
+    global_batch, rank = PARITY_MICROBATCH * get_world_size(), get_rank()
+    order = torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(0))
+    batches = []
+    for step in range(steps):  # the corpus repeats in a new order each pass
+        picks = torch.arange(step * global_batch, (step + 1) * global_batch) % rows.shape[0]
+        mine = order[picks][rank * PARITY_MICROBATCH : (rank + 1) * PARITY_MICROBATCH]
+        batches.append({"input_ids": rows[mine]})
+    return batches
+
+
+def parity_losses(overrides: list[str], steps: int) -> list[float]:
+    """Per-step losses of the small MoE on real text, through the Trainer with the OLMoE YAML's settings."""
+    cfg, _ = load_train_config(OLMOE_YAML, [f"variables.max_seq_len={PARITY_SEQ_LEN}", *PARITY_MODEL, *overrides])
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    recorder = LossRecorder()
+    trainer = yaml_trainer(cfg, text_batches(steps), PARITY_MICROBATCH, device=device, loggers=[recorder])
+    trainer.fit()
+    return recorder.losses
+
+
+def parity_rows(steps: int, timeout_s: int) -> list[dict[str, Any]]:
+    runs = {}
+    for name, overrides in (("ep1_a", []), ("ep1_b", []), ("ep2", ["fsdp_config.expert_parallel_degree=2"])):
+        runs[name] = _torchrun_row(overrides, steps, timeout_s, parity=True).get("losses")
+    if any(losses is None for losses in runs.values()):
+        return [
+            {"run": name, "error": "failed (the log above says why)"} for name, losses in runs.items() if not losses
+        ]
+
+    def gap(a: list[float], b: list[float]) -> float:
+        return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+    return [
+        {
+            "steps": steps,
+            "max_step_gap_ep2_vs_ep1": round(gap(runs["ep2"], runs["ep1_a"]), 5),
+            "max_step_gap_ep1_vs_ep1": round(gap(runs["ep1_b"], runs["ep1_a"]), 5),
+            "final_loss_ep1": [round(runs["ep1_a"][-1], 4), round(runs["ep1_b"][-1], 4)],
+            "final_loss_ep2": round(runs["ep2"][-1], 4),
+            "mean_last_20_ep1": round(sum(runs["ep1_a"][-20:]) / 20, 4),
+            "mean_last_20_ep2": round(sum(runs["ep2"][-20:]) / 20, 4),
+        }
+    ]
+
+
 def small_rows(batches: int) -> list[dict[str, Any]]:
     rows = []
     for name, overrides in (("moe 16x1408 top-2", SMALL_MOE), ("dense 2816", SMALL_DENSE)):
@@ -136,10 +211,11 @@ def olmoe_rows(batches: int, timeout_s: int) -> list[dict[str, Any]]:
     return rows
 
 
-def _torchrun_row(overrides: list[str], batches: int, timeout_s: int) -> dict[str, Any]:
+def _torchrun_row(overrides: list[str], batches: int, timeout_s: int, parity: bool = False) -> dict[str, Any]:
     row_file = Path(tempfile.mkdtemp()) / "row.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__]
-    command += ["--worker", str(row_file), "--batches", str(batches), "--override", *overrides]
+    command += ["--worker", str(row_file), "--batches", str(batches), *(["--parity"] if parity else [])]
+    command += ["--override", *overrides]
     here = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])}
     try:
@@ -153,7 +229,11 @@ def _torchrun_row(overrides: list[str], batches: int, timeout_s: int) -> dict[st
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", choices=["layer", "small", "olmoe"], default=["layer", "small", "olmoe"])
+    parser.add_argument(
+        "--parts", nargs="+", choices=["layer", "small", "olmoe", "parity"], default=["layer", "small", "olmoe"]
+    )
+    parser.add_argument("--parity-steps", type=int, default=200)
+    parser.add_argument("--parity", action="store_true", help=argparse.SUPPRESS)  # a torchrun rank of the parity part
     parser.add_argument("--batches", type=int, default=12, help="batches per one-GPU training row (4 untimed)")
     parser.add_argument("--olmoe-batches", type=int, default=8, help="batches per two-GPU row (4 untimed)")
     parser.add_argument("--row-timeout-s", type=int, default=200, help="each two-GPU row's time limit")
@@ -161,6 +241,11 @@ def main() -> int:
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a torchrun rank: write its row here
     parser.add_argument("--override", nargs="*", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker and args.parity:
+        losses = parity_losses(args.override, args.batches)
+        if get_rank() == 0:
+            Path(args.worker).write_text(json.dumps({"losses": losses}))
+        return 0
     if args.worker:
         row = train_row(args.override, microbatch=1, seq_len=4096, batches=args.batches, warmup=4)
         if get_rank() == 0:
@@ -172,6 +257,8 @@ def main() -> int:
         write_results(args.out, "moe_small", small_rows(args.batches))
     if "olmoe" in args.parts:
         write_results(args.out, "moe_olmoe", olmoe_rows(args.olmoe_batches, args.row_timeout_s))
+    if "parity" in args.parts:
+        write_results(args.out, "moe_parity", parity_rows(args.parity_steps, 3 * args.row_timeout_s))
     print(json.dumps(environment()))
     return 0
 
