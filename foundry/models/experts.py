@@ -79,13 +79,14 @@ def combine(expert_out: torch.Tensor, layout: ExpertLayout, weights: torch.Tenso
     return torch.bmm(weights.to(per_assignment.dtype).unsqueeze(1), per_assignment).squeeze(1)
 
 
-def grouped_mm_runs_on(x: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether torch's grouped GEMM serves ``x``: bf16 on a CUDA GPU of compute capability 9.0 or newer."""
+@torch.compiler.assume_constant_result  # a property of the device: compiled code need not re-check it
+def grouped_mm_runs_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped GEMM serves ``dtype`` on ``device``: bf16 on a CUDA GPU of compute capability 9.0+."""
     return (
         _grouped_mm is not None
-        and x.is_cuda
+        and device.type == "cuda"
         and dtype == torch.bfloat16
-        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and torch.cuda.get_device_capability(device) >= (9, 0)
     )
 
 
@@ -139,7 +140,7 @@ class GroupedExperts(nn.Module):
 
     def _uses_grouped_mm(self, x: torch.Tensor) -> bool:
         dtype = autocast_dtype(x.device.type) or x.dtype
-        runs = grouped_mm_runs_on(x, dtype)
+        runs = grouped_mm_runs_on(x.device, dtype)
         return runs if self.use_grouped_mm is None else self.use_grouped_mm and runs
 
     def route(

@@ -10,7 +10,7 @@ from foundry.models.layers import ActFnConfig
 from foundry.models.moe import MoE, MoEConfig
 
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or not grouped_mm_runs_on(torch.zeros(1, device="cuda"), torch.bfloat16),
+    not torch.cuda.is_available() or not grouped_mm_runs_on(torch.device("cuda"), torch.bfloat16),
     reason="needs a CUDA GPU where torch's grouped GEMM runs (compute capability 9.0+)",
 )
 
