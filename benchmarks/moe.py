@@ -253,10 +253,10 @@ def main() -> int:
         return 0
     if "layer" in args.parts:
         write_results(args.out, "moe_layer", layer_rows())
+    if "olmoe" in args.parts:  # before the small pair: each part's JSON is written as it ends
+        write_results(args.out, "moe_olmoe", olmoe_rows(args.olmoe_batches, args.row_timeout_s))
     if "small" in args.parts:
         write_results(args.out, "moe_small", small_rows(args.batches))
-    if "olmoe" in args.parts:
-        write_results(args.out, "moe_olmoe", olmoe_rows(args.olmoe_batches, args.row_timeout_s))
     if "parity" in args.parts:
         write_results(args.out, "moe_parity", parity_rows(args.parity_steps, 3 * args.row_timeout_s))
     print(json.dumps(environment()))
