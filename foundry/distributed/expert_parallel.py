@@ -23,7 +23,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from foundry.distributed.env import get_world_size
 from foundry.errors import ConfigError
@@ -103,7 +103,11 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> int:
                 "choose an expert-parallel degree that divides the number of experts."
             )
         for name, parameter in list(experts.named_parameters(recurse=False)):
-            sharded = distribute_tensor(parameter.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            # This rank's experts, sliced where the weights are (a full copy never reaches the device), then moved
+            local = parameter.data.chunk(ep)[ep_mesh.get_local_rank()]
+            local = local if local.is_meta else local.to(ep_mesh.device_type).contiguous()
+            shape, stride = parameter.shape, parameter.stride()
+            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=parameter.requires_grad))
         cls = type(experts)
         if cls not in _PARALLEL_CLASSES:
