@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from foundry.errors import ConfigError
 from foundry.eval.loading import load_model as load_source
 from foundry.models.generation import greedy_generate
 
@@ -28,8 +29,12 @@ def load_model(
     device: str | torch.device = "cpu",
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
+    tokenizer: Any = None,
 ) -> tuple[nn.Module, Any]:
     """``(model, tokenizer)`` stored at ``path``, the model in eval mode on ``device``.
+
+    The tokenizer is None for a checkpoint whose run named none (a Trainer fed pre-tokenized batches);
+    ``generate`` then asks for one.
 
     Args:
         path: a foundry checkpoint folder, a save_folder (its latest checkpoint) or a Hugging Face
@@ -40,8 +45,11 @@ def load_model(
         trust_remote_code: let a Hugging Face directory that ships its own modeling code (``auto_map``)
             run it; without it such a directory is refused. An LLM Foundry MPT export needs none: it
             loads as foundry's ``mpt_causal_lm``.
+        tokenizer: a tokenizer, or its directory or Hub name, used instead of the stored one.
     """
-    loaded = load_source(path, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+    loaded = load_source(
+        path, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code, tokenizer=tokenizer
+    )
     return loaded.model.to(device).eval(), loaded.tokenizer
 
 
@@ -61,6 +69,11 @@ def generate(
     strings, which is cut off with whatever followed it. Decoding is greedy (the most likely token
     each step): the same text every time. ``precision``: ``fp32``, ``amp_bf16`` or ``amp_fp16``.
     """
+    if tokenizer is None:
+        raise ConfigError(
+            "foundry.generate needs the model's tokenizer, and none was given (a checkpoint from pre-tokenized "
+            "batches stores none): load it with foundry.load_model(path, tokenizer=DIR_OR_NAME)."
+        )
     texts = [prompts] if isinstance(prompts, str) else list(prompts)
     token_ids = [list(tokenizer(text)["input_ids"]) for text in texts]
     device = next(model.parameters()).device

@@ -58,3 +58,34 @@ def test_generate_cuts_the_text_at_a_stop_string(save_folder) -> None:
     full = foundry.generate(model, tokenizer, "The", max_new_tokens=8)
     stop = full[2:4]
     assert stop and foundry.generate(model, tokenizer, "The", max_new_tokens=8, stop=[stop]) == full[: full.find(stop)]
+
+
+@pytest.fixture(scope="module")
+def tokenizerless(saved: tuple[Path, torch.nn.Module], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A save_folder whose run named no tokenizer (a Trainer fed pre-tokenized batches)."""
+    root = tmp_path_factory.mktemp("no-tokenizer")
+    save_weights_checkpoint(saved[1], root / "ckpt", {"model": SECTION}, overwrite=False)
+    return root / "ckpt"
+
+
+def test_load_model_opens_a_checkpoint_without_a_tokenizer_and_generate_asks_for_one(saved, tokenizerless) -> None:
+    model, tokenizer = foundry.load_model(tokenizerless)
+    assert tokenizer is None
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in saved[1].state_dict().items())
+    with pytest.raises(foundry.ConfigError, match=r"needs the model's tokenizer.*load_model\(path, tokenizer="):
+        foundry.generate(model, tokenizer, "The")
+
+
+def test_load_model_takes_the_tokenizer_a_checkpoint_lacks(saved, tokenizerless) -> None:
+    with_tokenizer = foundry.load_model(saved[0])
+    model, tokenizer = foundry.load_model(tokenizerless, tokenizer=saved[0].parent / "tokenizer")
+    assert foundry.generate(model, tokenizer, "The", max_new_tokens=4) == foundry.generate(
+        *with_tokenizer, "The", max_new_tokens=4
+    )
+
+
+def test_evaluating_a_checkpoint_without_a_tokenizer_names_the_way_to_give_one(tokenizerless) -> None:
+    from foundry.eval.loading import load_model, require_tokenizer
+
+    with pytest.raises(foundry.ConfigError, match=r"has no tokenizer.*--tokenizer"):
+        require_tokenizer(load_model(tokenizerless), "be evaluated on text")

@@ -10,7 +10,8 @@ LLM Foundry's finetune YAMLs end with::
 
 Each save writes what ``foundry convert to-hf`` writes (config, safetensors weights, tokenizer), so the
 folder loads with ``transformers`` alone. An ``hf_causal_lm`` model is saved as the transformers model
-it wraps; ``mpt_causal_lm`` and ``llama_causal_lm`` go through their ``foundry.convert`` adapters; a LoRA
+it wraps; ``mpt_causal_lm`` and ``llama_causal_lm`` go out as the class ``foundry.convert`` picks for them
+(a built-in transformers class where one computes the model exactly, else foundry's own code); a LoRA
 run writes its adapters in PEFT's format (``foundry convert export-adapter``), as LLM Foundry does.
 """
 
@@ -23,7 +24,8 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from foundry import distributed, registry
-from foundry.convert.commands import set_special_token_ids, to_hf_model, write_atomically
+from foundry.convert.commands import set_special_token_ids, write_atomically
+from foundry.convert.hf_export import export_hf_model, save_hf_folder
 from foundry.core.callback import Callback
 from foundry.core.interval import Interval
 from foundry.core.logger import Logger
@@ -85,6 +87,7 @@ class HFCheckpointer(Callback):
         self.dtype = DTYPES[precision]
         self.overwrite = overwrite
         self.saved_batch: int | None = None
+        self.description = ""  # the Hugging Face class of the last save
 
     def batch_start(self, state: State, logger: Logger) -> None:
         self.interval.mark(state)
@@ -122,7 +125,8 @@ class HFCheckpointer(Callback):
         if state.is_main_process:
             weights = {name: tensor.detach().to("cpu", self.dtype, copy=True) for name, tensor in weights.items()}
             write_atomically(folder, lambda tmp_dir: self._write(state.model, weights, tmp_dir, state.tokenizer))
-            logger.log_text(f"hf_checkpointer: wrote the model at batch {state.timestamp.batch} to {folder}")
+            written = f" as {self.description}" if self.description else ""
+            logger.log_text(f"hf_checkpointer: wrote the model at batch {state.timestamp.batch}{written} to {folder}")
         distributed.barrier()
         self.saved_batch = state.timestamp.batch
 
@@ -135,11 +139,12 @@ class HFCheckpointer(Callback):
             prefix = "hf_model."
             hf_weights = {name.removeprefix(prefix): tensor for name, tensor in weights.items()}
             model.hf_model.save_pretrained(out_dir, state_dict=hf_weights)
-        else:
-            hf_model = to_hf_model(model, registered_name(model), weights)
+        else:  # the class foundry.convert.choose_export picks: built into transformers, or foundry's own code
+            export = export_hf_model(model, registered_name(model), weights)
             if tokenizer is not None:
-                set_special_token_ids(hf_model, tokenizer)
-            hf_model.save_pretrained(out_dir)
+                set_special_token_ids(export.hf_model, tokenizer)
+            save_hf_folder(export.hf_model, out_dir)
+            self.description = export.description
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
 

@@ -1,69 +1,100 @@
 """Moving weights between foundry and Hugging Face transformers.
 
-One adapter module per architecture (``llama``: ``LlamaForCausalLM``, ``mpt``: ``MptForCausalLM``;
-mixtures of experts: ``mixtral``, ``olmoe``, ``qwen3_moe``, ``dbrx``) with the same four functions:
-``to_hf_config(model)``, ``to_hf_state_dict(state, model)``, ``from_hf_config(hf_config) -> model section``,
-``from_hf_state_dict(state, hf_config)``; round trips are exact. The MoE adapters also tell which models
-they compute (``unmappable_features(config)``).
-``commands`` holds ``foundry convert to-hf`` and ``foundry convert from-hf``.
+One adapter module per Hugging Face class, all with the same functions: ``unmappable_features(config)``
+(the settings of a foundry model config the class cannot compute exactly; empty when it can; an adapter
+without it computes every config of the families it exports),
+``to_hf_config(model)``, ``to_hf_state_dict(state, model)``, ``from_hf_config(hf_config) -> model
+section`` and ``from_hf_state_dict(state, hf_config)``; round trips are exact. ``HF_FAMILIES`` is the
+table that joins them: which foundry models each exports, in order of preference, and which
+``model_type`` each imports. A new family is one more row. ``commands`` holds ``foundry convert to-hf``
+and ``from-hf``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from types import ModuleType
 from typing import Any
 
 from foundry.errors import ConfigError
-from foundry.models.hf import NATIVE_MOE
-
-# foundry model name -> (adapter module, Hugging Face model_type)
-_FAMILIES = {"llama_causal_lm": ("foundry.convert.llama", "llama"), "mpt_causal_lm": ("foundry.convert.mpt", "mpt")}
-# Mixture-of-experts classes: (adapter module, model_type, the foundry model it exports). Export takes the
-# first whose ``unmappable_features(model.config)`` is empty; a model with experts has no other class.
-_MOE_FAMILIES = tuple((f"foundry.convert.{model_type}", model_type, name) for model_type, name in NATIVE_MOE.items())
 
 
-def adapter_for_model(model: Any, model_name: str) -> ModuleType:
-    """The adapter that exports ``model`` (``model.name: <model_name>``): an MoE class for a model with experts."""
-    ffn_config = getattr(getattr(model, "config", None), "ffn_config", None)
-    if not getattr(ffn_config, "is_moe", False):
-        return adapter_for_family(model_name)
-    reasons = {}
-    for module_name, _, exported in _MOE_FAMILIES:
-        if exported == model_name:
-            adapter = _import(module_name)
-            reasons[module_name.rsplit(".", 1)[1]] = adapter.unmappable_features(model.config)
-            if not reasons[module_name.rsplit(".", 1)[1]]:
-                return adapter
-    detail = "; ".join(f"{name} lacks model.{', model.'.join(features)}" for name, features in reasons.items())
-    raise ConfigError(
-        f"No Hugging Face class computes this mixture of experts ({detail or model_name}); it cannot be exported."
-    )
+@dataclasses.dataclass(frozen=True)
+class HFFamily:
+    module: str  # the adapter module
+    hf_class: str  # the transformers class it writes and reads
+    model_type: str  # config.json's model_type
+    exports: tuple[str, ...]  # the foundry model names it can export
+    built_in: bool = True  # False: the export carries its own modeling code (trust_remote_code=True)
 
 
-def adapter_for_family(model_name: str) -> ModuleType:
-    """The adapter that exports ``model.name: <model_name>``."""
-    if model_name not in _FAMILIES:
+# Export tries the rows in this order and takes the first whose class computes the model exactly;
+# foundry's own modeling code (last) computes every MPT.
+HF_FAMILIES = (
+    # Mixtures of experts first: the dense classes cannot compute experts (foundry/convert/llama_moe.py, dbrx.py);
+    # foundry.models.hf.NATIVE_MOE lists the same model_types for the loaders.
+    HFFamily("foundry.convert.mixtral", "MixtralForCausalLM", "mixtral", ("llama_causal_lm", "mpt_causal_lm")),
+    HFFamily("foundry.convert.olmoe", "OlmoeForCausalLM", "olmoe", ("llama_causal_lm", "mpt_causal_lm")),
+    HFFamily("foundry.convert.qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", ("llama_causal_lm", "mpt_causal_lm")),
+    HFFamily("foundry.convert.dbrx", "DbrxForCausalLM", "dbrx", ("mpt_causal_lm",)),
+    HFFamily("foundry.convert.llama", "LlamaForCausalLM", "llama", ("llama_causal_lm", "mpt_causal_lm")),
+    HFFamily("foundry.convert.mpt", "MptForCausalLM", "mpt", ("mpt_causal_lm",)),
+    HFFamily("foundry.convert.gpt2", "GPT2LMHeadModel", "gpt2", ("mpt_causal_lm",)),
+    HFFamily("foundry.convert.foundry_mpt", "FoundryMPTForCausalLM", "foundry_mpt", ("mpt_causal_lm",), False),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportChoice:
+    family: HFFamily
+    adapter: ModuleType
+    passed_over: dict[str, list[str]]  # earlier classes -> the settings each cannot compute
+
+    def describe(self) -> str:
+        """One line for the user: which class, and why not a built-in one."""
+        how = "built into transformers" if self.family.built_in else "foundry's modeling code, trust_remote_code=True"
+        reasons = "; ".join(f"{name} lacks {', '.join(features)}" for name, features in self.passed_over.items())
+        return f"{self.family.hf_class} ({how}){f': {reasons}' if reasons and not self.family.built_in else ''}"
+
+
+def choose_export(model: Any, model_name: str) -> ExportChoice:
+    """The first class of ``HF_FAMILIES`` that computes ``model`` (``model.name: <model_name>``) exactly."""
+    passed_over: dict[str, list[str]] = {}
+    for family in HF_FAMILIES:
+        if model_name not in family.exports:
+            continue
+        adapter = import_adapter(family)
+        unmappable = adapter.unmappable_features(model.config) if hasattr(adapter, "unmappable_features") else []
+        if not unmappable:
+            return ExportChoice(family, adapter, passed_over)
+        passed_over[family.hf_class] = unmappable
+    exportable = sorted({name for family in HF_FAMILIES for name in family.exports})
+    if not passed_over:
         raise ConfigError(
             f"foundry cannot export model.name '{model_name}' to Hugging Face; exportable families: "
-            f"{', '.join(sorted(_FAMILIES))}. An hf_causal_lm model is already a transformers model: its "
+            f"{', '.join(exportable)}. An hf_causal_lm model is already a transformers model: its "
             "hf_model.save_pretrained() writes it."
         )
-    return _import(_FAMILIES[model_name][0])
+    reasons = "; ".join(f"{name} lacks model.{', model.'.join(features)}" for name, features in passed_over.items())
+    raise ConfigError(f"No Hugging Face class computes this {model_name} ({reasons}); it cannot be exported.")
+
+
+def family_of_model_type(model_type: str) -> HFFamily | None:
+    return next((family for family in HF_FAMILIES if family.model_type == model_type), None)
+
+
+def import_adapter(family: HFFamily) -> ModuleType:
+    return importlib.import_module(family.module)
 
 
 def adapter_for_hf(model_type: str) -> ModuleType:
     """The adapter that imports a Hugging Face checkpoint of ``config.model_type``."""
-    for module_name, hf_type in [*_FAMILIES.values(), *((module, hf_type) for module, hf_type, _ in _MOE_FAMILIES)]:
-        if hf_type == model_type:
-            return _import(module_name)
-    supported = ", ".join(sorted([*(hf_type for _, hf_type in _FAMILIES.values()), *(t for _, t, _ in _MOE_FAMILIES)]))
+    family = family_of_model_type(model_type)
+    if family is not None:
+        return import_adapter(family)
+    supported = ", ".join(sorted(family.model_type for family in HF_FAMILIES))
     raise ConfigError(
         f"foundry convert from-hf reads model_type {supported}, not '{model_type}'. Any causal LM trains "
         "without conversion through `model: {name: hf_causal_lm, pretrained_model_name_or_path: <dir>}`."
     )
-
-
-def _import(module_name: str) -> ModuleType:
-    return importlib.import_module(module_name)

@@ -117,3 +117,20 @@ def save_weights_checkpoint(model: nn.Module, save_folder: Path, config: dict[st
     """A checkpoint at batch 0 holding only ``model``'s weights; ``load_path`` + ``load_weights_only`` read it."""
     state = State(model=model, max_duration=Time.parse("1ba"))
     return save_checkpoint(save_folder, state, config=config, overwrite=overwrite)
+
+
+def read_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face folder's safetensors files (sharded or not), else of its
+    pytorch_model*.bin files (read with ``weights_only``: tensors, never code)."""
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return {name: tensor for path in files for name, tensor in load_file(path).items()}
+    files = sorted(folder.glob("pytorch_model*.bin"))
+    if not files:
+        raise CheckpointError(
+            f"{folder} has a config.json but no weights (*.safetensors or pytorch_model*.bin); copy the whole "
+            "folder that was exported."
+        )
+    return {name: tensor for path in files for name, tensor in torch.load(path, weights_only=True).items()}

@@ -17,18 +17,21 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from foundry.checkpoint import latest_checkpoint
-from foundry.convert import adapter_for_family, adapter_for_hf, adapter_for_model
+from foundry.convert import adapter_for_hf, choose_export, foundry_mpt
 from foundry.convert.checkpoint_io import (
     assign_weights,
     load_checkpoint_model,
     meta_model,
+    read_folder_weights,
     resolve_checkpoint,
     save_weights_checkpoint,
 )
+from foundry.convert.hf_export import assign_exported, export_hf_model, exported_section, save_hf_folder
 from foundry.convert.llmfoundry_mpt import is_llm_foundry_mpt_export, load_export_tokenizer, load_llm_foundry_export
 from foundry.data import load_tokenizer
 from foundry.errors import CheckpointError, ConfigError
 
+HF_CAUSAL_LM = "hf_causal_lm"  # already a transformers model: exported as it is
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -46,10 +49,12 @@ def run_to_hf(args: argparse.Namespace) -> int:
     folder, config = resolve_checkpoint(args.checkpoint)
     family = config["model"]["name"]
     _refuse_lora(config["model"], folder)
-    adapter_for_family(family)  # an unexportable family fails before any weight is read
     tokenizer = _checkpoint_tokenizer(args.tokenizer, config, folder)
+    if family != HF_CAUSAL_LM:  # an unexportable model fails before any weight is read
+        choose_export(meta_model(config["model"]), family)
     model = load_checkpoint_model(folder, config["model"])
-    hf_model = to_hf_model(model, family).to(DTYPES[args.dtype])
+    export = export_hf_model(model, family, section=config["model"])
+    hf_model = export.hf_model.to(DTYPES[args.dtype])
     if len(tokenizer) > hf_model.config.vocab_size:
         raise ConfigError(
             f"The tokenizer has {len(tokenizer)} tokens but the model in {folder} embeds only "
@@ -60,12 +65,8 @@ def run_to_hf(args: argparse.Namespace) -> int:
     set_special_token_ids(hf_model, tokenizer)
     tokenizer.model_input_names = [name for name in tokenizer.model_input_names if name != "token_type_ids"]
 
-    def write(tmp_dir: Path) -> None:
-        hf_model.save_pretrained(tmp_dir)  # safetensors (the only format transformers 5 writes)
-        tokenizer.save_pretrained(tmp_dir)
-
-    write_atomically(out_dir, write)
-    print(f"foundry: wrote {type(hf_model).__name__} ({args.dtype}) and its tokenizer to {out_dir} (from {folder})")
+    write_atomically(out_dir, lambda tmp_dir: save_hf_folder(hf_model, tmp_dir, tokenizer))
+    print(f"foundry: wrote {export.description}, {args.dtype}, and its tokenizer to {out_dir} (from {folder})")
     return 0
 
 
@@ -97,17 +98,6 @@ def _refuse_lora(section: dict[str, Any], folder: Path) -> None:
         )
 
 
-def to_hf_model(model: nn.Module, family: str, state_dict: dict[str, torch.Tensor] | None = None) -> nn.Module:
-    """The ``transformers`` model holding ``model``'s weights, or those of ``state_dict`` (its keys) when given;
-    tensors are shared where names map one to one."""
-    adapter = adapter_for_model(model, family)
-    hf_config = adapter.to_hf_config(model)
-    hf_state = adapter.to_hf_state_dict(model.state_dict() if state_dict is None else state_dict, model)
-    with torch.device("meta"):  # no random init of weights about to be replaced (an 8B model is 32 GB)
-        hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    return assign_weights(hf_model, hf_state, f"{family} to {type(hf_model).__name__}").eval()
-
-
 def _checkpoint_tokenizer(name: str | None, config: dict[str, Any], folder: Path) -> Any:
     section = config.get("tokenizer") or {}
     if not (name or section.get("name")):
@@ -121,7 +111,9 @@ def _checkpoint_tokenizer(name: str | None, config: dict[str, Any], folder: Path
 # ----------------------------------------------------------------------------------- from-hf
 def add_from_hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "hf_dir", help="a Hugging Face model directory (LlamaForCausalLM, MptForCausalLM or LLM Foundry's MPT export)"
+        "hf_dir",
+        help="a Hugging Face model directory (LlamaForCausalLM, MptForCausalLM, GPT2LMHeadModel, a foundry export "
+        "or LLM Foundry's MPT export)",
     )
     parser.add_argument("out_ckpt", help="the save_folder to write the checkpoint into (load_path for training)")
     parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already there")
@@ -154,11 +146,16 @@ def from_hf_model(hf_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
     raw_config = json.loads((hf_dir / "config.json").read_text())
     if is_llm_foundry_mpt_export(raw_config):
         return load_llm_foundry_export(hf_dir)
+    if foundry_mpt.is_foundry_export(raw_config):  # foundry's own code: read, never run
+        section = foundry_mpt.from_hf_config(raw_config)
+        state = {name: tensor.float() for name, tensor in read_folder_weights(hf_dir).items()}
+        return _imported_model(raw_config, foundry_mpt, section, state, hf_dir)
     if raw_config.get("auto_map"):
         raise ConfigError(
             f"{hf_dir / 'config.json'} names its own modeling code (auto_map: {raw_config['auto_map']}), which "
             "foundry does not run and which a built-in class of the same model_type would not compute. foundry "
-            "convert from-hf reads transformers' built-in classes (Llama, MPT) and LLM Foundry's MPT exports; train "
+            "convert from-hf reads transformers' built-in classes (Llama, MPT, GPT-2), foundry's own exports and LLM "
+            "Foundry's MPT exports; train "
             "this model as `model: {name: hf_causal_lm, pretrained_model_name_or_path: <dir>, trust_remote_code: "
             "true}` if you trust its code."
         )
@@ -169,7 +166,8 @@ def from_hf_model(hf_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
         reason = "the model needs its own Python code, which foundry does not run" if remote else str(error).strip()
         raise ConfigError(
             f"transformers cannot read {hf_dir / 'config.json'} with its built-in classes: {reason}. foundry convert "
-            "from-hf reads Llama and MPT checkpoints; train any other causal LM with `model: {name: hf_causal_lm}`."
+            "from-hf reads Llama, MPT and GPT-2 checkpoints; train any other causal LM with "
+            "`model: {name: hf_causal_lm}`."
         ) from None
     adapter = adapter_for_hf(hf_config.model_type)
     section = adapter.from_hf_config(hf_config)
@@ -184,6 +182,17 @@ def from_hf_model(hf_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
             "which foundry refuses). Download the model again, preferably its .safetensors files."
         ) from None
     state = adapter.from_hf_state_dict(hf_model.state_dict(), hf_config)
+    return _imported_model(raw_config, adapter, section, state, hf_dir)
+
+
+def _imported_model(
+    raw_config: dict[str, Any], adapter: Any, section: dict[str, Any], state: dict[str, torch.Tensor], hf_dir: Path
+) -> tuple[nn.Module, dict[str, Any]]:
+    """The model foundry exported to ``hf_dir`` when config.json records it (the same family and keys), else
+    the one ``section`` describes."""
+    recorded = exported_section(raw_config, adapter, section)
+    if recorded is not None:
+        return assign_exported(recorded, state, f"{hf_dir} to {recorded['name']}"), recorded
     return assign_weights(meta_model(section), state, f"{hf_dir} to {section['name']}"), section
 
 
@@ -191,7 +200,8 @@ def _hf_tokenizer(hf_dir: Path) -> Any:
     has_tokenizer = any((hf_dir / name).exists() for name in ("tokenizer.json", "tokenizer_config.json"))
     if not has_tokenizer:
         return None
-    if is_llm_foundry_mpt_export(json.loads((hf_dir / "config.json").read_text())):
+    raw_config = json.loads((hf_dir / "config.json").read_text())
+    if is_llm_foundry_mpt_export(raw_config) or foundry_mpt.is_foundry_export(raw_config):  # no built-in config
         return load_export_tokenizer(hf_dir)
     return AutoTokenizer.from_pretrained(hf_dir, trust_remote_code=False)
 

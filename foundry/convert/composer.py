@@ -104,7 +104,7 @@ def _mapping(path: Path, hf_class: str, hf_config: dict[str, Any]) -> tuple[dict
     except ConfigError:
         raise CheckpointError(
             f"{path} holds a {hf_class or model_type} model (model_type '{model_type}'); foundry converts LLM Foundry "
-            "checkpoints of Llama and MPT models. Train other models from their Hugging Face weights with "
+            "checkpoints of Llama, MPT and GPT-2 models. Train other models from their Hugging Face weights with "
             "`model: {name: hf_causal_lm}`."
         ) from None
     from transformers import AutoConfig

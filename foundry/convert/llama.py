@@ -1,4 +1,4 @@
-"""foundry's Llama family <-> ``transformers.LlamaForCausalLM``.
+"""foundry's Llama family, and any MPT that is a Llama in MPT's keys <-> ``transformers.LlamaForCausalLM``.
 
 Names differ only in spelling, except that foundry fuses q, k and v into one ``Wqkv`` projection
 (rows q, then k, then v), which is split for Hugging Face. Both use the half-split RoPE layout, so no
@@ -15,6 +15,7 @@ from transformers import LlamaConfig as HFLlamaConfig
 
 from foundry.convert.rope import hf_rope_settings
 from foundry.errors import ConfigError
+from foundry.models.layers import ffn_hidden_size
 
 FAMILY = "llama_causal_lm"
 # foundry suffix -> Hugging Face suffix, per block
@@ -32,31 +33,69 @@ _HF_BLOCK = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _HF_QKV = re.compile(r"^self_attn\.([qkv])_proj\.weight$")
 
 
+def unmappable_features(config: Any) -> list[str]:
+    """The settings of an ``MPTConfig`` that ``LlamaForCausalLM`` cannot compute (empty when it can).
+
+    A ``llama_causal_lm`` always maps; an ``mpt_causal_lm`` maps when it is a Llama in MPT's keys.
+    """
+    attn, ffn = config.attn_config, config.ffn_config
+    checks = {
+        "attn_config.rope (must be true)": not attn.rope,
+        # DAIL's rotary positions ignore left padding; transformers' Llama counts from each row's first token
+        "attn_config.rope_impl (must be hf)": attn.rope_impl != "hf",
+        "attn_config.alibi": attn.alibi,
+        "learned_pos_emb": config.learned_pos_emb,
+        "attn_config.qk_ln / qk_gn": attn.qk_ln or attn.qk_gn,
+        "attn_config.clip_qkv": attn.clip_qkv is not None,
+        "attn_config.softmax_scale": attn.softmax_scale is not None,
+        "attn_config.sliding_window_size": attn.sliding_window_size != -1,
+        "no_bias (must be true)": not config.no_bias,
+        "norm_type (must be an rmsnorm)": "rmsnorm" not in config.norm_type,
+        "ffn_config.ffn_type (must be mptglu)": ffn.ffn_type != "mptglu",
+        "ffn_config.ffn_act_fn (must be silu)": ffn.ffn_act_fn.name != "silu",
+        "logit_scale": config.logit_scale is not None,
+    }
+    return [feature for feature, unmappable in checks.items() if unmappable]
+
+
 def to_hf_config(model: Any) -> Any:
-    """A ``transformers.LlamaConfig`` for a ``LlamaCausalLM``."""
-    llama = model.llama_config
-    rope_scaling = llama.rope_scaling.to_hf_dict() if llama.rope_scaling is not None else None
+    """A ``transformers.LlamaConfig`` for a ``LlamaCausalLM``, or an MPT that is a Llama."""
+    config, attn = model.config, model.config.attn_config
     # Floats cast explicitly: transformers 5 validates config types strictly (a YAML `1` is an int).
     return HFLlamaConfig(
-        vocab_size=llama.vocab_size,
-        hidden_size=llama.d_model,
-        intermediate_size=llama.hidden_size,
-        num_hidden_layers=llama.n_layers,
-        num_attention_heads=llama.n_heads,
-        num_key_value_heads=llama.kv_n_heads or llama.n_heads,
-        head_dim=llama.d_model // llama.n_heads,
+        vocab_size=config.vocab_size,
+        hidden_size=config.d_model,
+        intermediate_size=ffn_hidden_size(config.d_model, config.expansion_ratio, config.ffn_config),
+        num_hidden_layers=config.n_layers,
+        num_attention_heads=config.n_heads,
+        num_key_value_heads=attn.resolve_kv_n_heads(config.n_heads),
+        head_dim=config.head_dim,
         hidden_act="silu",
-        max_position_embeddings=llama.max_seq_len,
-        rms_norm_eps=float(llama.norm_eps),
-        rope_theta=float(llama.rope_theta),
-        rope_scaling=rope_scaling,
-        tie_word_embeddings=llama.tie_word_embeddings,
+        max_position_embeddings=config.max_seq_len,
+        rms_norm_eps=float(config.norm_eps),
+        rope_theta=float(attn.rope_theta),
+        rope_scaling=_hf_rope_scaling(attn.rope_hf_config),
+        tie_word_embeddings=config.tie_word_embeddings,
         attention_bias=False,
         mlp_bias=False,
-        attention_dropout=float(llama.attn_pdrop),
-        initializer_range=float(llama.init_std),
+        attention_dropout=float(attn.attn_pdrop),
+        initializer_range=float(config.init_config.init_std or 0.02),
         architectures=["LlamaForCausalLM"],
     )
+
+
+def _hf_rope_scaling(scaling: Any) -> dict[str, float | int | str] | None:
+    """``rope_hf_config`` as a Hugging Face ``rope_scaling`` entry (floats as floats: transformers 5 checks)."""
+    if scaling.type == "no_scaling":
+        return None
+    entry: dict[str, float | int | str] = {"rope_type": scaling.type, "factor": float(scaling.factor)}
+    if scaling.type == "llama3":
+        entry.update(
+            low_freq_factor=float(scaling.low_freq_factor),
+            high_freq_factor=float(scaling.high_freq_factor),
+            original_max_position_embeddings=scaling.original_max_position_embeddings,
+        )
+    return entry
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:

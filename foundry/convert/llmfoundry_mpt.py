@@ -17,10 +17,9 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from foundry.convert.checkpoint_io import assign_weights, meta_model
+from foundry.convert.checkpoint_io import assign_weights, meta_model, read_folder_weights
 from foundry.data import load_tokenizer
 from foundry.errors import CheckpointError
 from foundry.models.mpt import MPTConfig
@@ -83,7 +82,7 @@ def load_llm_foundry_export(folder: Path) -> tuple[nn.Module, dict[str, Any]]:
     """(foundry's MPT holding the weights of LLM Foundry's HF folder ``folder`` in fp32, its model section)."""
     config = json.loads((folder / "config.json").read_text())
     section = mpt_section(folder / "config.json", config)
-    state = {name: tensor.float() for name, tensor in _read_weights(folder).items() if name != "lm_head.weight"}
+    state = {name: tensor.float() for name, tensor in read_folder_weights(folder).items() if name != "lm_head.weight"}
     return assign_weights(meta_model(section), state, f"{folder} to mpt_causal_lm").eval(), section
 
 
@@ -97,19 +96,3 @@ def load_export_tokenizer(folder: Path) -> Any:
     from transformers import PretrainedConfig
 
     return load_tokenizer(str(folder), config=PretrainedConfig())
-
-
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors files (sharded or not), else of its pytorch_model*.bin files."""
-    from safetensors.torch import load_file
-
-    files = sorted(folder.glob("*.safetensors"))
-    if files:
-        return {name: tensor for path in files for name, tensor in load_file(path).items()}
-    files = sorted(folder.glob("pytorch_model*.bin"))
-    if not files:
-        raise CheckpointError(
-            f"{folder} has a config.json but no weights (*.safetensors or pytorch_model*.bin); copy the whole "
-            "folder LLM Foundry wrote."
-        )
-    return {name: tensor for path in files for name, tensor in torch.load(path, weights_only=True).items()}

@@ -1,4 +1,5 @@
-"""foundry's MPT family <-> ``transformers.MptForCausalLM``, where the features map.
+"""foundry's MPT <-> ``transformers.MptForCausalLM``, where the features map (``foundry.convert.HF_FAMILIES``
+writes the others as Llama, GPT-2 or foundry's own code).
 
 Parameter names are the same on both sides. Hugging Face's MPT is narrower than LLM Foundry's: ALiBi
 with ``alibi_bias_max`` 8, multi-head attention, no biases, a GELU MLP of width 4·d_model, tied
@@ -53,8 +54,8 @@ def to_hf_config(model: Any) -> Any:
         raise ConfigError(
             "This MPT cannot be written as transformers' MptForCausalLM, which lacks: "
             f"model.{', model.'.join(unmappable)}. "
-            "Export a model whose config keeps Hugging Face MPT's settings, or a Llama-style model "
-            "(llama_causal_lm), which exports to LlamaForCausalLM."
+            "`foundry convert to-hf` writes such a model as the class that computes it (LlamaForCausalLM, "
+            "GPT2LMHeadModel, or foundry's own code: docs/HF_INTEROP.md)."
         )
     attn = config.attn_config
     # transformers 5 validates types strictly: floats as floats, alibi_bias_max as an int. It types

@@ -20,6 +20,7 @@ from torch import nn
 
 from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint, resolve_checkpoint_path
 from foundry.convert.commands import from_hf_model
+from foundry.convert.foundry_mpt import is_foundry_export
 from foundry.convert.llmfoundry_mpt import is_llm_foundry_mpt_export, load_export_tokenizer, load_llm_foundry_export
 from foundry.core.paths import is_object_store_url
 from foundry.data import load_tokenizer
@@ -39,9 +40,17 @@ class LoadedModel:
 
 
 def load_model(
-    path: str | Path, name: str | None = None, attn_implementation: str | None = None, trust_remote_code: bool = False
+    path: str | Path,
+    name: str | None = None,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    tokenizer: Any = None,
 ) -> LoadedModel:
     """The model (on CPU, weights loaded) and tokenizer stored at ``path``.
+
+    ``tokenizer`` (a tokenizer, or a directory or Hub name) replaces the stored one. A foundry checkpoint
+    whose run had no tokenizer (pre-tokenized batches) loads with tokenizer None; what needs one (ICL
+    eval, generation) says so.
 
     ``attn_implementation`` applies to Hugging Face directories (transformers' names: ``sdpa``, ``eager``,
     ...; None picks ``sdpa`` where the model's class implements it, else ``eager``); a foundry
@@ -52,15 +61,33 @@ def load_model(
     if not is_object_store_url(str(path)):  # a URL is resolved (downloaded) as given: Path() would mangle it
         path = Path(path).expanduser()
         if is_hf_directory(path):
-            return _load_hf_directory(path, name or path.name, attn_implementation, trust_remote_code)
+            loaded = _load_hf_directory(path, name or path.name, attn_implementation, trust_remote_code)
+            return dataclasses.replace(loaded, tokenizer=_given_tokenizer(tokenizer) or loaded.tokenizer)
 
     folder, config = resolve_checkpoint(path)
-    if not isinstance(config.get("tokenizer"), Mapping):
-        raise ConfigError(f"Checkpoint {folder} names no tokenizer in its config; it cannot be evaluated on text.")
     model = load_checkpoint_model(folder, config["model"])
-    return LoadedModel(
-        name or _checkpoint_name(Path(path), folder), model, _tokenizer(config["tokenizer"]), _max_seq_len(model)
-    )
+    stored = config.get("tokenizer")
+    given = _given_tokenizer(tokenizer)
+    if given is None and isinstance(stored, Mapping):
+        given = _tokenizer(stored)
+    return LoadedModel(name or _checkpoint_name(Path(path), folder), model, given, _max_seq_len(model))
+
+
+def _given_tokenizer(tokenizer: Any) -> Any:
+    """A tokenizer passed as an object, or loaded from its directory or Hub name."""
+    return _tokenizer({"name": str(tokenizer)}) if isinstance(tokenizer, (str, Path)) else tokenizer
+
+
+def require_tokenizer(loaded: LoadedModel, purpose: str) -> Any:
+    """``loaded.tokenizer``, or an error saying how to give one: a checkpoint from pre-tokenized batches has none."""
+    if loaded.tokenizer is None:
+        raise ConfigError(
+            f"{loaded.name} has no tokenizer (its run's config names no tokenizer.name: it trained on pre-tokenized "
+            f"batches), so it cannot {purpose}. Pass the tokenizer it was trained with: "
+            "foundry.load_model(path, tokenizer=DIR_OR_NAME), or export it with `foundry convert to-hf CKPT OUT "
+            "--tokenizer DIR_OR_NAME` and evaluate OUT."
+        )
+    return loaded.tokenizer
 
 
 def is_hf_directory(path: Path) -> bool:
@@ -87,12 +114,15 @@ def build_model_entry(entry: Mapping[str, Any], key_path: str) -> LoadedModel:
 
 def _load_hf_directory(path: Path, name: str, attn_implementation: str | None, trust_remote_code: bool) -> LoadedModel:
     raw_config = json.loads((path / "config.json").read_text())
-    if is_llm_foundry_mpt_export(raw_config):
-        model, _ = load_llm_foundry_export(path)
-        return LoadedModel(name, model, load_export_tokenizer(path), _max_seq_len(model))
+    if is_llm_foundry_mpt_export(raw_config) or is_foundry_export(raw_config):  # foundry's MPT, their code never runs
+        model, _ = load_llm_foundry_export(path) if is_llm_foundry_mpt_export(raw_config) else from_hf_model(path)
+        has_tokenizer = (path / "tokenizer_config.json").is_file() or (path / "tokenizer.json").is_file()
+        return LoadedModel(
+            name, model.eval(), load_export_tokenizer(path) if has_tokenizer else None, _max_seq_len(model)
+        )
     if raw_config.get("model_type") in NATIVE_MOE and not raw_config.get("auto_map"):
         model, _ = from_hf_model(path)  # foundry's MoE: grouped experts, not transformers' loop over them
-        return LoadedModel(name, model, _tokenizer({"name": str(path)}), _max_seq_len(model))
+        return LoadedModel(name, model.eval(), _tokenizer({"name": str(path)}), _max_seq_len(model))
     model = HFCausalLM(
         pretrained_model_name_or_path=str(path),
         attn_implementation=attn_implementation,

@@ -13,6 +13,7 @@ from foundry import distributed
 from foundry.errors import ConfigError
 from foundry.eval.evaluator import ICLEvaluator
 from foundry.eval.gauntlet import gauntlet_scores
+from foundry.eval.loading import require_tokenizer
 from foundry.eval.report import ModelResults
 
 DEFAULT_SEQ_LEN = 2048  # when neither the config nor the model says
@@ -25,7 +26,8 @@ def build_evaluator(loaded: Any, tasks: list, cfg: Any) -> Any:
         raise ConfigError(
             f"icl_seq_len {seq_len} exceeds {loaded.name}'s max_seq_len {loaded.max_seq_len}; lower --seq-len."
         )
-    return ICLEvaluator(tasks, loaded.tokenizer, seq_len, cfg.device_eval_batch_size, cfg.max_examples)
+    tokenizer = require_tokenizer(loaded, "be evaluated on text")
+    return ICLEvaluator(tasks, tokenizer, seq_len, cfg.device_eval_batch_size, cfg.max_examples)
 
 
 def score(evaluator: Any, model: Any, name: str, gauntlet: Any, cfg: Any, device: Any) -> Any:

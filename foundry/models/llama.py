@@ -47,17 +47,6 @@ class RopeScalingConfig:
             self.rope_type, self.factor, self.low_freq_factor, self.high_freq_factor, f"{_KEY}.rope_scaling"
         )
 
-    def to_hf_dict(self) -> dict[str, float | int | str]:
-        """The ``rope_scaling`` entry of a Hugging Face Llama config (floats as floats: transformers 5 checks)."""
-        scaling: dict[str, float | int | str] = {"rope_type": self.rope_type, "factor": float(self.factor)}
-        if self.rope_type == "llama3":
-            scaling.update(
-                low_freq_factor=float(self.low_freq_factor),
-                high_freq_factor=float(self.high_freq_factor),
-                original_max_position_embeddings=self.original_max_position_embeddings,
-            )
-        return scaling
-
     def to_rope_hf_config(self) -> RopeHFConfig:
         return RopeHFConfig(
             type=self.rope_type,

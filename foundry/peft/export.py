@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from foundry.checkpoint import latest_checkpoint, resolve_checkpoint_path
-from foundry.convert import adapter_for_family
+from foundry.convert import choose_export
 from foundry.convert.checkpoint_io import load_checkpoint_model, meta_model, resolve_checkpoint, save_weights_checkpoint
 from foundry.convert.commands import check_out_dir, write_atomically
 from foundry.errors import ConfigError
@@ -54,12 +54,13 @@ def _hf_lora_parts(model: nn.Module) -> tuple[list[LoraPart], set[str]]:
 
 def _converted_lora_parts(model: nn.Module, family: str) -> tuple[list[LoraPart], set[str]]:
     """A native family's adapters under the names ``foundry convert to-hf`` gives their layers."""
-    adapter = adapter_for_family(family)
-    adapter.to_hf_config(model)  # a base that cannot be exported fails here, naming what does not map
+    adapter = choose_export(model, family).adapter  # a base that cannot be exported fails here, naming why
+    is_transposed = getattr(adapter, "is_transposed", lambda hf_name: False)  # GPT-2's Conv1D: (in, out) weights
     parts: list[LoraPart] = []
     for name, module in lora_modules(model):
         # The B rows map exactly as the weight's rows do (e.g. Wqkv -> q, k, v); A is each part's A.
         b_parts = adapter.to_hf_state_dict({f"{name}.weight": module.lora_B.weight.detach()}, model)
+        b_parts = {hf_name: b.t() if is_transposed(hf_name) else b for hf_name, b in b_parts.items()}
         parts += [(hf_name.removesuffix(".weight"), module.lora_A.weight, b) for hf_name, b in b_parts.items()]
     weights = {name: tensor for name, tensor in model.state_dict().items() if not is_adapter_key(name)}
     linear_weights = {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, nn.Linear)}
@@ -74,7 +75,9 @@ def _hf_target_modules(hf_modules: list[str], hf_linears: set[str]) -> list[str]
     return short if picked_by_short == set(hf_modules) else sorted(hf_modules)
 
 
-def adapter_config(config: LoraConfig, target_modules: list[str], base_model_name_or_path: str) -> dict[str, Any]:
+def adapter_config(
+    config: LoraConfig, target_modules: list[str], base_model_name_or_path: str, fan_in_fan_out: bool = False
+) -> dict[str, Any]:
     """PEFT's ``adapter_config.json`` for ``config``."""
     return {
         "peft_type": "LORA",
@@ -86,7 +89,7 @@ def adapter_config(config: LoraConfig, target_modules: list[str], base_model_nam
         "target_modules": target_modules,
         "bias": config.bias,
         "use_rslora": config.use_rslora,
-        "fan_in_fan_out": False,
+        "fan_in_fan_out": fan_in_fan_out,
         "modules_to_save": None,
         "init_lora_weights": True,
         "inference_mode": True,
@@ -101,7 +104,8 @@ def write_peft_adapter(model: nn.Module, family: str, out_dir: Path, base_model_
     state, target_modules = peft_adapter_state(model, family)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(state, str(out_dir / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
-    payload = adapter_config(config, target_modules, base_model_name_or_path)
+    fan_in_fan_out = family != HF_FAMILY and hasattr(choose_export(model, family).adapter, "is_transposed")
+    payload = adapter_config(config, target_modules, base_model_name_or_path, fan_in_fan_out)
     (out_dir / ADAPTER_CONFIG_FILE).write_text(json.dumps(payload, indent=2) + "\n")
     return out_dir
 

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
-from helpers import TINY_LLAMA, token_batches
+from helpers import TINY_LLAMA, TINY_MPT, token_batches
 
 from foundry.callbacks import HFCheckpointer
 from foundry.errors import ConfigError
-from foundry.models import LlamaCausalLM
+from foundry.models import LlamaCausalLM, MPTCausalLM
 from foundry.optim import DecoupledAdamW
 from foundry.trainer import Trainer
 
 
-def train_with(callback: HFCheckpointer, tmp_path, batches: int = 3) -> LlamaCausalLM:
+def train_with(callback: HFCheckpointer, tmp_path, batches: int = 3, model: torch.nn.Module | None = None) -> Any:
     torch.manual_seed(0)
-    model = LlamaCausalLM(**TINY_LLAMA)
+    model = model or LlamaCausalLM(**TINY_LLAMA)
     Trainer(
         model=model,
         train_dataloader=token_batches(batches, 2, vocab_size=TINY_LLAMA["vocab_size"]),
@@ -39,6 +41,27 @@ def test_folders_at_the_interval_and_at_the_end_load_with_transformers(tmp_path)
     folder = tmp_path / "hf-run" / "checkpoints" / "huggingface"
     assert sorted(path.name for path in folder.iterdir()) == ["ba2", "ba3"]  # the interval, then the end
     hf_model = AutoModelForCausalLM.from_pretrained(folder / "ba3").eval()
+    input_ids = torch.arange(12).reshape(2, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(input_ids).logits, model({"input_ids": input_ids}), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("mpt_keys", "hf_class"),
+    [
+        ({}, "GPT2LMHeadModel"),  # LLM Foundry's default MPT: learned positions, biases
+        ({"attn_config": {"attn_type": "grouped_query_attention", "kv_n_heads": 2}}, "FoundryMPTForCausalLM"),
+    ],
+)
+def test_a_learned_position_mpt_writes_a_folder_transformers_loads_with_the_same_logits(
+    tmp_path, mpt_keys, hf_class
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    callback = HFCheckpointer(save_folder=str(tmp_path / "ckpt"), save_interval="1dur")
+    model = train_with(callback, tmp_path, batches=1, model=MPTCausalLM(**TINY_MPT, **mpt_keys))
+    hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt" / "huggingface" / "ba1", trust_remote_code=True)
+    assert type(hf_model).__name__ == hf_class
     input_ids = torch.arange(12).reshape(2, 6)
     with torch.no_grad():
         torch.testing.assert_close(hf_model(input_ids).logits, model({"input_ids": input_ids}), atol=1e-5, rtol=0)

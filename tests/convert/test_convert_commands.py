@@ -17,7 +17,7 @@ import torch
 from helpers import TINY_LLAMA, flip_byte, token_batches
 
 from foundry.cli import main
-from foundry.convert import adapter_for_family, adapter_for_hf
+from foundry.convert import adapter_for_hf, choose_export
 from foundry.convert.checkpoint_io import save_weights_checkpoint
 from foundry.convert.commands import add_from_hf_arguments, add_to_hf_arguments, run_from_hf, run_to_hf
 from foundry.errors import CheckpointError, ConfigError
@@ -155,12 +155,13 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, tokenizer_dir
 
 def test_unexportable_family_error_lists_the_families_and_hf_causal_lm() -> None:
     with pytest.raises(ConfigError, match="llama_causal_lm, mpt_causal_lm.*hf_causal_lm"):
-        adapter_for_family("hf_causal_lm")
+        choose_export(build_model(LLAMA_SECTION), "hf_causal_lm")
 
 
 def test_unimportable_model_type_error_lists_the_types_and_hf_causal_lm() -> None:
-    with pytest.raises(ConfigError, match="dbrx, llama, mixtral, mpt, olmoe, qwen3_moe.*hf_causal_lm"):
-        adapter_for_hf("gpt2")
+    supported = "dbrx, foundry_mpt, gpt2, llama, mixtral, mpt, olmoe, qwen3_moe"
+    with pytest.raises(ConfigError, match=f"{supported}.*hf_causal_lm"):
+        adapter_for_hf("opt")
 
 
 def test_from_hf_refuses_a_checkpoint_that_needs_its_own_code_without_running_it(tmp_path) -> None:

@@ -74,9 +74,9 @@ def test_a_hostile_pickle_in_composer_format_is_refused_without_running_code(tmp
 def test_a_composer_checkpoint_of_another_architecture_is_refused_naming_it(tmp_path) -> None:
     checkpoint = read_composer_checkpoint(COMPOSER_CKPT)
     config = checkpoint["state"]["integrations"]["huggingface"]["model"]["config"]
-    config["content"]["model_type"], config["class"] = "gpt2", "transformers.GPT2LMHeadModel"
+    config["content"]["model_type"], config["class"] = "opt", "transformers.OPTForCausalLM"
     torch.save(checkpoint, tmp_path / "gpt2.pt")
-    with pytest.raises(CheckpointError, match=r"holds a transformers.GPT2LMHeadModel model.*Llama and MPT"):
+    with pytest.raises(CheckpointError, match=r"holds a transformers.OPTForCausalLM model.*Llama, MPT and GPT-2"):
         from_composer(tmp_path / "gpt2.pt")
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from foundry.convert import llama as adapter
-from foundry.convert.commands import to_hf_model
+from foundry.convert.hf_export import to_hf_model
 from foundry.errors import ConfigError
 from foundry.models import LlamaCausalLM
 

@@ -12,8 +12,9 @@ import torch
 import transformers
 
 from foundry.checkpoint import latest_checkpoint
-from foundry.convert import adapter_for_model
-from foundry.convert.commands import from_hf_model, to_hf_model
+from foundry.convert import choose_export
+from foundry.convert.commands import from_hf_model
+from foundry.convert.hf_export import to_hf_model
 from foundry.errors import ConfigError
 from foundry.models import LlamaCausalLM, MPTCausalLM
 
@@ -67,7 +68,7 @@ def test_export_computes_the_same_logits_and_imports_back_bit_exact(family: str)
     hf_model = to_hf_model(model, name)
     assert type(hf_model).__name__.startswith(FAMILIES[family][2])
     assert logit_gap(model, hf_model) < 1e-4
-    adapter = adapter_for_model(model, name)
+    adapter = choose_export(model, name).adapter
     back = adapter.from_hf_state_dict(hf_model.state_dict(), hf_model.config)
     original = model.state_dict()
     assert back.keys() == original.keys()
@@ -95,8 +96,8 @@ def test_a_hugging_face_checkpoint_imports_with_the_same_logits(family: str, tmp
 def test_mixtral_needs_renormalised_weights_and_olmoe_takes_either() -> None:
     raw = foundry_model("mixtral", moe_normalize_expert_weights=None)
     assert importlib.import_module("foundry.convert.mixtral").unmappable_features(raw.config)
-    with pytest.raises(ConfigError, match="No Hugging Face class computes this mixture of experts"):
-        adapter_for_model(raw, "llama_causal_lm")
+    with pytest.raises(ConfigError, match="No Hugging Face class computes this llama_causal_lm"):
+        choose_export(raw, "llama_causal_lm")
     olmoe = importlib.import_module("foundry.convert.olmoe")
     assert not olmoe.unmappable_features(foundry_model("olmoe", moe_normalize_expert_weights=1.0).config)
 

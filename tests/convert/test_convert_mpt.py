@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from foundry.convert import mpt as adapter
-from foundry.convert.commands import to_hf_model
+from foundry.convert.hf_export import to_hf_model
 from foundry.errors import ConfigError
 from foundry.models import MPTCausalLM
 
@@ -54,10 +54,10 @@ def test_imported_section_builds_the_same_network(make_mpt) -> None:
     assert rebuilt.config.ffn_config == model.config.ffn_config
 
 
-def test_rope_cannot_be_exported_and_the_error_names_it(make_mpt) -> None:
+def test_rope_cannot_be_written_as_mpt_and_the_error_names_it(make_mpt) -> None:
     model = make_mpt(attn_config={"alibi": False, "rope": True})
     with pytest.raises(ConfigError, match=r"model\.attn_config\.rope"):
-        to_hf_model(model, "mpt_causal_lm")
+        adapter.to_hf_config(model)
 
 
 def test_biases_cannot_be_exported_and_the_error_names_no_bias(make_mpt) -> None:

@@ -18,7 +18,7 @@ from foundry.convert.checkpoint_io import (
     save_weights_checkpoint,
     unloaded_model,
 )
-from foundry.convert.commands import to_hf_model
+from foundry.convert.hf_export import to_hf_model
 from foundry.errors import CheckpointError
 from foundry.models.build import build_model
 from foundry.models.lora import adapter_state_dict, is_adapter_key
@@ -123,10 +123,13 @@ def test_exported_llama_adapter_gives_foundry_logits_in_peft(adapters_run, base_
     torch.testing.assert_close(theirs, logits(model, input_ids), atol=1e-5, rtol=0)
 
 
-def test_exported_mpt_adapter_gives_foundry_logits_in_peft(tmp_path, input_ids):
+@pytest.mark.parametrize(
+    "section", [HF_MPT, {"name": "mpt_causal_lm", **TINY_MPT}], ids=["MptForCausalLM", "GPT2LMHeadModel"]
+)
+def test_exported_mpt_adapter_gives_foundry_logits_in_peft(tmp_path, input_ids, section):
     torch.manual_seed(0)
-    base = build_model(HF_MPT).eval()
-    lora = build_model({**HF_MPT, "peft_config": PEFT_CONFIG}).eval()
+    base = build_model(section).eval()
+    lora = build_model({**section, "peft_config": PEFT_CONFIG}).eval()
     lora.load_state_dict(base.state_dict(), strict=False)
     with torch.no_grad():
         for tensor in adapter_state_dict(lora).values():
