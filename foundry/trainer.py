@@ -246,6 +246,7 @@ class Trainer:
         state, engine = self.state, self.engine
         engine.run_event(Event.BATCH_START)
         self._correct_predictions: torch.Tensor | None = None  # summed over the microbatches by _train_microbatch
+        self._loss_term_shares: dict[str, torch.Tensor] = {}  # this batch's model.loss_terms(), as the loss's share
         if self._weight_grad_sums is not None:  # the optimizer (or a load, or BATCH_START) moved the weights
             self._weight_grad_sums.start_batch()
         if self._find_microbatch_size:
@@ -257,6 +258,7 @@ class Trainer:
         local_weight = torch.as_tensor(sum(weights), dtype=torch.float32, device=state.device)
         total_weight = distributed.all_reduce_sum(local_weight.clone())
         share_of_global_loss = torch.zeros((), device=state.device)
+        self._loss_term_shares = {}
         for index, (microbatch, weight) in enumerate(zip(microbatches, weights)):
             if self._accumulation is not None:  # a sharded model: when to reduce gradients and reshard
                 self._accumulation.before_microbatch(last=index == len(microbatches) - 1)
@@ -289,7 +291,7 @@ class Trainer:
         correct = distributed.all_reduce_sum(correct) if correct is not None else None
         for name, value in state.model.llm_foundry_metrics(global_loss, correct, total_weight).items():
             metrics[f"metrics/train/{name}"] = value  # LLM Foundry's names (docs/LOGGING.md)
-        self.logger.log_metrics(metrics)
+        self.logger.log_metrics({**metrics, **self._global_loss_terms()})
         if self.log_interval.due(state, since=previous) or self._finished():
             self.logger.flush()
         self.checkpoints.after_batch(since=previous)
@@ -316,11 +318,22 @@ class Trainer:
                 previous = self._correct_predictions
                 self._correct_predictions = correct if previous is None else previous + correct
             loss = state.loss * scale
+            for name, term in state.model.loss_terms().items():
+                self._loss_term_shares[name] = self._loss_term_shares.get(name, 0.0) + term.float() * scale
             engine.run_event(Event.BEFORE_BACKWARD)
             (self._grad_scaler.scale(loss) if self._grad_scaler else loss).backward()
             engine.run_event(Event.AFTER_BACKWARD)
         state.outputs = None  # free activations' outputs (logits) before the next microbatch
         return loss.detach()
+
+    def _global_loss_terms(self) -> dict[str, torch.Tensor]:
+        """``loss/train/<name>`` for each part of the loss: the batch's mean over all ranks, as the total's."""
+        if not self._loss_term_shares:
+            return {}
+        names = sorted(self._loss_term_shares)
+        shares = torch.stack([self._loss_term_shares[name] for name in names])
+        means = distributed.all_reduce_sum(shares) / self.state.world_size
+        return {f"loss/train/{name}": mean for name, mean in zip(names, means)}
 
     def _choose_microbatch_size(self) -> None:
         """``device_train_microbatch_size: auto``: trial runs on this first batch pick the size for the run."""

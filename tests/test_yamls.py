@@ -15,8 +15,9 @@ from foundry.models.build import build_model
 # Train configs: every YAML but yamls/eval/, which holds ICL task lists and gauntlets (tests/eval reads those).
 YAMLS = sorted(p for p in (Path(__file__).resolve().parents[1] / "yamls").rglob("*.yaml") if p.parent.name != "eval")
 # Parameter counts published for the architectures these widths reproduce (Hugging Face model cards).
-PUBLISHED_PARAMS = {  # Llama-3.2-1B, Llama-3-8B (and 3.1, the same widths)
+PUBLISHED_PARAMS = {  # Llama-3.2-1B, Llama-3-8B (and 3.1, the same widths), OLMoE-1B-7B
     "llama-1b.yaml": 1_235_814_400, "llama-8b.yaml": 8_030_261_248, "llama-8b-64k.yaml": 8_030_261_248,
+    "moe-1b-7b.yaml": 6_919_161_856,
 }  # fmt: skip
 # Names that round more than 15%: LLM Foundry's MPT-1B has 1.3B parameters.
 NOMINAL_PARAMS = {"mpt-1b.yaml": 1.3e9}

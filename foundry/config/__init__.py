@@ -63,7 +63,9 @@ class TrainConfig(ConsoleConfig, EvalConfig, CheckpointConfig, RunConfig):  # fi
     )
     parallelism: ParallelismConfig = field(
         default_factory=ParallelismConfig,
-        metadata=doc("degrees of the device mesh beyond data parallelism: context_parallel_degree"),
+        metadata=doc(
+            "degrees of the device mesh beyond data parallelism: context_parallel_degree, expert_parallel_degree"
+        ),
     )
     dist_timeout: float = field(default=600.0, metadata=doc("seconds before a stuck collective fails"))
     python_log_level: Literal["debug", "info", "warning", "error", "critical"] | None = field(

@@ -6,6 +6,7 @@ Validated here; ``foundry.distributed.mesh`` lays the ranks out and ``foundry.di
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import field
 from typing import Literal
 
@@ -60,6 +61,9 @@ class FSDPConfig:
             "last backward (one all-gather per block a batch); null (auto): kept when the model is small for the device"
         ),
     )
+    expert_parallel_degree: int | None = field(
+        default=None, metadata=doc("deprecated spelling of parallelism.expert_parallel_degree (warns; same meaning)")
+    )
     verbose: bool = field(default=False, metadata=doc("log how modules are wrapped"))
     cpu_offload: bool = field(default=False, metadata=doc("keep shards and the optimizer step on the CPU (CUDA only)"))
 
@@ -82,6 +86,14 @@ class ParallelismConfig:
             "docs/DISTRIBUTED.md); must divide the number of ranks. 1: every rank holds whole sequences"
         ),
     )
+    expert_parallel_degree: int = field(
+        default=1,
+        metadata=doc(
+            "ranks over which each MoE layer's experts are split, tokens moving between them by all-to-all "
+            "(foundry.distributed.expert_parallel, the mesh's 'ep' axis); 1: every rank holds all experts (FSDP "
+            "shards them); else the number of ranks, with context_parallel_degree 1"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.context_parallel_degree < 1:
@@ -89,3 +101,31 @@ class ParallelismConfig:
                 f"'parallelism.context_parallel_degree' is {self.context_parallel_degree}; it must be 1 (off) or a "
                 "number of ranks that divides the world size, e.g. 2."
             )
+        if self.expert_parallel_degree < 1:
+            raise ConfigError(
+                f"'parallelism.expert_parallel_degree' is {self.expert_parallel_degree}; it must be 1 (off) or the "
+                "number of ranks, e.g. 2."
+            )
+
+
+def with_fsdp_aliases(parallelism: ParallelismConfig, fsdp_config: FSDPConfig) -> ParallelismConfig:
+    """``parallelism`` with the degree ``fsdp_config.expert_parallel_degree`` (its deprecated spelling) sets.
+
+    Called once per model placement, so a run warns once.
+    """
+    alias = fsdp_config.expert_parallel_degree
+    if alias is None:
+        return parallelism
+    warnings.warn(
+        f"fsdp_config.expert_parallel_degree is deprecated: write 'parallelism: {{expert_parallel_degree: {alias}}}' "
+        "instead (same meaning; one mesh holds every parallel degree).",
+        FutureWarning,
+        stacklevel=3,
+    )
+    if parallelism.expert_parallel_degree not in (1, alias):
+        raise ConfigError(
+            f"fsdp_config.expert_parallel_degree is {alias} but parallelism.expert_parallel_degree is "
+            f"{parallelism.expert_parallel_degree}; they name the same degree. Keep only "
+            "parallelism.expert_parallel_degree."
+        )
+    return dataclasses.replace(parallelism, expert_parallel_degree=alias)

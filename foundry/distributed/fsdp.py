@@ -39,9 +39,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from foundry.core.precision import cast_embeddings_to_autocast_dtype, compute_dtype
 from foundry.distributed.activation_checkpoint import apply_activation_checkpointing, apply_activation_offload
-from foundry.distributed.config import FSDPConfig, ParallelismConfig
+from foundry.distributed.config import FSDPConfig, ParallelismConfig, with_fsdp_aliases
 from foundry.distributed.context_parallel import ContextParallel, WholeSequences, apply_context_parallel
 from foundry.distributed.env import all_reduce_sum, get_rank, get_world_size
+from foundry.distributed.expert_parallel import shard_experts
 from foundry.distributed.mesh import parallel_dims
 from foundry.distributed.process_group import init_process_group
 from foundry.errors import ConfigError
@@ -81,25 +82,28 @@ def parallelize(
         config: ``fsdp_config``; ``model.config.activation_checkpointing_target`` picks what to checkpoint.
         device: this rank's device; the shards live there (on the CPU with ``cpu_offload``).
         precision: the run's precision; ``mixed_precision`` applies only to the amp precisions.
-        parallelism: the mesh's degrees beyond data parallelism (``context_parallel_degree``).
+        parallelism: the mesh's degrees beyond data parallelism (``context_parallel_degree``,
+            ``expert_parallel_degree``).
 
     Returns:
         How the model moves gradients and parameters between microbatches, and how batches are split.
     """
     layout, reshard_after_forward = STRATEGIES[config.sharding_strategy]
-    dims = parallel_dims(layout, parallelism or ParallelismConfig())
-    if not shards(config, device):
+    dims = parallel_dims(layout, with_fsdp_aliases(parallelism or ParallelismConfig(), config))
+    if not shards(config, device):  # one rank: parallel_dims refused any degree above 1
         _place_unsharded(model, config, device, precision)
         return Placement()
     mesh = dims.build_mesh(device.type)
     batches = apply_context_parallel(model, mesh["cp"]) if dims.cp > 1 else WholeSequences()
     rank0_weights = _rank0_weights(model, config.sync_module_states, device)
+    expert_params = shard_experts(model, mesh.ep)  # FSDP leaves them be
     blocks = _wrap_blocks(model, config, device)
     offload = config.cpu_offload and device.type == "cuda"
     shard_settings = {
         "mesh": mesh.fsdp,
         "mp_policy": mixed_precision_policy(config.mixed_precision, precision),
         "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
+        "ignored_params": expert_params or None,
     }
     for index, block in enumerate(blocks):
         # The last block would be gathered again at once for backward: keeping it whole saves an all-gather.
@@ -311,7 +315,14 @@ def place_model(
     """Shard ``model`` onto ``device`` with FSDP2 over the mesh ``parallelism`` shapes, or move it there."""
     if fsdp_config is not None:
         return parallelize(model, fsdp_config, device, precision, parallelism)
-    parallel_dims("shard", parallelism or ParallelismConfig())  # a degree above 1 needs as many ranks
+    parallelism = parallelism or ParallelismConfig()
+    parallel_dims("shard", parallelism)  # a degree above 1 needs as many ranks
+    if parallelism.expert_parallel_degree > 1:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree is {parallelism.expert_parallel_degree} but the run has no "
+            "fsdp_config: expert parallelism places the experts beside FSDP2's shards. Add 'fsdp_config: "
+            "{sharding_strategy: FULL_SHARD}' or set the degree to 1."
+        )
     if any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()]):
         init_on_cpu(model)  # the weights a sharded run of the same seed starts from
     model.to(device)

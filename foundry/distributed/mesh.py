@@ -8,8 +8,10 @@ The axes, outermost first (torchtitan's names):
 
 Two flattened axes serve the components: ``dp_shard_cp`` is what FSDP2 shards over (context-parallel
 ranks hold different tokens, so they can hold different shards too), and ``dp`` is the ranks that see
-different samples. A new axis (tensor or expert parallelism) is one more degree in ``ParallelDims``
-and one more name in ``AXES``; callers ask the mesh for the axes they use and stay unchanged.
+different samples. ``ep`` (expert parallelism) borrows the data-parallel ranks, as torchtitan's does: each
+MoE layer's experts split over them while FSDP2 shards the rest over the same ranks. A new axis (tensor
+parallelism) is one more degree in ``ParallelDims`` and one more name in ``AXES``; callers ask the mesh for
+the axes they use and stay unchanged.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class ParallelDims:
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
+    ep: int = 1  # over the data-parallel ranks, not a factor of the world size
 
     @property
     def world_size(self) -> int:
@@ -42,7 +45,9 @@ class ParallelDims:
         world = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp), mesh_dim_names=AXES)
         # torch asks callers to keep the flattened meshes rather than slice them from the world's again
         dp_shard_cp = world["dp_shard", "cp"]._flatten("dp_shard_cp")
-        return JobMesh(world, dp_shard_cp=dp_shard_cp, dp=world["dp_replicate", "dp_shard"]._flatten("dp"))
+        dp = world["dp_replicate", "dp_shard"]._flatten("dp")
+        ep = world["dp_replicate", "dp_shard"]._flatten("ep") if self.ep > 1 else None
+        return JobMesh(world, dp_shard_cp=dp_shard_cp, dp=dp, ep=ep)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +57,7 @@ class JobMesh:
     world: DeviceMesh
     dp_shard_cp: DeviceMesh  # what FSDP2 shards over
     dp: DeviceMesh  # the ranks that load different samples
+    ep: DeviceMesh | None = None  # the ranks each MoE layer's experts split over; None: no expert parallelism
 
     def __getitem__(self, name: str) -> DeviceMesh:
         return self.world[name] if name in AXES else getattr(self, name)
@@ -73,6 +79,7 @@ def parallel_dims(layout: str, parallelism: ParallelismConfig) -> ParallelDims:
     rank the whole model; context-parallel ranks always share the shards (they sit inside a node).
     """
     world_size, cp = get_world_size(), parallelism.context_parallel_degree
+    _check_expert_parallel(parallelism, world_size)
     if world_size % cp:
         raise ConfigError(
             f"'parallelism.context_parallel_degree' is {cp}, which does not divide the {world_size} ranks of this "
@@ -80,7 +87,7 @@ def parallel_dims(layout: str, parallelism: ParallelismConfig) -> ParallelDims:
         )
     data_parallel = world_size // cp
     if layout == "replicate":
-        return ParallelDims(dp_replicate=data_parallel, cp=cp)
+        return ParallelDims(dp_replicate=data_parallel, cp=cp, ep=parallelism.expert_parallel_degree)
     if layout == "hybrid":
         ranks_per_node = get_local_world_size()
         if world_size % ranks_per_node or ranks_per_node % cp:
@@ -89,5 +96,27 @@ def parallel_dims(layout: str, parallelism: ParallelismConfig) -> ParallelDims:
                 f"split into nodes of LOCAL_WORLD_SIZE={ranks_per_node} (each a multiple of "
                 f"parallelism.context_parallel_degree={cp}). Launch the same number of ranks per node."
             )
-        return ParallelDims(dp_replicate=world_size // ranks_per_node, dp_shard=ranks_per_node // cp, cp=cp)
-    return ParallelDims(dp_shard=data_parallel, cp=cp)
+        return ParallelDims(
+            dp_replicate=world_size // ranks_per_node,
+            dp_shard=ranks_per_node // cp,
+            cp=cp,
+            ep=parallelism.expert_parallel_degree,
+        )
+    return ParallelDims(dp_shard=data_parallel, cp=cp, ep=parallelism.expert_parallel_degree)
+
+
+def _check_expert_parallel(parallelism: ParallelismConfig, world_size: int) -> None:
+    """Expert parallelism splits the experts over every rank, and does not combine with context parallelism."""
+    ep, cp = parallelism.expert_parallel_degree, parallelism.context_parallel_degree
+    if ep == 1:
+        return
+    if cp > 1:
+        raise ConfigError(
+            f"'parallelism.expert_parallel_degree' is {ep} and 'parallelism.context_parallel_degree' is {cp}; foundry "
+            "does not combine expert and context parallelism. Set one of the two keys to 1."
+        )
+    if ep != world_size:
+        raise ConfigError(
+            f"'parallelism.expert_parallel_degree' is {ep} but the run has {world_size} ranks; expert parallelism "
+            f"splits the experts over every rank: set it to {world_size}, or to 1 (FSDP shards the experts)."
+        )

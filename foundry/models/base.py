@@ -36,6 +36,13 @@ class FoundryModel(nn.Module):
         """Mean loss over this batch's loss units (tokens for a language model)."""
         raise NotImplementedError
 
+    def loss_terms(self) -> dict[str, torch.Tensor]:
+        """The named parts of the last ``loss`` when it sums several (an MoE's auxiliary losses), else {}.
+
+        The Trainer logs each as ``loss/train/<name>``, weighted over microbatches and ranks as the loss is.
+        """
+        return {}
+
     def loss_weight(self, batch: Mapping[str, Any]) -> torch.Tensor | int:
         """How many units ``loss`` averaged over; a tensor on device is fine (no host sync)."""
         return batch_num_samples(batch)
