@@ -16,6 +16,11 @@ from foundry.config import load_train_config
 from foundry.models.build import build_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# The shared data folder (docs: shared/data/README.md): inside the checkout on a GPU machine, beside it here.
+SHARED_DATA = next(
+    (path for path in (REPO_ROOT / "shared" / "data", REPO_ROOT.parent / "shared" / "data") if path.exists()),
+    REPO_ROOT / "shared" / "data",
+)
 
 
 def model_from_yaml(config_path: str | Path, overrides: Sequence[str] = ()) -> tuple[nn.Module, int]:
@@ -28,7 +33,7 @@ def yaml_trainer(
     cfg: Any, batches: list[dict], microbatch: int, callbacks: Sequence[Any] = (), **overrides: Any
 ) -> Any:
     """A Trainer as ``foundry train`` builds it from ``cfg`` (its optimizer, schedule, algorithms with the
-    compile_config default, fsdp_config and precision), on in-memory ``batches`` on the GPU; ``overrides``
+    compile_config default, fsdp_config, parallelism and precision), on in-memory ``batches`` on the GPU; ``overrides``
     replace Trainer arguments (e.g. ``precision``)."""
     import tempfile
 
@@ -46,6 +51,7 @@ def yaml_trainer(
         algorithms=build_components(registry.algorithms, cfg.algorithms, "algorithms"),
         compile_config=cfg.compile_config,
         fsdp_config=cfg.fsdp_config,
+        parallelism=cfg.parallelism,
         callbacks=list(callbacks),
         precision=cfg.precision,
         device="cuda",

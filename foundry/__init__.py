@@ -26,6 +26,7 @@ _EXPORTS = {
     "ConsoleConfig": "foundry.loggers.config",
     "EvalConfig": "foundry.eval.config",
     "FSDPConfig": "foundry.distributed.config",
+    "ParallelismConfig": "foundry.distributed.config",
     "RunConfig": "foundry.run_config",
     "ConfigError": "foundry.errors",
     "DataError": "foundry.errors",

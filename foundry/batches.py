@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from foundry import distributed
+from foundry.targets import IGNORE_INDEX
 
-IGNORE_INDEX = -100  # a label position that adds no loss (prompts, padding, the last position)
 SAMPLE_INDEX_KEY = "sample_index"  # (batch,) each sample's index in its dataset, from loaders that tag them
 
 

@@ -41,7 +41,7 @@ from foundry.core import (
 from foundry.core.cuda_allocator import apply_allocator_settings
 from foundry.core.precision import autocast, check_precision, compute_dtype, grad_scaler
 from foundry.core.time import positive_time
-from foundry.distributed.config import FSDPConfig
+from foundry.distributed.config import FSDPConfig, ParallelismConfig
 from foundry.distributed.fsdp import GradientAccumulation, place_model
 from foundry.errors import ConfigError, TrainingError
 from foundry.eval.config import EvalConfig
@@ -53,7 +53,7 @@ from foundry.models.base import FoundryModel, ModuleModel
 from foundry.optim import build_optimizers, build_schedulers
 from foundry.optim.schedulers import TimeScheduler
 from foundry.run_config import TRAINER_SECTIONS, RunConfig
-from foundry.schema import split_settings
+from foundry.schema import parse_dataclass, split_settings
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -89,6 +89,8 @@ class Trainer:
             rank FSDP is skipped (it would only add copies) but its activation checkpointing and mixed
             precision still apply. Without it a single process trains the plain module and several ranks
             replicate it (``NO_SHARD``, DDP's layout). See ``foundry.distributed.fsdp``.
+        parallelism: a ``ParallelismConfig`` (or its keys), e.g. ``{"context_parallel_degree": 2}``: ranks
+            that split each sequence along its length (``foundry.distributed.context_parallel``).
         config: the resolved YAML of a ``foundry train`` run, stored in checkpoints and sent to loggers.
         checkpointer: the checkpoint section already checked, as a ``Checkpointer`` (``foundry train`` builds
             it before the model, so a refused save_folder fails first); then no ``CheckpointConfig`` key may
@@ -110,6 +112,7 @@ class Trainer:
         *,
         tokenizer: Any = None,
         fsdp_config: FSDPConfig | Mapping[str, Any] | None = None,
+        parallelism: ParallelismConfig | Mapping[str, Any] | None = None,
         config: dict[str, Any] | None = None,
         checkpointer: Checkpointer | None = None,
         **settings: Any,
@@ -119,6 +122,7 @@ class Trainer:
         seed_everything(run.seed)
         apply_allocator_settings(run.expandable_segments)
         fsdp_config = distributed.prepare_sharding(fsdp_config, optimizers)
+        parallelism = parse_dataclass(ParallelismConfig, parallelism, "parallelism")
         device = torch.device(run.device) if run.device is not None else distributed.default_device()
         self._find_microbatch_size = run.device_train_microbatch_size == "auto"
         model = model if isinstance(model, FoundryModel) else ModuleModel(model)
@@ -142,7 +146,7 @@ class Trainer:
         self._last_eval_batch: int | None = None
 
         self.engine.run_event(Event.INIT)  # before sharding, so that algorithms' model surgery is sharded too
-        self._place_model(model, device, fsdp_config, run)
+        self._place_model(model, device, fsdp_config, parallelism, run)
         self.state.optimizers = build_optimizers(optimizers, self.state.model)
         self.state.schedulers = build_schedulers(schedulers, self.state)
         if config is not None:
@@ -150,9 +154,17 @@ class Trainer:
         self.checkpoints.resume()
         self.engine.run_event(Event.AFTER_LOAD)
 
-    def _place_model(self, model: FoundryModel, device: torch.device, fsdp_config: Any, run: RunConfig) -> None:
+    def _place_model(
+        self,
+        model: FoundryModel,
+        device: torch.device,
+        fsdp_config: Any,
+        parallelism: ParallelismConfig,
+        run: RunConfig,
+    ) -> None:
         """Move (and shard) the model onto its device, and choose how gradients accumulate and are scaled."""
-        self._accumulation = place_model(model, device, fsdp_config, self.state.precision)
+        placement = place_model(model, device, fsdp_config, self.state.precision, parallelism)
+        self._accumulation, self._batches = placement.accumulation, placement.batches
         if self._accumulation is None and isinstance(model, FSDPModule):  # sharded by the caller: FSDP2's own schedule
             fsdp2_schedule = FSDPConfig(reduce_every_microbatch=False, reshard_between_microbatches=True)
             self._accumulation = GradientAccumulation(model, [], fsdp2_schedule)
@@ -238,17 +250,19 @@ class Trainer:
         state, engine = self.state, self.engine
         engine.run_event(Event.BATCH_START)
         self._correct_predictions: torch.Tensor | None = None  # summed over the microbatches by _train_microbatch
+        self._loss_term_shares: dict[str, torch.Tensor] = {}  # this batch's model.loss_terms(), as the loss's share
         if self._weight_grad_sums is not None:  # the optimizer (or a load, or BATCH_START) moved the weights
             self._weight_grad_sums.start_batch()
         if self._find_microbatch_size:
             self._choose_microbatch_size()
-        microbatches = split_batch(state.batch, state.device_train_microbatch_size)
+        microbatches = split_batch(self._batches.shard(state.batch), state.device_train_microbatch_size)
         weights = [state.model.loss_weight(mb) for mb in microbatches]
         # Sum of loss units over all microbatches on all ranks: each microbatch's mean loss is scaled
         # by its share, so gradients equal those of one big batch however it is split.
         local_weight = torch.as_tensor(sum(weights), dtype=torch.float32, device=state.device)
         total_weight = distributed.all_reduce_sum(local_weight.clone())
         share_of_global_loss = torch.zeros((), device=state.device)
+        self._loss_term_shares = {}
         for index, (microbatch, weight) in enumerate(zip(microbatches, weights)):
             if self._accumulation is not None:  # a sharded model: when to reduce gradients and reshard
                 self._accumulation.before_microbatch(last=index == len(microbatches) - 1)
@@ -281,7 +295,7 @@ class Trainer:
         correct = distributed.all_reduce_sum(correct) if correct is not None else None
         for name, value in state.model.llm_foundry_metrics(global_loss, correct, total_weight).items():
             metrics[f"metrics/train/{name}"] = value  # LLM Foundry's names (docs/LOGGING.md)
-        self.logger.log_metrics(metrics)
+        self.logger.log_metrics({**metrics, **self._global_loss_terms()})
         if self.log_interval.due(state, since=previous) or self._finished():
             self.logger.flush()
         self.checkpoints.after_batch(since=previous)
@@ -294,37 +308,50 @@ class Trainer:
         state.microbatch = microbatch
         if self._weight_grad_sums is not None:
             self._weight_grad_sums.prepare(compute_dtype(state.precision))
-        engine.run_event(Event.BEFORE_FORWARD)
-        with autocast(state.precision, state.device):
-            state.outputs = state.model(microbatch)
-        engine.run_event(Event.AFTER_FORWARD)
-        engine.run_event(Event.BEFORE_LOSS)
-        with autocast(state.precision, state.device):
-            state.loss = state.model.loss(state.outputs, microbatch)
-        engine.run_event(Event.AFTER_LOSS)
-        correct = state.model.correct_predictions(state.outputs, microbatch)
-        if correct is not None:
-            previous = self._correct_predictions
-            self._correct_predictions = correct if previous is None else previous + correct
-        loss = state.loss * scale
-        engine.run_event(Event.BEFORE_BACKWARD)
-        (self._grad_scaler.scale(loss) if self._grad_scaler else loss).backward()
-        engine.run_event(Event.AFTER_BACKWARD)
+        with self._batches.activated():  # backward too: activation checkpointing recomputes forwards there
+            engine.run_event(Event.BEFORE_FORWARD)
+            with autocast(state.precision, state.device):
+                state.outputs = state.model(microbatch)
+            engine.run_event(Event.AFTER_FORWARD)
+            engine.run_event(Event.BEFORE_LOSS)
+            with autocast(state.precision, state.device):
+                state.loss = state.model.loss(state.outputs, microbatch)
+            engine.run_event(Event.AFTER_LOSS)
+            correct = state.model.correct_predictions(state.outputs, microbatch)
+            if correct is not None:
+                previous = self._correct_predictions
+                self._correct_predictions = correct if previous is None else previous + correct
+            loss = state.loss * scale
+            for name, term in state.model.loss_terms().items():
+                self._loss_term_shares[name] = self._loss_term_shares.get(name, 0.0) + term.float() * scale
+            engine.run_event(Event.BEFORE_BACKWARD)
+            (self._grad_scaler.scale(loss) if self._grad_scaler else loss).backward()
+            engine.run_event(Event.AFTER_BACKWARD)
         state.outputs = None  # free activations' outputs (logits) before the next microbatch
         return loss.detach()
+
+    def _global_loss_terms(self) -> dict[str, torch.Tensor]:
+        """``loss/train/<name>`` for each part of the loss: the batch's mean over all ranks, as the total's."""
+        if not self._loss_term_shares:
+            return {}
+        names = sorted(self._loss_term_shares)
+        shares = torch.stack([self._loss_term_shares[name] for name in names])
+        means = distributed.all_reduce_sum(shares) / self.state.world_size
+        return {f"loss/train/{name}": mean for name, mean in zip(names, means)}
 
     def _choose_microbatch_size(self) -> None:
         """``device_train_microbatch_size: auto``: trial runs on this first batch pick the size for the run."""
         state = self.state
+        batch = self._batches.shard(state.batch)
 
         def trial(microbatch_size: int) -> None:
             try:
-                for microbatch in split_batch(state.batch, microbatch_size):
+                for microbatch in split_batch(batch, microbatch_size):
                     self._train_microbatch(microbatch, torch.ones((), device=state.device))
             finally:
                 state.outputs = state.loss = self._correct_predictions = None  # a failed trial's memory is freed
 
-        size = distributed.find_microbatch_size(state.model, batch_num_samples(state.batch), trial, state.device)
+        size = distributed.find_microbatch_size(state.model, batch_num_samples(batch), trial, state.device)
         state.device_train_microbatch_size = size
         self._find_microbatch_size = False
         self.logger.log_text(f"device_train_microbatch_size: auto chose {size} samples per microbatch.")
@@ -358,15 +385,16 @@ class Trainer:
                 state.batch = batch_to_device(count_once(batch), state.device)
                 engine.run_event(Event.EVAL_BATCH_START)
                 engine.run_event(Event.EVAL_BEFORE_FORWARD)
-                with autocast(state.precision, state.device):
-                    state.outputs = state.model(state.batch)
-                    loss = state.model.loss(state.outputs, state.batch)
+                pieces = self._batches.shard(state.batch)  # this rank's part of each sequence
+                with self._batches.activated(), autocast(state.precision, state.device):
+                    state.outputs = state.model(pieces)
+                    loss = state.model.loss(state.outputs, pieces)
                 engine.run_event(Event.EVAL_AFTER_FORWARD)
-                weight = state.model.loss_weight(state.batch)
+                weight = state.model.loss_weight(pieces)
                 # A batch of repeated samples only has no weight (and a NaN mean loss): it adds nothing.
                 loss_sum += torch.where(torch.as_tensor(weight) > 0, loss.double() * weight, 0.0)
                 weight_sum += weight
-                correct = state.model.correct_predictions(state.outputs, state.batch)
+                correct = state.model.correct_predictions(state.outputs, pieces)
                 if correct is not None:
                     correct_sum = correct if correct_sum is None else correct_sum + correct
                 engine.run_event(Event.EVAL_BATCH_END)

@@ -47,12 +47,7 @@ YAMLS = [
     Compat("pretrain/mpt-7b.yaml"),
     Compat("pretrain/mpt-small-cpu.yaml"),
     Compat("pretrain/opt-3b.yaml"),
-    Compat(
-        "pretrain/testing-moe.yaml",
-        why="`ffn_type: mb_dmoe` is MegaBlocks' mixture of experts, which foundry does not implement (it needs the "
-        "megablocks kernels and expert parallelism); Hugging Face MoE models (DBRX, Mixtral) train as `hf_causal_lm`",
-        refusal=r"ffn_type' is 'mb_dmoe', LLM Foundry's MegaBlocks mixture of experts",
-    ),
+    Compat("pretrain/testing-moe.yaml"),
     Compat("pretrain/testing.yaml"),
     Compat("finetune/1b_local_data_sft.yaml"),
     Compat("finetune/7b_dolly_sft.yaml"),

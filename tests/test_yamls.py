@@ -15,7 +15,10 @@ from foundry.models.build import build_model
 # Train configs: every YAML but yamls/eval/, which holds ICL task lists and gauntlets (tests/eval reads those).
 YAMLS = sorted(p for p in (Path(__file__).resolve().parents[1] / "yamls").rglob("*.yaml") if p.parent.name != "eval")
 # Parameter counts published for the architectures these widths reproduce (Hugging Face model cards).
-PUBLISHED_PARAMS = {"llama-1b.yaml": 1_235_814_400, "llama-8b.yaml": 8_030_261_248}  # Llama-3.2-1B, Llama-3-8B
+PUBLISHED_PARAMS = {  # Llama-3.2-1B, Llama-3-8B (and 3.1, the same widths), OLMoE-1B-7B
+    "llama-1b.yaml": 1_235_814_400, "llama-8b.yaml": 8_030_261_248, "llama-8b-64k.yaml": 8_030_261_248,
+    "moe-1b-7b.yaml": 6_919_161_856,
+}  # fmt: skip
 # Names that round more than 15%: LLM Foundry's MPT-1B has 1.3B parameters.
 NOMINAL_PARAMS = {"mpt-1b.yaml": 1.3e9}
 MODELS_MD = Path(__file__).resolve().parents[1] / "docs" / "MODELS.md"
@@ -40,7 +43,7 @@ def test_yaml_builds_the_model_its_section_describes(path: Path) -> None:
 
 @pytest.mark.parametrize("path", [p for p in YAMLS if p.parent.name == "pretrain"], ids=lambda p: p.name)
 def test_pretrain_size_matches_its_name(path: Path) -> None:
-    value, unit = re.search(r"(\d+)([mb])\.yaml$", path.name).groups()
+    value, unit = re.search(r"(\d+)([mb])(-\d+k)?\.yaml$", path.name).groups()[:2]  # llama-8b-64k: 8B
     named = int(value) * (1e6 if unit == "m" else 1e9)
     params = num_params(path)
     if path.name in PUBLISHED_PARAMS:

@@ -6,6 +6,7 @@ from foundry.callbacks.hf_checkpointer import HFCheckpointer
 from foundry.callbacks.lr_monitor import LRMonitor
 from foundry.callbacks.memory_monitor import MemoryMonitor
 from foundry.callbacks.memory_snapshot import MemorySnapshot
+from foundry.callbacks.moe_monitor import MoEMonitor
 from foundry.callbacks.optimizer_monitor import OptimizerMonitor
 from foundry.callbacks.plot_curves import PlotCurves
 from foundry.callbacks.profiler import Profiler
@@ -20,6 +21,7 @@ __all__ = [
     "LRMonitor",
     "MemoryMonitor",
     "MemorySnapshot",
+    "MoEMonitor",
     "OptimizerMonitor",
     "PlotCurves",
     "Profiler",

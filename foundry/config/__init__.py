@@ -22,7 +22,7 @@ from foundry.checkpoint.config import CheckpointConfig
 from foundry.core.bounds import check_bounds
 from foundry.core.time import Time, positive_time
 from foundry.data.config import LoaderConfig, TokenizerConfig
-from foundry.distributed.config import FSDPConfig
+from foundry.distributed.config import FSDPConfig, ParallelismConfig
 from foundry.errors import ConfigError, did_you_mean
 from foundry.eval.config import EvalConfig
 from foundry.loggers.config import ConsoleConfig
@@ -60,6 +60,12 @@ class TrainConfig(ConsoleConfig, EvalConfig, CheckpointConfig, RunConfig):  # fi
     global_train_batch_size: int = field(metadata=doc("samples per optimizer step, summed over all devices"))
     fsdp_config: FSDPConfig | None = field(
         default=None, metadata=doc("FSDP2 over several ranks (one rank: only its checkpointing and precision)")
+    )
+    parallelism: ParallelismConfig = field(
+        default_factory=ParallelismConfig,
+        metadata=doc(
+            "degrees of the device mesh beyond data parallelism: context_parallel_degree, expert_parallel_degree"
+        ),
     )
     dist_timeout: float = field(default=600.0, metadata=doc("seconds before a stuck collective fails"))
     python_log_level: Literal["debug", "info", "warning", "error", "critical"] | None = field(

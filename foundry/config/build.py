@@ -67,6 +67,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
         loggers,
         tokenizer=tokenizer,
         fsdp_config=cfg.fsdp_config,
+        parallelism=cfg.parallelism,
         config=dict(resolved) if resolved is not None else config_to_dict(cfg),
         checkpointer=checkpointer,
         **trainer_settings(cfg, without=CheckpointConfig),

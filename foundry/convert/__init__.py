@@ -32,6 +32,12 @@ class HFFamily:
 # Export tries the rows in this order and takes the first whose class computes the model exactly;
 # foundry's own modeling code (last) computes every MPT.
 HF_FAMILIES = (
+    # Mixtures of experts first: the dense classes cannot compute experts (foundry/convert/llama_moe.py, dbrx.py);
+    # foundry.models.hf.NATIVE_MOE lists the same model_types for the loaders.
+    HFFamily("foundry.convert.mixtral", "MixtralForCausalLM", "mixtral", ("llama_causal_lm", "mpt_causal_lm")),
+    HFFamily("foundry.convert.olmoe", "OlmoeForCausalLM", "olmoe", ("llama_causal_lm", "mpt_causal_lm")),
+    HFFamily("foundry.convert.qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", ("llama_causal_lm", "mpt_causal_lm")),
+    HFFamily("foundry.convert.dbrx", "DbrxForCausalLM", "dbrx", ("mpt_causal_lm",)),
     HFFamily("foundry.convert.llama", "LlamaForCausalLM", "llama", ("llama_causal_lm", "mpt_causal_lm")),
     HFFamily("foundry.convert.mpt", "MptForCausalLM", "mpt", ("mpt_causal_lm",)),
     HFFamily("foundry.convert.gpt2", "GPT2LMHeadModel", "gpt2", ("mpt_causal_lm",)),

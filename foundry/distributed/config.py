@@ -1,11 +1,16 @@
-"""``fsdp_config``: LLM Foundry's FSDP keys, validated here and applied by ``foundry.distributed.fsdp``."""
+"""The distributed sections: ``fsdp_config`` (LLM Foundry's FSDP keys) and ``parallelism`` (the mesh's degrees).
+
+Validated here; ``foundry.distributed.mesh`` lays the ranks out and ``foundry.distributed.fsdp`` applies them.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import field
 from typing import Literal
 
+from foundry.errors import ConfigError
 from foundry.schema import doc, field_defaults
 
 
@@ -56,8 +61,71 @@ class FSDPConfig:
             "last backward (one all-gather per block a batch); null (auto): kept when the model is small for the device"
         ),
     )
+    expert_parallel_degree: int | None = field(
+        default=None, metadata=doc("deprecated spelling of parallelism.expert_parallel_degree (warns; same meaning)")
+    )
     verbose: bool = field(default=False, metadata=doc("log how modules are wrapped"))
     cpu_offload: bool = field(default=False, metadata=doc("keep shards and the optimizer step on the CPU (CUDA only)"))
 
 
 FSDP_DEFAULTS = field_defaults(FSDPConfig)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParallelismConfig:
+    """``parallelism``: how many ranks share each dimension of the work beyond data parallelism (torchtitan's keys).
+
+    The ranks left over after every degree here are the data-parallel ones; FSDP2 shards parameters over
+    data × context ranks (torchtitan's ``dp_shard_cp``), so context parallelism costs no extra weight memory.
+    """
+
+    context_parallel_degree: int = field(
+        default=1,
+        metadata=doc(
+            "ranks that split each sequence along its length, causally load-balanced (long context; "
+            "docs/DISTRIBUTED.md); must divide the number of ranks. 1: every rank holds whole sequences"
+        ),
+    )
+    expert_parallel_degree: int = field(
+        default=1,
+        metadata=doc(
+            "ranks over which each MoE layer's experts are split, tokens moving between them by all-to-all "
+            "(foundry.distributed.expert_parallel, the mesh's 'ep' axis); 1: every rank holds all experts (FSDP "
+            "shards them); else the number of ranks, with context_parallel_degree 1"
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if self.context_parallel_degree < 1:
+            raise ConfigError(
+                f"'parallelism.context_parallel_degree' is {self.context_parallel_degree}; it must be 1 (off) or a "
+                "number of ranks that divides the world size, e.g. 2."
+            )
+        if self.expert_parallel_degree < 1:
+            raise ConfigError(
+                f"'parallelism.expert_parallel_degree' is {self.expert_parallel_degree}; it must be 1 (off) or the "
+                "number of ranks, e.g. 2."
+            )
+
+
+def with_fsdp_aliases(parallelism: ParallelismConfig, fsdp_config: FSDPConfig) -> ParallelismConfig:
+    """``parallelism`` with the degree ``fsdp_config.expert_parallel_degree`` (its deprecated spelling) sets.
+
+    Called once per model placement, so a run warns once.
+    """
+    alias = fsdp_config.expert_parallel_degree
+    if alias is None:
+        return parallelism
+    warnings.warn(
+        f"fsdp_config.expert_parallel_degree is deprecated: write 'parallelism: {{expert_parallel_degree: {alias}}}' "
+        "instead (same meaning; one mesh holds every parallel degree).",
+        FutureWarning,
+        stacklevel=3,
+    )
+    if parallelism.expert_parallel_degree not in (1, alias):
+        raise ConfigError(
+            f"fsdp_config.expert_parallel_degree is {alias} but parallelism.expert_parallel_degree is "
+            f"{parallelism.expert_parallel_degree}; they name the same degree. Keep only "
+            "parallelism.expert_parallel_degree."
+        )
+    return dataclasses.replace(parallelism, expert_parallel_degree=alias)

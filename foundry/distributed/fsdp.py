@@ -1,16 +1,19 @@
 """FSDP2 and activation checkpointing, applied in one place (torchtitan's ``parallelize`` step).
 
-``parallelize(model, fsdp_config, device, precision)`` changes ``model`` in place. On one rank
+``parallelize(model, fsdp_config, device, precision, parallelism)`` changes ``model`` in place. On one rank
 (without ``cpu_offload``) sharding buys nothing and costs copies in and out of FSDP's buffers (two
 points of MFU for compiled MPT-125M on an H100), so FSDP is skipped there: the model gets its
 activation checkpointing and the activation precision ``mixed_precision`` gives (a bf16 residual
 stream for PURE and DEFAULT, as FSDP's bf16 parameters would), and the same initial weights.
 With several ranks:
 
-1. activation checkpointing (and activation CPU offload) around the chosen blocks;
-2. ``fully_shard`` on each block, then on the root (embeddings, final norm, output head), over a
-   DeviceMesh that ``sharding_strategy`` shapes;
-3. weights: when some rank built the model on the meta device (or ``sync_module_states`` is set),
+1. the job's DeviceMesh (``foundry.distributed.mesh``): ``sharding_strategy`` lays out the data-parallel
+   ranks, ``parallelism.context_parallel_degree`` the ranks that split sequences; with context
+   parallelism the attention layers gather keys and values over ``cp`` (``context_parallel.py``);
+2. activation checkpointing (and activation CPU offload) around the chosen blocks;
+3. ``fully_shard`` on each block, then on the root (embeddings, final norm, output head), over the
+   mesh's ``dp_shard_cp`` axis (with ``dp_replicate`` outside it for HYBRID_SHARD and NO_SHARD);
+4. weights: when some rank built the model on the meta device (or ``sync_module_states`` is set),
    rank 0 materialises and initialises the full model in host memory, and its weights reach the
    other ranks one parameter at a time, each rank keeping its shard; device memory never holds more
    than a shard plus one parameter. Otherwise every rank already holds the same seeded weights.
@@ -22,6 +25,7 @@ tabulates how each ``fsdp_config`` key maps to FSDP2.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Mapping
@@ -31,13 +35,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from foundry.core.precision import cast_embeddings_to_autocast_dtype, compute_dtype
 from foundry.distributed.activation_checkpoint import apply_activation_checkpointing, apply_activation_offload
-from foundry.distributed.config import FSDPConfig
-from foundry.distributed.env import all_reduce_sum, get_local_world_size, get_rank, get_world_size
+from foundry.distributed.config import FSDPConfig, ParallelismConfig, with_fsdp_aliases
+from foundry.distributed.context_parallel import ContextParallel, WholeSequences, apply_context_parallel
+from foundry.distributed.env import all_reduce_sum, get_rank, get_world_size
+from foundry.distributed.expert_parallel import shard_experts
+from foundry.distributed.mesh import parallel_dims
 from foundry.distributed.process_group import init_process_group
 from foundry.errors import ConfigError
 from foundry.schema import parse_dataclass
@@ -54,9 +60,21 @@ STRATEGIES: dict[str, tuple[str, bool]] = {
 }
 
 
+@dataclasses.dataclass
+class Placement:
+    """What the loop needs from a placed model: when to reduce gradients, and how to split each batch."""
+
+    accumulation: GradientAccumulation | None = None  # None: unsharded
+    batches: ContextParallel | WholeSequences = dataclasses.field(default_factory=WholeSequences)
+
+
 def parallelize(
-    model: nn.Module, config: FSDPConfig, device: torch.device, precision: str
-) -> GradientAccumulation | None:
+    model: nn.Module,
+    config: FSDPConfig,
+    device: torch.device,
+    precision: str,
+    parallelism: ParallelismConfig | None = None,
+) -> Placement:
     """Shard ``model`` over every rank as ``config`` (an ``FSDPConfig``) says; the process group must exist.
 
     Args:
@@ -64,22 +82,28 @@ def parallelize(
         config: ``fsdp_config``; ``model.config.activation_checkpointing_target`` picks what to checkpoint.
         device: this rank's device; the shards live there (on the CPU with ``cpu_offload``).
         precision: the run's precision; ``mixed_precision`` applies only to the amp precisions.
+        parallelism: the mesh's degrees beyond data parallelism (``context_parallel_degree``,
+            ``expert_parallel_degree``).
 
     Returns:
-        How the sharded model moves gradients and parameters between microbatches (None: unsharded).
+        How the model moves gradients and parameters between microbatches, and how batches are split.
     """
-    if not shards(config, device):
-        _place_unsharded(model, config, device, precision)
-        return None
     layout, reshard_after_forward = STRATEGIES[config.sharding_strategy]
-    mesh = build_mesh(layout, device.type)
+    dims = parallel_dims(layout, with_fsdp_aliases(parallelism or ParallelismConfig(), config))
+    if not shards(config, device):  # one rank: parallel_dims refused any degree above 1
+        _place_unsharded(model, config, device, precision)
+        return Placement()
+    mesh = dims.build_mesh(device.type)
+    batches = apply_context_parallel(model, mesh["cp"]) if dims.cp > 1 else WholeSequences()
     rank0_weights = _rank0_weights(model, config.sync_module_states, device)
+    expert_params = shard_experts(model, mesh.ep)  # FSDP leaves them be
     blocks = _wrap_blocks(model, config, device)
     offload = config.cpu_offload and device.type == "cuda"
     shard_settings = {
-        "mesh": mesh,
+        "mesh": mesh.fsdp,
         "mp_policy": mixed_precision_policy(config.mixed_precision, precision),
         "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
+        "ignored_params": expert_params or None,
     }
     for index, block in enumerate(blocks):
         # The last block would be gathered again at once for backward: keeping it whole saves an all-gather.
@@ -94,7 +118,7 @@ def parallelize(
     _materialise(model, torch.device("cpu") if offload else device, device, rank0_weights)
     if config.verbose and get_rank() == 0:
         log.info("FSDP2 (%s) on mesh %s: %d blocks, then the root.", config.sharding_strategy, mesh, len(blocks))
-    return GradientAccumulation(model, blocks, config, device)  # type: ignore[arg-type]
+    return Placement(GradientAccumulation(model, blocks, config, device), batches)  # type: ignore[arg-type]
 
 
 # auto: what a batch's microbatches may hold beyond FSDP's shards, as a share of the device's memory
@@ -181,30 +205,6 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     """
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
-
-
-def build_mesh(layout: str, device_type: str) -> DeviceMesh:
-    """1-D ("shard",) mesh, or 2-D ("replicate", "shard") when some ranks hold copies of the same shards.
-
-    ``hybrid`` shards within a node and replicates across nodes (one node: plain sharding);
-    ``replicate`` gives every rank the whole model (DDP's layout: shards of one rank each).
-    """
-    world_size = get_world_size()
-    if layout == "replicate":
-        shard_size = 1
-    elif layout == "hybrid":
-        shard_size = get_local_world_size()
-        if world_size % shard_size:
-            raise ConfigError(
-                f"fsdp_config.sharding_strategy HYBRID_SHARD shards within a node, but the {world_size} ranks do "
-                f"not split into nodes of LOCAL_WORLD_SIZE={shard_size}. Launch the same number of ranks per node."
-            )
-    else:
-        shard_size = world_size
-    replicas = world_size // shard_size
-    if replicas == 1:
-        return init_device_mesh(device_type, (shard_size,), mesh_dim_names=("shard",))
-    return init_device_mesh(device_type, (replicas, shard_size), mesh_dim_names=("replicate", "shard"))
 
 
 def mixed_precision_policy(mode: str, precision: str) -> MixedPrecisionPolicy:
@@ -306,12 +306,24 @@ def prepare_sharding(config: FSDPConfig | Mapping[str, Any] | None, optimizers: 
 
 
 def place_model(
-    model: nn.Module, device: torch.device, fsdp_config: FSDPConfig | None, precision: str
-) -> GradientAccumulation | None:
-    """Shard ``model`` onto ``device`` with FSDP2 (returns its ``GradientAccumulation``), or move it there."""
+    model: nn.Module,
+    device: torch.device,
+    fsdp_config: FSDPConfig | None,
+    precision: str,
+    parallelism: ParallelismConfig | None = None,
+) -> Placement:
+    """Shard ``model`` onto ``device`` with FSDP2 over the mesh ``parallelism`` shapes, or move it there."""
     if fsdp_config is not None:
-        return parallelize(model, fsdp_config, device, precision)
+        return parallelize(model, fsdp_config, device, precision, parallelism)
+    parallelism = parallelism or ParallelismConfig()
+    parallel_dims("shard", parallelism)  # a degree above 1 needs as many ranks
+    if parallelism.expert_parallel_degree > 1:
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree is {parallelism.expert_parallel_degree} but the run has no "
+            "fsdp_config: expert parallelism places the experts beside FSDP2's shards. Add 'fsdp_config: "
+            "{sharding_strategy: FULL_SHARD}' or set the degree to 1."
+        )
     if any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()]):
         init_on_cpu(model)  # the weights a sharded run of the same seed starts from
     model.to(device)
-    return None
+    return Placement()

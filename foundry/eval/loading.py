@@ -2,7 +2,9 @@
 
 A foundry checkpoint's ``meta.json`` holds the resolved train config, which rebuilds the model and
 its tokenizer; a Hugging Face directory (``config.json``) loads through ``hf_causal_lm``, except LLM
-Foundry's MPT exports, which load as foundry's ``mpt_causal_lm`` (``foundry.convert.llmfoundry_mpt``).
+Foundry's MPT exports, which load as foundry's ``mpt_causal_lm`` (``foundry.convert.llmfoundry_mpt``), and
+the mixtures of experts foundry converts (Mixtral, OLMoE, Qwen3-MoE, DBRX: ``foundry.models.hf.NATIVE_MOE``),
+which load as foundry's own MoE.
 A folder that ships other modeling code of its own loads only with ``trust_remote_code``.
 """
 
@@ -25,7 +27,7 @@ from foundry.data import load_tokenizer
 from foundry.data.config import TokenizerConfig
 from foundry.errors import ConfigError
 from foundry.models.build import build_model
-from foundry.models.hf import HFCausalLM, hf_context_length
+from foundry.models.hf import NATIVE_MOE, HFCausalLM, hf_context_length
 from foundry.schema import parse_dataclass
 
 
@@ -143,6 +145,9 @@ def _load_hf_directory(path: Path, name: str, attn_implementation: str | None, t
         return LoadedModel(
             name, model.eval(), load_export_tokenizer(path) if has_tokenizer else None, _max_seq_len(model)
         )
+    if raw_config.get("model_type") in NATIVE_MOE and not raw_config.get("auto_map"):
+        model, _ = from_hf_model(path)  # foundry's MoE: grouped experts, not transformers' loop over them
+        return LoadedModel(name, model.eval(), _tokenizer({"name": str(path)}), _max_seq_len(model))
     model = HFCausalLM(
         pretrained_model_name_or_path=str(path),
         attn_implementation=attn_implementation,

@@ -15,9 +15,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from foundry import registry
-from foundry.batches import IGNORE_INDEX, batch_num_samples
+from foundry.batches import batch_num_samples
 from foundry.checkpoint.hooks import CheckpointHooks
 from foundry.schema import config_to_dict
+from foundry.targets import IGNORE_INDEX, shifted_targets
 
 
 class FoundryModel(nn.Module):
@@ -34,6 +35,13 @@ class FoundryModel(nn.Module):
     def loss(self, outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
         """Mean loss over this batch's loss units (tokens for a language model)."""
         raise NotImplementedError
+
+    def loss_terms(self) -> dict[str, torch.Tensor]:
+        """The named parts of the last ``loss`` when it sums several (an MoE's auxiliary losses), else {}.
+
+        The Trainer logs each as ``loss/train/<name>``, weighted over microbatches and ranks as the loss is.
+        """
+        return {}
 
     def loss_weight(self, batch: Mapping[str, Any]) -> torch.Tensor | int:
         """How many units ``loss`` averaged over; a tensor on device is fine (no host sync)."""
@@ -141,19 +149,6 @@ class CausalLM(FoundryModel):
         if correct is not None:
             metrics["TokenAccuracy"] = correct / weight.clamp(min=1)
         return metrics
-
-
-def shifted_targets(batch: Mapping[str, Any]) -> torch.Tensor:
-    """Position t's target is token t+1; the last position (and any -100 label) is ignored."""
-    labels = batch.get("labels")
-    if labels is None:
-        labels = batch["input_ids"]
-        attention_mask = batch.get("attention_mask")
-        if attention_mask is not None:
-            labels = labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
-    targets = torch.roll(labels, shifts=-1, dims=1)
-    targets[:, -1] = IGNORE_INDEX
-    return targets
 
 
 class ModuleModel(FoundryModel):

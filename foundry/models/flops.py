@@ -14,7 +14,8 @@ For a batch of ``batch_size`` sequences of ``seq_len`` tokens (``ComposerMPTCaus
 ``n_active_params`` is LLM Foundry's ``mpt_get_active_params``: every parameter once (tied
 embeddings are one parameter), minus the token embedding when it is *not* tied, because a lookup
 table costs no FLOPs; a tied embedding stays counted since it is also the output projection. The
-learned position embedding (``wpe``) stays counted, as in LLM Foundry.
+learned position embedding (``wpe``) stays counted, as in LLM Foundry. A mixture-of-experts model
+subtracts the experts a token does not use (``MoE.inactive_params``): MFU is that of active parameters.
 """
 
 from __future__ import annotations

@@ -101,6 +101,7 @@ class HFCausalLM(CausalLM):
             raise ConfigError("Pass HFCausalLM either an HFCausalLMConfig or its keys as keyword arguments, not both.")
         self.config = parse_dataclass(HFCausalLMConfig, config if config is not None else config_keys, _KEY)
         hf_config = load_hf_config(self.config)
+        warn_if_native_moe(hf_config, self.config.pretrained_model_name_or_path)
         self.hf_model = _build_hf_model(self.config, hf_config)
         # False once the weights are gone (init_device: meta, to_empty): then load_pretrained_weights() reads them.
         self.holds_pretrained_weights = self.config.pretrained and init_device(self.config.init_device).type != "meta"
@@ -203,7 +204,7 @@ def refill_computed_buffers(hf_model: nn.Module, device: torch.device | str | No
             continue
         try:
             with torch.device(device or "cpu"):
-                fresh = type(module)(config=hf_model.config)
+                fresh = _fresh_module(module, hf_model.config)
         except TypeError as error:
             raise ConfigError(
                 f"{type(module).__name__} holds buffers no checkpoint saves ({', '.join(sorted(names))}) and foundry "
@@ -215,6 +216,37 @@ def refill_computed_buffers(hf_model: nn.Module, device: torch.device | str | No
         for key, value in vars(fresh).items():  # tensors kept beside them (e.g. RoPE's original_inv_freq)
             if isinstance(value, torch.Tensor) and not key.startswith("_"):
                 setattr(module, key, value)
+
+
+# The model_types of the Hugging Face mixtures of experts that foundry converts to its own MoE, each by the
+# adapter foundry.convert.<model_type>, -> the foundry model they become
+NATIVE_MOE = {
+    "mixtral": "llama_causal_lm",
+    "olmoe": "llama_causal_lm",
+    "qwen3_moe": "llama_causal_lm",
+    "dbrx": "mpt_causal_lm",
+}
+
+
+def warn_if_native_moe(hf_config: Any, path: str) -> None:
+    """transformers runs an MoE's experts one after another; foundry's MoE runs them in grouped GEMMs."""
+    native = NATIVE_MOE.get(getattr(hf_config, "model_type", ""))
+    if native is not None:
+        warnings.warn(
+            f"{path} is a {hf_config.model_type} mixture of experts, whose experts transformers computes one after "
+            f"another. foundry's own MoE computes them in grouped GEMMs and is faster: convert it with `foundry "
+            f"convert from-hf {path} OUT_CKPT` and train model.name: {native} with load_path: OUT_CKPT "
+            "(docs/MODELS.md, Mixture of experts).",
+            stacklevel=3,
+        )
+
+
+def _fresh_module(module: nn.Module, config: Any) -> nn.Module:
+    """``module`` built anew: from the config, or (a RoPE that predates config arguments, as DBRX's in
+    transformers 4) from its own ``dim``, ``max_position_embeddings`` and ``base``."""
+    if all(hasattr(module, key) for key in ("dim", "max_position_embeddings", "base")):
+        return type(module)(module.dim, module.max_position_embeddings, module.base)
+    return type(module)(config=config)
 
 
 def load_hf_config(config: HFCausalLMConfig) -> Any:

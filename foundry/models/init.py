@@ -130,6 +130,8 @@ def init_weights_(model: nn.Module, config: InitConfig, n_layers: int, d_model: 
             nn.init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
+        elif hasattr(module, "init_weights_with"):  # stacked expert weights (foundry/models/experts.py)
+            module.init_weights_with(weight_init, divisor)
         elif any(True for _ in module.parameters(recurse=False)):
             raise TypeError(f"init_weights_ cannot initialise {type(module).__name__}; teach foundry/models/init.py.")
 

@@ -100,13 +100,58 @@ class ActFnConfig:
             )
 
 
+MOE_FFN_TYPES = ("mb_moe", "mb_dmoe")
+
+
 @dataclasses.dataclass
 class FFNConfig:
-    """``model.ffn_config``: LLM Foundry's dense feed-forward types."""
+    """``model.ffn_config``: LLM Foundry's feed-forward types, dense and mixture of experts.
 
-    ffn_type: Literal["mptmlp", "mptglu"] = "mptmlp"
-    ffn_act_fn: ActFnConfig = dataclasses.field(default_factory=ActFnConfig)
+    ``mb_moe`` and ``mb_dmoe`` (MegaBlocks' names) both build foundry's dropless MoE
+    (``foundry.models.moe``), each expert ``ffn_hidden_size`` (or d_model * expansion_ratio) wide. The
+    ``moe_*`` keys and defaults are MegaBlocks' ``Arguments``; keys that choose MegaBlocks kernels
+    (``mlp_impl``, ``memory_optimized_mlp``) are accepted and have no effect, as foundry has one kernel path.
+    """
+
+    ffn_type: Literal["mptmlp", "mptglu", "mb_moe", "mb_dmoe"] = "mptmlp"
+    ffn_act_fn: ActFnConfig | None = None  # None: exact gelu, and MegaBlocks' tanh gelu for the MoE types
     ffn_hidden_size: int | None = None  # overrides d_model * expansion_ratio
+    moe_num_experts: int = 1
+    moe_top_k: int = 1
+    moe_loss_weight: float = 0.1  # the load-balancing loss's weight (foundry.models.moe)
+    moe_zloss_weight: float = 0.0  # the router z-loss's weight
+    moe_normalize_expert_weights: float | None = None  # p: top-k weights divided by their p-norm
+    moe_jitter_eps: float | None = None
+    moe_lbl_in_fp32: bool = False  # the loss terms are always computed in fp32 here
+    moe_zloss_in_fp32: bool = False
+    moe_capacity_factor: float = 1  # mb_moe's token dropping; foundry computes every token (dropless)
+    moe_world_size: int = 1  # expert parallelism is set in the distributed section, not here
+    mlp_type: Literal["mlp", "glu"] = "mlp"
+    mlp_impl: Literal["sparse", "grouped"] = "sparse"
+    memory_optimized_mlp: bool = False
+    uniform_expert_assignment: bool = False
+    shared_expert: bool = False
+    shared_expert_hidden_size: int | None = None  # None: ffn_hidden_size
+    moe_weight_parallelism: bool = False
+    return_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ffn_act_fn is None:
+            self.ffn_act_fn = ActFnConfig(approximate="tanh") if self.is_moe else ActFnConfig()
+        if self.moe_world_size != 1:
+            raise ConfigError(
+                f"'model.ffn_config.moe_world_size' is {self.moe_world_size}; foundry sets expert parallelism in "
+                "the distributed section (docs/MODELS.md, Mixture of experts). Remove the key or set it to 1."
+            )
+        if self.moe_weight_parallelism or self.return_bias:
+            raise ConfigError(
+                "'model.ffn_config.moe_weight_parallelism' and 'return_bias' are MegaBlocks options foundry does not "
+                "have; remove them (the MoE output bias is added inside the layer)."
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        return self.ffn_type in MOE_FFN_TYPES
 
 
 def ffn_hidden_size(d_model: int, expansion_ratio: float, config: FFNConfig) -> int:

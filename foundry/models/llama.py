@@ -1,11 +1,13 @@
-"""Llama 2/3-style decoders: ``model.name: llama_causal_lm``.
+"""Llama 2/3-style decoders and their mixtures of experts: ``model.name: llama_causal_lm``.
 
 A Llama is a configuration of the same decoder as MPT, not a second implementation: RMSNorm
 pre-norm blocks without biases, rotary embeddings (HF's half-split layout, optional Llama 3.1
 long-context scaling), SwiGLU feed-forward with Llama's hidden-size rule, grouped-query attention
-and an untied output head. ``LlamaConfig`` speaks Llama's vocabulary and becomes an ``MPTConfig``,
-so every kernel, algorithm and sharding rule written for MPT serves Llama too, and
-``foundry convert to-hf`` writes a ``LlamaForCausalLM``.
+and an untied output head; with ``moe_num_experts``, each SwiGLU is a mixture of SwiGLU experts
+(Mixtral, OLMoE with ``qk_norm: all_heads``, Qwen3-MoE with ``qk_norm: per_head``).
+``LlamaConfig`` speaks Llama's vocabulary and becomes an ``MPTConfig``, so every kernel, algorithm
+and sharding rule written for MPT serves Llama too, and ``foundry convert to-hf`` writes a
+``LlamaForCausalLM`` (``MixtralForCausalLM``, ``OlmoeForCausalLM``, ``Qwen3MoeForCausalLM`` with experts).
 """
 
 from __future__ import annotations
@@ -79,6 +81,16 @@ class LlamaConfig:
     attn_config: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     init_std: float = 0.02  # every linear and embedding weight ~ N(0, init_std), as Hugging Face's Llama
+    # q and k normalised (RMSNorm) before RoPE: over all heads together (OLMoE) or per head (Qwen3)
+    qk_norm: Literal["none", "all_heads", "per_head"] = "none"
+    # Mixture of experts (Mixtral, OLMoE, Qwen3-MoE): each block's SwiGLU becomes moe_num_experts
+    # SwiGLU experts ffn_hidden_size wide, moe_top_k per token (foundry/models/moe.py); None: dense.
+    moe_num_experts: int | None = None
+    moe_top_k: int = 2
+    moe_normalize_expert_weights: float | None = 1.0  # top-k weights renormalised to sum 1 (null: OLMoE's raw)
+    moe_shared_expert_hidden_size: int | None = None  # a SwiGLU every token also goes through
+    moe_loss_weight: float = 0.01  # load-balancing loss weight (LLM Foundry's / MegaBlocks' formula)
+    moe_zloss_weight: float = 0.0  # router z-loss weight
     init_device: str = "cpu"
     loss_fn: LossFn = "auto"  # as MPT's
     use_cache: bool = True  # as MPT's: greedy generation decodes with a KV cache
@@ -125,7 +137,7 @@ class LlamaConfig:
 
     @property
     def hidden_size(self) -> int:
-        """The SwiGLU width (HF's ``intermediate_size``): ``ffn_hidden_size``, else Meta's rule.
+        """The SwiGLU width (HF's ``intermediate_size``; each expert's with MoE): ``ffn_hidden_size``, else Meta's rule.
 
         Meta's rule: 2/3 of 4 * d_model, times ``ffn_dim_multiplier``, rounded up to ``multiple_of``.
         """
@@ -146,9 +158,7 @@ class LlamaConfig:
             vocab_size=self.vocab_size,
             learned_pos_emb=False,
             attn_config=self._attn_config(),
-            ffn_config=FFNConfig(
-                ffn_type="mptglu", ffn_act_fn=ActFnConfig(name="silu"), ffn_hidden_size=self.hidden_size
-            ),
+            ffn_config=self._ffn_config(),
             init_config=InitConfig(
                 name="baseline_", init_std=self.init_std, emb_init_std=self.init_std, init_div_is_residual=False
             ),
@@ -161,6 +171,24 @@ class LlamaConfig:
             loss_fn=self.loss_fn,
             use_cache=self.use_cache,
             activation_checkpointing_target=self.activation_checkpointing_target,
+        )
+
+    def _ffn_config(self) -> FFNConfig:
+        silu = ActFnConfig(name="silu")
+        if self.moe_num_experts is None:
+            return FFNConfig(ffn_type="mptglu", ffn_act_fn=silu, ffn_hidden_size=self.hidden_size)
+        return FFNConfig(
+            ffn_type="mb_dmoe",
+            mlp_type="glu",
+            ffn_act_fn=silu,
+            ffn_hidden_size=self.hidden_size,
+            moe_num_experts=self.moe_num_experts,
+            moe_top_k=self.moe_top_k,
+            moe_normalize_expert_weights=self.moe_normalize_expert_weights,
+            shared_expert=self.moe_shared_expert_hidden_size is not None,
+            shared_expert_hidden_size=self.moe_shared_expert_hidden_size,
+            moe_loss_weight=self.moe_loss_weight,
+            moe_zloss_weight=self.moe_zloss_weight,
         )
 
     def _attn_config(self) -> AttnConfig:
@@ -176,6 +204,8 @@ class LlamaConfig:
             rope_impl="hf",
             rope_theta=self.rope_theta,
             rope_hf_config=RopeHFConfig() if self.rope_scaling is None else self.rope_scaling.to_rope_hf_config(),
+            qk_ln=self.qk_norm == "all_heads",
+            qk_gn=self.qk_norm == "per_head",
         )
 
 

@@ -33,6 +33,7 @@ from foundry.models.kv_cache import KVCache, LayerKVCache
 from foundry.models.layers import FFNConfig, NormType, build_ffn, build_norm, ffn_hidden_size
 from foundry.models.lora import LoraConfig, inject_lora, reset_lora_parameters
 from foundry.models.lora_checkpoint import lora_checkpoint_hooks
+from foundry.models.moe import MoE, moe_config_from_ffn, moe_layers, moe_loss_terms
 from foundry.schema import parse_dataclass
 
 _KEY = "model"
@@ -156,17 +157,6 @@ def with_attn_impl(config: AttnConfig, attn_impl: str, nested_key: str) -> AttnC
     return dataclasses.replace(config, attn_impl=attn_impl)
 
 
-def refuse_megablocks(ffn_config: Any) -> None:
-    """LLM Foundry's mixture-of-experts feed-forwards run on MegaBlocks' kernels, which foundry does not carry."""
-    ffn_type = ffn_config.get("ffn_type") if isinstance(ffn_config, Mapping) else None
-    if ffn_type in ("mb_moe", "mb_dmoe"):
-        raise ConfigError(
-            f"'{_KEY}.ffn_config.ffn_type' is '{ffn_type}', LLM Foundry's MegaBlocks mixture of experts, which foundry "
-            "does not implement (it would need the megablocks package and expert parallelism; docs/LLM_FOUNDRY.md). "
-            "Use 'mptmlp' or 'mptglu', or train a Hugging Face MoE (DBRX, Mixtral) with model.name: hf_causal_lm."
-        )
-
-
 def init_device(name: str) -> torch.device:
     """The device parameters are created on; 'mixed' is cpu on each node's rank 0 and meta elsewhere."""
     if name == "mixed":
@@ -175,6 +165,14 @@ def init_device(name: str) -> torch.device:
         return torch.device(name)
     except RuntimeError:
         raise ConfigError(f"'{_KEY}.init_device' is {name!r}; use 'cpu', 'meta', 'mixed' or a torch device.") from None
+
+
+def build_block_ffn(config: MPTConfig, bias: bool) -> nn.Module:
+    """A block's feed-forward: dense (``mptmlp``, ``mptglu``) or a mixture of experts (``mb_moe``, ``mb_dmoe``)."""
+    if config.ffn_config.is_moe:
+        hidden = ffn_hidden_size(config.d_model, config.expansion_ratio, config.ffn_config)
+        return MoE(config.d_model, moe_config_from_ffn(config.ffn_config, hidden, bias))
+    return build_ffn(config.ffn_config, config.d_model, config.expansion_ratio, bias)
 
 
 class MPTBlock(nn.Module):
@@ -186,7 +184,7 @@ class MPTBlock(nn.Module):
             config.d_model, config.n_heads, config.attn_config, config.norm_type, config.norm_eps, bias
         )
         self.norm_2 = build_norm(config.norm_type, config.d_model, config.norm_eps, bias)
-        self.ffn = build_ffn(config.ffn_config, config.d_model, config.expansion_ratio, bias)
+        self.ffn = build_block_ffn(config, bias)
         self.resid_attn_dropout = nn.Dropout(config.resid_pdrop)
         self.resid_ffn_dropout = nn.Dropout(config.resid_pdrop)
 
@@ -335,14 +333,12 @@ class MPTCausalLM(CausalLM):
         super().__init__()
         if config is not None and config_keys:
             raise ConfigError("Pass MPTCausalLM either an MPTConfig or its keys as keyword arguments, not both.")
-        section = config if config is not None else config_keys
-        if isinstance(section, Mapping):
-            refuse_megablocks(section.get("ffn_config"))
-        self.config = parse_dataclass(MPTConfig, section, _KEY)
+        self.config = parse_dataclass(MPTConfig, config if config is not None else config_keys, _KEY)
         self.logit_scale = self.config.resolved_logit_scale
         # Training forwards return the loss of the chunked output projection + cross-entropy (no logits):
         # always (True), never (False), or (None, loss_fn: auto) where its Triton kernel runs on a GPU.
         self.fused_cross_entropy: bool | None = FUSES_LOSS[self.config.loss_fn]
+        self._loss_terms: dict[str, torch.Tensor] = {}
         with torch.device("meta"):
             self.transformer = MPTTransformer(self.config)
             tied = self.config.tie_word_embeddings
@@ -384,6 +380,21 @@ class MPTCausalLM(CausalLM):
         logits = F.linear(hidden, self.output_weight)  # (batch, seq, vocab)
         return logits if self.logit_scale is None else logits * self.logit_scale
 
+    def loss(self, outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+        """Cross-entropy, plus in training the MoE load-balancing and router z-loss terms (``loss_terms``)."""
+        cross_entropy = super().loss(outputs, batch)
+        moe_terms = moe_loss_terms(self._moe_layers) if self.training and self._moe_layers else {}
+        self._loss_terms = {"cross_entropy": cross_entropy, **moe_terms} if moe_terms else {}
+        return cross_entropy + sum(moe_terms.values()) if moe_terms else cross_entropy
+
+    def loss_terms(self) -> dict[str, torch.Tensor]:
+        """The last training loss's parts when it has several: cross_entropy, load_balancing, router_z."""
+        return {name: value.detach() for name, value in self._loss_terms.items()}
+
+    @functools.cached_property
+    def _moe_layers(self) -> list[MoE]:
+        return moe_layers(self)
+
     def _fuses_loss(self, device: torch.device) -> bool:
         if self.fused_cross_entropy is None:
             return fused_loss_runs_on(device)
@@ -404,7 +415,9 @@ class MPTCausalLM(CausalLM):
 
     @functools.cached_property
     def n_active_params(self) -> int:
-        return flops.active_params(self, self.transformer.wte, self.config.tie_word_embeddings)
+        """Parameters that cost FLOPs per token: an MoE layer counts only top_k of its experts."""
+        params = flops.active_params(self, self.transformer.wte, self.config.tie_word_embeddings)
+        return params - sum(layer.inactive_params for layer in self._moe_layers)
 
     def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
         batch_size, seq_len = batch["input_ids"].shape[:2]

@@ -159,7 +159,8 @@ def test_unexportable_family_error_lists_the_families_and_hf_causal_lm() -> None
 
 
 def test_unimportable_model_type_error_lists_the_types_and_hf_causal_lm() -> None:
-    with pytest.raises(ConfigError, match="foundry_mpt, gpt2, llama, mpt.*hf_causal_lm"):
+    supported = "dbrx, foundry_mpt, gpt2, llama, mixtral, mpt, olmoe, qwen3_moe"
+    with pytest.raises(ConfigError, match=f"{supported}.*hf_causal_lm"):
         adapter_for_hf("opt")
 
 

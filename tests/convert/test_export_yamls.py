@@ -41,8 +41,8 @@ NEW_TOKENS = 4
 
 
 def llm_foundry_yamls() -> list[Path]:
-    """LLM Foundry's YAMLs whose model is an MPT or a Llama: foundry's MPT (MegaBlocks MoE aside, which foundry
-    refuses) or a Hugging Face MPT or Llama trained as ``hf_causal_lm``."""
+    """LLM Foundry's YAMLs whose model is an MPT or a Llama: foundry's MPT (MegaBlocks MoE aside: its GELU experts
+    with an output bias are no transformers class) or a Hugging Face MPT or Llama trained as ``hf_causal_lm``."""
     if not LLM_FOUNDRY_YAMLS.is_dir():
         return []
     paths = sorted(LLM_FOUNDRY_YAMLS.glob("*/*.yaml"))
@@ -149,6 +149,8 @@ def yaml_class(path: Path) -> str:
         return {"llama": "LlamaForCausalLM", "mpt": "MptForCausalLM"}[hf_stand_in(path)]
     if path.name.startswith("llama"):
         return "LlamaForCausalLM"
+    if path.name.startswith("moe"):
+        return "OlmoeForCausalLM"  # OLMoE's shape
     return "MptForCausalLM" if path.name.startswith("quickstart") else "GPT2LMHeadModel"
 
 

@@ -188,3 +188,18 @@ def test_shared_gpt_neox_converts_tinyshakespeare(tmp_path: Path, shared_data: P
     tokenizer = load_tokenizer(tokenizer_dir)
     assert tokenizer.decode(np.concatenate(train).tolist()) == text[: len(tokenizer.decode(np.concatenate(train)))]
     assert summary.splits["val"].samples > 0
+
+
+def test_128k_token_samples_convert_and_load_whole(tmp_path: Path, tiny_tokenizer_dir: Path, make_loader) -> None:
+    """Nothing caps a sample's length (``--concat-tokens 131072``): samples are written and read back whole."""
+    max_seq_len = 131072
+    words = " ".join(f"w{index % 997}" for index in range(max_seq_len // 2))  # about 5 tokens a word
+    inputs = write_documents(tmp_path / "in", [words])
+    convert_to_mds(inputs, tmp_path / "mds", tokenizer=str(tiny_tokenizer_dir), max_seq_len=max_seq_len,
+                   eval_fraction=0.0, progress=False)  # fmt: skip
+    want = expected_samples([words], load_tokenizer(str(tiny_tokenizer_dir)), max_seq_len)
+    assert len(want) == 2
+    dataset = {"local": str(tmp_path / "mds"), "split": "train", "max_seq_len": max_seq_len, "shuffle": False}
+    batches = list(make_loader(dataset=dataset, device_batch_size=1))
+    assert [batch["input_ids"].shape for batch in batches] == [(1, max_seq_len)] * 2
+    assert [batch["input_ids"][0].tolist() for batch in batches] == want

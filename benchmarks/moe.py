@@ -1,0 +1,267 @@
+"""Mixture of experts on GPUs, in one call: grouped GEMMs, a small MoE beside its dense twin, OLMoE-1B-7B on two GPUs.
+
+    python benchmarks/moe.py --out $OUT            # all three parts (two GPUs for the last), under 9 minutes
+    python benchmarks/moe.py --parts layer --out $OUT
+
+Parts (each writes ``<out>/moe_<part>.json``: rows plus device, torch and date):
+
+- ``layer`` (1 GPU): one MoE layer of OLMoE-1B-7B's shape (d_model 2048, 64 SwiGLU experts of 1024,
+  top-8) on 4,096 tokens, forward + backward under bf16 autocast: the grouped GEMM
+  (``torch._grouped_mm``) against the per-expert loop over contiguous slices (how transformers runs
+  experts), their outputs compared.
+- ``small`` (1 GPU): a small MoE Llama (16 experts of 1408, top-2) beside the dense Llama whose SwiGLU is
+  as wide as the two active experts (2816), same attention, through the Trainer (compiled blocks):
+  tokens/s and MFU on active parameters.
+- ``olmoe`` (2 GPUs, torchrun): ``yamls/pretrain/moe-1b-7b.yaml`` at 4,096 tokens per GPU, FSDP2
+  alone and FSDP2 + expert parallelism over both GPUs (``parallelism.expert_parallel_degree: 2``):
+  tokens/s per GPU, MFU on active parameters, peak memory. A row that fails (out of memory) is
+  retried with activation checkpointing and says so.
+- ``parity`` (2 GPUs, its own call: ``--parts parity``): a small MoE (8 experts, top-2, d_model 512) trained
+  200 steps in bf16 on real text (Python's help topics, a 4,096-token BPE) with FSDP2 alone twice and with
+  FSDP2 + EP2 once, same seed and data: the largest per-step loss gap EP2 vs EP1 beside the EP1 vs EP1
+  run-to-run gap (atomics in the backward make bf16 runs differ), and the final losses.
+
+Batches are random tokens fed from memory (the GPU image has no mosaicml-streaming); time is wall
+time between the ends of the first and last timed batches, after a device sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from bench_utils import REPO_ROOT, cuda_time_ms, environment, random_batch, write_results, yaml_trainer
+
+from foundry import Callback
+from foundry.callbacks.device_flops import peak_flops_per_sec
+from foundry.config import load_train_config
+from foundry.core import LoggerDestination
+from foundry.distributed import get_rank, get_world_size
+from foundry.models.layers import ActFnConfig
+from foundry.models.moe import MoE, MoEConfig
+
+OLMOE_YAML = REPO_ROOT / "yamls/pretrain/moe-1b-7b.yaml"
+# The small pair: same attention and depth; the MoE's two active experts are as wide as the dense SwiGLU.
+SMALL_MODEL = ["model.d_model=1024", "model.n_layers=8", "model.n_heads=16", "model.max_seq_len=2048"]
+SMALL_MOE = [*SMALL_MODEL, "model.moe_num_experts=16", "model.moe_top_k=2", "model.ffn_hidden_size=1408"]
+SMALL_DENSE = [*SMALL_MODEL, "model.moe_num_experts=null", "model.ffn_hidden_size=2816"]
+PARITY_MODEL = [
+    "model.d_model=512", "model.n_layers=4", "model.n_heads=8", "model.vocab_size=4096", "model.max_seq_len=512",
+    "model.moe_num_experts=8", "model.moe_top_k=2", "model.ffn_hidden_size=512",
+]  # fmt: skip
+PARITY_SEQ_LEN, PARITY_MICROBATCH = 512, 8
+
+
+class LossRecorder(LoggerDestination):
+    """Every batch's ``loss/train/total`` (the same on every rank)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def log_metrics(self, metrics: dict[str, Any], step: int) -> None:
+        if "loss/train/total" in metrics:
+            self.losses.append(float(metrics["loss/train/total"]))
+
+
+class BatchTimes(Callback):
+    """Wall time at each BATCH_END, after the device finished the batch."""
+
+    def __init__(self) -> None:
+        self.times_s: list[float] = []
+
+    def batch_end(self, state: Any, logger: Any) -> None:
+        torch.cuda.synchronize()
+        self.times_s.append(time.perf_counter())
+
+
+def layer_rows(tokens: int = 4096) -> list[dict[str, Any]]:
+    """The OLMoE layer, grouped GEMM against the per-expert loop."""
+    torch.manual_seed(0)
+    config = MoEConfig(num_experts=64, top_k=8, hidden_size=1024, glu=True, act=ActFnConfig("silu"))
+    moe = MoE(2048, config).cuda()
+    for parameter in moe.parameters():
+        torch.nn.init.normal_(parameter, std=0.02)
+    x = torch.randn(1, tokens, 2048, device="cuda", requires_grad=True)
+    outputs, rows = {}, []
+    for name, use_grouped_mm in (("grouped_mm", None), ("per_expert_loop", False)):
+        moe.experts.use_grouped_mm = use_grouped_mm
+
+        def step() -> torch.Tensor:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = moe(x)
+            out.float().square().mean().backward()
+            return out
+
+        outputs[name] = step().detach().float()
+        times = sorted(cuda_time_ms(step, warmup=3, iters=20))
+        rows.append({"variant": name, "tokens": tokens, "median_ms_fwd_bwd": round(times[len(times) // 2], 3)})
+    loop_ms = rows[1]["median_ms_fwd_bwd"]
+    rows[0]["speedup_vs_loop"] = round(loop_ms / rows[0]["median_ms_fwd_bwd"], 2)
+    scale = outputs["per_expert_loop"].abs().max().item()
+    rows[0]["max_abs_diff_vs_loop"] = (outputs["grouped_mm"] - outputs["per_expert_loop"]).abs().max().item()
+    rows[0]["output_max_abs"] = scale
+    return rows
+
+
+def train_row(overrides: list[str], microbatch: int, seq_len: int, batches: int, warmup: int) -> dict[str, Any]:
+    """Train the YAML's model (with ``overrides``) on random tokens through the Trainer; throughput and MFU."""
+    cfg, _ = load_train_config(OLMOE_YAML, [f"variables.max_seq_len={seq_len}", *overrides])
+    data = [random_batch(microbatch, seq_len, cfg.model["vocab_size"], torch.device("cpu")) for _ in range(4)]
+    times = BatchTimes()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    trainer = yaml_trainer(cfg, (data * (batches // 4 + 1))[:batches], microbatch, [times], device=device)
+    torch.cuda.reset_peak_memory_stats(device)
+    trainer.fit()
+    measured = times.times_s[warmup:]
+    seconds = (measured[-1] - measured[0]) / (len(measured) - 1)
+    model = trainer.state.model
+    peak = peak_flops_per_sec(torch.cuda.get_device_name(device), "bf16")
+    return {
+        "gpus": get_world_size(),
+        "params_M": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+        "active_params_M": round(model.n_active_params / 1e6, 1),
+        "tokens_per_gpu_per_batch": microbatch * seq_len,
+        "s_per_batch": round(seconds, 4),
+        "tokens_per_s_per_gpu": round(microbatch * seq_len / seconds, 1),
+        "mfu_active": round(model.flops_per_batch(data[0]) / seconds / peak, 4) if peak else None,
+        "peak_mem_GiB": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
+    }
+
+
+def text_batches(steps: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's share of ``steps`` global batches of real text: Python's help topics, a 4,096-token BPE."""
+    from foundry.data import builtin_corpus_documents, train_bpe_tokenizer
+
+    documents = builtin_corpus_documents()
+    tokenizer = train_bpe_tokenizer(documents, vocab_size=4096, out_dir=Path(tempfile.mkdtemp()))
+    ids = torch.tensor([i for text in documents for i in [*tokenizer(text)["input_ids"], tokenizer.eos_token_id]])
+    rows = ids[: ids.numel() // PARITY_SEQ_LEN * PARITY_SEQ_LEN].view(-1, PARITY_SEQ_LEN)  # ~250 rows of 512
+    global_batch, rank = PARITY_MICROBATCH * get_world_size(), get_rank()
+    order = torch.randperm(rows.shape[0], generator=torch.Generator().manual_seed(0))
+    batches = []
+    for step in range(steps):  # the corpus repeats in a new order each pass
+        picks = torch.arange(step * global_batch, (step + 1) * global_batch) % rows.shape[0]
+        mine = order[picks][rank * PARITY_MICROBATCH : (rank + 1) * PARITY_MICROBATCH]
+        batches.append({"input_ids": rows[mine]})
+    return batches
+
+
+def parity_losses(overrides: list[str], steps: int) -> list[float]:
+    """Per-step losses of the small MoE on real text, through the Trainer with the OLMoE YAML's settings."""
+    cfg, _ = load_train_config(OLMOE_YAML, [f"variables.max_seq_len={PARITY_SEQ_LEN}", *PARITY_MODEL, *overrides])
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    recorder = LossRecorder()
+    trainer = yaml_trainer(cfg, text_batches(steps), PARITY_MICROBATCH, device=device, loggers=[recorder])
+    trainer.fit()
+    return recorder.losses
+
+
+def parity_rows(steps: int, timeout_s: int) -> list[dict[str, Any]]:
+    runs = {}
+    for name, overrides in (("ep1_a", []), ("ep1_b", []), ("ep2", ["parallelism.expert_parallel_degree=2"])):
+        runs[name] = _torchrun_row(overrides, steps, timeout_s, parity=True).get("losses")
+    if any(losses is None for losses in runs.values()):
+        return [
+            {"run": name, "error": "failed (the log above says why)"} for name, losses in runs.items() if not losses
+        ]
+
+    def gap(a: list[float], b: list[float]) -> float:
+        return max(abs(x - y) for x, y in zip(a, b, strict=True))
+
+    return [
+        {
+            "steps": steps,
+            "max_step_gap_ep2_vs_ep1": round(gap(runs["ep2"], runs["ep1_a"]), 5),
+            "max_step_gap_ep1_vs_ep1": round(gap(runs["ep1_b"], runs["ep1_a"]), 5),
+            "final_loss_ep1": [round(runs["ep1_a"][-1], 4), round(runs["ep1_b"][-1], 4)],
+            "final_loss_ep2": round(runs["ep2"][-1], 4),
+            "mean_last_20_ep1": round(sum(runs["ep1_a"][-20:]) / 20, 4),
+            "mean_last_20_ep2": round(sum(runs["ep2"][-20:]) / 20, 4),
+        }
+    ]
+
+
+def small_rows(batches: int) -> list[dict[str, Any]]:
+    rows = []
+    for name, overrides in (("moe 16x1408 top-2", SMALL_MOE), ("dense 2816", SMALL_DENSE)):
+        rows.append({"model": name, **train_row(overrides, microbatch=8, seq_len=2048, batches=batches, warmup=4)})
+    return rows
+
+
+def olmoe_rows(batches: int, timeout_s: int) -> list[dict[str, Any]]:
+    """Each layout in its own torchrun of two ranks (this script, ``--worker``)."""
+    rows = []
+    for layout, overrides in (("FSDP2", []), ("FSDP2 + EP2", ["parallelism.expert_parallel_degree=2"])):
+        for checkpointing in (False, True):
+            extra = ["fsdp_config.activation_checkpointing=true"] if checkpointing else []
+            row = _torchrun_row([*overrides, *extra], batches, timeout_s)
+            rows.append({"layout": layout, "activation_checkpointing": checkpointing, **row})
+            if "error" not in row or row["error"] == "timed out":  # a fast failure (out of memory) retries
+                break
+    return rows
+
+
+def _torchrun_row(overrides: list[str], batches: int, timeout_s: int, parity: bool = False) -> dict[str, Any]:
+    row_file = Path(tempfile.mkdtemp()) / "row.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__]
+    command += ["--worker", str(row_file), "--batches", str(batches), *(["--parity"] if parity else [])]
+    command += ["--override", *overrides]
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])}
+    try:
+        result = subprocess.run(command, env=env, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out"}
+    if result.returncode != 0 or not row_file.exists():
+        return {"error": f"exit code {result.returncode} (the log above says why)"}
+    return json.loads(row_file.read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--parts", nargs="+", choices=["layer", "small", "olmoe", "parity"], default=["layer", "small", "olmoe"]
+    )
+    parser.add_argument("--parity-steps", type=int, default=200)
+    parser.add_argument("--parity", action="store_true", help=argparse.SUPPRESS)  # a torchrun rank of the parity part
+    parser.add_argument("--batches", type=int, default=12, help="batches per one-GPU training row (4 untimed)")
+    parser.add_argument("--olmoe-batches", type=int, default=8, help="batches per two-GPU row (4 untimed)")
+    parser.add_argument("--row-timeout-s", type=int, default=200, help="each two-GPU row's time limit")
+    parser.add_argument("--out", default=os.environ.get("OUT"))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # a torchrun rank: write its row here
+    parser.add_argument("--override", nargs="*", default=[], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker and args.parity:
+        losses = parity_losses(args.override, args.batches)
+        if get_rank() == 0:
+            Path(args.worker).write_text(json.dumps({"losses": losses}))
+        return 0
+    if args.worker:
+        row = train_row(args.override, microbatch=1, seq_len=4096, batches=args.batches, warmup=4)
+        if get_rank() == 0:
+            Path(args.worker).write_text(json.dumps(row))
+        return 0
+    if "layer" in args.parts:
+        write_results(args.out, "moe_layer", layer_rows())
+    if "olmoe" in args.parts:  # before the small pair: each part's JSON is written as it ends
+        write_results(args.out, "moe_olmoe", olmoe_rows(args.olmoe_batches, args.row_timeout_s))
+    if "small" in args.parts:
+        write_results(args.out, "moe_small", small_rows(args.batches))
+    if "parity" in args.parts:
+        write_results(args.out, "moe_parity", parity_rows(args.parity_steps, 3 * args.row_timeout_s))
+    print(json.dumps(environment()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""Context parallelism: each sequence split along its length over the ``cp`` ranks, causally load-balanced.
+
+A sequence of S tokens is cut into 2·cp chunks of S / (2·cp); cp rank r holds chunks r and 2·cp-1-r
+(head and tail). Under a causal mask chunk c attends to c + 1 chunks of keys, so every rank does the
+same attention work: (r + 1) + (2·cp - r) = 2·cp + 1 chunk pairs. Without the pairing the rank holding
+the last chunk would do 2·cp - 1 times the work of the first.
+
+``ContextParallel.shard`` turns a loader's batch into this rank's pieces. The cp ranks of one group
+first exchange their samples (each loads its own share, as without context parallelism, so loaders,
+batch sizes and the global batch stay as they are), then each keeps its two chunks of every sample.
+Targets are shifted before the split (a chunk's last target is the next chunk's first token) and
+position ids are the tokens' positions in the whole sequence, so RoPE and learned position
+embeddings see what they would see unsplit. The loss over a rank's tokens, weighted by its token
+count as the Trainer weighs every microbatch, sums to the global batch's mean: the same gradient at
+any cp degree.
+
+Attention gathers keys and values from the cp group (autograd-aware: the backward reduce-scatters
+their gradients) and runs each local chunk against the prefix of the sequence it may see, with a
+causal mask aligned to the chunk's end (``causal_lower_right``): SDPA's flash kernel on a GPU, its
+math on a CPU. This is the all-gather form of context parallelism that Llama 3 was trained with;
+with grouped-query attention the gathered keys and values are a fraction of the queries' size.
+Document masks (``attn_uses_sequence_id``), ALiBi, sliding windows and padding are refused, never
+applied wrongly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as functional
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.attention.bias import causal_lower_right
+
+from foundry.errors import ConfigError
+from foundry.targets import SHIFTED_LABELS_KEY, shifted_targets
+
+_KEY = "parallelism.context_parallel_degree"
+# torch 2.14 renamed the autograd-aware all-gather (its backward reduce-scatters the gradient)
+_all_gather_autograd = getattr(functional, "all_gather_single_autograd", None) or functional.all_gather_tensor_autograd
+# Per-token tensors a split batch carries: each is split along the sequence like input_ids.
+SEQUENCE_KEYS = ("input_ids", SHIFTED_LABELS_KEY, "position_ids", "attention_mask", "sequence_id")
+
+
+def chunks_of_rank(cp_rank: int, cp_size: int) -> tuple[int, int]:
+    """The two of the 2·cp_size sequence chunks that ``cp_rank`` holds: the head and the mirrored tail."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def shard_sequence(tensor: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 1) -> torch.Tensor:
+    """``cp_rank``'s head and tail chunks of ``tensor`` along ``dim``, concatenated."""
+    length = tensor.shape[dim]
+    if length % (2 * cp_size):
+        raise ConfigError(
+            f"A batch has sequences of {length} tokens, which {_KEY}={cp_size} cannot split into {2 * cp_size} equal "
+            f"chunks. Use a max_seq_len that is a multiple of {2 * cp_size}."
+        )
+    chunks = tensor.chunk(2 * cp_size, dim=dim)
+    head, tail = chunks_of_rank(cp_rank, cp_size)
+    return torch.cat([chunks[head], chunks[tail]], dim=dim)
+
+
+def unshard_sequence(gathered: torch.Tensor, cp_size: int, dim: int) -> torch.Tensor:
+    """The whole sequence from every rank's pieces concatenated in rank order along ``dim`` (the inverse)."""
+    pieces = gathered.chunk(2 * cp_size, dim=dim)  # rank r's head at 2r, its tail at 2r + 1
+    holder = {}
+    for rank in range(cp_size):
+        head, tail = chunks_of_rank(rank, cp_size)
+        holder[head], holder[tail] = pieces[2 * rank], pieces[2 * rank + 1]
+    return torch.cat([holder[chunk] for chunk in range(2 * cp_size)], dim=dim)
+
+
+class ContextParallel:
+    """Splits batches over a cp mesh and, while ``active``, makes the wrapped attention gather keys and values."""
+
+    def __init__(self, cp_mesh: DeviceMesh) -> None:
+        self.mesh = cp_mesh
+        self.rank, self.size = cp_mesh.get_local_rank(), cp_mesh.size()
+        self.group = cp_mesh.get_group()
+        self.active = False
+
+    def shard(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """This rank's pieces of every sample the cp group loaded (see the module docstring)."""
+        if not isinstance(batch, Mapping) or "input_ids" not in batch:
+            raise ConfigError(f"{_KEY} splits batches of input_ids (a language model's); this batch has none.")
+        input_ids = batch["input_ids"]  # (batch, seq)
+        whole = {
+            "input_ids": input_ids,
+            SHIFTED_LABELS_KEY: shifted_targets(batch),
+            "position_ids": batch.get("position_ids", torch.arange(input_ids.shape[1], device=input_ids.device)),
+        }
+        whole["position_ids"] = whole["position_ids"].expand_as(input_ids)
+        for key in ("attention_mask", "sequence_id"):
+            if batch.get(key) is not None:
+                whole[key] = batch[key]
+        self._check_same_shape(input_ids)
+        return {key: shard_sequence(self._gather_samples(value), self.rank, self.size) for key, value in whole.items()}
+
+    def _check_same_shape(self, input_ids: torch.Tensor) -> None:
+        shape = torch.tensor(input_ids.shape, device=input_ids.device)
+        shapes = [torch.empty_like(shape) for _ in range(self.size)]
+        dist.all_gather(shapes, shape, group=self.group)
+        if any(not torch.equal(other, shape) for other in shapes):
+            raise ConfigError(
+                f"The ranks of a context-parallel group loaded batches of different shapes "
+                f"({[tuple(s.tolist()) for s in shapes]}); {_KEY} needs equal ones. Pad every batch to max_seq_len "
+                "and drop a last, partial batch (drop_last: true)."
+            )
+
+    def _gather_samples(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every cp rank's samples, in rank order along the batch dimension (no gradient flows here)."""
+        gathered = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(gathered, tensor.contiguous(), group=self.group)
+        return torch.cat(gathered)
+
+    @contextlib.contextmanager
+    def activated(self) -> Iterator[None]:
+        """Forwards and backwards inside run attention over the split sequence (recomputation included)."""
+        previous, self.active = self.active, True
+        try:
+            yield
+        finally:
+            self.active = previous
+
+    def attention(self, attn_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """``attn_fn`` (a kernel of ``foundry.models.attention``) that gathers keys and values while active."""
+
+        def attention(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: Any, scale: float, dropout_p: float
+        ) -> torch.Tensor:
+            if not self.active:  # a forward over whole sequences: ICL evaluation, generation
+                return attn_fn(q, k, v, inputs, scale, dropout_p)
+            _refuse_masks(inputs)
+            return self.split_sequence_attention(q, k, v, scale, dropout_p)
+
+        return attention
+
+    def split_sequence_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float
+    ) -> torch.Tensor:
+        """Causal attention of this rank's (head, tail) queries over the whole sequence's keys and values.
+
+        q (batch, heads, 2·chunk, head_dim); k and v (batch, kv_heads, 2·chunk, head_dim), this rank's pieces.
+        """
+        whole_k, whole_v = (self._gather_sequence(x) for x in (k, v))  # (batch, kv_heads, seq, head_dim)
+        chunk = q.shape[2] // 2
+        head, tail = chunks_of_rank(self.rank, self.size)
+        outputs = [
+            _prefix_attention(queries, whole_k, whole_v, (index + 1) * chunk, scale, dropout_p)
+            for queries, index in ((q[:, :, :chunk], head), (q[:, :, chunk:], tail))
+        ]
+        return torch.cat(outputs, dim=2)
+
+    def _gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        gathered = _all_gather_autograd(x.contiguous(), gather_dim=2, group=self.group)
+        return unshard_sequence(functional.wait_tensor(gathered), self.size, dim=2)
+
+
+def _prefix_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_len: int, scale: float, dropout_p: float
+) -> torch.Tensor:
+    """Queries that end the first ``key_len`` keys, each seeing the keys up to its own position."""
+    k, v = k[:, :, :key_len], v[:, :, :key_len]
+    grouped = k.shape[1] != q.shape[1]
+    if q.shape[2] == key_len:  # the first chunk: plain causal, as foundry's SDPA path runs it
+        return F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=grouped
+        )
+    if grouped:  # the end-aligned causal kernels take equal head counts
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    if _flash_runs(q):
+        # FlashAttention aligns its causal mask to the last key when keys outnumber queries. Called as the
+        # op (as torch's CausalBias does) so that torch.compile traces it: CausalBias breaks the graph.
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, True, scale=scale)[0]
+    mask = causal_lower_right(q.shape[2], key_len)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+
+
+def _flash_runs(q: torch.Tensor) -> bool:
+    """Whether SDPA's FlashAttention kernel takes ``q`` (CUDA, half precision, head_dim a multiple of 8 up to 256)."""
+    head_dim = q.shape[-1]
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
+
+
+def _refuse_masks(inputs: Any) -> None:
+    """Context parallelism runs plain causal attention only; any other mask would be applied to the wrong keys."""
+    if getattr(inputs, "bias", None) is not None or getattr(inputs, "score_mod", None) is not None:
+        raise ConfigError(
+            f"{_KEY} runs plain causal attention, but this model adds ALiBi (model.attn_config.alibi). Train it "
+            "without context parallelism, or use RoPE (model.attn_config.rope: true, alibi: false)."
+        )
+    if getattr(inputs, "allowed", None) is not None or getattr(inputs, "block_mask", None) is not None:
+        raise ConfigError(
+            f"{_KEY} runs plain causal attention, but this batch needs a mask: padding, a sliding window "
+            "(model.attn_config.sliding_window_size) or document masking (model.attn_config.attn_uses_sequence_id). "
+            "Train on unpadded, concatenated sequences (the text loader's concat_tokens) with those keys off, or "
+            "without context parallelism."
+        )
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> ContextParallel:
+    """Wrap the attention kernel of every attention layer of ``model``; returns what splits its batches."""
+    context_parallel = ContextParallel(cp_mesh)
+    layers = [module for module in model.modules() if callable(getattr(module, "attn_fn", None))]
+    if not layers:
+        raise ConfigError(
+            f"{_KEY} is {cp_mesh.size()}, but {type(model).__name__} has no foundry attention layers to split "
+            "sequences over. Use model.name: mpt_causal_lm or llama_causal_lm, or set the degree to 1."
+        )
+    for layer in layers:
+        _refuse_unsupported(layer.config)
+        layer.attn_fn = context_parallel.attention(layer.attn_fn)
+    return context_parallel
+
+
+def _refuse_unsupported(config: Any) -> None:
+    """The attention options that need a mask beyond causal: refused when the model is built, by key."""
+    for key, on in (
+        ("alibi", getattr(config, "alibi", False)),
+        ("attn_uses_sequence_id", getattr(config, "attn_uses_sequence_id", False)),
+        ("sliding_window_size", getattr(config, "sliding_window_size", -1) >= 0),
+    ):
+        if on:
+            raise ConfigError(
+                f"model.attn_config.{key} is set, but {_KEY} > 1 runs plain causal attention only (each rank's "
+                "queries against the gathered keys), so that mask would be wrong. Turn model.attn_config."
+                f"{key} off, or train without context parallelism."
+            )
+
+
+class WholeSequences:
+    """Batches as loaded: every rank holds whole sequences (no context parallelism)."""
+
+    def shard(self, batch: Any) -> Any:
+        return batch
+
+    def activated(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()

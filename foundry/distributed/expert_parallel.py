@@ -1,0 +1,116 @@
+"""Expert parallelism: each rank of an ``ep`` mesh axis holds ``num_experts / ep`` of every MoE layer's experts.
+
+``apply_expert_parallel(model, ep_mesh)`` shards each MoE layer's stacked expert weights along the
+expert dimension (DTensors ``Shard(0)`` on ``ep_mesh``, so distributed checkpoints hold the global
+tensors and reload at any other expert-parallel degree) and swaps the experts' ``route`` for an
+exchange between the ranks:
+
+1. each rank sorts its (token, expert) assignments by expert, so the rows bound for each rank are
+   contiguous, and the ranks exchange how many rows go where (a small all-to-all);
+2. dispatch: an all-to-all sends every row to the rank holding its expert;
+3. each rank runs its experts on what it received (regrouped by local expert, grouped GEMMs);
+4. combine: the reverse all-to-all returns the outputs, and each token sums its experts' outputs
+   with its router weights.
+
+Both all-to-alls are torch's autograd-aware functional collectives: backward exchanges the
+gradients the same way. Routing stays on every rank (the router is replicated), and the load
+metrics and loss terms count this rank's tokens, as data parallelism does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from foundry.distributed.env import get_world_size
+from foundry.errors import ConfigError
+
+_PARALLEL_CLASSES: dict[type, type] = {}  # an experts class -> its expert-parallel subclass
+
+
+class ExpertParallelRouting:
+    """Mixed into an experts module (``foundry.models.experts.GroupedExperts``): its weights hold this rank's
+    experts, and its tokens travel by all-to-all. The module's own ``sort_by_expert``, ``dispatch`` and
+    ``combine`` lay the rows out (distributed code does not import the models)."""
+
+    ep_mesh: DeviceMesh
+
+    def route(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        sort_by_expert, dispatch, combine = self.sort_by_expert, self.dispatch, self.combine
+        group, ep = self.ep_mesh.get_group(), self.ep_mesh.size()
+        layout = sort_by_expert(expert_ids, self.num_experts)  # rows grouped by expert, so by destination rank
+        tokens_per_expert = layout.tokens_per_expert
+        # received[source, local expert]: rows each rank sends for each of this rank's experts
+        received = funcol.all_to_all_single(tokens_per_expert, None, None, group=group)
+        received = funcol.wait_tensor(received).view(ep, -1)
+        send_splits = tokens_per_expert.view(ep, -1).sum(1).tolist()  # host sync: the exchange's sizes
+        receive_splits = received.sum(1).tolist()
+        rows = funcol.all_to_all_single_autograd(dispatch(x, layout), receive_splits, send_splits, group)
+        local_experts = received.shape[1]
+        # rows arrive by source rank, then by local expert: regroup them by local expert for the GEMMs
+        local_ids = torch.arange(local_experts, device=x.device).repeat(ep).repeat_interleave(received.flatten())
+        local_layout = sort_by_expert(local_ids[:, None], local_experts, self.row_alignment(rows))
+        ones = torch.ones(rows.shape[0], 1, device=x.device)
+        outputs = combine(self(dispatch(rows, local_layout), local_layout), local_layout, ones)
+        returned = funcol.all_to_all_single_autograd(outputs, send_splits, receive_splits, group)
+        return combine(returned, layout, weights), tokens_per_expert
+
+
+def shard_experts(model: nn.Module, ep_mesh: DeviceMesh | None) -> set[nn.Parameter]:
+    """``parallelism.expert_parallel_degree``: the experts split over the mesh's ``ep`` axis; their parameters.
+
+    FSDP2 shards every other parameter over the same ranks and ignores these: each expert lives on one
+    rank, and its gradient already sums every rank's tokens (the all-to-all's backward), so it is only
+    divided by the number of ranks, as FSDP's reduction averages the others.
+    """
+    if ep_mesh is None:
+        return set()
+    world_size = get_world_size()  # the ep axis spans every rank (foundry.distributed.mesh checks it)
+    if not apply_expert_parallel(model, ep_mesh):
+        raise ConfigError(
+            f"parallelism.expert_parallel_degree is {ep_mesh.size()} but the model has no mixture-of-experts layers; "
+            "remove the key."
+        )
+    params = {param for experts in expert_modules(model) for param in experts.parameters()}
+    for param in params:
+        param.register_hook(lambda grad: grad / world_size)
+    return params
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> int:
+    """Shard every MoE layer of ``model`` over the 1-D ``ep_mesh``; returns how many layers were sharded.
+
+    The expert weights must hold the same values on every rank of ``ep_mesh`` (a seeded CPU build, or
+    weights loaded afterwards through a distributed checkpoint).
+    """
+    layers = expert_modules(model)
+    ep = ep_mesh.size()
+    for experts in layers:
+        if experts.num_experts % ep:
+            raise ConfigError(
+                f"Expert parallelism over {ep} ranks splits each MoE layer's {experts.num_experts} experts evenly; "
+                "choose an expert-parallel degree that divides the number of experts."
+            )
+        for name, parameter in list(experts.named_parameters(recurse=False)):
+            # This rank's experts, sliced where the weights are (a full copy never reaches the device), then moved
+            local = parameter.data.chunk(ep)[ep_mesh.get_local_rank()]
+            local = local if local.is_meta else local.to(ep_mesh.device_type).contiguous()
+            shape, stride = parameter.shape, parameter.stride()
+            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=parameter.requires_grad))
+        cls = type(experts)
+        if cls not in _PARALLEL_CLASSES:
+            _PARALLEL_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelRouting, cls), {})
+        experts.__class__ = _PARALLEL_CLASSES[cls]
+        experts.ep_mesh = ep_mesh
+    return len(layers)
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that hold stacked experts and route tokens to them (``route``, ``num_experts``)."""
+    return [module for module in model.modules() if hasattr(module, "route") and hasattr(module, "num_experts")]

@@ -1,0 +1,122 @@
+"""How the job's ranks divide the work: one DeviceMesh whose axes are named, built in one place.
+
+The axes, outermost first (torchtitan's names):
+
+- ``dp_replicate``: copies of the whole sharded model (HYBRID_SHARD across nodes, NO_SHARD);
+- ``dp_shard``: ranks that shard parameters and see different samples;
+- ``cp``: ranks that split each sequence along its length (context parallelism).
+
+Two flattened axes serve the components: ``dp_shard_cp`` is what FSDP2 shards over (context-parallel
+ranks hold different tokens, so they can hold different shards too), and ``dp`` is the ranks that see
+different samples. ``ep`` (expert parallelism) borrows the data-parallel ranks, as torchtitan's does: each
+MoE layer's experts split over them while FSDP2 shards the rest over the same ranks. A new axis (tensor
+parallelism) is one more degree in ``ParallelDims`` and one more name in ``AXES``; callers ask the mesh for
+the axes they use and stay unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from foundry.distributed.config import ParallelismConfig
+from foundry.distributed.env import get_local_world_size, get_world_size
+from foundry.errors import ConfigError
+
+AXES = ("dp_replicate", "dp_shard", "cp")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelDims:
+    """The degree of each axis of ``AXES``; their product is the world size."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    ep: int = 1  # over the data-parallel ranks, not a factor of the world size
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    def build_mesh(self, device_type: str) -> JobMesh:
+        """The world's mesh with every axis of ``AXES`` (size-1 ones included) and the flattened ones."""
+        world = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp), mesh_dim_names=AXES)
+        # torch asks callers to keep the flattened meshes rather than slice them from the world's again
+        dp_shard_cp = world["dp_shard", "cp"]._flatten("dp_shard_cp")
+        dp = world["dp_replicate", "dp_shard"]._flatten("dp")
+        ep = world["dp_replicate", "dp_shard"]._flatten("ep") if self.ep > 1 else None
+        return JobMesh(world, dp_shard_cp=dp_shard_cp, dp=dp, ep=ep)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobMesh:
+    """The world's DeviceMesh and its flattened axes; ``mesh[name]`` gives any axis by name."""
+
+    world: DeviceMesh
+    dp_shard_cp: DeviceMesh  # what FSDP2 shards over
+    dp: DeviceMesh  # the ranks that load different samples
+    ep: DeviceMesh | None = None  # the ranks each MoE layer's experts split over; None: no expert parallelism
+
+    def __getitem__(self, name: str) -> DeviceMesh:
+        return self.world[name] if name in AXES else getattr(self, name)
+
+    @property
+    def fsdp(self) -> DeviceMesh:
+        """What FSDP2 shards over: ``dp_shard_cp``, with ``dp_replicate`` outside it when there are copies (HSDP)."""
+        if self.world["dp_replicate"].size() == 1:
+            return self.dp_shard_cp
+        if self.world["cp"].size() == 1:
+            return self.world["dp_replicate", "dp_shard"]
+        return self.world["dp_replicate", "dp_shard_cp"]  # HSDP across nodes with cp inside each
+
+
+def parallel_dims(layout: str, parallelism: ParallelismConfig) -> ParallelDims:
+    """The degrees for ``fsdp_config``'s rank layout (shard, hybrid, replicate) and ``parallelism``'s degrees.
+
+    ``hybrid`` shards within a node and replicates across nodes, ``replicate`` gives every data-parallel
+    rank the whole model; context-parallel ranks always share the shards (they sit inside a node).
+    """
+    world_size, cp = get_world_size(), parallelism.context_parallel_degree
+    _check_expert_parallel(parallelism, world_size)
+    if world_size % cp:
+        raise ConfigError(
+            f"'parallelism.context_parallel_degree' is {cp}, which does not divide the {world_size} ranks of this "
+            f"job. Launch a multiple of {cp} ranks (`foundry train --nproc {cp}`) or lower the degree."
+        )
+    data_parallel = world_size // cp
+    if layout == "replicate":
+        return ParallelDims(dp_replicate=data_parallel, cp=cp, ep=parallelism.expert_parallel_degree)
+    if layout == "hybrid":
+        ranks_per_node = get_local_world_size()
+        if world_size % ranks_per_node or ranks_per_node % cp:
+            raise ConfigError(
+                f"fsdp_config.sharding_strategy HYBRID_SHARD shards within a node, but the {world_size} ranks do not "
+                f"split into nodes of LOCAL_WORLD_SIZE={ranks_per_node} (each a multiple of "
+                f"parallelism.context_parallel_degree={cp}). Launch the same number of ranks per node."
+            )
+        return ParallelDims(
+            dp_replicate=world_size // ranks_per_node,
+            dp_shard=ranks_per_node // cp,
+            cp=cp,
+            ep=parallelism.expert_parallel_degree,
+        )
+    return ParallelDims(dp_shard=data_parallel, cp=cp, ep=parallelism.expert_parallel_degree)
+
+
+def _check_expert_parallel(parallelism: ParallelismConfig, world_size: int) -> None:
+    """Expert parallelism splits the experts over every rank, and does not combine with context parallelism."""
+    ep, cp = parallelism.expert_parallel_degree, parallelism.context_parallel_degree
+    if ep == 1:
+        return
+    if cp > 1:
+        raise ConfigError(
+            f"'parallelism.expert_parallel_degree' is {ep} and 'parallelism.context_parallel_degree' is {cp}; foundry "
+            "does not combine expert and context parallelism. Set one of the two keys to 1."
+        )
+    if ep != world_size:
+        raise ConfigError(
+            f"'parallelism.expert_parallel_degree' is {ep} but the run has {world_size} ranks; expert parallelism "
+            f"splits the experts over every rank: set it to {world_size}, or to 1 (FSDP shards the experts)."
+        )

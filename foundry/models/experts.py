@@ -1,0 +1,180 @@
+"""Dropless expert computation: tokens sorted by expert, then one grouped GEMM per projection.
+
+Every (token, expert) assignment of a top-k router is computed: nothing is dropped for capacity.
+``sort_by_expert`` lays the assignments out expert by expert without a Python loop over tokens (an
+argsort and a few gathers, no host sync); ``GroupedExperts`` runs each projection of every expert in
+one ``grouped_mm`` on a Hopper-class GPU in bf16, and as a loop over each expert's contiguous slice
+elsewhere (CPU, fp32, older GPUs), which gives the same numbers as a per-token loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from foundry.core.precision import autocast_dtype
+from foundry.models.init import InitFn
+from foundry.models.layers import ActFnConfig
+
+# grouped_mm reads each expert's rows in 16-byte-aligned groups: bf16 rows come in multiples of 8.
+GROUPED_MM_ROW_ALIGNMENT = 8
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+@dataclasses.dataclass
+class ExpertLayout:
+    """Where each (token, expert) assignment sits in the expert-sorted buffer.
+
+    ``slot_of_assignment`` (tokens * top_k,): the buffer row of assignment ``t * top_k + j``;
+    ``source_of_slot`` (rows,): the token each buffer row copies, ``tokens`` (a zero row) for padding;
+    ``tokens_per_expert`` (experts,): assignments per expert; ``group_ends`` (experts,) int32: where
+    each expert's rows end in the buffer, padding included.
+    """
+
+    slot_of_assignment: torch.Tensor
+    source_of_slot: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    group_ends: torch.Tensor
+
+
+def sort_by_expert(expert_ids: torch.Tensor, num_experts: int, row_alignment: int = 1) -> ExpertLayout:
+    """The expert-sorted layout of ``expert_ids`` (tokens, top_k); each expert's rows padded to ``row_alignment``.
+
+    The buffer has a fixed size, ``tokens * top_k + num_experts * (row_alignment - 1)``, so nothing
+    waits for the counts on the host; rows past the last group are never read.
+    """
+    tokens, top_k = expert_ids.shape
+    flat = expert_ids.flatten()
+    order = flat.argsort(stable=True)  # assignments grouped by expert, token order kept within a group
+    tokens_per_expert = torch.bincount(flat, minlength=num_experts)
+    padded = (tokens_per_expert + row_alignment - 1) // row_alignment * row_alignment
+    group_ends = padded.cumsum(0)
+    sorted_experts = flat[order]
+    rank_in_group = (
+        torch.arange(flat.numel(), device=flat.device)
+        - (tokens_per_expert.cumsum(0) - tokens_per_expert)[sorted_experts]
+    )
+    slots = (group_ends - padded)[sorted_experts] + rank_in_group
+    rows = flat.numel() + num_experts * (row_alignment - 1)
+    slot_of_assignment = torch.empty_like(slots).scatter_(0, order, slots)
+    source_of_slot = torch.full((rows,), tokens, dtype=torch.long, device=flat.device)
+    source_of_slot = source_of_slot.scatter(0, slots, order // top_k)
+    return ExpertLayout(slot_of_assignment, source_of_slot, tokens_per_expert, group_ends.int())
+
+
+def dispatch(x: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """(tokens, d_model) -> (rows, d_model): each assignment's token at its slot, zeros in padding."""
+    with_zero_row = torch.cat([x, x.new_zeros(1, x.shape[1])])
+    return with_zero_row.index_select(0, layout.source_of_slot)
+
+
+def combine(expert_out: torch.Tensor, layout: ExpertLayout, weights: torch.Tensor) -> torch.Tensor:
+    """(rows, d_model) -> (tokens, d_model): each token's expert outputs summed with ``weights`` (tokens, top_k)."""
+    tokens, top_k = weights.shape
+    per_assignment = expert_out.index_select(0, layout.slot_of_assignment).view(tokens, top_k, -1)
+    return torch.bmm(weights.to(per_assignment.dtype).unsqueeze(1), per_assignment).squeeze(1)
+
+
+@torch.compiler.assume_constant_result  # a property of the device: compiled code need not re-check it
+def grouped_mm_runs_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped GEMM serves ``dtype`` on ``device``: bf16 on a CUDA GPU of compute capability 9.0+."""
+    return (
+        _grouped_mm is not None
+        and device.type == "cuda"
+        and dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+    )
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` feed-forward networks whose weights are stacked: (experts, out, in), nn.Linear's layout.
+
+    ``glu``: ``down(act(gate(x)) * up(x))`` (Mixtral, OLMoE, Qwen3-MoE, DBRX); else ``down(act(up(x)))``.
+    ``use_grouped_mm`` None picks the grouped GEMM wherever it runs (``grouped_mm_runs_on``); False
+    forces the per-expert loop (the benchmark's baseline).
+    """
+
+    def __init__(self, num_experts: int, d_model: int, hidden: int, act: ActFnConfig, glu: bool) -> None:
+        super().__init__()
+        self.num_experts, self.glu = num_experts, glu
+        self.act_name, self.act_approximate = act.name, act.approximate
+        self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden, d_model)) if glu else None
+        self.down_proj = nn.Parameter(torch.empty(num_experts, d_model, hidden))
+        self.use_grouped_mm: bool | None = None
+
+    # The row layout, as methods: expert parallelism (foundry.distributed) routes with them.
+    sort_by_expert = staticmethod(sort_by_expert)
+    dispatch = staticmethod(dispatch)
+    combine = staticmethod(combine)
+
+    def init_weights_with(self, weight_init: InitFn, residual_divisor: float | None) -> None:
+        """Each expert's matrix initialised as its own nn.Linear weight would be (foundry/models/init.py)."""
+        for name in ("up_proj", "gate_proj", "down_proj"):
+            weight = getattr(self, name)
+            if weight is None:
+                continue
+            local = self.local(weight)  # an FSDP2 or expert-parallel shard: this rank's experts
+            for expert_weight in local:
+                weight_init(expert_weight)
+            if name == "down_proj" and residual_divisor is not None:
+                local.div_(residual_divisor)
+
+    @staticmethod
+    def local(weight: torch.Tensor) -> torch.Tensor:
+        """This rank's experts of ``weight``: all of them, or its shard under expert parallelism (a DTensor)."""
+        return weight.to_local() if hasattr(weight, "to_local") else weight
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_name == "gelu":
+            return F.gelu(x, approximate=self.act_approximate)
+        return F.silu(x) if self.act_name == "silu" else F.relu(x)
+
+    def row_alignment(self, x: torch.Tensor) -> int:
+        """How ``sort_by_expert`` must pad each expert's rows for this input."""
+        return GROUPED_MM_ROW_ALIGNMENT if self._uses_grouped_mm(x) else 1
+
+    def _uses_grouped_mm(self, x: torch.Tensor) -> bool:
+        dtype = autocast_dtype(x.device.type) or x.dtype
+        runs = grouped_mm_runs_on(x.device, dtype)
+        return runs if self.use_grouped_mm is None else self.use_grouped_mm and runs
+
+    def route(
+        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token (tokens, d_model) through its experts (tokens, top_k), outputs summed with ``weights``.
+
+        Returns the (tokens, d_model) outputs and the assignments per expert (experts,). Expert
+        parallelism (``foundry.distributed.expert_parallel``) replaces this with an exchange between ranks.
+        """
+        layout = sort_by_expert(expert_ids, self.num_experts, self.row_alignment(x))
+        return combine(self(dispatch(x, layout), layout), layout, weights), layout.tokens_per_expert
+
+    def forward(self, x: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+        """(rows, d_model) expert-sorted tokens -> (rows, d_model); padding rows give zeros."""
+        weights = [self.local(w) for w in (self.up_proj, self.gate_proj, self.down_proj) if w is not None]
+        dtype = autocast_dtype(x.device.type) or x.dtype  # autocast does not cover grouped_mm: cast here
+        x, weights = x.to(dtype), [w.to(dtype) for w in weights]
+        if self._uses_grouped_mm(x):
+            project = lambda inputs, weight: _grouped_mm(inputs, weight.transpose(-2, -1), offs=layout.group_ends)  # noqa: E731
+        else:
+            project = self._project_per_expert(layout)
+        up = project(x, weights[0])
+        hidden = self.act(project(x, weights[1])) * up if self.glu else self.act(up)
+        return project(hidden, weights[-1])
+
+    def _project_per_expert(self, layout: ExpertLayout) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """A projection that multiplies each expert's contiguous rows by its own matrix (reads the counts once)."""
+        ends = layout.group_ends.tolist()
+        starts = [0, *ends[:-1]]
+
+        def project(inputs: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            outputs = [F.linear(inputs[start:end], weight[e]) for e, (start, end) in enumerate(zip(starts, ends))]
+            tail = inputs.new_zeros(inputs.shape[0] - ends[-1], weight.shape[1])  # unused rows past the groups
+            return torch.cat([*outputs, tail])
+
+        return project

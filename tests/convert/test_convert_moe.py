@@ -1,0 +1,148 @@
+"""foundry's mixtures of experts <-> Mixtral, OLMoE, Qwen3-MoE and DBRX: equal logits, exact round trips."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from foundry.checkpoint import latest_checkpoint
+from foundry.convert import choose_export
+from foundry.convert.commands import from_hf_model
+from foundry.convert.hf_export import to_hf_model
+from foundry.errors import ConfigError
+from foundry.models import LlamaCausalLM, MPTCausalLM
+
+VOCAB = 96
+LLAMA_MOE = {
+    "d_model": 32, "n_layers": 2, "n_heads": 4, "kv_n_heads": 2, "vocab_size": VOCAB, "max_seq_len": 32,
+    "ffn_hidden_size": 16, "moe_num_experts": 4, "moe_top_k": 2, "init_std": 0.2,
+}  # fmt: skip
+# foundry model name, its keys, the transformers class it exports to
+FAMILIES: dict[str, tuple[str, dict[str, Any], str]] = {
+    "mixtral": ("llama_causal_lm", LLAMA_MOE, "MixtralForCausalLM"),
+    "olmoe": ("llama_causal_lm", {**LLAMA_MOE, "qk_norm": "all_heads", "moe_normalize_expert_weights": None}, "Olmoe"),
+    "qwen3_moe": ("llama_causal_lm", {**LLAMA_MOE, "qk_norm": "per_head", "norm_eps": 1e-6}, "Qwen3Moe"),
+    "dbrx": (
+        "mpt_causal_lm",
+        {
+            "d_model": 32, "n_layers": 2, "n_heads": 4, "vocab_size": VOCAB, "max_seq_len": 32, "no_bias": True,
+            "learned_pos_emb": False, "norm_type": "layernorm", "tie_word_embeddings": False,
+            "init_config": {"name": "baseline_", "init_std": 0.2},
+            "attn_config": {
+                "attn_type": "grouped_query_attention", "kv_n_heads": 2, "rope": True, "rope_impl": "hf",
+                "clip_qkv": 8.0,
+            },
+            "ffn_config": {
+                "ffn_type": "mb_dmoe", "mlp_type": "glu", "ffn_act_fn": {"name": "silu"}, "ffn_hidden_size": 16,
+                "moe_num_experts": 4, "moe_top_k": 2, "moe_normalize_expert_weights": 1.0,
+            },
+        },
+        "DbrxForCausalLM",
+    ),
+}  # fmt: skip
+
+
+def foundry_model(family: str, **overrides: Any) -> torch.nn.Module:
+    name, keys, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    model_class = LlamaCausalLM if name == "llama_causal_lm" else MPTCausalLM
+    return model_class(**{**keys, "attn_impl": "torch", **overrides}).eval()
+
+
+@torch.no_grad()
+def logit_gap(model: torch.nn.Module, hf_model: torch.nn.Module) -> float:
+    input_ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    return (model({"input_ids": input_ids}) - hf_model(input_ids=input_ids).logits).abs().max().item()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_computes_the_same_logits_and_imports_back_bit_exact(family: str) -> None:
+    model = foundry_model(family)
+    name = FAMILIES[family][0]
+    hf_model = to_hf_model(model, name)
+    assert type(hf_model).__name__.startswith(FAMILIES[family][2])
+    assert logit_gap(model, hf_model) < 1e-4
+    adapter = choose_export(model, name).adapter
+    back = adapter.from_hf_state_dict(hf_model.state_dict(), hf_model.config)
+    original = model.state_dict()
+    assert back.keys() == original.keys()
+    assert all(torch.equal(back[key], original[key]) for key in original)
+    section = adapter.from_hf_config(hf_model.config)
+    rebuilt = type(model)(**{key: value for key, value in section.items() if key != "name"}, init_device="meta")
+    assert rebuilt.config.ffn_config == model.config.ffn_config
+    assert rebuilt.config.attn_config.qk_ln == model.config.attn_config.qk_ln
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_hugging_face_checkpoint_imports_with_the_same_logits(family: str, tmp_path: Path) -> None:
+    hf_model = to_hf_model(foundry_model(family), FAMILIES[family][0])
+    torch.manual_seed(3)
+    with torch.no_grad():  # fresh weights, drawn by transformers' side of the table
+        for parameter in hf_model.parameters():
+            parameter.normal_(0.0, 0.2)
+    hf_model.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    model, section = from_hf_model(tmp_path)
+    assert section["name"] == FAMILIES[family][0]
+    assert logit_gap(model.eval(), reloaded) < 1e-4
+
+
+def test_mixtral_needs_renormalised_weights_and_olmoe_takes_either() -> None:
+    raw = foundry_model("mixtral", moe_normalize_expert_weights=None)
+    assert importlib.import_module("foundry.convert.mixtral").unmappable_features(raw.config)
+    with pytest.raises(ConfigError, match="No Hugging Face class computes this llama_causal_lm"):
+        choose_export(raw, "llama_causal_lm")
+    olmoe = importlib.import_module("foundry.convert.olmoe")
+    assert not olmoe.unmappable_features(foundry_model("olmoe", moe_normalize_expert_weights=1.0).config)
+
+
+def test_qwen3_moe_with_dense_layers_is_refused_naming_the_key() -> None:
+    from foundry.convert import qwen3_moe
+
+    hf_config = transformers.Qwen3MoeConfig(hidden_size=32, num_attention_heads=4, mlp_only_layers=[0])
+    with pytest.raises(ConfigError, match="'mlp_only_layers'.*hf_causal_lm"):
+        qwen3_moe.from_hf_config(hf_config)
+
+
+def test_hf_causal_lm_with_an_moe_warns_and_names_the_conversion(tmp_path: Path) -> None:
+    from foundry.models import HFCausalLM
+
+    to_hf_model(foundry_model("mixtral"), "llama_causal_lm").save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match=f"foundry convert from-hf {tmp_path} OUT_CKPT.*llama_causal_lm"):
+        HFCausalLM(pretrained_model_name_or_path=str(tmp_path), pretrained=False)
+
+
+def test_load_model_reads_a_hugging_face_moe_as_foundry_moe(tmp_path: Path, tokenizer_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from foundry.inference import load_model
+
+    hf_model = to_hf_model(foundry_model("olmoe", vocab_size=320), "llama_causal_lm")
+    hf_model.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(tmp_path)
+    model, tokenizer = load_model(tmp_path)
+    assert isinstance(model, LlamaCausalLM) and model.config.ffn_config.moe_num_experts == 4
+    assert logit_gap(model, hf_model) < 1e-4
+    assert len(tokenizer) == 300
+
+
+def test_convert_commands_round_trip_a_checkpoint_bit_exact(tmp_path: Path, tokenizer_dir: Path) -> None:
+    from foundry.cli import main
+    from foundry.convert.checkpoint_io import load_checkpoint_model, save_weights_checkpoint
+
+    model = foundry_model("qwen3_moe", vocab_size=320)
+    section = model.model_section()
+    save_weights_checkpoint(model, tmp_path / "ckpt", {"model": section}, overwrite=False)
+    to_hf = ["convert", "to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--tokenizer", str(tokenizer_dir)]
+    assert main(to_hf) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert main(["convert", "from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    back = load_checkpoint_model(latest_checkpoint(tmp_path / "back"), {**section, "init_device": "meta"})
+    original = model.state_dict()
+    assert all(torch.equal(back.state_dict()[name], tensor) for name, tensor in original.items())

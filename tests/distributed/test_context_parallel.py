@@ -1,0 +1,232 @@
+"""Context parallelism on 2 gloo ranks: the mesh, the split, attention over split sequences, training, resharding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distributed.jobs import build_trainer, rank_batches, train
+from foundry.callbacks.hand_over import HandOver
+from foundry.callbacks.speed_monitor import model_flops_per_batch
+from foundry.distributed import get_rank
+from foundry.distributed.config import ParallelismConfig
+from foundry.distributed.context_parallel import (
+    ContextParallel,
+    apply_context_parallel,
+    chunks_of_rank,
+    shard_sequence,
+    unshard_sequence,
+)
+from foundry.distributed.mesh import parallel_dims
+from foundry.errors import ConfigError
+from foundry.models import MPTCausalLM
+from foundry.targets import IGNORE_INDEX, SHIFTED_LABELS_KEY, shifted_targets
+
+NUM_BATCHES = 4
+CP2 = {"context_parallel_degree": 2}
+FULL_SHARD = {"sharding_strategy": "FULL_SHARD"}
+LLAMA = {
+    "name": "llama_causal_lm", "d_model": 32, "n_heads": 4, "kv_n_heads": 2, "n_layers": 2, "vocab_size": 64,
+    "max_seq_len": 16, "ffn_hidden_size": 64, "rope_theta": 100.0,
+}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------ the split, on one process
+def test_each_rank_holds_a_head_and_its_mirrored_tail_so_causal_work_is_equal():
+    cp_size = 4
+    held = [chunks_of_rank(rank, cp_size) for rank in range(cp_size)]
+    assert held == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    # chunk c attends to c + 1 chunks of keys: every rank does 2·cp + 1 chunk pairs of attention
+    assert {(head + 1) + (tail + 1) for head, tail in held} == {2 * cp_size + 1}
+
+
+def test_unsharding_the_ranks_pieces_restores_the_sequence():
+    sequence = torch.arange(2 * 24).view(2, 24)
+    pieces = [shard_sequence(sequence, rank, 3) for rank in range(3)]
+    assert pieces[0][0].tolist() == [0, 1, 2, 3, 20, 21, 22, 23]
+    assert torch.equal(unshard_sequence(torch.cat(pieces, dim=1), 3, dim=1), sequence)
+
+
+def test_a_length_the_chunks_do_not_divide_is_refused():
+    with pytest.raises(ConfigError, match="context_parallel_degree=2 cannot split"):
+        shard_sequence(torch.zeros(1, 10), 0, 2)
+
+
+def test_a_batch_with_shifted_labels_keeps_them():
+    batch = {"input_ids": torch.tensor([[5, 6, 7]]), SHIFTED_LABELS_KEY: torch.tensor([[1, 2, 3]])}
+    assert shifted_targets(batch).tolist() == [[1, 2, 3]]
+    assert shifted_targets({"input_ids": torch.tensor([[5, 6, 7]])}).tolist() == [[6, 7, IGNORE_INDEX]]
+
+
+def test_the_degree_must_divide_the_world(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="does not divide the 2 ranks"):
+        parallel_dims("shard", ParallelismConfig(context_parallel_degree=4))
+    with pytest.raises(ConfigError, match="parallelism.context_parallel_degree"):
+        ParallelismConfig(context_parallel_degree=0)
+
+
+# ------------------------------------------------------------------------------ on ranks
+def mesh_axes(cp: int) -> dict:
+    dims = parallel_dims("shard", ParallelismConfig(context_parallel_degree=cp))
+    mesh = dims.build_mesh("cpu")
+    names = ("dp_replicate", "dp_shard", "cp", "dp", "dp_shard_cp")
+    return {"sizes": {name: mesh[name].size() for name in names}, "fsdp": mesh.fsdp.mesh_dim_names}
+
+
+def test_the_mesh_shards_parameters_over_data_and_context_ranks(ranks):
+    cp2, dp2 = ranks.run(2, mesh_axes, 2)[0], ranks.run(2, mesh_axes, 1)[0]
+    assert cp2["sizes"] == {"dp_replicate": 1, "dp_shard": 1, "cp": 2, "dp": 1, "dp_shard_cp": 2}
+    assert dp2["sizes"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "dp": 2, "dp_shard_cp": 2}
+    assert cp2["fsdp"] == dp2["fsdp"] == ("dp_shard_cp",)
+
+
+def split_batch_on_rank() -> dict:
+    """Rank r loads its own 1 sample of 8 tokens; returns the pieces it trains on."""
+    rank = get_rank()
+    mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
+    batch = {"input_ids": torch.arange(8)[None] + 100 * rank}
+    return {key: value.tolist() for key, value in ContextParallel(mesh["cp"]).shard(batch).items()}
+
+
+def test_cp_ranks_split_every_sample_of_their_group_with_whole_sequence_positions_and_targets(ranks):
+    rank0, rank1 = ranks.run(2, split_batch_on_rank)
+    # both samples (each rank loaded one), rank 0 their chunks 0 and 3, rank 1 chunks 1 and 2
+    assert rank0["input_ids"] == [[0, 1, 6, 7], [100, 101, 106, 107]]
+    assert rank1["input_ids"] == [[2, 3, 4, 5], [102, 103, 104, 105]]
+    assert rank0["position_ids"] == [[0, 1, 6, 7]] * 2 and rank1["position_ids"] == [[2, 3, 4, 5]] * 2
+    # targets shifted over the whole sequence: a chunk's last target is the next chunk's first token
+    assert rank0[SHIFTED_LABELS_KEY] == [[1, 2, 7, IGNORE_INDEX], [101, 102, 107, IGNORE_INDEX]]
+    assert rank1[SHIFTED_LABELS_KEY] == [[3, 4, 5, 6], [103, 104, 105, 106]]
+
+
+def attention_against_full(kv_heads: int) -> dict:
+    """Split-sequence attention (forward and the gradients of q, k, v) next to full causal attention."""
+    mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
+    context_parallel = ContextParallel(mesh["cp"])
+    generator = torch.Generator().manual_seed(0)  # the same whole q, k, v on both ranks
+    q = torch.randn(2, 4, 16, 8, generator=generator, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, 16, 8, generator=generator, requires_grad=True) for _ in range(2))
+    weights = torch.randn(2, 4, 16, 8, generator=generator)
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != 4)
+    (full * weights).sum().backward()
+    want = {"out": full.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+    rank = get_rank()
+    local = [shard_sequence(x.detach(), rank, 2, dim=2).requires_grad_() for x in (q, k, v)]
+    out = context_parallel.split_sequence_attention(*local, scale=8**-0.5, dropout_p=0.0)
+    (out * shard_sequence(weights, rank, 2, dim=2)).sum().backward()
+    got = {"out": out.detach(), "q": local[0].grad, "k": local[1].grad, "v": local[2].grad}
+    return {name: (got[name], shard_sequence(want[name], rank, 2, dim=2)) for name in got}
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["multihead", "grouped-query"])
+def test_split_sequence_attention_matches_full_attention_forward_and_backward(ranks, kv_heads):
+    for result in ranks.run(2, attention_against_full, kv_heads):
+        for name, (got, want) in result.items():
+            # k and v gradients: this rank's share of the sum over both ranks' queries (the reduce-scatter)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.fixture(scope="module")
+def one_rank(ranks, tmp_path_factory) -> dict:
+    return ranks.run(1, train, NUM_BATCHES, str(tmp_path_factory.mktemp("one_rank")))[0]
+
+
+def assert_same_run(result: dict, reference: dict) -> None:
+    assert sorted(result["losses"]) == list(range(1, NUM_BATCHES + 1))
+    for step, loss in reference["losses"].items():
+        assert result["losses"][step] == pytest.approx(loss, abs=1e-5), step
+    for name, weight in reference["weights"].items():
+        torch.testing.assert_close(result["weights"][name], weight, atol=1e-5, rtol=0, msg=name)
+
+
+def test_cp2_trains_exactly_like_one_rank(ranks, one_rank, tmp_path):
+    """MPT with learned position embeddings: the same losses and weights as one process, global batch alike."""
+    assert_same_run(ranks.run(2, train, NUM_BATCHES, str(tmp_path), FULL_SHARD, parallelism=CP2)[0], one_rank)
+
+
+def test_cp2_llama_with_rope_and_grouped_query_attention_trains_like_one_rank(ranks, tmp_path):
+    reference = ranks.run(1, train, NUM_BATCHES, str(tmp_path / "one"), model_keys=LLAMA)[0]
+    result = ranks.run(2, train, NUM_BATCHES, str(tmp_path / "cp"), FULL_SHARD, model_keys=LLAMA, parallelism=CP2)
+    assert_same_run(result[0], reference)
+
+
+def eval_loss(folder: str, parallelism: dict | None) -> float:
+    trainer = build_trainer(1, folder, FULL_SHARD if parallelism else None, parallelism=parallelism)
+    trainer.state.eval_dataloaders = {"eval": rank_batches(2)}
+    return trainer.eval()["eval"]["loss"]
+
+
+def test_evaluation_under_cp2_gives_one_ranks_loss(ranks, tmp_path):
+    one = ranks.run(1, eval_loss, str(tmp_path / "one"), None)[0]
+    assert ranks.run(2, eval_loss, str(tmp_path / "cp"), CP2) == [pytest.approx(one, abs=1e-6)] * 2
+
+
+def flops_of_a_batch(folder: str, parallelism: dict | None) -> int:
+    trainer = build_trainer(1, folder, FULL_SHARD if parallelism else None, parallelism=parallelism)
+    trainer.fit()
+    return model_flops_per_batch(trainer.state)
+
+
+def test_mfu_counts_attention_over_whole_sequences_under_cp(ranks, tmp_path):
+    """A cp rank's FLOPs are those of its loaded samples at their whole length: attention's seq² is not
+    split into (seq / cp)² pieces. One rank holds the whole global batch: twice a cp rank's count."""
+    one = ranks.run(1, flops_of_a_batch, str(tmp_path / "one"), None)[0]
+    cp_ranks = ranks.run(2, flops_of_a_batch, str(tmp_path / "cp"), CP2)
+    assert cp_ranks == [one // 2] * 2
+
+
+@pytest.mark.parametrize(
+    ("saved_by", "loaded_by"),
+    [((2, FULL_SHARD, CP2), (1, None, None)), ((1, None, None), (2, FULL_SHARD, CP2))],
+    ids=["cp2-to-1-rank", "1-rank-to-cp2"],
+)
+def test_a_cp2_checkpoint_resumes_on_one_rank_and_the_reverse(ranks, one_rank, saved_by, loaded_by, tmp_path):
+    relaunch = {"callbacks": [HandOver("2ba")], "save_folder": str(tmp_path / "ckpt"), "autoresume": True}
+    for world_size, fsdp_config, parallelism in (saved_by, loaded_by):
+        last = ranks.run(
+            world_size, train, NUM_BATCHES, str(tmp_path), fsdp_config, parallelism=parallelism, **relaunch
+        )
+    assert sorted(last[0]["losses"]) == [3, 4]
+    for step, loss in last[0]["losses"].items():
+        assert loss == pytest.approx(one_rank["losses"][step], abs=1e-5), step
+    for name, weight in one_rank["weights"].items():
+        torch.testing.assert_close(last[0]["weights"][name], weight, atol=1e-5, rtol=0, msg=name)
+
+
+def refusal(attn_config: dict) -> str:
+    model = MPTCausalLM(d_model=16, n_heads=2, n_layers=1, vocab_size=32, max_seq_len=8, attn_config=attn_config)
+    mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
+    with pytest.raises(ConfigError) as error:
+        apply_context_parallel(model, mesh["cp"])
+    return str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("attn_config", "key"),
+    [
+        ({"alibi": True}, "alibi"),
+        ({"attn_uses_sequence_id": True}, "attn_uses_sequence_id"),
+        ({"sliding_window_size": 4}, "sliding_window_size"),
+    ],
+)
+def test_masks_beyond_causal_are_refused_by_key(ranks, attn_config, key):
+    assert f"model.attn_config.{key}" in ranks.run(2, refusal, attn_config)[0]
+
+
+def padded_forward() -> str:
+    model = MPTCausalLM(d_model=16, n_heads=2, n_layers=1, vocab_size=32, max_seq_len=8)
+    mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
+    context_parallel = apply_context_parallel(model, mesh["cp"])
+    batch = context_parallel.shard(
+        {"input_ids": torch.ones(1, 8, dtype=torch.long), "attention_mask": torch.ones(1, 8)}
+    )
+    batch["attention_mask"][0, 0] = 0  # a padded token
+    with context_parallel.activated(), pytest.raises(ConfigError) as error:
+        model(batch)
+    return str(error.value)
+
+
+def test_a_padded_batch_is_refused_at_its_forward(ranks):
+    assert all("this batch needs a mask: padding" in message for message in ranks.run(2, padded_forward))

@@ -1,0 +1,111 @@
+"""Expert parallelism on 2 gloo ranks against one rank's MoE: the same outputs and gradients, the same checkpoint."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from foundry.distributed.expert_parallel import ExpertParallelRouting, apply_expert_parallel
+from foundry.models.init import InitConfig, init_weights_
+from foundry.models.layers import ActFnConfig
+from foundry.models.moe import MoE, MoEConfig
+
+D_MODEL = 8
+
+
+def tiny_moe() -> MoE:
+    torch.manual_seed(0)
+    config = MoEConfig(num_experts=4, top_k=2, hidden_size=6, glu=True, act=ActFnConfig("silu"))
+    moe = MoE(D_MODEL, config)
+    init_weights_(moe, InitConfig(name="baseline_", init_std=0.3), n_layers=2, d_model=D_MODEL)
+    return moe
+
+
+def exchange_matches_one_rank() -> bool:
+    rank = dist.get_rank()
+    reference = tiny_moe()
+    sharded = copy.deepcopy(reference)
+    assert apply_expert_parallel(sharded, init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))) == 1
+    assert isinstance(sharded.experts, ExpertParallelRouting)
+    torch.manual_seed(10 + rank)  # each rank routes its own tokens, unevenly (rank 1 has more)
+    x = torch.randn(1, 5 + 3 * rank, D_MODEL)
+    x_ref = x.clone().requires_grad_(True)
+    x = x.requires_grad_(True)
+    out, expected = sharded(x), reference(x_ref)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sharded.router.layer.weight.grad, reference.router.layer.weight.grad)
+    for name in ("up_proj", "gate_proj", "down_proj"):
+        full_grad = getattr(reference.experts, name).grad.clone()
+        dist.all_reduce(full_grad)  # each rank's tokens reach the experts: their gradients add up
+        local = getattr(sharded.experts, name).grad.to_local()
+        torch.testing.assert_close(local, full_grad[2 * rank : 2 * rank + 2], rtol=1e-5, atol=1e-6)
+        full_weight = getattr(sharded.experts, name).full_tensor()
+        torch.testing.assert_close(full_weight, getattr(reference.experts, name).detach())
+    return True
+
+
+def test_dispatch_and_combine_over_two_ranks_equal_one_rank(ranks) -> None:
+    assert ranks.run(2, exchange_matches_one_rank) == [True, True]
+
+
+MOE_MODEL = {"expansion_ratio": 1, "ffn_config": {"ffn_type": "mb_dmoe", "moe_num_experts": 4, "moe_top_k": 2}}
+FSDP = {"sharding_strategy": "FULL_SHARD"}
+EP2 = {"parallelism": {"expert_parallel_degree": 2}}
+
+
+def moe_keys(loss_weight: float) -> dict:
+    return {**MOE_MODEL, "ffn_config": {**MOE_MODEL["ffn_config"], "moe_loss_weight": loss_weight}}
+
+
+def test_ep2_trains_as_fsdp_alone_with_clipping_and_the_load_balancing_loss(ranks, tmp_path) -> None:
+    from distributed.jobs import train
+    from foundry.algorithms import GradientClipping
+
+    common = {"model_keys": moe_keys(0.01), "algorithms": [GradientClipping(clipping_threshold=0.05)]}
+    fsdp = ranks.run(2, train, 2, str(tmp_path / "fsdp"), FSDP, **common)[0]
+    ep = ranks.run(2, train, 2, str(tmp_path / "ep"), FSDP, **EP2, **common)[0]
+    assert ep["losses"] == pytest.approx(fsdp["losses"], abs=1e-5)
+    for name, weight in fsdp["weights"].items():
+        torch.testing.assert_close(ep["weights"][name], weight, atol=1e-5, rtol=0, msg=name)
+
+
+def test_an_ep2_checkpoint_resumes_on_one_rank(ranks, tmp_path) -> None:
+    from distributed.jobs import train
+    from foundry.callbacks.hand_over import HandOver
+
+    keys = {"model_keys": moe_keys(0.0)}  # without the per-rank balancing loss, any world size trains alike
+    uninterrupted = ranks.run(1, train, 6, str(tmp_path / "one"), None, **keys)[0]
+    relaunch = {"callbacks": [HandOver("3ba")], "save_folder": str(tmp_path / "ckpt"), "autoresume": True, **keys}
+    first = ranks.run(2, train, 6, str(tmp_path), FSDP, **EP2, **relaunch)[0]
+    second = ranks.run(1, train, 6, str(tmp_path), None, **relaunch)[0]
+    assert (first["batch"], second["batch"]) == (3, 6)
+    for step, loss in second["losses"].items():
+        assert loss == pytest.approx(uninterrupted["losses"][step], abs=1e-5), step
+    for name, weight in uninterrupted["weights"].items():
+        torch.testing.assert_close(second["weights"][name], weight, atol=1e-5, rtol=0, msg=name)
+
+
+def test_the_deprecated_fsdp_config_key_warns_and_sets_the_parallelism_degree() -> None:
+    from foundry.distributed.config import FSDPConfig, ParallelismConfig, with_fsdp_aliases
+
+    with pytest.warns(FutureWarning, match="parallelism: {expert_parallel_degree: 2}"):
+        resolved = with_fsdp_aliases(ParallelismConfig(), FSDPConfig(expert_parallel_degree=2))
+    assert resolved.expert_parallel_degree == 2
+
+
+def test_expert_parallelism_with_context_parallelism_is_refused_naming_both_keys() -> None:
+    from foundry.distributed.config import ParallelismConfig
+    from foundry.distributed.mesh import parallel_dims
+    from foundry.errors import ConfigError
+
+    both = ParallelismConfig(expert_parallel_degree=2, context_parallel_degree=2)
+    with pytest.raises(ConfigError, match="expert_parallel_degree.*context_parallel_degree"):
+        parallel_dims("shard", both)

@@ -1,0 +1,139 @@
+"""The MoE feed-forward against a dense per-token reference: routing, permutation, outputs, gradients, loss terms."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from foundry.errors import ConfigError
+from foundry.models.experts import dispatch, sort_by_expert
+from foundry.models.init import InitConfig, init_weights_
+from foundry.models.layers import ActFnConfig
+from foundry.models.moe import MoE, MoEConfig, Routing, expert_load, moe_loss_terms
+
+D_MODEL, HIDDEN, EXPERTS = 16, 24, 4
+
+
+def tiny_moe(**overrides: object) -> MoE:
+    torch.manual_seed(0)
+    keys = {"num_experts": EXPERTS, "top_k": 2, "hidden_size": HIDDEN, "glu": True, "act": ActFnConfig("silu")}
+    moe = MoE(D_MODEL, MoEConfig(**{**keys, **overrides}))
+    init_weights_(moe, InitConfig(name="baseline_", init_std=0.2), n_layers=2, d_model=D_MODEL)
+    return moe
+
+
+def reference_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token: softmax, top-k, (renormalised) weights, each chosen expert's FFN, shared expert, bias."""
+    config, experts = moe.config, moe.experts
+    outputs = []
+    for token in x.reshape(-1, x.shape[-1]):
+        probs = F.softmax(moe.router.layer(token).float(), dim=-1)
+        weights, ids = probs.topk(config.top_k)
+        if config.normalize_expert_weights is not None:
+            weights = weights / weights.norm(p=config.normalize_expert_weights)
+        out = torch.zeros_like(token)
+        for weight, e in zip(weights, ids.tolist()):
+            up = experts.up_proj[e] @ token
+            hidden = experts.act(experts.gate_proj[e] @ token) * up if config.glu else experts.act(up)
+            out = out + weight * (experts.down_proj[e] @ hidden)
+        if moe.shared_expert is not None:
+            out = out + moe.shared_expert(token)
+        if moe.bias is not None:
+            out = out + moe.bias
+        outputs.append(out)
+    return torch.stack(outputs).view_as(x)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"normalize_expert_weights": 1.0},
+        {"glu": False, "act": ActFnConfig("gelu"), "bias": True},
+        {"shared_expert_hidden_size": 8, "top_k": 1},
+        {"top_k": EXPERTS},
+    ],
+    ids=["glu-top2", "renormalised", "mlp-bias", "shared-top1", "all-experts"],
+)
+def test_moe_output_and_gradients_equal_a_per_token_loop(overrides: dict[str, object]) -> None:
+    moe = tiny_moe(**overrides)
+    x = torch.randn(3, 5, D_MODEL, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    out = moe(x)
+    expected = reference_moe(moe, x_ref)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [x, *moe.parameters()], grad_out)
+    expected_grads = torch.autograd.grad(expected, [x_ref, *moe.parameters()], grad_out, allow_unused=True)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad if expected_grad is not None else torch.zeros_like(grad))
+
+
+def test_sort_by_expert_groups_assignments_with_aligned_padding() -> None:
+    expert_ids = torch.tensor([[2, 0], [0, 1], [2, 1], [0, 2]])  # 4 tokens, top-2
+    layout = sort_by_expert(expert_ids, num_experts=4, row_alignment=4)
+    assert layout.tokens_per_expert.tolist() == [3, 2, 3, 0]
+    assert layout.group_ends.tolist() == [4, 8, 12, 12]
+    x = torch.arange(4.0)[:, None] + 1  # token t's row is t + 1; padding rows are 0
+    rows = dispatch(x, layout).squeeze(1).tolist()
+    # expert 0: tokens 0, 1, 3; expert 1: tokens 1, 2; expert 2: tokens 0, 2, 3; padding to multiples of 4
+    assert rows[:12] == [1, 2, 4, 0, 2, 3, 0, 0, 1, 3, 4, 0]
+    assert len(rows) == 4 * 2 + 4 * 3
+    # assignment t * 2 + j sits where its token was copied
+    assert [rows[slot] for slot in layout.slot_of_assignment.tolist()] == [1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_load_balancing_loss_is_megablocks_formula_on_a_fixed_routing() -> None:
+    counts = torch.tensor([3.0, 1.0, 0.0, 4.0])  # 4 tokens, top-2
+    probs = torch.tensor([0.4, 0.1, 0.2, 0.3])
+    routing = Routing(tokens_per_expert=counts, mean_probs=probs, z=torch.tensor(0.0))
+    # MegaBlocks: num_experts / (tokens * top_k) * dot(tokens_per_expert, mean scores)
+    assert routing.load_balancing.item() == pytest.approx(4 / (4 * 2) * (3 * 0.4 + 1 * 0.1 + 4 * 0.3))
+    even = Routing(tokens_per_expert=torch.full((4,), 2.0), mean_probs=torch.full((4,), 0.25), z=torch.tensor(0.0))
+    assert even.load_balancing.item() == pytest.approx(1.0)
+
+
+def test_loss_terms_are_weighted_means_over_layers() -> None:
+    layers = [tiny_moe(load_balancing_weight=0.01, z_loss_weight=0.001) for _ in range(2)]
+    x = torch.randn(2, 4, D_MODEL)
+    for layer in layers:
+        layer(x)
+    terms = moe_loss_terms(layers)
+    logits = [layer.router.layer(x.reshape(-1, D_MODEL)) for layer in layers]
+    z = [torch.logsumexp(logit, -1).square().mean() for logit in logits]
+    torch.testing.assert_close(terms["router_z"], 0.001 * (z[0] + z[1]) / 2)
+    lbl = [layer.routing.load_balancing for layer in layers]
+    torch.testing.assert_close(terms["load_balancing"], 0.01 * (lbl[0] + lbl[1]) / 2)
+    assert moe_loss_terms([tiny_moe()]) == {}  # no forward yet, and no weights
+
+
+def test_expert_load_is_max_over_mean() -> None:
+    assert expert_load(torch.tensor([2, 2, 2, 2])).item() == 1.0
+    assert expert_load(torch.tensor([8, 0, 0, 0])).item() == 4.0
+
+
+def test_uniform_expert_assignment_spreads_tokens_evenly() -> None:
+    moe = tiny_moe(uniform_expert_assignment=True)
+    moe(torch.randn(1, 8, D_MODEL))
+    assert moe.routing.tokens_per_expert.tolist() == [4, 4, 4, 4]
+
+
+def test_bad_top_k_names_the_keys() -> None:
+    with pytest.raises(ConfigError, match="top_k between 1 and the number of experts"):
+        MoEConfig(num_experts=4, top_k=5, hidden_size=8)
+
+
+def test_moe_runs_under_bf16_autocast_and_compile() -> None:
+    moe = tiny_moe()
+    x = torch.randn(2, 8, D_MODEL)
+    expected = moe(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = moe(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=0.05, atol=0.05)
+    compiled = torch.compile(moe, backend="eager")
+    torch.testing.assert_close(compiled(x), expected)
+    assert math.isfinite(moe.routing.z.item())
