@@ -36,6 +36,7 @@ OVERRIDES = [
     "max_duration=6ba",
     "save_interval=100ba",
     "autoresume=true",
+    "device=cpu",  # the 2-rank start runs on CPU ranks; the in-process runs must compute alike on a GPU machine
 ]
 HAND_OVER = ["callbacks={hand_over: {interval: 2ba}}", "fsdp_config={sharding_strategy: FULL_SHARD}"]
 
