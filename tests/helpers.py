@@ -46,6 +46,23 @@ def token_batches(num_batches: int, batch_size: int, seq_len: int = 8, vocab_siz
     ]
 
 
+def tiny_trainer(folder: Path, *, batches: int = 4, batch_size: int = 4, seed: int | None = 0, **settings: Any):
+    """A quiet CPU Trainer of a fresh TinyLM over ``batches`` fixed batches, its run folder under ``folder``.
+
+    ``settings`` are the Trainer's keywords (``save_folder``, ``max_duration``, ...) and override the defaults
+    here; ``seed`` seeds the model's initialisation (``None`` leaves the global generator as it is).
+    """
+    from foundry.trainer import Trainer
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    options = {
+        "max_duration": f"{batches}ba", "run_folder": str(folder / "run"), "log_to_console": False, "device": "cpu",
+        **settings,
+    }  # fmt: skip
+    return Trainer(model=TinyLM(), train_dataloader=token_batches(batches, batch_size), **options)
+
+
 class FakeClock:
     """A clock that only moves when the test says so."""
 

@@ -9,9 +9,10 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
-from helpers import TinyLM, token_batches
+from helpers import tiny_trainer
 
 from foundry.checkpoint import lock
 from foundry.errors import ConfigError
@@ -19,10 +20,9 @@ from foundry.trainer import Trainer
 
 
 def _trainer(save_folder, **kwargs) -> Trainer:
-    return Trainer(
-        model=TinyLM(), train_dataloader=token_batches(2, 4), max_duration="2ba", device="cpu",
-        save_folder=str(save_folder), run_folder=str(save_folder) + "-run", log_to_console=False, run_name="second",
-        **kwargs,
+    return tiny_trainer(
+        Path(save_folder), batches=2, seed=None, save_folder=str(save_folder), run_folder=str(save_folder) + "-run",
+        run_name="second", **kwargs,
     )  # fmt: skip
 
 

@@ -6,26 +6,16 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import TinyLM, token_batches
+from helpers import tiny_trainer
 
 from foundry.errors import ConfigError
 from foundry.trainer import Trainer
 
 
 def _trainer(folder: Path, run_name: str | None, **kwargs) -> Trainer:
-    torch.manual_seed(0)
     options = {"max_duration": "2ba", "autoresume": True, **kwargs}
-    return Trainer(
-        model=TinyLM(),
-        train_dataloader=token_batches(4, batch_size=4),
-        save_folder=str(folder / "checkpoints"),
-        save_interval="1ba",
-        run_name=run_name,
-        run_folder=str(folder / "run"),
-        log_to_console=False,
-        device="cpu",
-        **options,
+    return tiny_trainer(
+        folder, save_folder=str(folder / "checkpoints"), save_interval="1ba", run_name=run_name, **options
     )
 
 

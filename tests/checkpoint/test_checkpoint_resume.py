@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import TinyLM, flip_byte, token_batches
+from helpers import flip_byte, tiny_trainer, token_batches
 
 from foundry.checkpoint import latest_checkpoint
 from foundry.errors import CheckpointError, DamagedCheckpointError
@@ -17,17 +17,8 @@ NUM_BATCHES = 4
 
 
 def _trainer(folder, **kwargs) -> Trainer:
-    torch.manual_seed(0)
     options = {"save_folder": str(folder / "checkpoints"), "save_interval": "1ba", "autoresume": True, **kwargs}
-    return Trainer(
-        model=TinyLM(),
-        train_dataloader=token_batches(NUM_BATCHES, batch_size=4),
-        max_duration=f"{NUM_BATCHES}ba",
-        run_folder=str(folder / "run"),
-        log_to_console=False,
-        device="cpu",
-        **options,
-    )
+    return tiny_trainer(folder, batches=NUM_BATCHES, **options)
 
 
 def _weights(trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from helpers import TinyLM, token_batches
+from helpers import TinyLM, tiny_trainer, token_batches
 
 from foundry.checkpoint.integrity import verify_checkpoint
 from foundry.checkpoint.object_store import ObjectStore
@@ -26,17 +25,8 @@ if not hasattr(fault_injection, "launch"):
 
 
 def _trainer(save_folder: str, tmp_path: Path, max_batches: int = 3, **kwargs) -> Trainer:
-    torch.manual_seed(0)
-    return Trainer(
-        model=TinyLM(),
-        train_dataloader=token_batches(6, 4),
-        max_duration=f"{max_batches}ba",
-        save_folder=save_folder,
-        save_interval="1ba",
-        device="cpu",
-        run_folder=str(tmp_path / "run"),
-        log_to_console=False,
-        **kwargs,
+    return tiny_trainer(
+        tmp_path, batches=6, max_duration=f"{max_batches}ba", save_folder=save_folder, save_interval="1ba", **kwargs
     )
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import TinyLM, token_batches
+from helpers import tiny_trainer
 
 from foundry.checkpoint.resume_check import changed_trained_keys
 from foundry.errors import ConfigError
@@ -47,10 +47,9 @@ def test_a_key_added_or_removed_counts_as_a_change():
 
 
 def _trainer(folder: Path, config: dict, max_duration: str, **settings) -> Trainer:
-    return Trainer(
-        model=TinyLM(), train_dataloader=token_batches(4, 4), max_duration=max_duration, device="cpu",
-        save_folder=str(folder / "ckpt"), save_interval="2ba", autoresume=True, run_folder=str(folder / "run"),
-        log_to_console=False, config=config, **settings,
+    return tiny_trainer(
+        folder, seed=None, max_duration=max_duration, save_folder=str(folder / "ckpt"), save_interval="2ba",
+        autoresume=True, config=config, **settings,
     )  # fmt: skip
 
 
