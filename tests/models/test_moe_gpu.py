@@ -37,7 +37,9 @@ def test_grouped_gemm_matches_the_per_expert_loop_in_bf16(tokens: int) -> None:
     loop, loop_grads = run(moe, x, False)
     torch.testing.assert_close(grouped, loop, rtol=2e-2, atol=2e-2)
     for grouped_grad, loop_grad in zip(grouped_grads, loop_grads, strict=True):
-        torch.testing.assert_close(grouped_grad, loop_grad, rtol=5e-2, atol=5e-3)
+        # relative to the gradient's own norm: an absolute tolerance would pass a zero gradient, these are small
+        assert loop_grad.norm() > 0
+        assert (grouped_grad.float() - loop_grad.float()).norm() <= 2e-2 * loop_grad.float().norm()
 
 
 def test_compiled_grouped_moe_matches_eager() -> None:
