@@ -217,6 +217,14 @@ class Adapter:
                 per_expert.setdefault(target, {})[int(expert.group(1))] = tensor
             else:
                 raise ConfigError(f"{self.family.architecture} import does not know the parameter '{name}'.")
+        num_experts = getattr(hf_config, self.family.num_experts_key)
         for target, experts in per_expert.items():
-            state[target] = torch.stack([experts[e] for e in range(len(experts))])
+            missing = sorted(set(range(num_experts)) - set(experts))
+            if missing or len(experts) != num_experts:
+                raise ConfigError(
+                    f"The {self.family.architecture} weights lack experts {missing or sorted(experts)[num_experts:]} "
+                    f"for '{target}' ({self.family.num_experts_key} is {num_experts} in config.json). The folder is "
+                    "incomplete or its config.json belongs to another model: download or export it again."
+                )
+            state[target] = torch.stack([experts[e] for e in range(num_experts)])
         return {name: tensor.contiguous() for name, tensor in state.items()}
