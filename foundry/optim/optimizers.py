@@ -93,6 +93,9 @@ def adam_step_with_bf16_moments(optimizer: torch.optim.AdamW, closure: Any = Non
                 state["step"] = torch.tensor(0.0)
                 state["exp_avg"] = torch.zeros_like(param, dtype=torch.bfloat16)
                 state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.bfloat16)
+            for key in ("exp_avg", "exp_avg_sq"):  # load_state_dict casts state to the parameter's dtype
+                if state[key].dtype != torch.bfloat16:
+                    state[key] = state[key].to(torch.bfloat16)
             state["step"] += 1
             step = state["step"].item()
             weight, grad, exp_avg, exp_avg_sq = (

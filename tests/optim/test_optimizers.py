@@ -63,3 +63,16 @@ def test_one_step_with_bf16_moments_is_torchs_step_when_the_moments_round_exactl
 def test_an_unknown_moments_dtype_names_the_key() -> None:
     with pytest.raises(ConfigError, match="optimizer.moments_dtype"):
         DecoupledAdamW([torch.nn.Parameter(torch.zeros(1))], moments_dtype="float16")
+
+
+@pytest.mark.parametrize("name", ["decoupled_adamw", "adamw"])
+def test_bf16_moments_stay_bf16_after_a_resumed_optimizer_state(name) -> None:
+    build = registry.optimizers.get(name)
+    weight = torch.nn.Parameter(torch.ones(4))
+    first = build([weight], lr=0.1, moments_dtype="bfloat16")
+    weight.grad = torch.full((4,), 0.5)
+    first.step()
+    resumed = build([weight], lr=0.1, moments_dtype="bfloat16")
+    resumed.load_state_dict(first.state_dict())  # torch casts loaded state to the parameter's dtype (fp32)
+    resumed.step()
+    assert resumed.state[weight]["exp_avg"].dtype == resumed.state[weight]["exp_avg_sq"].dtype == torch.bfloat16
