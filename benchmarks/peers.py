@@ -258,7 +258,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"== {name}", flush=True)
         result = run_row(row, settings, wheels, sites, args.warmup, args.row_timeout)
         if row.framework == "llm-foundry" and not settings.flash_attn_available and not settings.smoke:
-            result["note"] = "attn_impl: torch (flash-attn, its YAML's FA2, is not installed)"
+            result["note"] = (
+                "attn_impl: torch, loss_fn: torch_crossentropy (flash-attn, its YAML's FA2 and fused loss, is not installed)"
+            )
         results.append(result)
         print({key: value for key, value in result.items() if key not in ("log_tail", "command")}, flush=True)
         ratios(results)

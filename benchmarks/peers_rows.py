@@ -7,7 +7,8 @@ settings, on the token stream of ``peers.py prepare``, at sequence length 2048 a
   of its llama3_8b.toml's settings: FSDP2, ``compile`` of model and loss, fused AdamW, bf16 parameters;
   selective activation checkpointing at 8B as that TOML has, none at 1B.
 - ``llm-foundry-mpt-1b``: LLM Foundry's ``scripts/train/train.py`` (``train_from_yaml``) on its ``mpt-1b.yaml``,
-  paths changed; ``attn_impl: torch`` where flash-attn (its YAML's ``flash``) is not installed.
+  paths changed; ``attn_impl: torch`` and ``loss_fn: torch_crossentropy`` where flash-attn (its YAML's ``flash``
+  attention and fused cross-entropy) is not installed.
 - ``hf-trainer-llama-1b``: ``benchmarks/peers_hf_trainer.py``, transformers' ``Trainer`` with bf16, SDPA,
   ``torch_compile`` and fused AdamW.
 - ``foundry-*``: ``foundry train yamls/pretrain/<yaml>``, the YAML's settings.
@@ -167,7 +168,8 @@ def _llm_foundry(row: Row, settings: Settings) -> tuple[list[str], dict[str, str
     if settings.smoke:
         overrides += ["device_train_microbatch_size=2", f"variables.max_seq_len={SMOKE_SEQ_LEN}"]
     elif not settings.flash_attn_available:
-        overrides.append("model.attn_config.attn_impl=torch")  # LLM Foundry's only other attention
+        # flash-attn's package also holds the fused cross-entropy its YAML's loss_fn names
+        overrides += ["model.attn_config.attn_impl=torch", "model.loss_fn=torch_crossentropy"]
     return [sys.executable, "-c", LLM_FOUNDRY_TRAIN_PY, str(yaml), *overrides], {"RUN_NAME": row.name}
 
 

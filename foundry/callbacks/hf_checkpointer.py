@@ -24,8 +24,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from foundry import distributed, registry
-from foundry.convert.commands import set_special_token_ids, write_atomically
-from foundry.convert.hf_export import export_hf_model, save_hf_folder
+from foundry.convert.checkpoint_io import write_atomically
 from foundry.core.callback import Callback
 from foundry.core.interval import Interval
 from foundry.core.logger import Logger
@@ -140,6 +139,9 @@ class HFCheckpointer(Callback):
             hf_weights = {name.removeprefix(prefix): tensor for name, tensor in weights.items()}
             model.hf_model.save_pretrained(out_dir, state_dict=hf_weights)
         else:  # the class foundry.convert.choose_export picks: built into transformers, or foundry's own code
+            from foundry.convert.commands import set_special_token_ids  # transformers: only when a run exports
+            from foundry.convert.hf_export import export_hf_model, save_hf_folder
+
             export = export_hf_model(model, registered_name(model), weights)
             if tokenizer is not None:
                 set_special_token_ids(export.hf_model, tokenizer)

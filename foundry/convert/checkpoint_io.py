@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -134,3 +136,22 @@ def read_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
             "folder that was exported."
         )
     return {name: tensor for path in files for name, tensor in torch.load(path, weights_only=True).items()}
+
+
+def check_out_dir(out_dir: Path, overwrite: bool) -> Path:
+    if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite):
+        raise ConfigError(f"{out_dir} exists and is not empty; pass --overwrite to replace it, or choose another.")
+    return out_dir
+
+
+def write_atomically(out_dir: Path, write: Callable[[Path], None]) -> None:
+    """Run ``write(tmp_dir)`` beside ``out_dir``, then move the result into place: no half-written export."""
+    tmp_dir = out_dir.parent / f".tmp-{out_dir.name}-{secrets.token_hex(4)}"
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        write(tmp_dir)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp_dir.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -5,9 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
-import secrets
-import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +17,13 @@ from foundry.checkpoint import latest_checkpoint
 from foundry.convert import adapter_for_hf, choose_export, foundry_mpt
 from foundry.convert.checkpoint_io import (
     assign_weights,
+    check_out_dir,
     load_checkpoint_model,
     meta_model,
     read_folder_weights,
     resolve_checkpoint,
     save_weights_checkpoint,
+    write_atomically,
 )
 from foundry.convert.hf_export import assign_exported, export_hf_model, exported_section, save_hf_folder
 from foundry.convert.llmfoundry_mpt import is_llm_foundry_mpt_export, load_export_tokenizer, load_llm_foundry_export
@@ -207,20 +206,3 @@ def _hf_tokenizer(hf_dir: Path) -> Any:
 
 
 # ----------------------------------------------------------------------------------- helpers
-def check_out_dir(out_dir: Path, overwrite: bool) -> Path:
-    if out_dir.is_file() or (out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite):
-        raise ConfigError(f"{out_dir} exists and is not empty; pass --overwrite to replace it, or choose another.")
-    return out_dir
-
-
-def write_atomically(out_dir: Path, write: Callable[[Path], None]) -> None:
-    """Run ``write(tmp_dir)`` beside ``out_dir``, then move the result into place: no half-written export."""
-    tmp_dir = out_dir.parent / f".tmp-{out_dir.name}-{secrets.token_hex(4)}"
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        write(tmp_dir)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp_dir.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)

@@ -8,14 +8,15 @@ early-stopping callbacks read them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from foundry.core import Logger, State
 from foundry.errors import ConfigError
 from foundry.eval.config import EvalConfig
-from foundry.eval.evaluator import ICLEvaluator
-from foundry.eval.gauntlet import gauntlet_scores
 from foundry.eval.task_config import GauntletConfig, parse_gauntlet, parse_icl_tasks
+
+if TYPE_CHECKING:  # torchmetrics (and the transformers it pulls in) load only for runs with icl_tasks
+    from foundry.eval.evaluator import ICLEvaluator
 
 
 class ICLEvaluation:
@@ -36,6 +37,8 @@ class ICLEvaluation:
         for name, values in results.items():
             state.eval_metrics[f"icl/{name}"] = values
         if self.gauntlet is not None:
+            from foundry.eval.gauntlet import gauntlet_scores
+
             sizes = {name: self.evaluator.num_examples(name) for name in results}
             scores = gauntlet_scores(self.gauntlet, results, sizes)
             state.eval_metrics["icl/gauntlet"] = scores
@@ -58,6 +61,8 @@ def build_icl_evaluation(config: EvalConfig, tokenizer: Any, model: Any) -> ICLE
         raise ConfigError("'icl_tasks' is set but no sequence length is known: set 'icl_seq_len' (e.g. 1024).")
     if config.device_eval_batch_size is None:
         raise ConfigError("'icl_tasks' is set, so 'device_eval_batch_size' is needed (rows per ICL forward, e.g. 16).")
+    from foundry.eval.evaluator import ICLEvaluator
+
     evaluator = ICLEvaluator(parse_icl_tasks(config.icl_tasks), tokenizer, seq_len, config.device_eval_batch_size)
     gauntlet = parse_gauntlet(config.eval_gauntlet) if config.eval_gauntlet is not None else None
     return ICLEvaluation(evaluator, gauntlet)

@@ -22,8 +22,14 @@ from torch import nn
 
 from foundry.checkpoint import latest_checkpoint, resolve_checkpoint_path
 from foundry.convert import choose_export
-from foundry.convert.checkpoint_io import load_checkpoint_model, meta_model, resolve_checkpoint, save_weights_checkpoint
-from foundry.convert.commands import check_out_dir, write_atomically
+from foundry.convert.checkpoint_io import (
+    check_out_dir,
+    load_checkpoint_model,
+    meta_model,
+    resolve_checkpoint,
+    save_weights_checkpoint,
+    write_atomically,
+)
 from foundry.errors import ConfigError
 from foundry.models.lora import LoraConfig, is_adapter_key, lora_modules, merged_state_dict
 from foundry.models.lora_checkpoint import has_pretrained_base, model_lora_config
