@@ -1,4 +1,4 @@
-# The README's two commands: `make quickstart` and `make test`. Both create .venv if missing.
+# The README's commands: `make quickstart`, `make test` (and `make test-slow`, which CI adds). Both create .venv if missing.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +8,7 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 # PyTorch's own index, `make quickstart TORCH_INDEX=https://download.pytorch.org/whl/cpu` installs the CPU build.
 TORCH_INDEX ?=
 
-.PHONY: quickstart test test-gpu fault-injection lint install install-test clean
+.PHONY: quickstart test test-slow test-gpu fault-injection lint install install-test clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -35,10 +35,15 @@ $(QUICKSTART_DATA)/train/index.json: | install
 quickstart: install $(QUICKSTART_DATA)/train/index.json
 	$(BIN)/foundry train yamls/quickstart.yaml
 
-# PYTEST_ARGS adds pytest options: PYTEST_ARGS='-m "not slow"' is the quick local loop (CI runs everything).
+# `make test` is the change loop: every test but those marked slow (they kill and relaunch `foundry train`
+# processes or train full-size configs). `make test-slow` runs those; CI runs both (.ci/run).
+# PYTEST_ARGS adds pytest options, e.g. PYTEST_ARGS='-x tests/checkpoint' (later paths narrow it).
 PYTEST_ARGS ?=
 test: install-test
-	$(BIN)/python -m pytest tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install-test
+	$(BIN)/python -m pytest tests -m slow $(PYTEST_ARGS)
 
 # The same suite on a GPU machine whose Python already has a CUDA torch (no .venv, nothing installed):
 # kernel tests then run compiled on the GPU, and it stops at once if torch sees no GPU.

@@ -55,6 +55,9 @@ from peers_rows import versions as package_versions
 
 H100_BF16_PEAK_TFLOPS = 989.5
 LOG_TAIL_LINES = 60
+LLM_FOUNDRY_WITHOUT_FLASH = (
+    "attn_impl: torch, loss_fn: torch_crossentropy (flash-attn, its YAML's FA2 and fused loss, is not installed)"
+)
 
 
 def run_row(row: Row, settings: Settings, wheels: Path, sites: dict[str, Path], warmup: int, timeout_s: int) -> dict:
@@ -192,6 +195,7 @@ def ratios(results: list[dict]) -> None:
 def table(results: list[dict]) -> str:
     shown = []
     for result in results:
+        tokens_per_s = result.get("tokens_per_s_per_gpu")  # whole: markdown_table prints 66427.5 as 6.643e+04
         versions = result.get("versions") or {}
         package = {"torchtitan": "torchtitan", "llm-foundry": "llm-foundry", "hf-trainer": "transformers"}.get(
             result["framework"], "torch"
@@ -199,10 +203,11 @@ def table(results: list[dict]) -> str:
         version = f"{package} {versions.get(package)}" + (", foundry" if result["framework"] == "foundry" else "")
         shown.append({
             "row": result["row"], "version": version, "GPUs": result["gpus"],
-            "microbatch": result["microbatch"], "tokens/s per GPU": result.get("tokens_per_s_per_gpu"),
+            "microbatch": result["microbatch"], "tokens/s per GPU": round(tokens_per_s) if tokens_per_s else None,
             "MFU": f"{result['mfu']:.1%}" if result.get("mfu") else None,
             "foundry / peer": result.get("foundry_vs_peer"), "peak GiB (nvidia-smi)": result.get("peak_gib_nvidia_smi"),
-            "first batch s": result.get("first_batch_s"), "note": result.get("note") or result.get("error", ""),
+            "first batch s": result.get("first_batch_s"),
+            "note": "; ".join(filter(None, (result.get("note"), result.get("error")))),  # a failed row shows its error
         })  # fmt: skip
     return markdown_table([{key: "" if value is None else value for key, value in row.items()} for row in shown])
 
@@ -258,9 +263,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"== {name}", flush=True)
         result = run_row(row, settings, wheels, sites, args.warmup, args.row_timeout)
         if row.framework == "llm-foundry" and not settings.flash_attn_available and not settings.smoke:
-            result["note"] = (
-                "attn_impl: torch, loss_fn: torch_crossentropy (flash-attn, its YAML's FA2 and fused loss, is not installed)"
-            )
+            result["note"] = LLM_FOUNDRY_WITHOUT_FLASH
         results.append(result)
         print({key: value for key, value in result.items() if key not in ("log_tail", "command")}, flush=True)
         ratios(results)

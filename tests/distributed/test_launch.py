@@ -137,6 +137,7 @@ def test_sigterm_to_one_rank_of_foundry_train_checkpoints_the_batch_reached_and_
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # fit() gave the handlers back
 
 
+@pytest.mark.slow  # the one-rank case above covers the run; this adds the launcher's forwarding to two ranks
 def test_sigterm_to_the_launcher_of_two_ranks_checkpoints_the_batch_reached_and_exits_5(tmp_path, data):
     """Rank 0 sends SIGTERM to the launcher after batch 2; the launcher forwards it to both ranks. (That the ranks
     agree on the batch and resume bit-identically: tests/distributed/test_preemption.py.)"""
