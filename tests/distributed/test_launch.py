@@ -151,6 +151,8 @@ def test_sigterm_to_the_launcher_of_two_ranks_checkpoints_the_batch_reached_and_
     output = launched.stdout + launched.stderr
     assert launched.returncode == EXIT_PREEMPTED, output[-3000:]
     assert "Traceback" not in output and "SignalException" not in output
-    reached = latest_checkpoint(tmp_path / "ckpt").name
-    assert reached in ("ep0-ba2", "ep0-ba3"), output[-3000:]  # the batch the ranks agreed on, after the signal
-    assert f"preempted by SIGTERM at batch {reached[-1]}; checkpoint" in launched.stdout
+    reached = int(latest_checkpoint(tmp_path / "ckpt").name.rsplit("-ba", 1)[1])
+    # The batch the ranks agreed on after the signal: the launcher forwards it while they train on, so a fast
+    # machine may finish a batch or two more (batches take 75 ms on an H100 host), but never the whole run (6).
+    assert 2 <= reached < 6, output[-3000:]
+    assert f"preempted by SIGTERM at batch {reached}; checkpoint" in launched.stdout
