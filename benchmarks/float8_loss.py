@@ -108,6 +108,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     run_folder = Path(args.work) / name
     overrides = variant_overrides(name, args)
     started_s = time.perf_counter()
+    clear_stale_shared_memory()
     returncode = foundry_train(args.yaml, run_folder, overrides, args.nproc, args.variant_timeout)
     log = (run_folder.parent / f"{name}.log").read_text(errors="replace").splitlines()
     losses = train_losses(run_folder)
@@ -116,6 +117,15 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "returncode": returncode, "timed_out": returncode is None, "wall_s": round(time.perf_counter() - started_s, 1),
         "batches_logged": len(losses), "losses": losses, "log_tail": log[-LOG_TAIL_LINES:],
     }  # fmt: skip
+
+
+def clear_stale_shared_memory() -> None:
+    """Free the shared-memory blocks a variant killed at its timeout left behind, before the next one loads data."""
+    try:
+        from streaming.base.util import clean_stale_shared_memory
+    except ImportError:  # no streaming here: the run itself says how to install it
+        return
+    clean_stale_shared_memory()
 
 
 def run(args: argparse.Namespace) -> int:
