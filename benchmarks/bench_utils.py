@@ -120,3 +120,52 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 def _cell(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+TRAIN_LOSS = "loss/train/total"
+
+
+def foundry_train(
+    yaml: str | Path, run_folder: Path, overrides: Sequence[str], nproc: int = 1, timeout_s: float | None = None
+) -> int | None:
+    """``foundry train yaml overrides [--nproc N]`` as a user runs it, its output appended to ``<run_folder>.log``.
+
+    Returns the exit code, or None when ``timeout_s`` passed: then the launcher and its ranks (one process
+    group) are killed, so no rank keeps holding its GPU for the next run.
+    """
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "foundry.cli", "train", str(yaml), f"run_folder={run_folder}", *overrides]
+    command += ["--nproc", str(nproc)] if nproc > 1 else []
+    run_folder.parent.mkdir(parents=True, exist_ok=True)
+    with (run_folder.parent / f"{run_folder.name}.log").open("a") as log:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            return process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return None
+
+
+def train_losses(run_folder: Path) -> dict[int, float]:
+    """The run's train loss by batch, from its metrics.jsonl (what a killed run wrote so far; empty if none)."""
+    from foundry.plotting import metrics_path, read_run
+
+    return dict(read_run(run_folder).get(TRAIN_LOSS, [])) if metrics_path(run_folder).is_file() else {}
+
+
+def loss_gaps(curve: dict[int, float], reference: dict[int, float]) -> dict[str, float | int | None]:
+    """max and mean |curve - reference| over the batches both have, and over the last 50 of them."""
+    steps = sorted(set(curve) & set(reference))
+    gaps = [abs(curve[step] - reference[step]) for step in steps]
+    last = gaps[-50:]
+    return {
+        "common_batches": len(steps),
+        "max_abs_gap": max(gaps, default=None),
+        "mean_abs_gap": sum(gaps) / len(gaps) if gaps else None,
+        "mean_abs_gap_last_50": sum(last) / len(last) if last else None,
+    }

@@ -19,32 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-from bench_utils import REPO_ROOT, save_json
+from bench_utils import foundry_train, loss_gaps, save_json, train_losses
 from default_path import build_data
 
 from foundry.errors import EXIT_HANDED_OVER, EXIT_OK
-from foundry.plotting import figure_class, read_run
-
-LOSS = "loss/train/total"
-
-
-def train(yaml: str, run_folder: Path, nproc: int, overrides: list[str]) -> int:
-    command = [sys.executable, "-m", "foundry.cli", "train", yaml, f"run_folder={run_folder}", *overrides]
-    if nproc > 1:
-        command += ["--nproc", str(nproc)]
-    process = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True)
-    log = run_folder.parent / f"{run_folder.name}.log"
-    with log.open("a") as file:
-        file.write(process.stdout + process.stderr)
-    return process.returncode
-
-
-def losses(run_folder: Path) -> dict[int, float]:
-    return dict(read_run(run_folder).get(LOSS, []))
+from foundry.plotting import figure_class
 
 
 def plot(result: dict, path: str) -> None:
@@ -102,7 +84,7 @@ def main() -> int:
     runs.mkdir(parents=True)
     exit_codes: dict[str, list[int]] = {}
     for name, nproc in (("uninterrupted-2gpu", 2), ("uninterrupted-1gpu", 1)):
-        exit_codes[name] = [train(args.yaml, runs / name, nproc, [*common, f"run_name={name}"])]
+        exit_codes[name] = [foundry_train(args.yaml, runs / name, [*common, f"run_name={name}"], nproc)]
     switched = runs / "switched"
     relaunch = [
         *common, "run_name=switched", f"callbacks.hand_over.interval={args.segment}ba", "autoresume=true",
@@ -110,18 +92,18 @@ def main() -> int:
     ]  # fmt: skip
     exit_codes["switched"] = []
     for nproc in (2, 1, 2):
-        exit_codes["switched"].append(train(args.yaml, switched, nproc, relaunch))
-    reference = losses(runs / "uninterrupted-2gpu")
+        exit_codes["switched"].append(foundry_train(args.yaml, switched, relaunch, nproc))
+    reference = train_losses(runs / "uninterrupted-2gpu")
     result = {"args": vars(args), "exit_codes": exit_codes, "runs": {}}
     for name in ("uninterrupted-2gpu", "uninterrupted-1gpu", "switched"):
-        curve = losses(runs / name)
-        gaps = [abs(curve[step] - loss) for step, loss in reference.items() if step in curve]
+        curve = train_losses(runs / name)
+        gaps = loss_gaps(curve, reference)
         result["runs"][name] = {
             "batches": len(curve),
             "first_loss": curve.get(1),
             "last_loss": curve.get(args.batches),
-            "max_abs_gap": max(gaps, default=None),
-            "mean_abs_gap": sum(gaps) / len(gaps) if gaps else None,
+            "max_abs_gap": gaps["max_abs_gap"],
+            "mean_abs_gap": gaps["mean_abs_gap"],
             "losses": curve,
         }
         print(name, {key: value for key, value in result["runs"][name].items() if key != "losses"}, flush=True)

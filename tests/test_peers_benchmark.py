@@ -34,7 +34,13 @@ def test_torchtitan_toml_reads_back_as_the_config(tmp_path: Path) -> None:
     parsed = tomllib.loads(peers_rows.to_toml(config))
     assert parsed == config
     assert parsed["training"]["global_batch_size"] == 16 and parsed["training"]["local_batch_size"] == 4
-    assert parsed["activation_checkpoint"]["mode"] == "selective"
+    assert parsed["activation_checkpoint"]["mode"] == "full"
+
+
+def test_torchtitan_rows_launch_with_its_run_scripts_allocator_setting(tmp_path: Path) -> None:
+    settings = peers_rows.Settings(tmp_path / "data", tmp_path / "work", global_batch=16, steps=30)
+    _, environment = peers_rows.command(peers_rows.ROWS["torchtitan-llama-8b"], settings)
+    assert environment == {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}
 
 
 def test_throughput_is_timed_from_the_last_warmup_step_to_the_last_step(tmp_path: Path) -> None:
