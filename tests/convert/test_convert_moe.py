@@ -17,6 +17,7 @@ from foundry.convert.commands import from_hf_model
 from foundry.convert.hf_export import to_hf_model
 from foundry.errors import ConfigError
 from foundry.models import LlamaCausalLM, MPTCausalLM
+from foundry.models.hf_families import NATIVE_MOE
 
 VOCAB = 96
 LLAMA_MOE = {
@@ -74,6 +75,7 @@ def test_export_computes_the_same_logits_and_imports_back_bit_exact(family: str)
     assert back.keys() == original.keys()
     assert all(torch.equal(back[key], original[key]) for key in original)
     section = adapter.from_hf_config(hf_model.config)
+    assert section["name"] == NATIVE_MOE[family] == name  # the loaders' table names the model the import builds
     rebuilt = type(model)(**{key: value for key, value in section.items() if key != "name"}, init_device="meta")
     assert rebuilt.config.ffn_config == model.config.ffn_config
     assert rebuilt.config.attn_config.qk_ln == model.config.attn_config.qk_ln
