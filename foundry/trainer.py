@@ -249,8 +249,7 @@ class Trainer:
     def _train_batch(self, batch_start_s: float) -> None:
         state, engine = self.state, self.engine
         engine.run_event(Event.BATCH_START)
-        self._correct_predictions: torch.Tensor | None = None  # summed over the microbatches by _train_microbatch
-        self._loss_term_shares: dict[str, torch.Tensor] = {}  # this batch's model.loss_terms(), as the loss's share
+        self._start_batch_sums()
         if self._weight_grad_sums is not None:  # the optimizer (or a load, or BATCH_START) moved the weights
             self._weight_grad_sums.start_batch()
         if self._find_microbatch_size:
@@ -262,7 +261,6 @@ class Trainer:
         local_weight = torch.as_tensor(sum(weights), dtype=torch.float32, device=state.device)
         total_weight = distributed.all_reduce_sum(local_weight.clone())
         share_of_global_loss = torch.zeros((), device=state.device)
-        self._loss_term_shares = {}
         for index, (microbatch, weight) in enumerate(zip(microbatches, weights)):
             if self._accumulation is not None:  # a sharded model: when to reduce gradients and reshard
                 self._accumulation.before_microbatch(last=index == len(microbatches) - 1)
@@ -301,6 +299,12 @@ class Trainer:
         self.checkpoints.after_batch(since=previous)
         if self.eval_interval.due(state, since=previous) and not self._finished():
             self.eval()
+
+    def _start_batch_sums(self) -> None:
+        """Empty what ``_train_microbatch`` sums over a batch's microbatches: at each batch's start, and after the
+        trial microbatches of ``device_train_microbatch_size: auto``, whose sums must not reach the batch's."""
+        self._correct_predictions: torch.Tensor | None = None  # loss units the argmax predicts
+        self._loss_term_shares: dict[str, torch.Tensor] = {}  # model.loss_terms(), each as the loss's share
 
     def _train_microbatch(self, microbatch: Any, scale: torch.Tensor) -> torch.Tensor:
         """Forward, loss and backward of one microbatch; returns its loss's share of the batch loss."""
@@ -349,7 +353,8 @@ class Trainer:
                 for microbatch in split_batch(batch, microbatch_size):
                     self._train_microbatch(microbatch, torch.ones((), device=state.device))
             finally:
-                state.outputs = state.loss = self._correct_predictions = None  # a failed trial's memory is freed
+                state.outputs = state.loss = None  # a failed trial's memory is freed
+                self._start_batch_sums()
 
         size = distributed.find_microbatch_size(state.model, batch_num_samples(batch), trial, state.device)
         state.device_train_microbatch_size = size
