@@ -286,14 +286,12 @@ class Trainer:
         engine.run_event(Event.BATCH_END)
         # Every batch's loss reaches the loggers; as a device tensor it waits in the Logger's queue
         # (no host sync) until the flush at the console interval converts the queue at once.
-        global_loss = distributed.all_reduce_sum(share_of_global_loss)
+        global_loss, correct, loss_terms = self._summed_over_ranks(share_of_global_loss)
         # trainer/tokens: the run's tokens so far, so runs of other batch or world sizes compare (foundry compare)
         metrics = {"loss/train/total": global_loss, "trainer/tokens": state.timestamp.token}
-        correct = self._correct_predictions
-        correct = distributed.all_reduce_sum(correct) if correct is not None else None
         for name, value in state.model.llm_foundry_metrics(global_loss, correct, total_weight).items():
             metrics[f"metrics/train/{name}"] = value  # LLM Foundry's names (docs/LOGGING.md)
-        self.logger.log_metrics({**metrics, **self._global_loss_terms()})
+        self.logger.log_metrics({**metrics, **loss_terms})
         if self.log_interval.due(state, since=previous) or self._finished():
             self.logger.flush()
         self.checkpoints.after_batch(since=previous)
@@ -334,14 +332,20 @@ class Trainer:
         state.outputs = None  # free activations' outputs (logits) before the next microbatch
         return loss.detach()
 
-    def _global_loss_terms(self) -> dict[str, torch.Tensor]:
-        """``loss/train/<name>`` for each part of the loss: the batch's mean over all ranks, as the total's."""
-        if not self._loss_term_shares:
-            return {}
+    def _summed_over_ranks(
+        self, share_of_global_loss: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """The batch's loss, correct predictions (None if the model counts none) and ``loss/train/<name>`` for each
+        part of the loss (its mean over all ranks, as the total's), summed over ranks in one all-reduce."""
+        correct = self._correct_predictions
         names = sorted(self._loss_term_shares)
-        shares = torch.stack([self._loss_term_shares[name] for name in names])
-        means = distributed.all_reduce_sum(shares) / self.state.world_size
-        return {f"loss/train/{name}": mean for name, mean in zip(names, means)}
+        shares = [share_of_global_loss, *([correct] if correct is not None else [])]
+        if names:
+            shares.append(torch.stack([self._loss_term_shares[name] for name in names]))
+        summed = distributed.all_reduce_sums(shares)
+        global_loss, correct = summed[0], summed[1] if correct is not None else None
+        means = summed[-1] / self.state.world_size if names else []
+        return global_loss, correct, {f"loss/train/{name}": mean for name, mean in zip(names, means)}
 
     def _choose_microbatch_size(self) -> None:
         """``device_train_microbatch_size: auto``: trial runs on this first batch pick the size for the run."""
