@@ -68,8 +68,8 @@ def warn_unexported_training_settings(config: Any, architecture: str, exported: 
         listed = ", ".join(f"ffn_config.{key} ({value})" for key, value in lost.items())
         warnings.warn(
             f"{architecture}'s config has no field for {listed}: the exported weights compute the same logits, but "
-            "training the export under transformers goes without it. Export with it at 0 (or null) to silence this, "
-            "or keep training the foundry checkpoint.",
+            "training the export under transformers goes without it. Nothing to fix unless you continue training "
+            "there; to keep it, continue from the foundry checkpoint instead.",
             stacklevel=2,
         )
 
