@@ -249,8 +249,7 @@ class Trainer:
     def _train_batch(self, batch_start_s: float) -> None:
         state, engine = self.state, self.engine
         engine.run_event(Event.BATCH_START)
-        self._correct_predictions: torch.Tensor | None = None  # summed over the microbatches by _train_microbatch
-        self._loss_term_shares: dict[str, torch.Tensor] = {}  # this batch's model.loss_terms(), as the loss's share
+        self._start_batch_sums()
         if self._weight_grad_sums is not None:  # the optimizer (or a load, or BATCH_START) moved the weights
             self._weight_grad_sums.start_batch()
         if self._find_microbatch_size:
@@ -262,7 +261,6 @@ class Trainer:
         local_weight = torch.as_tensor(sum(weights), dtype=torch.float32, device=state.device)
         total_weight = distributed.all_reduce_sum(local_weight.clone())
         share_of_global_loss = torch.zeros((), device=state.device)
-        self._loss_term_shares = {}
         for index, (microbatch, weight) in enumerate(zip(microbatches, weights)):
             if self._accumulation is not None:  # a sharded model: when to reduce gradients and reshard
                 self._accumulation.before_microbatch(last=index == len(microbatches) - 1)
@@ -288,19 +286,23 @@ class Trainer:
         engine.run_event(Event.BATCH_END)
         # Every batch's loss reaches the loggers; as a device tensor it waits in the Logger's queue
         # (no host sync) until the flush at the console interval converts the queue at once.
-        global_loss = distributed.all_reduce_sum(share_of_global_loss)
+        global_loss, correct, loss_terms = self._summed_over_ranks(share_of_global_loss)
         # trainer/tokens: the run's tokens so far, so runs of other batch or world sizes compare (foundry compare)
         metrics = {"loss/train/total": global_loss, "trainer/tokens": state.timestamp.token}
-        correct = self._correct_predictions
-        correct = distributed.all_reduce_sum(correct) if correct is not None else None
         for name, value in state.model.llm_foundry_metrics(global_loss, correct, total_weight).items():
             metrics[f"metrics/train/{name}"] = value  # LLM Foundry's names (docs/LOGGING.md)
-        self.logger.log_metrics({**metrics, **self._global_loss_terms()})
+        self.logger.log_metrics({**metrics, **loss_terms})
         if self.log_interval.due(state, since=previous) or self._finished():
             self.logger.flush()
         self.checkpoints.after_batch(since=previous)
         if self.eval_interval.due(state, since=previous) and not self._finished():
             self.eval()
+
+    def _start_batch_sums(self) -> None:
+        """Empty what ``_train_microbatch`` sums over a batch's microbatches: at each batch's start, and after the
+        trial microbatches of ``device_train_microbatch_size: auto``, whose sums must not reach the batch's."""
+        self._correct_predictions: torch.Tensor | None = None  # loss units the argmax predicts
+        self._loss_term_shares: dict[str, torch.Tensor] = {}  # model.loss_terms(), each as the loss's share
 
     def _train_microbatch(self, microbatch: Any, scale: torch.Tensor) -> torch.Tensor:
         """Forward, loss and backward of one microbatch; returns its loss's share of the batch loss."""
@@ -330,14 +332,20 @@ class Trainer:
         state.outputs = None  # free activations' outputs (logits) before the next microbatch
         return loss.detach()
 
-    def _global_loss_terms(self) -> dict[str, torch.Tensor]:
-        """``loss/train/<name>`` for each part of the loss: the batch's mean over all ranks, as the total's."""
-        if not self._loss_term_shares:
-            return {}
+    def _summed_over_ranks(
+        self, share_of_global_loss: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """The batch's loss, correct predictions (None if the model counts none) and ``loss/train/<name>`` for each
+        part of the loss (its mean over all ranks, as the total's), summed over ranks in one all-reduce."""
+        correct = self._correct_predictions
         names = sorted(self._loss_term_shares)
-        shares = torch.stack([self._loss_term_shares[name] for name in names])
-        means = distributed.all_reduce_sum(shares) / self.state.world_size
-        return {f"loss/train/{name}": mean for name, mean in zip(names, means)}
+        shares = [share_of_global_loss, *([correct] if correct is not None else [])]
+        if names:
+            shares.append(torch.stack([self._loss_term_shares[name] for name in names]))
+        summed = distributed.all_reduce_sums(shares)
+        global_loss, correct = summed[0], summed[1] if correct is not None else None
+        means = summed[-1] / self.state.world_size if names else []
+        return global_loss, correct, {f"loss/train/{name}": mean for name, mean in zip(names, means)}
 
     def _choose_microbatch_size(self) -> None:
         """``device_train_microbatch_size: auto``: trial runs on this first batch pick the size for the run."""
@@ -349,7 +357,8 @@ class Trainer:
                 for microbatch in split_batch(batch, microbatch_size):
                     self._train_microbatch(microbatch, torch.ones((), device=state.device))
             finally:
-                state.outputs = state.loss = self._correct_predictions = None  # a failed trial's memory is freed
+                state.outputs = state.loss = None  # a failed trial's memory is freed
+                self._start_batch_sums()
 
         size = distributed.find_microbatch_size(state.model, batch_num_samples(batch), trial, state.device)
         state.device_train_microbatch_size = size

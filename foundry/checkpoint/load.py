@@ -27,7 +27,7 @@ from foundry.checkpoint.layout import (
     stateful_key_pairs,
     tensor_state,
 )
-from foundry.checkpoint.meta import model_section, model_section_of, read_meta
+from foundry.checkpoint.meta import dotted_leaves, model_section, model_section_of, read_meta
 from foundry.checkpoint.remote import newest_intact_on_store
 from foundry.checkpoint.rng import load_rng_file, rng_file_for_rank
 from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
@@ -149,24 +149,13 @@ def _model_change(meta: Mapping[str, Any], model: Any) -> str:
     saved, current = model_section(meta), model_section_of(model)
     if saved is None or current is None:
         return ""
-    saved, current = _flat(saved), _flat(current)
+    saved, current = dotted_leaves(saved), dotted_leaves(current)
     changes = [
         f"{key}: {saved.get(key, '(unset)')!r} in the checkpoint, {current.get(key, '(unset)')!r} in this run"
         for key in sorted(set(saved) | set(current))
         if saved.get(key) != current.get(key)
     ]
     return f" The model differs from the checkpoint's: {'; '.join(changes)}." if changes else ""
-
-
-def _flat(section: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"attn_config": {"alibi": True}}`` as ``{"attn_config.alibi": True}``."""
-    flat: dict[str, Any] = {}
-    for key, value in section.items():
-        if isinstance(value, Mapping):
-            flat.update(_flat(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 _MODEL_MISMATCH_FIX = (

@@ -78,6 +78,20 @@ def model_section_of(model: Any) -> dict[str, Any] | None:
     return section() if callable(section) else None
 
 
+def dotted_leaves(section: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"attn_config": {"alibi": True}}`` as ``{"attn_config.alibi": True}``, to compare two sections key by key.
+
+    Tuples become lists, as meta.json stores them, so a section read back compares equal to the one written.
+    """
+    leaves: dict[str, Any] = {}
+    for key, value in section.items():
+        if isinstance(value, Mapping):
+            leaves.update(dotted_leaves(value, f"{prefix}{key}."))
+        else:
+            leaves[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return leaves
+
+
 def tokenizer_section_of(tokenizer: Any) -> dict[str, Any] | None:
     """``{"name": ..., "kwargs": {}}`` that reloads ``tokenizer`` (a local folder as an absolute path), or None."""
     name = getattr(tokenizer, "name_or_path", None)

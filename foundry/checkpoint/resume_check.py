@@ -13,11 +13,11 @@ passed no ``config`` has nothing to compare, and passes too.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from foundry.checkpoint.meta import read_meta
+from foundry.checkpoint.meta import dotted_leaves, read_meta
 from foundry.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -51,19 +51,11 @@ def check_resumed_config(checkpoint: Path, config: Mapping[str, Any] | None, acc
 
 def changed_trained_keys(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     """``(key path, recorded value, current value)`` for each leaf of ``TRAINED_KEYS`` that differs."""
-    before = dict(_leaves({key: recorded.get(key) for key in TRAINED_KEYS}))
-    after = dict(_leaves({key: current.get(key) for key in TRAINED_KEYS}))
+    # a key set to None and a key left out compare equal (both .get() to None)
+    before = dotted_leaves({key: recorded.get(key) for key in TRAINED_KEYS})
+    after = dotted_leaves({key: current.get(key) for key in TRAINED_KEYS})
     return [
         (key, before.get(key), after.get(key))
         for key in sorted(before.keys() | after.keys())
         if before.get(key) != after.get(key) and key.rsplit(".", 1)[-1] not in LOADER_PLUMBING
     ]
-
-
-def _leaves(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """``(dotted key path, value)`` for every non-mapping value inside ``value``; missing and None are alike."""
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _leaves(item, f"{prefix}.{key}" if prefix else str(key))
-    elif value is not None:
-        yield prefix, list(value) if isinstance(value, tuple) else value

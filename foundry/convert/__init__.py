@@ -4,9 +4,10 @@ One adapter module per Hugging Face class, all with the same functions: ``unmapp
 (the settings of a foundry model config the class cannot compute exactly; empty when it can; an adapter
 without it computes every config of the families it exports),
 ``to_hf_config(model)``, ``to_hf_state_dict(state, model)``, ``from_hf_config(hf_config) -> model
-section`` and ``from_hf_state_dict(state, hf_config)``; round trips are exact. ``HF_FAMILIES`` is the
-table that joins them: which foundry models each exports, in order of preference, and which
-``model_type`` each imports. A new family is one more row. ``commands`` holds ``foundry convert to-hf``
+section`` and ``from_hf_state_dict(state, hf_config)``; round trips are exact. ``HF_FAMILIES`` (in
+``foundry.models.hf_families``, which the loaders read too) is the table that joins them: which foundry
+models each exports, in order of preference, and which ``model_type`` each imports. A new family is one
+more row. ``commands`` holds ``foundry convert to-hf``
 and ``from-hf``.
 """
 
@@ -18,31 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from foundry.errors import ConfigError
-
-
-@dataclasses.dataclass(frozen=True)
-class HFFamily:
-    module: str  # the adapter module
-    hf_class: str  # the transformers class it writes and reads
-    model_type: str  # config.json's model_type
-    exports: tuple[str, ...]  # the foundry model names it can export
-    built_in: bool = True  # False: the export carries its own modeling code (trust_remote_code=True)
-
-
-# Export tries the rows in this order and takes the first whose class computes the model exactly;
-# foundry's own modeling code (last) computes every MPT.
-HF_FAMILIES = (
-    # Mixtures of experts first: the dense classes cannot compute experts (foundry/convert/llama_moe.py, dbrx.py);
-    # foundry.models.hf.NATIVE_MOE lists the same model_types for the loaders.
-    HFFamily("foundry.convert.mixtral", "MixtralForCausalLM", "mixtral", ("llama_causal_lm", "mpt_causal_lm")),
-    HFFamily("foundry.convert.olmoe", "OlmoeForCausalLM", "olmoe", ("llama_causal_lm", "mpt_causal_lm")),
-    HFFamily("foundry.convert.qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", ("llama_causal_lm", "mpt_causal_lm")),
-    HFFamily("foundry.convert.dbrx", "DbrxForCausalLM", "dbrx", ("mpt_causal_lm",)),
-    HFFamily("foundry.convert.llama", "LlamaForCausalLM", "llama", ("llama_causal_lm", "mpt_causal_lm")),
-    HFFamily("foundry.convert.mpt", "MptForCausalLM", "mpt", ("mpt_causal_lm",)),
-    HFFamily("foundry.convert.gpt2", "GPT2LMHeadModel", "gpt2", ("mpt_causal_lm",)),
-    HFFamily("foundry.convert.foundry_mpt", "FoundryMPTForCausalLM", "foundry_mpt", ("mpt_causal_lm",), False),
-)
+from foundry.models.hf_families import HF_FAMILIES, HFFamily
 
 
 @dataclasses.dataclass(frozen=True)

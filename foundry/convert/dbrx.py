@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import DbrxConfig
 
-from foundry.convert.llama_moe import STACKED_EXPERTS, rotary_moe_checks
+from foundry.convert.llama_moe import STACKED_EXPERTS, rotary_moe_checks, warn_unexported_training_settings
 from foundry.convert.rope import hf_rope_settings
 from foundry.errors import ConfigError
 from foundry.models.layers import ffn_hidden_size
@@ -52,6 +52,7 @@ def to_hf_config(model: Any) -> Any:
     """A ``transformers.DbrxConfig`` for an MPT with experts."""
     config, attn, ffn = model.config, model.config.attn_config, model.config.ffn_config
     rope = {"rope_parameters": {"rope_theta": float(attn.rope_theta), "rope_type": "default"}}
+    warn_unexported_training_settings(config, "DbrxForCausalLM", exported=("moe_jitter_eps",))
     hf_config = DbrxConfig(
         d_model=config.d_model,
         n_heads=config.n_heads,

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig as HFLlamaConfig
 
-from foundry.convert.rope import hf_rope_settings
+from foundry.convert.rope import hf_rope_scaling, hf_rope_settings
 from foundry.errors import ConfigError
 from foundry.models.layers import ffn_hidden_size
 
@@ -74,7 +74,7 @@ def to_hf_config(model: Any) -> Any:
         max_position_embeddings=config.max_seq_len,
         rms_norm_eps=float(config.norm_eps),
         rope_theta=float(attn.rope_theta),
-        rope_scaling=_hf_rope_scaling(attn.rope_hf_config),
+        rope_scaling=hf_rope_scaling(attn.rope_hf_config),
         tie_word_embeddings=config.tie_word_embeddings,
         attention_bias=False,
         mlp_bias=False,
@@ -82,20 +82,6 @@ def to_hf_config(model: Any) -> Any:
         initializer_range=float(config.init_config.init_std or 0.02),
         architectures=["LlamaForCausalLM"],
     )
-
-
-def _hf_rope_scaling(scaling: Any) -> dict[str, float | int | str] | None:
-    """``rope_hf_config`` as a Hugging Face ``rope_scaling`` entry (floats as floats: transformers 5 checks)."""
-    if scaling.type == "no_scaling":
-        return None
-    entry: dict[str, float | int | str] = {"rope_type": scaling.type, "factor": float(scaling.factor)}
-    if scaling.type == "llama3":
-        entry.update(
-            low_freq_factor=float(scaling.low_freq_factor),
-            high_freq_factor=float(scaling.high_freq_factor),
-            original_max_position_embeddings=scaling.original_max_position_embeddings,
-        )
-    return entry
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:

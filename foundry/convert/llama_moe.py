@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -53,6 +55,25 @@ def rotary_moe_checks(config: Any) -> dict[str, bool]:
     }
 
 
+def warn_unexported_training_settings(config: Any, architecture: str, exported: Collection[str]) -> None:
+    """Warn for each MoE setting that only training reads (router z-loss, router jitter), set but not in ``exported``.
+
+    The weights and logits export exactly without them; a run that trains the export under transformers
+    goes without them, so the user is told which ones, rather than an export refused for them.
+    """
+    ffn = config.ffn_config
+    settings = {"moe_zloss_weight": ffn.moe_zloss_weight, "moe_jitter_eps": ffn.moe_jitter_eps}
+    lost = {key: value for key, value in settings.items() if value and key not in exported}
+    if lost:
+        listed = ", ".join(f"ffn_config.{key} ({value})" for key, value in lost.items())
+        warnings.warn(
+            f"{architecture}'s config has no field for {listed}: the exported weights compute the same logits, but "
+            "training the export under transformers goes without it. Nothing to fix unless you continue training "
+            "there; to keep it, continue from the foundry checkpoint instead.",
+            stacklevel=2,
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEFamily:
     """What one Hugging Face MoE class calls things and computes."""
@@ -66,6 +87,7 @@ class MoEFamily:
     expert_width_key: str  # the config key of each expert's width
     renormalises: bool | None  # True: always (Mixtral); None: as config.norm_topk_prob says
     extra_config: tuple[tuple[str, Any], ...] = ()  # fixed keys the export writes
+    jitter_key: str | None = None  # the config key of the router jitter (ffn_config.moe_jitter_eps), if any
 
     @property
     def hf_moe_prefix(self) -> str:
@@ -120,6 +142,10 @@ class Adapter:
         }
         if family.renormalises is None:
             keys["norm_topk_prob"] = ffn.moe_normalize_expert_weights is not None
+        if family.jitter_key is not None:
+            keys[family.jitter_key] = float(ffn.moe_jitter_eps or 0.0)
+        exported = ("moe_jitter_eps",) if family.jitter_key is not None else ()
+        warn_unexported_training_settings(config, family.architecture, exported)
         return getattr(transformers, family.config_class)(**keys)
 
     def to_hf_state_dict(self, state: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
@@ -169,6 +195,14 @@ class Adapter:
                     "foundry's MoE does not implement; train it as `model: {name: hf_causal_lm, "
                     "pretrained_model_name_or_path: <dir>}` instead."
                 )
+        jitter = getattr(hf_config, family.jitter_key, 0.0) if family.jitter_key is not None else 0.0
+        if jitter:
+            warnings.warn(
+                f"This {family.architecture} checkpoint sets '{family.jitter_key}' to {jitter}, a router jitter that "
+                "only training applies; llama_causal_lm has no such setting, so the imported model trains without "
+                "it (its logits are the same).",
+                stacklevel=2,
+            )
         section = llama.from_hf_config(hf_config)
         renormalises = family.renormalises or (family.renormalises is None and bool(hf_config.norm_topk_prob))
         section.update(

@@ -13,7 +13,8 @@ _ADAPTER = Adapter(
         num_experts_key="num_local_experts",
         expert_width_key="intermediate_size",
         renormalises=True,
-        extra_config=(("sliding_window", None), ("router_jitter_noise", 0.0)),
+        extra_config=(("sliding_window", None),),
+        jitter_key="router_jitter_noise",
     )
 )
 unmappable_features = _ADAPTER.unmappable_features

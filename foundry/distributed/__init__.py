@@ -12,6 +12,7 @@ from foundry.lazy import lazy_exports
 _EXPORTS = {
     "all_gather_object": "foundry.distributed.env",
     "all_reduce_sum": "foundry.distributed.env",
+    "all_reduce_sums": "foundry.distributed.env",
     "barrier": "foundry.distributed.env",
     "broadcast_object": "foundry.distributed.env",
     "default_device": "foundry.distributed.env",

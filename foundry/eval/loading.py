@@ -3,7 +3,7 @@
 A foundry checkpoint's ``meta.json`` holds the resolved train config, which rebuilds the model and
 its tokenizer; a Hugging Face directory (``config.json``) loads through ``hf_causal_lm``, except LLM
 Foundry's MPT exports, which load as foundry's ``mpt_causal_lm`` (``foundry.convert.llmfoundry_mpt``), and
-the mixtures of experts foundry converts (Mixtral, OLMoE, Qwen3-MoE, DBRX: ``foundry.models.hf.NATIVE_MOE``),
+the mixtures of experts foundry converts (Mixtral, OLMoE, Qwen3-MoE, DBRX: ``foundry.models.hf_families.NATIVE_MOE``),
 which load as foundry's own MoE.
 A folder that ships other modeling code of its own loads only with ``trust_remote_code``.
 """
@@ -27,7 +27,8 @@ from foundry.data import load_tokenizer
 from foundry.data.config import TokenizerConfig
 from foundry.errors import ConfigError
 from foundry.models.build import build_model
-from foundry.models.hf import NATIVE_MOE, HFCausalLM, hf_context_length
+from foundry.models.hf import HFCausalLM, hf_context_length
+from foundry.models.hf_families import NATIVE_MOE
 from foundry.schema import parse_dataclass
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from foundry.core.precision import autocast_dtype
 from foundry.models.init import InitFn
-from foundry.models.layers import ActFnConfig
+from foundry.models.layers import ActFnConfig, activation
 
 # grouped_mm reads each expert's rows in 16-byte-aligned groups: bf16 rows come in multiples of 8.
 GROUPED_MM_ROW_ALIGNMENT = 8
@@ -101,7 +101,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, d_model: int, hidden: int, act: ActFnConfig, glu: bool) -> None:
         super().__init__()
         self.num_experts, self.glu = num_experts, glu
-        self.act_name, self.act_approximate = act.name, act.approximate
+        self.act = activation(act)
         self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, d_model))
         self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden, d_model)) if glu else None
         self.down_proj = nn.Parameter(torch.empty(num_experts, d_model, hidden))
@@ -128,11 +128,6 @@ class GroupedExperts(nn.Module):
     def local(weight: torch.Tensor) -> torch.Tensor:
         """This rank's experts of ``weight``: all of them, or its shard under expert parallelism (a DTensor)."""
         return weight.to_local() if hasattr(weight, "to_local") else weight
-
-    def act(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act_name == "gelu":
-            return F.gelu(x, approximate=self.act_approximate)
-        return F.silu(x) if self.act_name == "silu" else F.relu(x)
 
     def row_alignment(self, x: torch.Tensor) -> int:
         """How ``sort_by_expert`` must pad each expert's rows for this input."""

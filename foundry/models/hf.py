@@ -25,6 +25,7 @@ from foundry.checkpoint.hooks import CheckpointHooks
 from foundry.errors import ConfigError, did_you_mean
 from foundry.models import flops
 from foundry.models.base import CausalLM
+from foundry.models.hf_families import NATIVE_MOE
 from foundry.models.lora import LoraConfig, inject_lora, is_adapter_key, reset_lora_parameters
 from foundry.models.lora_checkpoint import lora_checkpoint_hooks
 from foundry.models.mpt import init_device
@@ -216,16 +217,6 @@ def refill_computed_buffers(hf_model: nn.Module, device: torch.device | str | No
         for key, value in vars(fresh).items():  # tensors kept beside them (e.g. RoPE's original_inv_freq)
             if isinstance(value, torch.Tensor) and not key.startswith("_"):
                 setattr(module, key, value)
-
-
-# The model_types of the Hugging Face mixtures of experts that foundry converts to its own MoE, each by the
-# adapter foundry.convert.<model_type>, -> the foundry model they become
-NATIVE_MOE = {
-    "mixtral": "llama_causal_lm",
-    "olmoe": "llama_causal_lm",
-    "qwen3_moe": "llama_causal_lm",
-    "dbrx": "mpt_causal_lm",
-}
 
 
 def warn_if_native_moe(hf_config: Any, path: str) -> None:

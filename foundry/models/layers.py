@@ -7,7 +7,9 @@ of ``attention.py``) so that its YAMLs and checkpoints mean the same thing here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -100,6 +102,13 @@ class ActFnConfig:
             )
 
 
+def activation(act: ActFnConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The ``torch.nn.functional`` function ``act`` names: one lookup for the dense and the expert layers."""
+    if act.name == "gelu":
+        return functools.partial(F.gelu, approximate=act.approximate)
+    return F.silu if act.name == "silu" else F.relu
+
+
 MOE_FFN_TYPES = ("mb_moe", "mb_dmoe")
 
 
@@ -175,12 +184,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(d_model, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, d_model, bias=bias)
         self.down_proj.is_residual_output = True  # init.py scales it down by depth
-        self.act_name, self.act_approximate = act.name, act.approximate
-
-    def act(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act_name == "gelu":
-            return F.gelu(x, approximate=self.act_approximate)
-        return F.silu(x) if self.act_name == "silu" else F.relu(x)
+        self.act_name, self.act_approximate = act.name, act.approximate  # what fused_kernels' GLU kernel reads
+        self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))

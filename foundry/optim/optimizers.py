@@ -38,7 +38,7 @@ class DecoupledAdamW(torch.optim.AdamW):
         moments_dtype: MomentsDtype = "float32",
     ) -> None:
         params = [_listed(item) for item in params]
-        self.bf16_moments = _bf16_moments(moments_dtype)
+        self.bf16_moments = _bf16_moments(moments_dtype, fused)
         if fused is None:
             fused = _all_on_cuda(params) and not self.bf16_moments
         super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=0.0, fused=fused)
@@ -118,11 +118,23 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _bf16_moments(moments_dtype: str) -> bool:
+def _bf16_moments(moments_dtype: str, fused: bool | None) -> bool:
+    """Whether the moments are stored in bf16; refuses ``fused: true`` with them, which no kernel here serves.
+
+    torch's fused AdamW keeps the moments in the parameters' dtype, so bf16 moments take the unfused step of
+    ``adam_step_with_bf16_moments``; a ``fused: true`` beside them would be silently ignored.
+    """
     if moments_dtype not in ("float32", "bfloat16"):
         raise ConfigError(
             f"'optimizer.moments_dtype' is {moments_dtype!r}; use 'float32' (the default) or 'bfloat16' (half the "
             "optimizer state's memory)."
+        )
+    if moments_dtype == "bfloat16" and fused:
+        raise ConfigError(
+            "'optimizer.fused' is true and 'optimizer.moments_dtype' is 'bfloat16': torch's fused AdamW kernel keeps "
+            "the moments in the parameters' dtype, so the bf16 moments run on foundry's unfused step and the fused "
+            "kernel would not be used. Remove 'optimizer.fused' (or set it to false) to keep bf16 moments, or drop "
+            "'optimizer.moments_dtype' to use the fused kernel with fp32 moments."
         )
     return moments_dtype == "bfloat16"
 
@@ -195,7 +207,7 @@ def adamw(
     moments_dtype: MomentsDtype = "float32",
 ) -> torch.optim.AdamW:
     """torch's AdamW (decay scaled by the LR); ``moments_dtype: bfloat16`` keeps both moments in bf16."""
-    if _bf16_moments(moments_dtype):
+    if _bf16_moments(moments_dtype, fused):
         return AdamWWithBF16Moments(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
     return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, fused=fused)
 

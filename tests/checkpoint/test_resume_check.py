@@ -46,6 +46,13 @@ def test_a_key_added_or_removed_counts_as_a_change():
     assert changed_trained_keys(RECORDED, current) == [("scheduler.alpha_f", None, 0.1)]
 
 
+def test_a_tuple_equals_its_json_list_and_none_equals_a_missing_key():
+    recorded = {**RECORDED, "seed": None}  # meta.json: lists, and null where a key was unset
+    current = {key: value for key, value in RECORDED.items() if key != "seed"}
+    current["optimizer"] = {**RECORDED["optimizer"], "betas": (0.9, 0.95)}  # a Python config's tuple
+    assert changed_trained_keys(recorded, current) == []
+
+
 def _trainer(folder: Path, config: dict, max_duration: str, **settings) -> Trainer:
     return tiny_trainer(
         folder, seed=None, max_duration=max_duration, save_folder=str(folder / "ckpt"), save_interval="2ba",

@@ -36,8 +36,9 @@ def test_tied_multihead_llama_with_linear_rope_scaling_gives_the_same_logits(mak
     assert logit_gap(model, hf_model, input_ids) < 1e-5
 
 
-def test_imported_section_builds_the_same_network(make_llama) -> None:
-    model = make_llama(rope_scaling=LLAMA3_SCALING, norm_eps=1e-6, rope_theta=500000.0)
+@pytest.mark.parametrize("rope_scaling", [LLAMA3_SCALING, {"rope_type": "linear", "factor": 2}, None])
+def test_imported_section_builds_the_same_network(make_llama, rope_scaling) -> None:
+    model = make_llama(rope_scaling=rope_scaling, norm_eps=1e-6, rope_theta=500000.0)
     section = adapter.from_hf_config(adapter.to_hf_config(model))
     rebuilt = LlamaCausalLM(**{key: value for key, value in section.items() if key != "name"})
     assert rebuilt.config == model.config  # the MPT-level config: every layer, width, norm and RoPE setting

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from foundry.convert.commands import from_hf_model
 from foundry.convert.hf_export import to_hf_model
 from foundry.errors import ConfigError
 from foundry.models import LlamaCausalLM, MPTCausalLM
+from foundry.models.hf_families import NATIVE_MOE
 
 VOCAB = 96
 LLAMA_MOE = {
@@ -74,6 +76,7 @@ def test_export_computes_the_same_logits_and_imports_back_bit_exact(family: str)
     assert back.keys() == original.keys()
     assert all(torch.equal(back[key], original[key]) for key in original)
     section = adapter.from_hf_config(hf_model.config)
+    assert section["name"] == NATIVE_MOE[family] == name  # the loaders' table names the model the import builds
     rebuilt = type(model)(**{key: value for key, value in section.items() if key != "name"}, init_device="meta")
     assert rebuilt.config.ffn_config == model.config.ffn_config
     assert rebuilt.config.attn_config.qk_ln == model.config.attn_config.qk_ln
@@ -100,6 +103,44 @@ def test_mixtral_needs_renormalised_weights_and_olmoe_takes_either() -> None:
         choose_export(raw, "llama_causal_lm")
     olmoe = importlib.import_module("foundry.convert.olmoe")
     assert not olmoe.unmappable_features(foundry_model("olmoe", moe_normalize_expert_weights=1.0).config)
+
+
+# family -> the training-only MoE settings its Hugging Face config has no field for
+UNEXPORTED = {
+    "mixtral": ["moe_zloss_weight"],
+    "olmoe": ["moe_zloss_weight", "moe_jitter_eps"],
+    "qwen3_moe": ["moe_zloss_weight", "moe_jitter_eps"],
+    "dbrx": ["moe_zloss_weight"],
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_keeps_router_jitter_where_the_class_has_it_and_warns_for_what_it_lacks(family: str) -> None:
+    adapter = importlib.import_module(f"foundry.convert.{family}")
+    model = foundry_model(family)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the defaults (no z-loss, no jitter) export silently
+        adapter.to_hf_config(model)
+    model.config.ffn_config.moe_zloss_weight, model.config.ffn_config.moe_jitter_eps = 0.001, 0.01
+    with pytest.warns(UserWarning, match="training the export under transformers goes without it") as caught:
+        hf_config = adapter.to_hf_config(model)
+    message = str(caught[0].message)
+    assert [key for key in ("moe_zloss_weight", "moe_jitter_eps") if key in message] == UNEXPORTED[family]
+    hf_keys = hf_config.to_dict()
+    jitter = {
+        "mixtral": hf_keys.get("router_jitter_noise"),
+        "dbrx": hf_keys.get("ffn_config", {}).get("moe_jitter_eps"),
+    }
+    assert jitter.get(family) == (None if "moe_jitter_eps" in UNEXPORTED[family] else 0.01)
+
+
+def test_mixtral_router_jitter_imports_with_a_warning_that_llama_causal_lm_lacks_it() -> None:
+    from foundry.convert import mixtral
+
+    hf_config = mixtral.to_hf_config(foundry_model("mixtral"))
+    hf_config.router_jitter_noise = 0.01
+    with pytest.warns(UserWarning, match="'router_jitter_noise' to 0.01.*trains without it"):
+        mixtral.from_hf_config(hf_config)
 
 
 def test_qwen3_moe_with_dense_layers_is_refused_naming_the_key() -> None:

@@ -7,6 +7,7 @@ import torch
 from helpers import TinyLM, token_batches
 
 from distributed.jobs import build_trainer, summary
+from foundry.core import LoggerDestination
 from foundry.distributed import get_rank
 from foundry.errors import TrainingError
 from foundry.trainer import Trainer
@@ -24,10 +25,25 @@ class OutOfMemoryAbove(TinyLM):
     def forward(self, batch: dict) -> torch.Tensor:
         if batch["input_ids"].shape[0] > self.limit:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return super().forward(batch)
+        logits = super().forward(batch)
+        self.logit_square = logits.detach().pow(2).mean()  # a logged part of the loss, as an MoE's router losses
+        return logits
+
+    def loss_terms(self) -> dict[str, torch.Tensor]:
+        return {"logit_square": self.logit_square}
 
 
-def _fit_tiny(tmp_path, limit: int, microbatch_size: int | str) -> Trainer:
+class TrainMetrics(LoggerDestination):
+    """The metrics each batch logs, by step."""
+
+    def __init__(self) -> None:
+        self.by_step: dict[int, dict[str, float]] = {}
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self.by_step.setdefault(step, {}).update(metrics)
+
+
+def _fit_tiny(tmp_path, limit: int, microbatch_size: int | str, *loggers: LoggerDestination) -> Trainer:
     torch.manual_seed(0)
     trainer = Trainer(
         model=OutOfMemoryAbove(limit),
@@ -36,6 +52,7 @@ def _fit_tiny(tmp_path, limit: int, microbatch_size: int | str) -> Trainer:
         device_train_microbatch_size=microbatch_size,
         run_folder=str(tmp_path / str(microbatch_size)),
         log_to_console=False,
+        loggers=list(loggers),
     )
     trainer.fit()
     return trainer
@@ -47,6 +64,16 @@ def test_auto_picks_the_largest_halved_size_that_fits_and_trains_as_that_fixed_s
     fixed = _fit_tiny(tmp_path, limit=3, microbatch_size=2)
     for name, weight in fixed.state.model.state_dict().items():
         assert torch.equal(auto.state.model.state_dict()[name], weight), name
+
+
+def test_auto_logs_what_the_fixed_size_logs_leaving_out_the_trial_microbatches(tmp_path):
+    auto, fixed = TrainMetrics(), TrainMetrics()
+    _fit_tiny(tmp_path, 3, "auto", auto)
+    _fit_tiny(tmp_path, 3, 2, fixed)
+    keys = ("loss/train/total", "loss/train/logit_square", "metrics/train/TokenAccuracy")
+    assert [[auto.by_step[step][key] for key in keys] for step in range(1, NUM_BATCHES + 1)] == [
+        [fixed.by_step[step][key] for key in keys] for step in range(1, NUM_BATCHES + 1)
+    ]
 
 
 def test_auto_fails_clearly_when_one_sample_does_not_fit(tmp_path):

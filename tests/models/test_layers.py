@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from foundry.errors import ConfigError
+from foundry.models.experts import GroupedExperts
 from foundry.models.layers import (
     GLU,
+    MLP,
     ActFnConfig,
     FFNConfig,
     LowPrecisionLayerNorm,
@@ -71,6 +73,21 @@ def test_glu_gates_the_up_projection() -> None:
     x = torch.randn(3, 8)
     expected = ffn.down_proj(F.silu(ffn.gate_proj(x)) * ffn.up_proj(x))
     torch.testing.assert_close(ffn(x), expected)
+
+
+@pytest.mark.parametrize(
+    ("act", "expected"),
+    [
+        (ActFnConfig("gelu"), F.gelu),
+        (ActFnConfig("gelu", approximate="tanh"), lambda x: F.gelu(x, approximate="tanh")),
+        (ActFnConfig("silu"), F.silu),
+        (ActFnConfig("relu"), F.relu),
+    ],
+)
+def test_dense_and_expert_layers_apply_the_named_activation(act, expected) -> None:
+    x = torch.randn(4, 8)
+    for layer in (MLP(8, 16, act), GroupedExperts(2, 8, 16, act, glu=False)):
+        torch.testing.assert_close(layer.act(x), expected(x), atol=0, rtol=0)
 
 
 def test_ffn_hidden_size_overrides_expansion_ratio() -> None:

@@ -66,6 +66,15 @@ def test_an_unknown_moments_dtype_names_the_key() -> None:
 
 
 @pytest.mark.parametrize("name", ["decoupled_adamw", "adamw"])
+def test_fused_with_bf16_moments_is_refused_naming_both_keys(name) -> None:
+    build = registry.optimizers.get(name)
+    with pytest.raises(ConfigError, match=r"'optimizer\.fused'.*'optimizer\.moments_dtype'"):
+        build([torch.nn.Parameter(torch.zeros(1))], fused=True, moments_dtype="bfloat16")
+    unfused = build([torch.nn.Parameter(torch.zeros(1))], fused=False, moments_dtype="bfloat16")
+    assert isinstance(unfused, torch.optim.AdamW)
+
+
+@pytest.mark.parametrize("name", ["decoupled_adamw", "adamw"])
 def test_bf16_moments_stay_bf16_after_a_resumed_optimizer_state(name) -> None:
     build = registry.optimizers.get(name)
     weight = torch.nn.Parameter(torch.ones(4))
