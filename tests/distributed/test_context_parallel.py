@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from distributed.jobs import build_trainer, rank_batches, train
+from foundry.algorithms.gradient_clipping import GradientClipping
 from foundry.callbacks.hand_over import HandOver
 from foundry.callbacks.speed_monitor import model_flops_per_batch
+from foundry.core import Callback
 from foundry.distributed import get_rank
 from foundry.distributed.config import ParallelismConfig
 from foundry.distributed.context_parallel import (
@@ -21,6 +24,7 @@ from foundry.distributed.context_parallel import (
 from foundry.distributed.mesh import parallel_dims
 from foundry.errors import ConfigError
 from foundry.models import MPTCausalLM
+from foundry.optim.schedulers import CosineWithWarmupScheduler
 from foundry.targets import IGNORE_INDEX, SHIFTED_LABELS_KEY, shifted_targets
 
 NUM_BATCHES = 4
@@ -150,6 +154,53 @@ def test_cp2_llama_with_rope_and_grouped_query_attention_trains_like_one_rank(ra
     reference = ranks.run(1, train, NUM_BATCHES, str(tmp_path / "one"), model_keys=LLAMA)[0]
     result = ranks.run(2, train, NUM_BATCHES, str(tmp_path / "cp"), FULL_SHARD, model_keys=LLAMA, parallelism=CP2)
     assert_same_run(result[0], reference)
+
+
+class WeightsAfterEachStep(Callback):
+    """The full weights (gathered from FSDP's shards) and the pre-clip gradient norm after every batch."""
+
+    def __init__(self) -> None:
+        self.weights: list[dict[str, torch.Tensor]] = []
+        self.grad_norms: list[float] = []
+
+    def batch_end(self, state, logger) -> None:
+        weights = get_model_state_dict(state.model, options=StateDictOptions(full_state_dict=True))
+        self.weights.append({name: tensor.detach().clone() for name, tensor in weights.items()})
+        self.grad_norms.append(float(state.grad_norm))
+
+
+CLIPPING_THRESHOLD = 0.05
+MANY_BATCHES = 8
+
+
+def train_as_the_long_context_yaml(folder: str, parallelism: dict | None) -> dict | None:
+    """Llama on 2 ranks as llama-8b-64k.yaml trains it (clipping, weight decay, warmup then cosine, one
+    sample a microbatch), with a learning rate high enough that any difference in the gradients grows."""
+    recorder = WeightsAfterEachStep()
+    trainer = build_trainer(
+        MANY_BATCHES, folder, FULL_SHARD, model_keys=LLAMA, parallelism=parallelism,
+        optimizer_keys={"lr": 1e-2, "weight_decay": 0.1}, algorithms=[GradientClipping("norm", CLIPPING_THRESHOLD)],
+        schedulers=CosineWithWarmupScheduler(t_warmup="3ba", alpha_f=0.1), device_train_microbatch_size=1,
+        callbacks=[recorder],
+    )  # fmt: skip
+    trainer.fit()
+    losses = next(d for d in trainer.logger.destinations if hasattr(d, "losses")).losses
+    return {"losses": losses, "weights": recorder.weights, "grad_norms": recorder.grad_norms}
+
+
+def test_cp2_matches_fsdp_alone_after_every_step_of_a_clipped_accumulated_run(ranks, tmp_path):
+    """CP2 against the same 2 ranks without context parallelism, weights compared after each optimizer step:
+    an error that only accumulates (loss weighting over cp ranks, the clipping norm's group, weight decay, the
+    schedule, several microbatches a step: 4 half-sequences a rank under CP, 2 whole ones without) shows here."""
+    fsdp = ranks.run(2, train_as_the_long_context_yaml, str(tmp_path / "fsdp"), None)[0]
+    cp2 = ranks.run(2, train_as_the_long_context_yaml, str(tmp_path / "cp2"), CP2)[0]
+    assert min(fsdp["grad_norms"]) > CLIPPING_THRESHOLD  # every step clipped: the clipped norm is compared too
+    assert sorted(cp2["losses"]) == list(range(1, MANY_BATCHES + 1))
+    for step, loss in fsdp["losses"].items():
+        assert cp2["losses"][step] == pytest.approx(loss, rel=1e-5), step
+    for step, (got, want) in enumerate(zip(cp2["weights"], fsdp["weights"], strict=True), start=1):
+        for name, weight in want.items():
+            torch.testing.assert_close(got[name], weight, rtol=1e-5, atol=1e-6, msg=f"{name} after step {step}")
 
 
 def eval_loss(folder: str, parallelism: dict | None) -> float:
