@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -103,6 +104,76 @@ def test_cp_ranks_split_every_sample_of_their_group_with_whole_sequence_position
     # targets shifted over the whole sequence: a chunk's last target is the next chunk's first token
     assert rank0[SHIFTED_LABELS_KEY] == [[1, 2, 7, IGNORE_INDEX], [101, 102, 107, IGNORE_INDEX]]
     assert rank1[SHIFTED_LABELS_KEY] == [[3, 4, 5, 6], [103, 104, 105, 106]]
+
+
+def split_counting_collectives() -> dict:
+    """Rank r's pieces of a batch with every per-token key, and the collectives ``shard`` issued for it."""
+    rank = get_rank()
+    mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
+    batch = {
+        "input_ids": torch.arange(8)[None] + 100 * rank,
+        "attention_mask": torch.ones(1, 8, dtype=torch.bool),
+        "sequence_id": torch.full((1, 8), rank),
+        "position_ids": torch.arange(8)[None] + 10 * rank,
+    }
+    calls = []
+    originals = {
+        name: getattr(dist, name)
+        for name in ("all_gather", "all_gather_single", "all_gather_into_tensor")
+        if hasattr(dist, name)
+    }
+
+    def counting(name: str):
+        def collective(*args, **kwargs):
+            calls.append((name, args[1].device.type))  # args[1]: what this rank sends
+            return originals[name](*args, **kwargs)
+
+        return collective
+
+    try:
+        for name in originals:
+            setattr(dist, name, counting(name))
+        pieces = ContextParallel(mesh["cp"]).shard(batch)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return {"pieces": {key: (value.tolist(), value.dtype) for key, value in pieces.items()}, "calls": calls}
+
+
+def test_shard_gathers_every_per_token_key_in_one_collective_and_checks_shapes_on_the_host(ranks):
+    rank0, rank1 = ranks.run(2, split_counting_collectives)
+    # one host-side exchange of the batch layouts, one gather of all five per-token tensors
+    gather_single = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    assert rank0["calls"] == [("all_gather", "cpu"), (gather_single, "cpu")]
+    assert rank1["pieces"]["input_ids"] == ([[2, 3, 4, 5], [102, 103, 104, 105]], torch.long)
+    assert rank1["pieces"]["position_ids"] == ([[2, 3, 4, 5], [12, 13, 14, 15]], torch.long)
+    assert rank0["pieces"]["sequence_id"] == ([[0, 0, 0, 0], [1, 1, 1, 1]], torch.long)
+    assert rank0["pieces"]["attention_mask"] == ([[True] * 4] * 2, torch.bool)
+    assert rank0["pieces"][SHIFTED_LABELS_KEY][0][1] == [101, 102, 107, IGNORE_INDEX]
+
+
+def split_unequal_batches(differ_in: str) -> str:
+    """Rank 1 loads two samples (``shape``) or an attention mask (``keys``) where rank 0 loads one, without."""
+    rank = get_rank()
+    mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
+    batch = {"input_ids": torch.zeros(1 + (rank if differ_in == "shape" else 0), 8, dtype=torch.long)}
+    if differ_in == "keys" and rank == 1:
+        batch["attention_mask"] = torch.ones(1, 8)
+    with pytest.raises(ConfigError) as error:
+        ContextParallel(mesh["cp"]).shard(batch)
+    return str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("differ_in", "rank1_loaded"),
+    [
+        ("shape", "rank 1: 2 x 8 tokens"),
+        ("keys", "rank 1: 1 x 8 tokens, input_ids, shifted_labels, position_ids, attention_mask"),
+    ],
+)
+def test_cp_ranks_that_loaded_unequal_batches_are_all_told_which(ranks, differ_in, rank1_loaded):
+    for message in ranks.run(2, split_unequal_batches, differ_in):
+        assert "different shapes or keys" in message and rank1_loaded in message and "drop_last: true" in message
 
 
 def attention_against_full(kv_heads: int) -> dict:
