@@ -250,7 +250,7 @@ def train_as_the_long_context_yaml(folder: str, parallelism: dict | None) -> dic
     recorder = WeightsAfterEachStep()
     trainer = build_trainer(
         MANY_BATCHES, folder, FULL_SHARD, model_keys=LLAMA, parallelism=parallelism,
-        optimizer_keys={"lr": 1e-2, "weight_decay": 0.1}, algorithms=[GradientClipping("norm", CLIPPING_THRESHOLD)],
+        optimizer_keys={"lr": 1e-2, "weight_decay": 1e-3}, algorithms=[GradientClipping("norm", CLIPPING_THRESHOLD)],
         schedulers=CosineWithWarmupScheduler(t_warmup="3ba", alpha_f=0.1), device_train_microbatch_size=1,
         callbacks=[recorder],
     )  # fmt: skip
