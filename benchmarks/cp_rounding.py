@@ -123,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
         "losses": {name: record.losses for name, record in records.items()},
         **{f"{name} against fsdp": against(records[name], records["fsdp"]) for name in RUNS if name != "fsdp"},
     }
-    save_json(args.out, f"cp_rounding_{args.precision}", [row])
+    save_json(args.out, f"cp_rounding_{args.precision}_{args.moments}_moments", [row])
     for name in RUNS:
         if name != "fsdp":
             summary = {k: v for k, v in row[f"{name} against fsdp"].items() if not k.endswith("by_step")}
