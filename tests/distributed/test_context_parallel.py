@@ -242,14 +242,16 @@ class WeightsAfterEachStep(Callback):
 
 CLIPPING_THRESHOLD = 0.05
 MANY_BATCHES = 8
+CHECKPOINTED = {**FULL_SHARD, "activation_checkpointing": True}
 
 
 def train_as_the_long_context_yaml(folder: str, parallelism: dict | None) -> dict | None:
     """Llama on 2 ranks as llama-8b-64k.yaml trains it (clipping, weight decay, warmup then cosine, one
-    sample a microbatch), with a learning rate high enough that any difference in the gradients grows."""
+    sample a microbatch, activation checkpointing: backward recomputes split attention), with a learning
+    rate high enough that any difference in the gradients grows."""
     recorder = WeightsAfterEachStep()
     trainer = build_trainer(
-        MANY_BATCHES, folder, FULL_SHARD, model_keys=LLAMA, parallelism=parallelism,
+        MANY_BATCHES, folder, CHECKPOINTED, model_keys=LLAMA, parallelism=parallelism,
         optimizer_keys={"lr": 1e-2, "weight_decay": 1e-3}, algorithms=[GradientClipping("norm", CLIPPING_THRESHOLD)],
         schedulers=CosineWithWarmupScheduler(t_warmup="3ba", alpha_f=0.1), device_train_microbatch_size=1,
         callbacks=[recorder],
