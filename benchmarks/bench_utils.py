@@ -169,3 +169,34 @@ def loss_gaps(curve: dict[int, float], reference: dict[int, float]) -> dict[str,
         "mean_abs_gap": sum(gaps) / len(gaps) if gaps else None,
         "mean_abs_gap_last_50": sum(last) / len(last) if last else None,
     }
+
+
+def plot_against_reference(
+    curves: dict[str, dict[int, float]],
+    reference: str,
+    path: str | Path,
+    titles: tuple[str, str],
+    marks: Sequence[int] = (),
+) -> None:
+    """Loss curves by step (top) and each one minus ``reference``'s (bottom), one colour a run; dotted
+    vertical lines at the steps in ``marks``. Needs matplotlib (``foundry.plotting.figure_class``)."""
+    from foundry.plotting import figure_class
+
+    figure = figure_class()(figsize=(8, 6), layout="constrained")
+    top, bottom = figure.subplots(2, 1, sharex=True)
+    for name, curve in curves.items():
+        (line,) = top.plot(list(curve), list(curve.values()), label=name)
+        if name != reference:
+            steps = [step for step in curve if step in curves[reference]]
+            differences = [curve[step] - curves[reference][step] for step in steps]
+            bottom.plot(steps, differences, color=line.get_color(), label=f"{name} - {reference}")
+    for ax in (top, bottom):
+        for step in marks:
+            ax.axvline(step, color="grey", linestyle=":", linewidth=1)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    top.set_title(titles[0])
+    bottom.set_title(titles[1])
+    bottom.set_xlabel("step")
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100)

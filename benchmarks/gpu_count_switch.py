@@ -22,35 +22,21 @@ import shutil
 import sys
 from pathlib import Path
 
-from bench_utils import foundry_train, loss_gaps, save_json, train_losses
+from bench_utils import foundry_train, loss_gaps, plot_against_reference, save_json, train_losses
 from default_path import build_data
 
 from foundry.errors import EXIT_HANDED_OVER, EXIT_OK
-from foundry.plotting import figure_class
 
 
 def plot(result: dict, path: str) -> None:
     """Loss curves (top) and each run's loss minus the reference's (bottom), the GPU switches marked."""
-    runs, segment = result["runs"], result["args"]["segment"]
-    reference = {int(step): loss for step, loss in runs["uninterrupted-2gpu"]["losses"].items()}
-    figure = figure_class()(figsize=(8, 6), layout="constrained")
-    top, bottom = figure.subplots(2, 1, sharex=True)
-    for name, run in runs.items():
-        curve = {int(step): loss for step, loss in run["losses"].items()}
-        top.plot(list(curve), list(curve.values()), label=name)
-        if name != "uninterrupted-2gpu":
-            steps = [step for step in curve if step in reference]
-            bottom.plot(steps, [curve[step] - reference[step] for step in steps], label=f"{name} - uninterrupted-2gpu")
-    for ax in (top, bottom):
-        for boundary in (segment, 2 * segment):
-            ax.axvline(boundary, color="grey", linestyle=":", linewidth=1)
-        ax.grid(alpha=0.3)
-        ax.legend()
-    top.set_title("train loss; the switched run: 2 GPUs, then 1 (dotted lines: hand-overs), then 2")
-    bottom.set_title("difference from the uninterrupted 2-GPU run")
-    bottom.set_xlabel("batch")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
+    segment = result["args"]["segment"]
+    curves = {name: {int(step): loss for step, loss in run["losses"].items()} for name, run in result["runs"].items()}
+    titles = (
+        "train loss; the switched run: 2 GPUs, then 1 (dotted lines: hand-overs), then 2",
+        "difference from the uninterrupted 2-GPU run",
+    )
+    plot_against_reference(curves, "uninterrupted-2gpu", path, titles, marks=(segment, 2 * segment))
 
 
 def main() -> int:

@@ -1,6 +1,8 @@
 """Long context on two GPUs: tokens/s per GPU, MFU and peak memory with and without context parallelism.
 
     python benchmarks/long_context.py --out $OUT        # two GPUs, about 9 minutes; rows in priority order
+    python benchmarks/long_context.py --rows llama8b-16k llama8b-16k-repeat llama8b-16k-cp2 \
+        --loss-steps 50 --budget-s 540 --plot $OUT/long_context_loss.png --out $OUT    # the loss check alone
 
 The script launches itself on 2 ranks through torchrun (what ``foundry train --nproc 2`` runs) and trains each
 row through the Trainer that ``foundry train`` builds from the shipped YAML (its model, optimizer with bf16
@@ -12,8 +14,12 @@ moments, schedule, gradient clipping, FSDP2 and activation checkpointing, compil
 Rows (``--rows`` picks; each is skipped when the time left in ``--budget-s`` is below its estimate):
 
 - ``llama8b-64k-cp2``: ``yamls/pretrain/llama-8b-64k.yaml`` as shipped: 65,536 tokens, CP2.
-- ``llama8b-16k`` and ``llama8b-16k-cp2``: the same model at 16,384 tokens, FSDP only and CP2, on the same
-  real-text batches for ``--loss-steps`` steps: the per-step losses and their largest difference.
+- ``llama8b-16k``, ``llama8b-16k-repeat`` and ``llama8b-16k-cp2``: the same model at 16,384 tokens on the same
+  real-text batches for ``--loss-steps`` steps: FSDP only, FSDP only again (same seed: the run-to-run spread of
+  bf16 training) and CP2. ``llama8b-16k-reduce-fp32`` is FSDP only with gradients reduced in fp32 instead of
+  bf16 (``fsdp_config.mixed_precision=DEFAULT``): a change at the rounding level, for how far rounding alone
+  moves this run. The JSON compares each with ``llama8b-16k`` step by step; ``--plot`` draws the curves and
+  their differences (``--replot JSON`` draws them from a saved JSON where the GPU machine lacks matplotlib).
 - ``mpt1b-8k`` ... ``mpt1b-128k-cp2``: ``yamls/pretrain/mpt-1b.yaml`` (learned positions, no ALiBi) from 8k to
   128k tokens, activation checkpointing from 32k.
 
@@ -35,26 +41,47 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_utils import REPO_ROOT, SHARED_DATA, environment, markdown_table, save_json, yaml_trainer
+from bench_utils import (
+    REPO_ROOT,
+    SHARED_DATA,
+    environment,
+    markdown_table,
+    plot_against_reference,
+    save_json,
+    yaml_trainer,
+)
 
 from foundry import Callback
 from foundry.callbacks.device_flops import peak_flops_per_sec
 from foundry.config import load_train_config
 from foundry.core import LoggerDestination
 from foundry.distributed import get_rank, get_world_size, init_process_group
+from foundry.errors import FoundryError
 
 LLAMA_8B_64K = "yamls/pretrain/llama-8b-64k.yaml"
 MPT_1B = "yamls/pretrain/mpt-1b.yaml"
-# name -> (YAML, tokens a sequence, context-parallel degree, steps, untimed steps, estimated seconds on 2 H100s)
+# name -> (YAML, tokens a sequence, context-parallel degree, steps, untimed steps, estimated seconds on 2 H100s);
+# the loss rows' steps and seconds follow --loss-steps (LOSS_ROWS)
 ROWS: dict[str, tuple[str, int, int, int, int, int]] = {
     "llama8b-64k-cp2": (LLAMA_8B_64K, 65536, 2, 4, 1, 150),
     "llama8b-16k": (LLAMA_8B_64K, 16384, 1, 20, 2, 110),
+    "llama8b-16k-repeat": (LLAMA_8B_64K, 16384, 1, 20, 2, 110),
     "llama8b-16k-cp2": (LLAMA_8B_64K, 16384, 2, 20, 2, 110),
+    "llama8b-16k-reduce-fp32": (LLAMA_8B_64K, 16384, 1, 20, 2, 110),
     "mpt1b-8k": (MPT_1B, 8192, 1, 5, 2, 30),
     "mpt1b-32k": (MPT_1B, 32768, 1, 4, 2, 35),
     "mpt1b-64k-cp2": (MPT_1B, 65536, 2, 4, 2, 45),
     "mpt1b-128k-cp2": (MPT_1B, 131072, 2, 4, 2, 70),
 }
+# the 16k loss rows: seconds a step on 2 H100s (2026-11-26 JSON) and their overrides beyond the degree
+LOSS_ROWS: dict[str, tuple[float, list[str]]] = {
+    "llama8b-16k": (2.45, []),
+    "llama8b-16k-repeat": (2.45, []),
+    "llama8b-16k-cp2": (3.18, []),
+    "llama8b-16k-reduce-fp32": (2.45, ["fsdp_config.mixed_precision=DEFAULT"]),
+}
+LOSS_REFERENCE = "llama8b-16k"
+ROW_SETUP_S = 25  # building the 8B model on the GPUs, FSDP, the first batch
 
 
 class BatchTimes(Callback):
@@ -106,9 +133,17 @@ def rank_batches(stream: torch.Tensor, seq_len: int, steps: int) -> list[dict[st
     return batches
 
 
+def steps_and_estimate_s(name: str, args: argparse.Namespace) -> tuple[int, float]:
+    """How many steps row ``name`` trains and about how many seconds it takes on 2 H100s."""
+    if name in LOSS_ROWS:
+        return args.loss_steps, ROW_SETUP_S + args.loss_steps * LOSS_ROWS[name][0]
+    return ROWS[name][3], ROWS[name][5]
+
+
 def run_row(name: str, args: argparse.Namespace, stream_cache: dict) -> dict[str, Any]:
-    yaml_path, seq_len, cp, steps, warmup, _ = ROWS[name]
-    overrides = [f"parallelism.context_parallel_degree={cp}"]
+    yaml_path, seq_len, cp, _, warmup, _ = ROWS[name]
+    steps, _ = steps_and_estimate_s(name, args)
+    overrides = [f"parallelism.context_parallel_degree={cp}", *LOSS_ROWS.get(name, (0, []))[1]]
     if yaml_path == MPT_1B:
         overrides.append(f"fsdp_config.activation_checkpointing={str(seq_len >= 32768).lower()}")
     trainer_overrides: dict[str, Any] = {}
@@ -166,53 +201,89 @@ def worker(args: argparse.Namespace) -> None:
     started_s, rows, stream_cache = time.perf_counter(), [], {}
     for name in args.rows:
         left_s = args.budget_s - (time.perf_counter() - started_s)
-        if left_s < ROWS[name][-1]:
-            rows.append({"row": name, "skipped": f"{left_s:.0f} s left of --budget-s, row needs ~{ROWS[name][-1]} s"})
+        needed_s = steps_and_estimate_s(name, args)[1]
+        if left_s < needed_s:
+            rows.append({"row": name, "skipped": f"{left_s:.0f} s left of --budget-s, row needs ~{needed_s:.0f} s"})
             continue
         try:
             rows.append(run_row(name, args, stream_cache))
         except Exception as error:  # a row that fails (out of memory) leaves the others their time
             rows.append({"row": name, "error": f"{type(error).__name__}: {str(error)[:400]}"})
             free_memory()
-        if get_rank() == 0:
+        if get_rank() == 0:  # after each row: a call cut off keeps the rows (and losses) that ran
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "losses"}), flush=True)
             write(args.out, rows)
+    if get_rank() == 0 and args.plot:
+        plot_losses(rows, args.plot)
 
 
 def write(out: str | None, rows: list[dict[str, Any]]) -> None:
-    """The rows so far (and the 16k loss comparison) as JSON under ``out``: a cut-off call keeps what ran."""
-    by_name = {row["row"]: row for row in rows if "losses" in row}
-    summary = list(rows)
-    if "llama8b-16k" in by_name and "llama8b-16k-cp2" in by_name:
-        plain, split = by_name["llama8b-16k"]["losses"], by_name["llama8b-16k-cp2"]["losses"]
-        steps = sorted(set(plain) & set(split))
-        summary.append({
-            "row": "llama8b-16k: CP2 against FSDP only",
-            "max_abs_loss_difference": max(abs(plain[s] - split[s]) for s in steps) if steps else None,
-            "steps": len(steps),
-        })  # fmt: skip
-    save_json(out, "long_context", summary)
+    """The rows so far and the 16k loss comparisons as JSON under ``out``: a cut-off call keeps what ran."""
+    save_json(out, "long_context", rows + loss_comparisons(rows))
     if out:
-        table = [{k: v for k, v in row.items() if k not in ("losses", "yaml")} for row in summary]
+        table = [{k: v for k, v in row.items() if k not in ("losses", "yaml")} for row in rows]
         Path(out, "long_context.md").write_text(markdown_table(table) + "\n")
+
+
+def loss_comparisons(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each 16k loss row against FSDP alone (``llama8b-16k``), step by step, same batches."""
+    by_name = {row["row"]: row for row in rows if "losses" in row}
+    if LOSS_REFERENCE not in by_name:
+        return []
+    reference = {int(step): loss for step, loss in by_name[LOSS_REFERENCE]["losses"].items()}
+    comparisons = []
+    for name in [name for name in LOSS_ROWS if name != LOSS_REFERENCE and name in by_name]:
+        losses = {int(step): loss for step, loss in by_name[name]["losses"].items()}
+        steps = sorted(set(reference) & set(losses))
+        differences = [abs(losses[step] - reference[step]) for step in steps]
+        last = differences[-10:]
+        comparisons.append({
+            "row": f"{name} against {LOSS_REFERENCE}",
+            "steps": len(steps),
+            "max_abs_loss_difference": max(differences) if steps else None,
+            "mean_abs_loss_difference_last_10_steps": sum(last) / len(last) if steps else None,
+            "identical": differences == [0.0] * len(steps),
+        })  # fmt: skip
+    return comparisons
+
+
+def plot_losses(rows: list[dict[str, Any]], path: str) -> None:
+    """The 16k loss rows' curves (top) and each one's difference from FSDP alone (bottom)."""
+    curves = {row["row"]: {int(s): v for s, v in row["losses"].items()} for row in rows if row["row"] in LOSS_ROWS}
+    if not curves.get(LOSS_REFERENCE):
+        print(f"no plot: the {LOSS_REFERENCE} row has no losses", flush=True)
+        return
+    titles = ("Llama-3.1-8B shape, 16,384 tokens, 2 GPUs: train loss on the same batches", "difference from FSDP alone")
+    try:
+        plot_against_reference(curves, LOSS_REFERENCE, path, titles)
+    except FoundryError as error:  # no matplotlib on this machine: --replot the JSON elsewhere
+        print(f"no plot: {error}", flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
+    default_rows = [name for name in ROWS if name != "llama8b-16k-reduce-fp32"]
+    parser.add_argument("--rows", nargs="*", default=default_rows, choices=list(ROWS))
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=500.0, help="rows that would not fit are skipped")
+    parser.add_argument("--loss-steps", type=int, default=20, help="steps of each 16k loss row")
+    parser.add_argument("--plot", default=None, help="PNG of the 16k loss rows' curves and differences")
+    parser.add_argument("--replot", default=None, help="only draw --plot from this saved long_context.json")
     parser.add_argument("--corpus", default=str(SHARED_DATA / "corpus"))
     parser.add_argument("--tokenizer", default=str(SHARED_DATA / "tokenizers" / "gpt-neox-20b"))
     parser.add_argument("--out", default=os.environ.get("OUT"))
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU ranks: checks the script runs")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # set on the torchrun ranks
     args = parser.parse_args()
+    if args.replot:
+        plot_losses(json.loads(Path(args.replot).read_text())["rows"], args.plot)
+        return 0
     if args.worker:
         worker(args)
         return 0
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
     command += [__file__, "--worker", "--rows", *args.rows, "--budget-s", str(args.budget_s)]
+    command += ["--loss-steps", str(args.loss_steps)] + (["--plot", args.plot] if args.plot else [])
     command += ["--corpus", args.corpus, "--tokenizer", args.tokenizer] + (["--out", args.out] if args.out else [])
     command += ["--smoke"] if args.smoke else []
     here = Path(__file__).resolve().parent

@@ -75,6 +75,12 @@ def unshard_sequence(gathered: torch.Tensor, cp_size: int, dim: int) -> torch.Te
     return torch.cat([holder[chunk] for chunk in range(2 * cp_size)], dim=dim)
 
 
+def _describe(layout: torch.Tensor) -> str:
+    """A batch layout of ``ContextParallel._check_same_layout`` in words: its shape and per-token keys."""
+    batch, seq, keys = layout.tolist()
+    return f"{batch} x {seq} tokens, " + ", ".join(key for index, key in enumerate(SEQUENCE_KEYS) if keys >> index & 1)
+
+
 class ContextParallel:
     """Splits batches over a cp mesh and, while ``active``, makes the wrapped attention gather keys and values."""
 
@@ -98,25 +104,43 @@ class ContextParallel:
         for key in ("attention_mask", "sequence_id"):
             if batch.get(key) is not None:
                 whole[key] = batch[key]
-        self._check_same_shape(input_ids)
-        return {key: shard_sequence(self._gather_samples(value), self.rank, self.size) for key, value in whole.items()}
+        self._check_same_layout(whole)
+        gathered = self._gather_samples(whole)
+        return {key: shard_sequence(value, self.rank, self.size) for key, value in gathered.items()}
 
-    def _check_same_shape(self, input_ids: torch.Tensor) -> None:
-        shape = torch.tensor(input_ids.shape, device=input_ids.device)
-        shapes = [torch.empty_like(shape) for _ in range(self.size)]
-        dist.all_gather(shapes, shape, group=self.group)
-        if any(not torch.equal(other, shape) for other in shapes):
+    def _check_same_layout(self, whole: Mapping[str, torch.Tensor]) -> None:
+        """Every cp rank loaded a batch of one shape with the same keys: otherwise the sample gather would
+        hang or mix tokens.
+
+        The layouts travel as a CPU tensor (over the group's gloo backend on a GPU job, whose process group is
+        ``cpu:gloo,cuda:nccl``): a few bytes between the hosts a batch, and the host never waits for the
+        device's queued work.
+        """
+        keys = sum(1 << index for index, key in enumerate(SEQUENCE_KEYS) if key in whole)
+        layout = torch.tensor([*whole["input_ids"].shape, keys])  # (batch, seq, which keys)
+        layouts = [torch.empty_like(layout) for _ in range(self.size)]
+        dist.all_gather(layouts, layout, group=self.group)
+        if any(not torch.equal(other, layout) for other in layouts):
+            described = "; ".join(f"rank {rank}: {_describe(other)}" for rank, other in enumerate(layouts))
             raise ConfigError(
-                f"The ranks of a context-parallel group loaded batches of different shapes "
-                f"({[tuple(s.tolist()) for s in shapes]}); {_KEY} needs equal ones. Pad every batch to max_seq_len "
-                "and drop a last, partial batch (drop_last: true)."
+                f"The ranks of a context-parallel group loaded batches of different shapes or keys ({described}); "
+                f"{_KEY} needs equal ones. Pad every batch to max_seq_len and drop a last, partial batch "
+                "(drop_last: true)."
             )
 
-    def _gather_samples(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every cp rank's samples, in rank order along the batch dimension (no gradient flows here)."""
-        gathered = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(gathered, tensor.contiguous(), group=self.group)
-        return torch.cat(gathered)
+    def _gather_samples(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every cp rank's samples of each per-token tensor, in rank order along the batch dimension.
+
+        One collective for all of them: the (batch, seq) tensors are stacked as int64 (token ids, positions,
+        0/1 masks: exact) and each gets its dtype back. No gradient flows here.
+        """
+        names = list(tensors)
+        stacked = torch.stack([tensors[name].to(torch.long) for name in names])  # (keys, batch, seq)
+        gathered = stacked.new_empty((self.size * len(names), *stacked.shape[1:]))  # (cp·keys, batch, seq)
+        # torch 2.14 renamed all_gather_into_tensor (deprecated there) to all_gather_single
+        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(gathered, stacked, group=self.group)
+        by_rank = gathered.view(self.size, *stacked.shape)  # (cp, keys, batch, seq)
+        return {name: by_rank[:, index].flatten(0, 1).to(tensors[name].dtype) for index, name in enumerate(names)}
 
     @contextlib.contextmanager
     def activated(self) -> Iterator[None]:

@@ -51,6 +51,7 @@ def build_trainer(
     fsdp_config: dict[str, Any] | None = None,
     model_keys: dict[str, Any] | None = None,  # with a 'name': a whole model section instead of the tiny MPT
     precision: str = "fp32",  # ranks' losses are compared to one rank's within fp32 round-off
+    optimizer_keys: dict[str, Any] | None = None,  # DecoupledAdamW's, over lr=3e-3
     **trainer_kwargs: Any,
 ) -> Trainer:
     torch.manual_seed(SEED)  # as builders.build_trainer seeds before building the model
@@ -58,7 +59,7 @@ def build_trainer(
         model=build_model(model_keys) if "name" in (model_keys or {}) else MPTCausalLM(**MODEL, **(model_keys or {})),
         train_dataloader=rank_batches(max_batches),
         max_duration=f"{max_batches}ba",
-        optimizers=lambda params: DecoupledAdamW(params, lr=3e-3),
+        optimizers=lambda params: DecoupledAdamW(params, **{"lr": 3e-3, **(optimizer_keys or {})}),
         fsdp_config=fsdp_config,
         precision=precision,
         device="cpu",

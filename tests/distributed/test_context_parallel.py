@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from distributed.jobs import build_trainer, rank_batches, train
+from foundry.algorithms.gradient_clipping import GradientClipping
 from foundry.callbacks.hand_over import HandOver
 from foundry.callbacks.speed_monitor import model_flops_per_batch
+from foundry.core import Callback
 from foundry.distributed import get_rank
 from foundry.distributed.config import ParallelismConfig
 from foundry.distributed.context_parallel import (
@@ -21,6 +25,7 @@ from foundry.distributed.context_parallel import (
 from foundry.distributed.mesh import parallel_dims
 from foundry.errors import ConfigError
 from foundry.models import MPTCausalLM
+from foundry.optim.schedulers import CosineWithWarmupScheduler
 from foundry.targets import IGNORE_INDEX, SHIFTED_LABELS_KEY, shifted_targets
 
 NUM_BATCHES = 4
@@ -101,6 +106,76 @@ def test_cp_ranks_split_every_sample_of_their_group_with_whole_sequence_position
     assert rank1[SHIFTED_LABELS_KEY] == [[3, 4, 5, 6], [103, 104, 105, 106]]
 
 
+def split_counting_collectives() -> dict:
+    """Rank r's pieces of a batch with every per-token key, and the collectives ``shard`` issued for it."""
+    rank = get_rank()
+    mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
+    batch = {
+        "input_ids": torch.arange(8)[None] + 100 * rank,
+        "attention_mask": torch.ones(1, 8, dtype=torch.bool),
+        "sequence_id": torch.full((1, 8), rank),
+        "position_ids": torch.arange(8)[None] + 10 * rank,
+    }
+    calls = []
+    originals = {
+        name: getattr(dist, name)
+        for name in ("all_gather", "all_gather_single", "all_gather_into_tensor")
+        if hasattr(dist, name)
+    }
+
+    def counting(name: str):
+        def collective(*args, **kwargs):
+            calls.append((name, args[1].device.type))  # args[1]: what this rank sends
+            return originals[name](*args, **kwargs)
+
+        return collective
+
+    try:
+        for name in originals:
+            setattr(dist, name, counting(name))
+        pieces = ContextParallel(mesh["cp"]).shard(batch)
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return {"pieces": {key: (value.tolist(), value.dtype) for key, value in pieces.items()}, "calls": calls}
+
+
+def test_shard_gathers_every_per_token_key_in_one_collective_and_checks_shapes_on_the_host(ranks):
+    rank0, rank1 = ranks.run(2, split_counting_collectives)
+    # one host-side exchange of the batch layouts, one gather of all five per-token tensors
+    gather_single = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    assert rank0["calls"] == [("all_gather", "cpu"), (gather_single, "cpu")]
+    assert rank1["pieces"]["input_ids"] == ([[2, 3, 4, 5], [102, 103, 104, 105]], torch.long)
+    assert rank1["pieces"]["position_ids"] == ([[2, 3, 4, 5], [12, 13, 14, 15]], torch.long)
+    assert rank0["pieces"]["sequence_id"] == ([[0, 0, 0, 0], [1, 1, 1, 1]], torch.long)
+    assert rank0["pieces"]["attention_mask"] == ([[True] * 4] * 2, torch.bool)
+    assert rank0["pieces"][SHIFTED_LABELS_KEY][0][1] == [101, 102, 107, IGNORE_INDEX]
+
+
+def split_unequal_batches(differ_in: str) -> str:
+    """Rank 1 loads two samples (``shape``) or an attention mask (``keys``) where rank 0 loads one, without."""
+    rank = get_rank()
+    mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
+    batch = {"input_ids": torch.zeros(1 + (rank if differ_in == "shape" else 0), 8, dtype=torch.long)}
+    if differ_in == "keys" and rank == 1:
+        batch["attention_mask"] = torch.ones(1, 8)
+    with pytest.raises(ConfigError) as error:
+        ContextParallel(mesh["cp"]).shard(batch)
+    return str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("differ_in", "rank1_loaded"),
+    [
+        ("shape", "rank 1: 2 x 8 tokens"),
+        ("keys", "rank 1: 1 x 8 tokens, input_ids, shifted_labels, position_ids, attention_mask"),
+    ],
+)
+def test_cp_ranks_that_loaded_unequal_batches_are_all_told_which(ranks, differ_in, rank1_loaded):
+    for message in ranks.run(2, split_unequal_batches, differ_in):
+        assert "different shapes or keys" in message and rank1_loaded in message and "drop_last: true" in message
+
+
 def attention_against_full(kv_heads: int) -> dict:
     """Split-sequence attention (forward and the gradients of q, k, v) next to full causal attention."""
     mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
@@ -150,6 +225,55 @@ def test_cp2_llama_with_rope_and_grouped_query_attention_trains_like_one_rank(ra
     reference = ranks.run(1, train, NUM_BATCHES, str(tmp_path / "one"), model_keys=LLAMA)[0]
     result = ranks.run(2, train, NUM_BATCHES, str(tmp_path / "cp"), FULL_SHARD, model_keys=LLAMA, parallelism=CP2)
     assert_same_run(result[0], reference)
+
+
+class WeightsAfterEachStep(Callback):
+    """The full weights (gathered from FSDP's shards) and the pre-clip gradient norm after every batch."""
+
+    def __init__(self) -> None:
+        self.weights: list[dict[str, torch.Tensor]] = []
+        self.grad_norms: list[float] = []
+
+    def batch_end(self, state, logger) -> None:
+        weights = get_model_state_dict(state.model, options=StateDictOptions(full_state_dict=True))
+        self.weights.append({name: tensor.detach().clone() for name, tensor in weights.items()})
+        self.grad_norms.append(float(state.grad_norm))
+
+
+CLIPPING_THRESHOLD = 0.05
+MANY_BATCHES = 8
+CHECKPOINTED = {**FULL_SHARD, "activation_checkpointing": True}
+
+
+def train_as_the_long_context_yaml(folder: str, parallelism: dict | None) -> dict | None:
+    """Llama on 2 ranks as llama-8b-64k.yaml trains it (clipping, weight decay, warmup then cosine, one
+    sample a microbatch, activation checkpointing: backward recomputes split attention), with a learning
+    rate high enough that any difference in the gradients grows."""
+    recorder = WeightsAfterEachStep()
+    trainer = build_trainer(
+        MANY_BATCHES, folder, CHECKPOINTED, model_keys=LLAMA, parallelism=parallelism,
+        optimizer_keys={"lr": 1e-2, "weight_decay": 1e-3}, algorithms=[GradientClipping("norm", CLIPPING_THRESHOLD)],
+        schedulers=CosineWithWarmupScheduler(t_warmup="3ba", alpha_f=0.1), device_train_microbatch_size=1,
+        callbacks=[recorder],
+    )  # fmt: skip
+    trainer.fit()
+    losses = next(d for d in trainer.logger.destinations if hasattr(d, "losses")).losses
+    return {"losses": losses, "weights": recorder.weights, "grad_norms": recorder.grad_norms}
+
+
+def test_cp2_matches_fsdp_alone_after_every_step_of_a_clipped_accumulated_run(ranks, tmp_path):
+    """CP2 against the same 2 ranks without context parallelism, weights compared after each optimizer step:
+    an error that only accumulates (loss weighting over cp ranks, the clipping norm's group, weight decay, the
+    schedule, several microbatches a step: 4 half-sequences a rank under CP, 2 whole ones without) shows here."""
+    fsdp = ranks.run(2, train_as_the_long_context_yaml, str(tmp_path / "fsdp"), None)[0]
+    cp2 = ranks.run(2, train_as_the_long_context_yaml, str(tmp_path / "cp2"), CP2)[0]
+    assert min(fsdp["grad_norms"]) > CLIPPING_THRESHOLD  # every step clipped: the clipped norm is compared too
+    assert sorted(cp2["losses"]) == list(range(1, MANY_BATCHES + 1))
+    for step, loss in fsdp["losses"].items():
+        assert cp2["losses"][step] == pytest.approx(loss, rel=1e-5), step
+    for step, (got, want) in enumerate(zip(cp2["weights"], fsdp["weights"], strict=True), start=1):
+        for name, weight in want.items():
+            torch.testing.assert_close(got[name], weight, rtol=1e-5, atol=1e-6, msg=f"{name} after step {step}")
 
 
 def eval_loss(folder: str, parallelism: dict | None) -> float:
