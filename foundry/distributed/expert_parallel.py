@@ -33,30 +33,31 @@ _PARALLEL_CLASSES: dict[type, type] = {}  # an experts class -> its expert-paral
 
 class ExpertParallelRouting:
     """Mixed into an experts module (``foundry.models.experts.GroupedExperts``): its weights hold this rank's
-    experts, and its tokens travel by all-to-all. The module's own ``sort_by_expert``, ``dispatch`` and
-    ``combine`` lay the rows out (distributed code does not import the models)."""
+    experts, and its tokens travel by all-to-all. The module's own ``sort_by_expert``, ``dispatch``,
+    ``undo_sort`` and ``combine`` lay the rows out (distributed code does not import the models)."""
 
     ep_mesh: DeviceMesh
 
     def route(
         self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        sort_by_expert, dispatch, combine = self.sort_by_expert, self.dispatch, self.combine
+        sort_by_expert, dispatch, undo_sort, combine = self.sort_by_expert, self.dispatch, self.undo_sort, self.combine
         group, ep = self.ep_mesh.get_group(), self.ep_mesh.size()
         layout = sort_by_expert(expert_ids, self.num_experts)  # rows grouped by expert, so by destination rank
         tokens_per_expert = layout.tokens_per_expert
         # received[source, local expert]: rows each rank sends for each of this rank's experts
         received = funcol.all_to_all_single(tokens_per_expert, None, None, group=group)
         received = funcol.wait_tensor(received).view(ep, -1)
-        send_splits = tokens_per_expert.view(ep, -1).sum(1).tolist()  # host sync: the exchange's sizes
-        receive_splits = received.sum(1).tolist()
+        # The exchange's sizes must reach the host: one read for both, the layer's only device sync.
+        sizes = torch.stack([tokens_per_expert.view(ep, -1).sum(1), received.sum(1)])
+        send_splits, receive_splits = sizes.tolist()
         rows = funcol.all_to_all_single_autograd(dispatch(x, layout), receive_splits, send_splits, group)
         local_experts = received.shape[1]
         # rows arrive by source rank, then by local expert: regroup them by local expert for the GEMMs
-        local_ids = torch.arange(local_experts, device=x.device).repeat(ep).repeat_interleave(received.flatten())
+        local_ids = torch.arange(local_experts, device=x.device).repeat(ep)
+        local_ids = local_ids.repeat_interleave(received.flatten(), output_size=rows.shape[0])  # size known: no sync
         local_layout = sort_by_expert(local_ids[:, None], local_experts, self.row_alignment(rows))
-        ones = torch.ones(rows.shape[0], 1, device=x.device)
-        outputs = combine(self(dispatch(rows, local_layout), local_layout), local_layout, ones)
+        outputs = undo_sort(self(dispatch(rows, local_layout), local_layout), local_layout)
         returned = funcol.all_to_all_single_autograd(outputs, send_splits, receive_splits, group)
         return combine(returned, layout, weights), tokens_per_expert
 

@@ -2,7 +2,8 @@
 
 Every (token, expert) assignment of a top-k router is computed: nothing is dropped for capacity.
 ``sort_by_expert`` lays the assignments out expert by expert without a Python loop over tokens (an
-argsort and a few gathers, no host sync); ``GroupedExperts`` runs each projection of every expert in
+argsort and a few gathers, all of fixed size: no host sync, and ``torch.compile`` traces it as one graph
+with static shapes); ``GroupedExperts`` runs each projection of every expert in
 one ``grouped_mm`` on a Hopper-class GPU in bf16, and as a loop over each expert's contiguous slice
 elsewhere (CPU, fp32, older GPUs), which gives the same numbers as a per-token loop.
 """
@@ -50,7 +51,7 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int, row_alignment: in
     tokens, top_k = expert_ids.shape
     flat = expert_ids.flatten()
     order = flat.argsort(stable=True)  # assignments grouped by expert, token order kept within a group
-    tokens_per_expert = torch.bincount(flat, minlength=num_experts)
+    tokens_per_expert = count_per_expert(flat, num_experts)
     padded = (tokens_per_expert + row_alignment - 1) // row_alignment * row_alignment
     group_ends = padded.cumsum(0)
     sorted_experts = flat[order]
@@ -66,16 +67,32 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int, row_alignment: in
     return ExpertLayout(slot_of_assignment, source_of_slot, tokens_per_expert, group_ends.int())
 
 
+def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert (experts,) int64 of the flat ``expert_ids``: ``bincount``'s counts without its costs.
+
+    On CUDA ``torch.bincount`` reads the ids' min and max on the host (two device syncs per call), and
+    its output's size depends on the data, which breaks ``torch.compile``'s graph; a scatter-add into
+    ``num_experts`` zeros has neither.
+    """
+    counts = expert_ids.new_zeros(num_experts, dtype=torch.long)
+    return counts.scatter_add_(0, expert_ids.long(), torch.ones_like(expert_ids, dtype=torch.long))
+
+
 def dispatch(x: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     """(tokens, d_model) -> (rows, d_model): each assignment's token at its slot, zeros in padding."""
     with_zero_row = torch.cat([x, x.new_zeros(1, x.shape[1])])
     return with_zero_row.index_select(0, layout.source_of_slot)
 
 
+def undo_sort(expert_out: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """(rows, d_model) -> (tokens * top_k, d_model): each assignment's output, in assignment order, padding dropped."""
+    return expert_out.index_select(0, layout.slot_of_assignment)
+
+
 def combine(expert_out: torch.Tensor, layout: ExpertLayout, weights: torch.Tensor) -> torch.Tensor:
     """(rows, d_model) -> (tokens, d_model): each token's expert outputs summed with ``weights`` (tokens, top_k)."""
     tokens, top_k = weights.shape
-    per_assignment = expert_out.index_select(0, layout.slot_of_assignment).view(tokens, top_k, -1)
+    per_assignment = undo_sort(expert_out, layout).view(tokens, top_k, -1)
     return torch.bmm(weights.to(per_assignment.dtype).unsqueeze(1), per_assignment).squeeze(1)
 
 
@@ -110,6 +127,7 @@ class GroupedExperts(nn.Module):
     # The row layout, as methods: expert parallelism (foundry.distributed) routes with them.
     sort_by_expert = staticmethod(sort_by_expert)
     dispatch = staticmethod(dispatch)
+    undo_sort = staticmethod(undo_sort)
     combine = staticmethod(combine)
 
     def init_weights_with(self, weight_init: InitFn, residual_divisor: float | None) -> None:

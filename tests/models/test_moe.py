@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from foundry.errors import ConfigError
-from foundry.models.experts import dispatch, sort_by_expert
+from foundry.models.experts import count_per_expert, dispatch, sort_by_expert
 from foundry.models.init import InitConfig, init_weights_
 from foundry.models.layers import ActFnConfig
 from foundry.models.moe import MoE, MoEConfig, Routing, expert_load, moe_loss_terms
@@ -84,6 +84,21 @@ def test_sort_by_expert_groups_assignments_with_aligned_padding() -> None:
     assert len(rows) == 4 * 2 + 4 * 3
     # assignment t * 2 + j sits where its token was copied
     assert [rows[slot] for slot in layout.slot_of_assignment.tolist()] == [1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_count_per_expert_equals_bincount_including_unused_experts() -> None:
+    expert_ids = torch.randint(0, 6, (257,), generator=torch.Generator().manual_seed(0))  # experts 6, 7 unused
+    counts = count_per_expert(expert_ids, num_experts=8)
+    assert counts.dtype == torch.long
+    assert counts.tolist() == torch.bincount(expert_ids, minlength=8).tolist()
+
+
+def test_sort_by_expert_traces_as_one_graph() -> None:
+    """No data-dependent shape in the layout (bincount had one): torch.compile keeps the MoE layer whole."""
+    expert_ids = torch.randint(0, 8, (64, 2), generator=torch.Generator().manual_seed(0))
+    explanation = torch._dynamo.explain(sort_by_expert)(expert_ids, 8, 8)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
 
 
 def test_load_balancing_loss_is_megablocks_formula_on_a_fixed_routing() -> None:
