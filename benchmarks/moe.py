@@ -2,6 +2,8 @@
 
     python benchmarks/moe.py --out $OUT            # all three parts (two GPUs for the last), under 9 minutes
     python benchmarks/moe.py --parts layer --out $OUT
+    python benchmarks/moe.py --parts profile sweep --out $OUT   # where the time goes; the microbatch sweep
+    python benchmarks/moe.py --parts profile sweep --smoke      # the same code path, tiny, on two CPU ranks
 
 Parts (each writes ``<out>/moe_<part>.json``: rows plus device, torch and date):
 
@@ -16,6 +18,14 @@ Parts (each writes ``<out>/moe_<part>.json``: rows plus device, torch and date):
   alone and FSDP2 + expert parallelism over both GPUs (``parallelism.expert_parallel_degree: 2``):
   tokens/s per GPU, MFU on active parameters, peak memory. A row that fails (out of memory) is
   retried with activation checkpointing and says so.
+- ``profile`` (1 GPU; ``benchmarks/moe_profile.py``): the OLMoE layer with bf16 weights, forward + backward,
+  eager and compiled: time, the expert GEMMs' TFLOP/s, the first host sync if any (CUDA's sync debug
+  mode), and one step's profile (kernel time by category, top-30 kernels, host-sync events).
+- ``sweep`` (2 GPUs, one torchrun per layout, FSDP2 then FSDP2 + EP2): ``moe-1b-7b.yaml`` through one Trainer
+  over segments of (sequences per GPU per batch, sequences per microbatch) = (1, 1), (2, 2), (8, 2), (4, 4),
+  (8, 8): tokens/s per GPU, MFU on active parameters, peak memory per segment; a segment that runs out of
+  memory ends that layout's run and keeps the rows before it. The first segment's last batch is
+  profiled on each rank (``<out>/moe_profile_<layout>/rank<r>.summary.json`` and ``.trace.json.gz``).
 - ``parity`` (2 GPUs, its own call: ``--parts parity``): a small MoE (8 experts, top-2, d_model 512) trained
   200 steps in bf16 on real text (Python's help topics, a 4,096-token BPE) with FSDP2 alone twice and with
   FSDP2 + EP2 once, same seed and data: the largest per-step loss gap EP2 vs EP1 beside the EP1 vs EP1
@@ -38,7 +48,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_utils import REPO_ROOT, cuda_time_ms, environment, random_batch, write_results, yaml_trainer
+from bench_utils import (
+    REPO_ROOT,
+    cuda_time_ms,
+    environment,
+    markdown_table,
+    random_batch,
+    save_json,
+    write_results,
+    yaml_trainer,
+)
+from moe_profile import OLMOE_LAYER, layer_profile, sweep
 
 from foundry import Callback
 from foundry.callbacks.device_flops import peak_flops_per_sec
@@ -58,6 +78,14 @@ PARITY_MODEL = [
     "model.moe_num_experts=8", "model.moe_top_k=2", "model.ffn_hidden_size=512",
 ]  # fmt: skip
 PARITY_SEQ_LEN, PARITY_MICROBATCH = 512, 8
+LAYOUTS = (("FSDP2", []), ("FSDP2 + EP2", ["parallelism.expert_parallel_degree=2"]))
+# --smoke: the profile and sweep parts' code path on two CPU ranks, with a model a CPU trains in seconds
+SMOKE_MODEL = [
+    "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.vocab_size=256", "model.ffn_hidden_size=32",
+    "model.moe_num_experts=4", "model.moe_top_k=2", "model.attn_impl=sdpa", "model.init_device=cpu",
+    "variables.max_seq_len=32",
+]  # fmt: skip
+SMOKE_LAYER = MoEConfig(num_experts=4, top_k=2, hidden_size=32, glu=True, act=ActFnConfig("silu"))
 
 
 class LossRecorder(LoggerDestination):
@@ -85,8 +113,7 @@ class BatchTimes(Callback):
 def layer_rows(tokens: int = 4096) -> list[dict[str, Any]]:
     """The OLMoE layer, grouped GEMM against the per-expert loop."""
     torch.manual_seed(0)
-    config = MoEConfig(num_experts=64, top_k=8, hidden_size=1024, glu=True, act=ActFnConfig("silu"))
-    moe = MoE(2048, config).cuda()
+    moe = MoE(2048, OLMOE_LAYER).cuda()
     for parameter in moe.parameters():
         torch.nn.init.normal_(parameter, std=0.02)
     x = torch.randn(1, tokens, 2048, device="cuda", requires_grad=True)
@@ -169,7 +196,7 @@ def parity_losses(overrides: list[str], steps: int) -> list[float]:
 def parity_rows(steps: int, timeout_s: int) -> list[dict[str, Any]]:
     runs = {}
     for name, overrides in (("ep1_a", []), ("ep1_b", []), ("ep2", ["parallelism.expert_parallel_degree=2"])):
-        runs[name] = _torchrun_row(overrides, steps, timeout_s, parity=True).get("losses")
+        runs[name] = _torchrun(["--batches", str(steps), "--parity"], overrides, timeout_s).get("losses")
     if any(losses is None for losses in runs.values()):
         return [
             {"run": name, "error": "failed (the log above says why)"} for name, losses in runs.items() if not losses
@@ -201,37 +228,61 @@ def small_rows(batches: int) -> list[dict[str, Any]]:
 def olmoe_rows(batches: int, timeout_s: int) -> list[dict[str, Any]]:
     """Each layout in its own torchrun of two ranks (this script, ``--worker``)."""
     rows = []
-    for layout, overrides in (("FSDP2", []), ("FSDP2 + EP2", ["parallelism.expert_parallel_degree=2"])):
+    for layout, overrides in LAYOUTS:
         for checkpointing in (False, True):
             extra = ["fsdp_config.activation_checkpointing=true"] if checkpointing else []
-            row = _torchrun_row([*overrides, *extra], batches, timeout_s)
+            row = _torchrun(["--batches", str(batches)], [*overrides, *extra], timeout_s)
             rows.append({"layout": layout, "activation_checkpointing": checkpointing, **row})
             if "error" not in row or row["error"] == "timed out":  # a fast failure (out of memory) retries
                 break
     return rows
 
 
-def _torchrun_row(overrides: list[str], batches: int, timeout_s: int, parity: bool = False) -> dict[str, Any]:
+def sweep_rows(out: str | None, timeout_s: int, smoke: bool) -> list[dict[str, Any]]:
+    """Each layout's sweep in its own torchrun of two ranks (this script, ``--worker --sweep``)."""
+    rows = []
+    for layout, overrides in LAYOUTS:
+        flags = ["--sweep", "--layout", layout, *(["--out", out] if out else []), *(["--smoke"] if smoke else [])]
+        result = _torchrun(flags, overrides, timeout_s)
+        rows += result.get("rows", [])
+        if "error" in result:  # out of memory ends a run: the rows before it came back
+            rows.append({"layout": layout, "error": result["error"], "segments_done": len(result.get("rows", []))})
+    return rows
+
+
+def sweep_worker(args: argparse.Namespace) -> None:
+    """One rank of a layout's sweep: its rows go to ``args.worker`` as each segment ends."""
+    device = torch.device("cpu") if args.smoke else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    overrides = [*args.override, *(SMOKE_MODEL if args.smoke else ["variables.max_seq_len=4096"])]
+    slug = args.layout.replace(" + ", "_").lower()
+    folder = Path(args.out or tempfile.mkdtemp()) / f"moe_profile_{slug}"
+    small = {"segments": ((1, 1), (2, 1), (2, 2)), "warmup": 1, "timed": 1} if args.smoke else {}
+    sweep(OLMOE_YAML, overrides, args.layout, device, Path(args.worker), folder, **small)
+
+
+def _torchrun(flags: list[str], overrides: list[str], timeout_s: int) -> dict[str, Any]:
+    """This script as a torchrun of two ranks (``--worker``): what rank 0 wrote, with ``error`` if it failed."""
     row_file = Path(tempfile.mkdtemp()) / "row.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__]
-    command += ["--worker", str(row_file), "--batches", str(batches), *(["--parity"] if parity else [])]
-    command += ["--override", *overrides]
+    command += ["--worker", str(row_file), *flags, "--override", *overrides]
     here = Path(__file__).resolve().parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])}
+    written = lambda: json.loads(row_file.read_text()) if row_file.exists() else {}  # noqa: E731
     try:
         result = subprocess.run(command, env=env, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
-        return {"error": "timed out"}
+        return {**written(), "error": "timed out"}
     if result.returncode != 0 or not row_file.exists():
-        return {"error": f"exit code {result.returncode} (the log above says why)"}
-    return json.loads(row_file.read_text())
+        return {**written(), "error": f"exit code {result.returncode} (the log above says why)"}
+    return written()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument(
-        "--parts", nargs="+", choices=["layer", "small", "olmoe", "parity"], default=["layer", "small", "olmoe"]
-    )
+    parts = ["layer", "small", "olmoe", "parity", "profile", "sweep"]
+    parser.add_argument("--parts", nargs="+", choices=parts, default=["layer", "small", "olmoe"])
+    parser.add_argument("--smoke", action="store_true", help="profile and sweep, tiny, on two CPU ranks")
+    parser.add_argument("--sweep-timeout-s", type=int, default=240, help="each layout's sweep time limit")
     parser.add_argument("--parity-steps", type=int, default=200)
     parser.add_argument("--parity", action="store_true", help=argparse.SUPPRESS)  # a torchrun rank of the parity part
     parser.add_argument("--batches", type=int, default=12, help="batches per one-GPU training row (4 untimed)")
@@ -240,7 +291,12 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a torchrun rank: write its row here
     parser.add_argument("--override", nargs="*", default=[], help=argparse.SUPPRESS)
+    parser.add_argument("--sweep", action="store_true", help=argparse.SUPPRESS)  # a torchrun rank of the sweep
+    parser.add_argument("--layout", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker and args.sweep:
+        sweep_worker(args)
+        return 0
     if args.worker and args.parity:
         losses = parity_losses(args.override, args.batches)
         if get_rank() == 0:
@@ -251,6 +307,19 @@ def main() -> int:
         if get_rank() == 0:
             Path(args.worker).write_text(json.dumps(row))
         return 0
+    if "profile" in args.parts:
+        device, (tokens, d_model, layer) = (
+            (torch.device("cpu"), (64, 64, SMOKE_LAYER))
+            if args.smoke
+            else (torch.device("cuda"), (4096, 2048, OLMOE_LAYER))
+        )
+        rows = layer_profile(device, tokens, d_model, layer)
+        save_json(args.out, "moe_profile_layer", rows)
+        print(markdown_table([{**row.pop("profile")["ms"], **row} for row in rows]))  # kernel ms by category
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the sweep's ranks need the whole GPU
+    if "sweep" in args.parts:
+        write_results(args.out, "moe_sweep", sweep_rows(args.out, args.sweep_timeout_s, args.smoke))
     if "layer" in args.parts:
         write_results(args.out, "moe_layer", layer_rows())
     if "olmoe" in args.parts:  # before the small pair: each part's JSON is written as it ends

@@ -42,6 +42,25 @@ KERNEL_CATEGORIES: tuple[tuple[str, re.Pattern[str]], ...] = (
 )
 
 
+# Events where the host waits for the device: a runtime synchronize, or a scalar or tensor read to the host
+# (``.item()``, ``.tolist()``, ``.cpu()``, a Python ``if`` on a device tensor), which waits for all queued work.
+HOST_SYNC_EVENTS = (
+    "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+    "aten::_local_scalar_dense", "Memcpy DtoH",
+)  # fmt: skip
+
+
+def host_sync_counts(prof: profile) -> dict[str, int]:
+    """How many times each of ``HOST_SYNC_EVENTS`` happened in the window (a sync-free step has none but the
+    window's own end)."""
+    counts = dict.fromkeys(HOST_SYNC_EVENTS, 0)
+    for event in prof.key_averages():
+        for name in HOST_SYNC_EVENTS:
+            if event.key.startswith(name):  # "Memcpy DtoH (Device -> Pinned)" and the like
+                counts[name] += event.count
+    return counts
+
+
 def kernel_category(kernel_name: str) -> str:
     name = kernel_name.lower()
     return next(label for label, pattern in KERNEL_CATEGORIES if pattern.search(name))
@@ -71,6 +90,7 @@ def summarize(prof: profile, wall_ms: float) -> dict[str, Any]:
         "ms": by_category,
         "share": {label: ms / wall_ms for label, ms in by_category.items()} if wall_ms else {},
         "timeline": timeline,
+        "host_syncs": host_sync_counts(prof),
         "top_kernels": [
             (event.key[:90], kernel_category(event.key), event.self_device_time_total / 1e3) for event in top
         ],

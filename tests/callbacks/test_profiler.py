@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from foundry.callbacks import Profiler
-from foundry.callbacks.profiler import kernel_category, merge_intervals, subtract_intervals
+from foundry.callbacks.profiler import host_sync_counts, kernel_category, merge_intervals, subtract_intervals
 from foundry.core import Event
 from foundry.errors import ConfigError
 
@@ -30,6 +30,16 @@ def test_kernel_categories_tell_communication_from_compute():
     assert kernel_category("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "comm"
     assert kernel_category("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN") == "gemm"
     assert kernel_category("triton_red_fused_native_layer_norm_0") == "elementwise+norm"
+
+
+def test_host_sync_counts_count_scalar_reads():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(3).sum().item()
+        torch.ones(3).sum().item()
+        torch.ones(3).cumsum(0)
+    counts = host_sync_counts(prof)
+    assert counts["aten::_local_scalar_dense"] == 2
+    assert counts["cudaStreamSynchronize"] == 0
 
 
 def test_bad_window_is_refused():

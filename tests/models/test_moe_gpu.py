@@ -53,3 +53,24 @@ def test_compiled_grouped_moe_matches_eager() -> None:
         eager = moe(x).float()
         compiled = torch.compile(moe)(x).float()
     torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
+
+
+def test_forward_and_backward_never_wait_for_the_host() -> None:
+    """Routing, layout, grouped GEMMs and their backward queue work without a device sync (no .item(), no
+    bincount, no size read back): the host runs ahead, and FSDP's prefetches overlap the layer."""
+    torch.manual_seed(0)
+    config = MoEConfig(num_experts=16, top_k=4, hidden_size=256, glu=True, act=ActFnConfig("silu"))
+    moe = MoE(512, config).cuda()
+    for parameter in moe.parameters():
+        torch.nn.init.normal_(parameter, std=0.05)
+    x = torch.randn(1, 1024, 512, device="cuda", requires_grad=True)
+    run(moe, x, None)  # lazy initialisation (cuBLAS handles, allocator) outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = moe(x)
+        out.float().square().mean().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert x.grad is not None and moe.routing is not None
