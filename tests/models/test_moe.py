@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from foundry.errors import ConfigError
+from foundry.models import experts as experts_module
 from foundry.models.experts import count_per_expert, dispatch, sort_by_expert
 from foundry.models.init import InitConfig, init_weights_
 from foundry.models.layers import ActFnConfig
@@ -99,6 +100,24 @@ def test_sort_by_expert_traces_as_one_graph() -> None:
     explanation = torch._dynamo.explain(sort_by_expert)(expert_ids, 8, 8)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
+
+
+def test_grouped_gemm_layer_traces_as_one_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU path (grouped GEMMs; forced here, on a torch with a CPU grouped_mm): a training forward,
+    routing record included, is one torch.compile graph, so a compiled block is not cut around the layout."""
+    try:
+        torch._grouped_mm(
+            torch.ones(8, 8, dtype=torch.bfloat16),
+            torch.ones(1, 8, 8, dtype=torch.bfloat16),
+            offs=torch.tensor([8], dtype=torch.int32),
+        )
+    except (RuntimeError, NotImplementedError, AttributeError):
+        pytest.skip("this torch has no grouped_mm on the CPU")
+    monkeypatch.setattr(experts_module, "grouped_mm_runs_on", lambda device, dtype: True)
+    moe = tiny_moe().to(torch.bfloat16)
+    explanation = torch._dynamo.explain(moe)(torch.randn(2, 8, D_MODEL, dtype=torch.bfloat16))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert moe.experts.row_alignment(torch.ones(1, dtype=torch.bfloat16)) == experts_module.GROUPED_MM_ROW_ALIGNMENT
 
 
 def test_load_balancing_loss_is_megablocks_formula_on_a_fixed_routing() -> None:
