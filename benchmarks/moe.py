@@ -4,6 +4,7 @@
     python benchmarks/moe.py --parts layer --out $OUT
     python benchmarks/moe.py --parts profile sweep --out $OUT   # where the time goes; the microbatch sweep
     python benchmarks/moe.py --parts profile sweep --smoke      # the same code path, tiny, on two CPU ranks
+    python benchmarks/moe.py --parts sweep --checkpointing --out $OUT  # the sweep with activation checkpointing
 
 Parts (each writes ``<out>/moe_<part>.json``: rows plus device, torch and date):
 
@@ -25,7 +26,7 @@ Parts (each writes ``<out>/moe_<part>.json``: rows plus device, torch and date):
   over segments of (sequences per GPU per batch, sequences per microbatch) = (1, 1), (2, 2), (8, 2), (4, 4),
   (8, 8): tokens/s per GPU, MFU on active parameters, peak memory per segment; a segment that runs out of
   memory ends that layout's run and keeps the rows before it. The first segment's last batch is
-  profiled on each rank (``<out>/moe_profile_<layout>/rank<r>.summary.json`` and ``.trace.json.gz``).
+  profiled on each rank (``<out>/moe_profile_<layout>/rank<r>.summary.json``).
 - ``parity`` (2 GPUs, its own call: ``--parts parity``): a small MoE (8 experts, top-2, d_model 512) trained
   200 steps in bf16 on real text (Python's help topics, a 4,096-token BPE) with FSDP2 alone twice and with
   FSDP2 + EP2 once, same seed and data: the largest per-step loss gap EP2 vs EP1 beside the EP1 vs EP1
@@ -79,6 +80,7 @@ PARITY_MODEL = [
 ]  # fmt: skip
 PARITY_SEQ_LEN, PARITY_MICROBATCH = 512, 8
 LAYOUTS = (("FSDP2", []), ("FSDP2 + EP2", ["parallelism.expert_parallel_degree=2"]))
+CHECKPOINTING = "fsdp_config.activation_checkpointing=true"
 # --smoke: the profile and sweep parts' code path on two CPU ranks, with a model a CPU trains in seconds
 SMOKE_MODEL = [
     "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.vocab_size=256", "model.ffn_hidden_size=32",
@@ -230,7 +232,7 @@ def olmoe_rows(batches: int, timeout_s: int) -> list[dict[str, Any]]:
     rows = []
     for layout, overrides in LAYOUTS:
         for checkpointing in (False, True):
-            extra = ["fsdp_config.activation_checkpointing=true"] if checkpointing else []
+            extra = [CHECKPOINTING] if checkpointing else []
             row = _torchrun(["--batches", str(batches)], [*overrides, *extra], timeout_s)
             rows.append({"layout": layout, "activation_checkpointing": checkpointing, **row})
             if "error" not in row or row["error"] == "timed out":  # a fast failure (out of memory) retries
@@ -238,10 +240,11 @@ def olmoe_rows(batches: int, timeout_s: int) -> list[dict[str, Any]]:
     return rows
 
 
-def sweep_rows(out: str | None, timeout_s: int, smoke: bool) -> list[dict[str, Any]]:
+def sweep_rows(out: str | None, timeout_s: int, smoke: bool, checkpointing: bool) -> list[dict[str, Any]]:
     """Each layout's sweep in its own torchrun of two ranks (this script, ``--worker --sweep``)."""
     rows = []
-    for layout, overrides in LAYOUTS:
+    for name, overrides in LAYOUTS:
+        layout, overrides = (f"{name} + AC", [*overrides, CHECKPOINTING]) if checkpointing else (name, overrides)
         flags = ["--sweep", "--layout", layout, *(["--out", out] if out else []), *(["--smoke"] if smoke else [])]
         result = _torchrun(flags, overrides, timeout_s)
         rows += result.get("rows", [])
@@ -283,6 +286,7 @@ def main() -> int:
     parser.add_argument("--parts", nargs="+", choices=parts, default=["layer", "small", "olmoe"])
     parser.add_argument("--smoke", action="store_true", help="profile and sweep, tiny, on two CPU ranks")
     parser.add_argument("--sweep-timeout-s", type=int, default=240, help="each layout's sweep time limit")
+    parser.add_argument("--checkpointing", action="store_true", help="the sweep with activation checkpointing")
     parser.add_argument("--parity-steps", type=int, default=200)
     parser.add_argument("--parity", action="store_true", help=argparse.SUPPRESS)  # a torchrun rank of the parity part
     parser.add_argument("--batches", type=int, default=12, help="batches per one-GPU training row (4 untimed)")
@@ -316,10 +320,12 @@ def main() -> int:
         rows = layer_profile(device, tokens, d_model, layer)
         save_json(args.out, "moe_profile_layer", rows)
         print(markdown_table([{**row.pop("profile")["ms"], **row} for row in rows]))  # kernel ms by category
+        torch._dynamo.reset()  # the compiled layer's cache holds its weights and gradients
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the sweep's ranks need the whole GPU
     if "sweep" in args.parts:
-        write_results(args.out, "moe_sweep", sweep_rows(args.out, args.sweep_timeout_s, args.smoke))
+        rows = sweep_rows(args.out, args.sweep_timeout_s, args.smoke, args.checkpointing)
+        write_results(args.out, "moe_sweep_ac" if args.checkpointing else "moe_sweep", rows)
     if "layer" in args.parts:
         write_results(args.out, "moe_layer", layer_rows())
     if "olmoe" in args.parts:  # before the small pair: each part's JSON is written as it ends

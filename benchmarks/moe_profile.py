@@ -9,7 +9,7 @@
   per batch, sequences per microbatch) pair, and writes each segment's row (tokens/s per GPU, MFU on
   active parameters, peak memory) as soon as it ends, so a later segment that runs out of memory keeps
   the rows before it. The first segment's last batch is profiled (``foundry.callbacks.Profiler``: a
-  summary and a trace per rank).
+  summary per rank).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def layer_profile(device: torch.device, tokens: int, d_model: int, config: MoECo
     projections = 3 if config.glu else 2
     expert_flops = 3 * 2 * tokens * config.top_k * projections * d_model * config.hidden_size  # fwd + 2x bwd
     rows = []
-    for variant in ("eager", "compiled") if device.type == "cuda" else ("eager",):
+    for variant in ("eager", "compiled") if device.type == "cuda" else ("eager",):  # the same weights: eager first
         module = torch.compile(moe) if variant == "compiled" else moe
 
         def step(module: nn.Module = module) -> None:
@@ -195,7 +195,8 @@ def sweep(
     cpu = torch.device("cpu")
     batches = [random_batch(segments[index][0], cfg.max_seq_len, cfg.model["vocab_size"], cpu) for index, _ in
                recorder.plan]  # fmt: skip
-    profiler = Profiler(skip_batches=warmup + timed, batches=1, trace=True, folder=str(profile_folder))
+    # The summary only: exporting a whole step's trace on each rank takes longer than the step's segment.
+    profiler = Profiler(skip_batches=warmup + timed, batches=1, trace=False, folder=str(profile_folder))
     trainer = yaml_trainer(cfg, batches, segments[0][1], [recorder, profiler], device=device)
     trainer.fit()
     return recorder.rows
