@@ -246,7 +246,9 @@ def sweep_rows(out: str | None, timeout_s: int, smoke: bool, checkpointing: bool
     for name, overrides in LAYOUTS:
         layout, overrides = (f"{name} + AC", [*overrides, CHECKPOINTING]) if checkpointing else (name, overrides)
         flags = ["--sweep", "--layout", layout, *(["--out", out] if out else []), *(["--smoke"] if smoke else [])]
-        result = _torchrun(flags, overrides, timeout_s)
+        # under out, so the finished segments' rows come back even if the whole command is stopped
+        row_file = Path(out) / f"moe_sweep_{slug(layout)}_rows.json" if out else None
+        result = _torchrun(flags, overrides, timeout_s, row_file)
         rows += result.get("rows", [])
         if "error" in result:  # out of memory ends a run: the rows before it came back
             rows.append({"layout": layout, "error": result["error"], "segments_done": len(result.get("rows", []))})
@@ -257,15 +259,19 @@ def sweep_worker(args: argparse.Namespace) -> None:
     """One rank of a layout's sweep: its rows go to ``args.worker`` as each segment ends."""
     device = torch.device("cpu") if args.smoke else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     overrides = [*args.override, *(SMOKE_MODEL if args.smoke else ["variables.max_seq_len=4096"])]
-    slug = args.layout.replace(" + ", "_").lower()
-    folder = Path(args.out or tempfile.mkdtemp()) / f"moe_profile_{slug}"
+    folder = Path(args.out or tempfile.mkdtemp()) / f"moe_profile_{slug(args.layout)}"
     small = {"segments": ((1, 1), (2, 1), (2, 2)), "warmup": 1, "timed": 1} if args.smoke else {}
     sweep(OLMOE_YAML, overrides, args.layout, device, Path(args.worker), folder, **small)
 
 
-def _torchrun(flags: list[str], overrides: list[str], timeout_s: int) -> dict[str, Any]:
+def slug(layout: str) -> str:
+    return layout.replace(" + ", "_").lower()
+
+
+def _torchrun(flags: list[str], overrides: list[str], timeout_s: int, row_file: Path | None = None) -> dict[str, Any]:
     """This script as a torchrun of two ranks (``--worker``): what rank 0 wrote, with ``error`` if it failed."""
-    row_file = Path(tempfile.mkdtemp()) / "row.json"
+    row_file = row_file or Path(tempfile.mkdtemp()) / "row.json"
+    row_file.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__]
     command += ["--worker", str(row_file), *flags, "--override", *overrides]
     here = Path(__file__).resolve().parent
