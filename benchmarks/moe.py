@@ -20,8 +20,9 @@ Parts (each writes ``<out>/moe_<part>.json``: rows plus device, torch and date):
   tokens/s per GPU, MFU on active parameters, peak memory. A row that fails (out of memory) is
   retried with activation checkpointing and says so.
 - ``profile`` (1 GPU; ``benchmarks/moe_profile.py``): the OLMoE layer with bf16 weights, forward + backward,
-  eager and compiled: time, the expert GEMMs' TFLOP/s, the first host sync if any (CUDA's sync debug
-  mode), and one step's profile (kernel time by category, top-30 kernels, host-sync events).
+  on 4,096 tokens eager and compiled and on 16,384 eager: time, the expert GEMMs' TFLOP/s, the first host
+  sync if any (CUDA's sync debug mode), one step's profile (kernel time by category, top-30 kernels,
+  host-sync events).
 - ``sweep`` (2 GPUs, one torchrun per layout, FSDP2 then FSDP2 + EP2): ``moe-1b-7b.yaml`` through one Trainer
   over segments of (sequences per GPU per batch, sequences per microbatch) = (1, 1), (2, 2), (8, 2), (4, 4),
   (8, 8): tokens/s per GPU, MFU on active parameters, peak memory per segment; a segment that runs out of
@@ -318,12 +319,12 @@ def main() -> int:
             Path(args.worker).write_text(json.dumps(row))
         return 0
     if "profile" in args.parts:
-        device, (tokens, d_model, layer) = (
-            (torch.device("cpu"), (64, 64, SMOKE_LAYER))
+        device, (token_counts, d_model, layer) = (
+            (torch.device("cpu"), ((64, 128), 64, SMOKE_LAYER))
             if args.smoke
-            else (torch.device("cuda"), (4096, 2048, OLMOE_LAYER))
+            else (torch.device("cuda"), ((4096, 16384), 2048, OLMOE_LAYER))  # 16,384: a microbatch of 4
         )
-        rows = layer_profile(device, tokens, d_model, layer)
+        rows = layer_profile(device, token_counts, d_model, layer)
         save_json(args.out, "moe_profile_layer", rows)
         print(markdown_table([{**row.pop("profile")["ms"], **row} for row in rows]))  # kernel ms by category
         torch._dynamo.reset()  # the compiled layer's cache holds its weights and gradients

@@ -1,8 +1,8 @@
 """benchmarks/moe.py's ``profile`` and ``sweep`` parts: where an OLMoE-shaped step's time goes, and how it scales.
 
 - ``layer_profile`` (1 GPU): one MoE layer of OLMoE's shape with bf16 weights and input (what FSDP2's PURE
-  mixed precision hands it), forward + backward, eager and compiled: the median time, the expert GEMMs'
-  achieved TFLOP/s, whether the step ran without a host sync (CUDA's sync debug mode, with the line that
+  mixed precision hands it), forward + backward, on each token count eager, and compiled on the first:
+  the median time, the expert GEMMs' achieved TFLOP/s, whether the step ran without a host sync (CUDA's sync debug mode, with the line that
   synced if not), and a profile of one step: kernel time by category, the top kernels, host-sync events.
 - ``sweep`` (one torchrun per layout): one Trainer, built as ``foundry train`` builds it from
   ``moe-1b-7b.yaml``, trains segments of batches one after another, each segment a (sequences per GPU
@@ -42,38 +42,43 @@ SWEEP_SEGMENTS = ((1, 1), (2, 2), (8, 2), (4, 4), (8, 8))
 TOP_KERNELS = 30
 
 
-def layer_profile(device: torch.device, tokens: int, d_model: int, config: MoEConfig) -> list[dict[str, Any]]:
-    """The layer's forward + backward, eager and compiled (compiled on a GPU only): time, GEMM rate, syncs."""
+def layer_profile(
+    device: torch.device, token_counts: Sequence[int], d_model: int, config: MoEConfig
+) -> list[dict[str, Any]]:
+    """The layer's forward + backward at each token count (one microbatch's tokens), eager, and compiled at the
+    first (on a GPU): time, the expert GEMMs' rate, the first host sync, one step's kernel profile."""
     torch.manual_seed(0)
     moe = MoE(d_model, config).to(device)
     for parameter in moe.parameters():
         nn.init.normal_(parameter, std=0.02)
     moe.to(torch.bfloat16)
-    x = torch.randn(1, tokens, d_model, device=device, dtype=torch.bfloat16, requires_grad=True)
+    compiled = torch.compile(moe)
     projections = 3 if config.glu else 2
-    expert_flops = 3 * 2 * tokens * config.top_k * projections * d_model * config.hidden_size  # fwd + 2x bwd
     rows = []
-    for variant in ("eager", "compiled") if device.type == "cuda" else ("eager",):  # the same weights: eager first
-        module = torch.compile(moe) if variant == "compiled" else moe
+    for tokens in token_counts:
+        x = torch.randn(1, tokens, d_model, device=device, dtype=torch.bfloat16, requires_grad=True)
+        expert_flops = 3 * 2 * tokens * config.top_k * projections * d_model * config.hidden_size  # fwd + 2x bwd
+        variants = {"eager": moe, "compiled": compiled} if device.type == "cuda" and not rows else {"eager": moe}
+        for variant, module in variants.items():
 
-        def step(module: nn.Module = module) -> None:
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                out = module(x)
-            out.float().square().mean().backward()
+            def step(module: nn.Module = module, x: torch.Tensor = x) -> None:
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    out = module(x)
+                out.float().square().mean().backward()
 
-        times = sorted(step_times_ms(step, device, warmup=3, iters=20))
-        median_ms = times[len(times) // 2]
-        rows.append(
-            {
-                "variant": variant,
-                "tokens": tokens,
-                "median_ms_fwd_bwd": round(median_ms, 3),
-                "expert_gemm_tflops_per_s": round(expert_flops / median_ms / 1e9, 1),
-                "host_sync": first_host_sync(step, device),
-                "profile": profiled(step, device),
-            }
-        )
+            rows.append({"variant": variant, "tokens": tokens, **_timed_and_profiled(step, device, expert_flops)})
     return rows
+
+
+def _timed_and_profiled(step: Callable[[], Any], device: torch.device, expert_flops: int) -> dict[str, Any]:
+    times = sorted(step_times_ms(step, device, warmup=3, iters=20))
+    median_ms = times[len(times) // 2]
+    return {
+        "median_ms_fwd_bwd": round(median_ms, 3),
+        "expert_gemm_tflops_per_s": round(expert_flops / median_ms / 1e9, 1),
+        "host_sync": first_host_sync(step, device),
+        "profile": profiled(step, device),
+    }
 
 
 def step_times_ms(step: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> list[float]:
