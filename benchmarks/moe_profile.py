@@ -2,8 +2,9 @@
 
 - ``layer_profile`` (1 GPU): one MoE layer of OLMoE's shape with bf16 weights and input (what FSDP2's PURE
   mixed precision hands it), forward + backward, on each token count eager, and compiled on the first:
-  the median time, the expert GEMMs' achieved TFLOP/s, whether the step ran without a host sync (CUDA's sync debug mode, with the line that
-  synced if not), and a profile of one step: kernel time by category, the top kernels, host-sync events.
+  the median time, the expert GEMMs' achieved TFLOP/s, whether the step ran without a host sync (CUDA's
+  sync debug mode, with the line that synced if not), and a profile of one step: kernel time by
+  category, the top kernels, host-sync events.
 - ``sweep`` (one torchrun per layout): one Trainer, built as ``foundry train`` builds it from
   ``moe-1b-7b.yaml``, trains segments of batches one after another, each segment a (sequences per GPU
   per batch, sequences per microbatch) pair, and writes each segment's row (tokens/s per GPU, MFU on
