@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -241,10 +242,12 @@ def olmoe_rows(batches: int, timeout_s: int) -> list[dict[str, Any]]:
     return rows
 
 
-def sweep_rows(out: str | None, timeout_s: int, smoke: bool, checkpointing: bool) -> list[dict[str, Any]]:
-    """Each layout's sweep in its own torchrun of two ranks (this script, ``--worker --sweep``)."""
+def sweep_rows(
+    out: str | None, timeout_s: int, smoke: bool, checkpointing: bool, layouts: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Each of ``layouts``' sweep in its own torchrun of two ranks (this script, ``--worker --sweep``)."""
     rows = []
-    for name, overrides in LAYOUTS:
+    for name, overrides in (layout for layout in LAYOUTS if slug(layout[0]) in layouts):
         layout, overrides = (f"{name} + AC", [*overrides, CHECKPOINTING]) if checkpointing else (name, overrides)
         flags = ["--sweep", "--layout", layout, *(["--out", out] if out else []), *(["--smoke"] if smoke else [])]
         # under out, so the finished segments' rows come back even if the whole command is stopped
@@ -294,6 +297,8 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="profile and sweep, tiny, on two CPU ranks")
     parser.add_argument("--sweep-timeout-s", type=int, default=240, help="each layout's sweep time limit")
     parser.add_argument("--checkpointing", action="store_true", help="the sweep with activation checkpointing")
+    layouts = [slug(name) for name, _ in LAYOUTS]
+    parser.add_argument("--layouts", nargs="+", choices=layouts, default=layouts, help="the sweep's layouts")
     parser.add_argument("--parity-steps", type=int, default=200)
     parser.add_argument("--parity", action="store_true", help=argparse.SUPPRESS)  # a torchrun rank of the parity part
     parser.add_argument("--batches", type=int, default=12, help="batches per one-GPU training row (4 untimed)")
@@ -331,7 +336,7 @@ def main() -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the sweep's ranks need the whole GPU
     if "sweep" in args.parts:
-        rows = sweep_rows(args.out, args.sweep_timeout_s, args.smoke, args.checkpointing)
+        rows = sweep_rows(args.out, args.sweep_timeout_s, args.smoke, args.checkpointing, args.layouts)
         write_results(args.out, "moe_sweep_ac" if args.checkpointing else "moe_sweep", rows)
     if "layer" in args.parts:
         write_results(args.out, "moe_layer", layer_rows())
