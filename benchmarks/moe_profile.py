@@ -67,7 +67,11 @@ def layer_profile(
                     out = module(x)
                 out.float().square().mean().backward()
 
-            rows.append({"variant": variant, "tokens": tokens, **_timed_and_profiled(step, device, expert_flops)})
+            try:
+                measured = _timed_and_profiled(step, device, expert_flops)
+            except Exception as error:  # one failed variant (a compile error) must not lose the others
+                measured = {"error": f"{type(error).__name__}: {str(error)[:300]}", "profile": {"ms": {}}}
+            rows.append({"variant": variant, "tokens": tokens, **measured})
     return rows
 
 
