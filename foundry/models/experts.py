@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +32,14 @@ class ExpertLayout:
     """Where each (token, expert) assignment sits in the expert-sorted buffer.
 
     ``slot_of_assignment`` (tokens * top_k,): the buffer row of assignment ``t * top_k + j``;
-    ``source_of_slot`` (rows,): the token each buffer row copies, ``tokens`` (a zero row) for padding;
+    ``assignment_of_slot`` (rows,): its inverse, ``tokens * top_k`` for padding; ``source_of_slot``
+    (rows,): the token each buffer row copies, ``tokens`` (a zero row) for padding;
     ``tokens_per_expert`` (experts,): assignments per expert; ``group_ends`` (experts,) int32: where
     each expert's rows end in the buffer, padding included.
     """
 
     slot_of_assignment: torch.Tensor
+    assignment_of_slot: torch.Tensor
     source_of_slot: torch.Tensor
     tokens_per_expert: torch.Tensor
     group_ends: torch.Tensor
@@ -48,7 +51,7 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int, row_alignment: in
     The buffer has a fixed size, ``tokens * top_k + num_experts * (row_alignment - 1)``, so nothing
     waits for the counts on the host; rows past the last group are never read.
     """
-    tokens, top_k = expert_ids.shape
+    top_k = expert_ids.shape[1]
     flat = expert_ids.flatten()
     order = flat.argsort(stable=True)  # assignments grouped by expert, token order kept within a group
     tokens_per_expert = count_per_expert(flat, num_experts)
@@ -62,9 +65,10 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int, row_alignment: in
     slots = (group_ends - padded)[sorted_experts] + rank_in_group
     rows = flat.numel() + num_experts * (row_alignment - 1)
     slot_of_assignment = torch.empty_like(slots).scatter_(0, order, slots)
-    source_of_slot = torch.full((rows,), tokens, dtype=torch.long, device=flat.device)
-    source_of_slot = source_of_slot.scatter(0, slots, order // top_k)
-    return ExpertLayout(slot_of_assignment, source_of_slot, tokens_per_expert, group_ends.int())
+    assignment_of_slot = torch.full((rows,), flat.numel(), dtype=torch.long, device=flat.device)
+    assignment_of_slot = assignment_of_slot.scatter(0, slots, order)
+    source_of_slot = assignment_of_slot // top_k  # padding: tokens * top_k // top_k, the zero row
+    return ExpertLayout(slot_of_assignment, assignment_of_slot, source_of_slot, tokens_per_expert, group_ends.int())
 
 
 def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -80,13 +84,54 @@ def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor
 
 def dispatch(x: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     """(tokens, d_model) -> (rows, d_model): each assignment's token at its slot, zeros in padding."""
-    with_zero_row = torch.cat([x, x.new_zeros(1, x.shape[1])])
-    return with_zero_row.index_select(0, layout.source_of_slot)
+    return _Dispatch.apply(x, layout.source_of_slot, layout.slot_of_assignment)
 
 
 def undo_sort(expert_out: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     """(rows, d_model) -> (tokens * top_k, d_model): each assignment's output, in assignment order, padding dropped."""
-    return expert_out.index_select(0, layout.slot_of_assignment)
+    return _UndoSort.apply(expert_out, layout.slot_of_assignment, layout.assignment_of_slot)
+
+
+# dispatch and undo_sort are row gathers whose backward would be index_select's: a scatter-add into a zeroed
+# buffer, with atomics (run-to-run differences in bf16). Each is the other's transpose, so each backward is
+# the other gather instead: the gradients sum in a fixed order, and no buffer is zeroed first.
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(x: torch.Tensor, source_of_slot: torch.Tensor, slot_of_assignment: torch.Tensor) -> torch.Tensor:
+        with_zero_row = torch.cat([x, x.new_zeros(1, x.shape[1])])
+        return with_zero_row.index_select(0, source_of_slot)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        x, _, slot_of_assignment = inputs
+        ctx.save_for_backward(slot_of_assignment)
+        ctx.top_k = slot_of_assignment.shape[0] // x.shape[0]
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (slot_of_assignment,) = ctx.saved_tensors
+        per_assignment = grad_rows.index_select(0, slot_of_assignment)  # (tokens * top_k, d_model)
+        return per_assignment.view(-1, ctx.top_k, grad_rows.shape[1]).sum(1), None, None
+
+
+class _UndoSort(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        expert_out: torch.Tensor, slot_of_assignment: torch.Tensor, assignment_of_slot: torch.Tensor
+    ) -> torch.Tensor:
+        return expert_out.index_select(0, slot_of_assignment)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        ctx.save_for_backward(inputs[2])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_assignments: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (assignment_of_slot,) = ctx.saved_tensors
+        with_zero_row = torch.cat([grad_assignments, grad_assignments.new_zeros(1, grad_assignments.shape[1])])
+        return with_zero_row.index_select(0, assignment_of_slot), None, None  # padding slots: zeros
 
 
 def combine(expert_out: torch.Tensor, layout: ExpertLayout, weights: torch.Tensor) -> torch.Tensor:

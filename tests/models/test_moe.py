@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from foundry.errors import ConfigError
 from foundry.models import experts as experts_module
-from foundry.models.experts import count_per_expert, dispatch, sort_by_expert
+from foundry.models.experts import count_per_expert, dispatch, sort_by_expert, undo_sort
 from foundry.models.init import InitConfig, init_weights_
 from foundry.models.layers import ActFnConfig
 from foundry.models.moe import MoE, MoEConfig, Routing, expert_load, moe_loss_terms
@@ -85,6 +85,17 @@ def test_sort_by_expert_groups_assignments_with_aligned_padding() -> None:
     assert len(rows) == 4 * 2 + 4 * 3
     # assignment t * 2 + j sits where its token was copied
     assert [rows[slot] for slot in layout.slot_of_assignment.tolist()] == [1, 1, 2, 2, 3, 3, 4, 4]
+
+
+def test_dispatch_and_undo_sort_backward_are_the_gathers_transposes() -> None:
+    """Their backward passes are gathers written by hand (no scatter-add): autograd's numerical check, with padding."""
+    expert_ids = torch.randint(0, 4, (6, 2), generator=torch.Generator().manual_seed(0))
+    layout = sort_by_expert(expert_ids, num_experts=4, row_alignment=4)
+    x = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    rows = torch.randn(layout.source_of_slot.shape[0], 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: dispatch(x, layout), (x,))
+    assert torch.autograd.gradcheck(lambda rows: undo_sort(rows, layout), (rows,))
+    assert layout.assignment_of_slot[layout.slot_of_assignment].tolist() == list(range(12))
 
 
 def test_count_per_expert_equals_bincount_including_unused_experts() -> None:
