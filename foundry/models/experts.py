@@ -35,7 +35,7 @@ class ExpertLayout:
     ``assignment_of_slot`` (rows,): its inverse, ``tokens * top_k`` for padding; ``source_of_slot``
     (rows,): the token each buffer row copies, ``tokens`` (a zero row) for padding;
     ``tokens_per_expert`` (experts,): assignments per expert; ``group_ends`` (experts,) int32: where
-    each expert's rows end in the buffer, padding included.
+    each expert's rows end in the buffer, padding included; ``top_k``: assignments per token.
     """
 
     slot_of_assignment: torch.Tensor
@@ -43,6 +43,7 @@ class ExpertLayout:
     source_of_slot: torch.Tensor
     tokens_per_expert: torch.Tensor
     group_ends: torch.Tensor
+    top_k: int
 
 
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int, row_alignment: int = 1) -> ExpertLayout:
@@ -68,7 +69,9 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int, row_alignment: in
     assignment_of_slot = torch.full((rows,), flat.numel(), dtype=torch.long, device=flat.device)
     assignment_of_slot = assignment_of_slot.scatter(0, slots, order)
     source_of_slot = assignment_of_slot // top_k  # padding: tokens * top_k // top_k, the zero row
-    return ExpertLayout(slot_of_assignment, assignment_of_slot, source_of_slot, tokens_per_expert, group_ends.int())
+    return ExpertLayout(
+        slot_of_assignment, assignment_of_slot, source_of_slot, tokens_per_expert, group_ends.int(), top_k
+    )
 
 
 def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -84,7 +87,7 @@ def count_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor
 
 def dispatch(x: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     """(tokens, d_model) -> (rows, d_model): each assignment's token at its slot, zeros in padding."""
-    return _Dispatch.apply(x, layout.source_of_slot, layout.slot_of_assignment)
+    return _Dispatch.apply(x, layout.source_of_slot, layout.slot_of_assignment, layout.top_k)
 
 
 def undo_sort(expert_out: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
@@ -97,22 +100,23 @@ def undo_sort(expert_out: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
 # the other gather instead: the gradients sum in a fixed order, and no buffer is zeroed first.
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(x: torch.Tensor, source_of_slot: torch.Tensor, slot_of_assignment: torch.Tensor) -> torch.Tensor:
+    def forward(
+        x: torch.Tensor, source_of_slot: torch.Tensor, slot_of_assignment: torch.Tensor, top_k: int
+    ) -> torch.Tensor:
         with_zero_row = torch.cat([x, x.new_zeros(1, x.shape[1])])
         return with_zero_row.index_select(0, source_of_slot)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-        x, _, slot_of_assignment = inputs
+        _, _, slot_of_assignment, ctx.top_k = inputs
         ctx.save_for_backward(slot_of_assignment)
-        ctx.top_k = slot_of_assignment.shape[0] // x.shape[0]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (slot_of_assignment,) = ctx.saved_tensors
         per_assignment = grad_rows.index_select(0, slot_of_assignment)  # (tokens * top_k, d_model)
-        return per_assignment.view(-1, ctx.top_k, grad_rows.shape[1]).sum(1), None, None
+        return per_assignment.view(-1, ctx.top_k, grad_rows.shape[1]).sum(1), None, None, None
 
 
 class _UndoSort(torch.autograd.Function):
