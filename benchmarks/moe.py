@@ -295,7 +295,7 @@ def main() -> int:
     parts = ["layer", "small", "olmoe", "parity", "profile", "sweep"]
     parser.add_argument("--parts", nargs="+", choices=parts, default=["layer", "small", "olmoe"])
     parser.add_argument("--smoke", action="store_true", help="profile and sweep, tiny, on two CPU ranks")
-    parser.add_argument("--sweep-timeout-s", type=int, default=240, help="each layout's sweep time limit")
+    parser.add_argument("--sweep-timeout-s", type=int, default=230, help="each layout's sweep time limit")
     parser.add_argument("--checkpointing", action="store_true", help="the sweep with activation checkpointing")
     layouts = [slug(name) for name, _ in LAYOUTS]
     parser.add_argument("--layouts", nargs="+", choices=layouts, default=layouts, help="the sweep's layouts")
