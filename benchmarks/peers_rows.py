@@ -146,13 +146,20 @@ def command(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]]:
     return build[row.framework](row, settings)
 
 
-def _foundry(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]]:
-    overrides = [
+def _yaml_overrides(settings: Settings) -> list[str]:
+    """What foundry's and LLM Foundry's rows change in their YAMLs (same schema): data, tokenizer, length, batch."""
+    return [
         f"variables.data_local={settings.data / 'mds'}",
         f"tokenizer.name={settings.data / 'tokenizer'}",
         f"max_duration={settings.steps}ba",
         f"global_train_batch_size={settings.global_batch}",
         "eval_loader=null",
+    ]
+
+
+def _foundry(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]]:
+    overrides = [
+        *_yaml_overrides(settings),
         "console_log_interval=1ba",
         f"run_folder={settings.work / 'runs' / row.name}",
     ]
@@ -164,13 +171,7 @@ def _foundry(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]]:
 
 def _llm_foundry(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]]:
     yaml = settings.data / ("llm-foundry/mpt-small-cpu.yaml" if settings.smoke else row.yaml)
-    overrides = [
-        f"variables.data_local={settings.data / 'mds'}",
-        f"tokenizer.name={settings.data / 'tokenizer'}",
-        f"max_duration={settings.steps}ba",
-        f"global_train_batch_size={settings.global_batch}",
-        "eval_loader=null",
-    ]
+    overrides = _yaml_overrides(settings)
     if settings.smoke:
         overrides += ["device_train_microbatch_size=2", f"variables.max_seq_len={SMOKE_SEQ_LEN}"]
     elif not settings.flash_attn_available:
