@@ -243,13 +243,26 @@ def olmoe_rows(batches: int, timeout_s: int) -> list[dict[str, Any]]:
 
 
 def sweep_rows(
-    out: str | None, timeout_s: int, smoke: bool, checkpointing: bool, layouts: Sequence[str]
+    out: str | None,
+    timeout_s: int,
+    smoke: bool,
+    checkpointing: bool,
+    layouts: Sequence[str],
+    segments: Sequence[str] = (),
+    settings: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
-    """Each of ``layouts``' sweep in its own torchrun of two ranks (this script, ``--worker --sweep``)."""
+    """Each of ``layouts``' sweep in its own torchrun of two ranks (this script, ``--worker --sweep``).
+
+    ``segments`` ("8x2": sequences per GPU per batch x per microbatch) replace SWEEP_SEGMENTS; ``settings``
+    (YAML overrides) apply to every layout and are named in its label.
+    """
     rows = []
     for name, overrides in (layout for layout in LAYOUTS if slug(layout[0]) in layouts):
         layout, overrides = (f"{name} + AC", [*overrides, CHECKPOINTING]) if checkpointing else (name, overrides)
+        if settings:
+            layout, overrides = f"{layout} + {' + '.join(settings)}", [*overrides, *settings]
         flags = ["--sweep", "--layout", layout, *(["--out", out] if out else []), *(["--smoke"] if smoke else [])]
+        flags += ["--segments", *segments] if segments else []
         # under out, so the finished segments' rows come back even if the whole command is stopped
         row_file = Path(out) / f"moe_sweep_{slug(layout)}_rows.json" if out else None
         result = _torchrun(flags, overrides, timeout_s, row_file)
@@ -265,11 +278,21 @@ def sweep_worker(args: argparse.Namespace) -> None:
     overrides = [*args.override, *(SMOKE_MODEL if args.smoke else ["variables.max_seq_len=4096"])]
     folder = Path(args.out or tempfile.mkdtemp()) / f"moe_profile_{slug(args.layout)}"
     small = {"segments": ((1, 1), (2, 1), (2, 2)), "warmup": 1, "timed": 1} if args.smoke else {}
+    if args.segments:
+        small["segments"] = tuple(parse_segment(text) for text in args.segments)
     sweep(OLMOE_YAML, overrides, args.layout, device, Path(args.worker), folder, **small)
 
 
+def parse_segment(text: str) -> tuple[int, int]:
+    """``"8x2"``: 8 sequences per GPU per batch, 2 per microbatch."""
+    sequences, _, microbatch = text.partition("x")
+    if not (sequences.isdigit() and microbatch.isdigit()) or int(sequences) % int(microbatch):
+        raise SystemExit(f"--segments: {text!r} is not SxM with M dividing S (sequences per GPU, per microbatch)")
+    return int(sequences), int(microbatch)
+
+
 def slug(layout: str) -> str:
-    return layout.replace(" + ", "_").lower()
+    return "".join(c if c.isalnum() else "_" for c in layout.replace(" + ", "_")).lower()
 
 
 def _torchrun(flags: list[str], overrides: list[str], timeout_s: int, row_file: Path | None = None) -> dict[str, Any]:
@@ -297,6 +320,8 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="profile and sweep, tiny, on two CPU ranks")
     parser.add_argument("--sweep-timeout-s", type=int, default=230, help="each layout's sweep time limit")
     parser.add_argument("--checkpointing", action="store_true", help="the sweep with activation checkpointing")
+    parser.add_argument("--segments", nargs="+", default=[], help="the sweep's SxM segments (default: SWEEP_SEGMENTS)")
+    parser.add_argument("--set", nargs="+", default=[], help="YAML overrides for the sweep's layouts")
     layouts = [slug(name) for name, _ in LAYOUTS]
     parser.add_argument("--layouts", nargs="+", choices=layouts, default=layouts, help="the sweep's layouts")
     parser.add_argument("--parity-steps", type=int, default=200)
@@ -336,8 +361,12 @@ def main() -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the sweep's ranks need the whole GPU
     if "sweep" in args.parts:
-        rows = sweep_rows(args.out, args.sweep_timeout_s, args.smoke, args.checkpointing, args.layouts)
-        write_results(args.out, "moe_sweep_ac" if args.checkpointing else "moe_sweep", rows)
+        rows = sweep_rows(
+            args.out, args.sweep_timeout_s, args.smoke, args.checkpointing, args.layouts, args.segments, args.set
+        )
+        label = ("_ac" if args.checkpointing else "") + (f"_{slug('_'.join(args.set))}" if args.set else "")
+        name = f"moe_sweep{label}"
+        write_results(args.out, name, rows)
     if "layer" in args.parts:
         write_results(args.out, "moe_layer", layer_rows())
     if "olmoe" in args.parts:  # before the small pair: each part's JSON is written as it ends
