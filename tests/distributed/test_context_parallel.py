@@ -50,7 +50,7 @@ def test_unsharding_the_ranks_pieces_restores_the_sequence():
     sequence = torch.arange(2 * 24).view(2, 24)
     pieces = [shard_sequence(sequence, rank, 3) for rank in range(3)]
     assert pieces[0][0].tolist() == [0, 1, 2, 3, 20, 21, 22, 23]
-    assert torch.equal(unshard_sequence(torch.cat(pieces, dim=1), 3, dim=1), sequence)
+    assert torch.equal(unshard_sequence(pieces, dim=1), sequence)
 
 
 def test_a_length_the_chunks_do_not_divide_is_refused():
