@@ -16,17 +16,21 @@ any cp degree.
 
 Attention gathers keys and values from the cp group (autograd-aware: the backward reduce-scatters
 their gradients) and runs each local chunk against the prefix of the sequence it may see, with a
-causal mask aligned to the chunk's end (``causal_lower_right``): SDPA's flash kernel on a GPU, its
-math on a CPU. This is the all-gather form of context parallelism that Llama 3 was trained with;
-with grouped-query attention the gathered keys and values are a fraction of the queries' size.
-Document masks (``attn_uses_sequence_id``), ALiBi, sliding windows and padding are refused, never
-applied wrongly.
+causal mask aligned to the chunk's end. Where the layer's kernel runs FlashAttention-4 (``flash`` on a
+Hopper or Blackwell GPU with the package, ``fa4``), the chunks run on its custom op, whose causal mask
+aligns to the last key when keys outnumber queries and which takes grouped-query heads as they are;
+elsewhere on SDPA (its FlashAttention-2 kernel on a GPU, its math on a CPU). Keys and values travel in
+the layout the model makes them, (batch, seq, kv_heads, head_dim), and the output is returned as a
+transposed view of (batch, seq, heads, head_dim): neither side copies to change layout. This is the
+all-gather form of context parallelism that Llama 3 was trained with; with grouped-query attention the
+gathered keys and values are a fraction of the queries' size. Document masks (``attn_uses_sequence_id``),
+ALiBi, sliding windows and padding are refused, never applied wrongly.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -65,14 +69,13 @@ def shard_sequence(tensor: torch.Tensor, cp_rank: int, cp_size: int, dim: int = 
     return torch.cat([chunks[head], chunks[tail]], dim=dim)
 
 
-def unshard_sequence(gathered: torch.Tensor, cp_size: int, dim: int) -> torch.Tensor:
-    """The whole sequence from every rank's pieces concatenated in rank order along ``dim`` (the inverse)."""
-    pieces = gathered.chunk(2 * cp_size, dim=dim)  # rank r's head at 2r, its tail at 2r + 1
+def unshard_sequence(pieces: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+    """The whole sequence from every rank's pieces (``pieces[r]``: rank r's head and tail along ``dim``)."""
     holder = {}
-    for rank in range(cp_size):
-        head, tail = chunks_of_rank(rank, cp_size)
-        holder[head], holder[tail] = pieces[2 * rank], pieces[2 * rank + 1]
-    return torch.cat([holder[chunk] for chunk in range(2 * cp_size)], dim=dim)
+    for rank, piece in enumerate(pieces):
+        head, tail = chunks_of_rank(rank, len(pieces))
+        holder[head], holder[tail] = piece.chunk(2, dim=dim)
+    return torch.cat([holder[chunk] for chunk in range(2 * len(pieces))], dim=dim)
 
 
 def _describe(layout: torch.Tensor) -> str:
@@ -151,8 +154,16 @@ class ContextParallel:
         finally:
             self.active = previous
 
-    def attention(self, attn_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """``attn_fn`` (a kernel of ``foundry.models.attention``) that gathers keys and values while active."""
+    def attention(
+        self,
+        attn_fn: Callable[..., torch.Tensor],
+        runs_flash_attention4: Callable[[torch.Tensor, torch.Tensor, float], bool],
+    ) -> Callable[..., torch.Tensor]:
+        """``attn_fn`` (a kernel of ``foundry.models.attention``) that gathers keys and values while active.
+
+        ``runs_flash_attention4(q, k, dropout_p)``: whether the layer's kernel would run FlashAttention-4 on
+        these inputs (the layer's method of that name); the split sequence then runs on it too.
+        """
 
         def attention(
             q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: Any, scale: float, dropout_p: float
@@ -160,49 +171,81 @@ class ContextParallel:
             if not self.active:  # a forward over whole sequences: ICL evaluation, generation
                 return attn_fn(q, k, v, inputs, scale, dropout_p)
             _refuse_masks(inputs)
-            return self.split_sequence_attention(q, k, v, scale, dropout_p)
+            flash_attention4 = runs_flash_attention4(q, k, dropout_p)
+            return self.split_sequence_attention(q, k, v, scale, dropout_p, flash_attention4)
 
         return attention
 
     def split_sequence_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        dropout_p: float,
+        flash_attention4: bool = False,
     ) -> torch.Tensor:
         """Causal attention of this rank's (head, tail) queries over the whole sequence's keys and values.
 
-        q (batch, heads, 2·chunk, head_dim); k and v (batch, kv_heads, 2·chunk, head_dim), this rank's pieces.
+        q (batch, heads, 2·chunk, head_dim); k and v (batch, kv_heads, 2·chunk, head_dim), this rank's pieces,
+        as the models make them: transposed views of (batch, 2·chunk, heads, head_dim). ``flash_attention4``:
+        run the chunks on foundry's FlashAttention-4 op (the caller checked it can), else on SDPA. Returns
+        q's shape, a transposed view of (batch, 2·chunk, heads, head_dim).
         """
-        whole_k, whole_v = (self._gather_sequence(x) for x in (k, v))  # (batch, kv_heads, seq, head_dim)
-        chunk = q.shape[2] // 2
+        whole_k, whole_v = (self._gather_sequence(x.transpose(1, 2)) for x in (k, v))  # (batch, seq, kv_heads, dim)
+        q = q.transpose(1, 2)  # (batch, 2·chunk, heads, head_dim)
+        chunk = q.shape[1] // 2
+        attend = _flash_attention4_prefix if flash_attention4 else _sdpa_prefix_attention
         head, tail = chunks_of_rank(self.rank, self.size)
         outputs = [
-            _prefix_attention(queries, whole_k, whole_v, (index + 1) * chunk, scale, dropout_p)
-            for queries, index in ((q[:, :, :chunk], head), (q[:, :, chunk:], tail))
+            attend(queries, whole_k[:, :key_len], whole_v[:, :key_len], scale, dropout_p)
+            for queries, key_len in ((q[:, :chunk], (head + 1) * chunk), (q[:, chunk:], (tail + 1) * chunk))
         ]
-        return torch.cat(outputs, dim=2)
+        return torch.cat(outputs, dim=1).transpose(1, 2)
 
     def _gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        gathered = _all_gather_autograd(x.contiguous(), gather_dim=2, group=self.group)
-        return unshard_sequence(functional.wait_tensor(gathered), self.size, dim=2)
+        """(batch, 2·chunk, kv_heads, head_dim) pieces -> the whole (batch, seq, kv_heads, head_dim), one copy
+        after the collective: gathered along the batch dimension, the chunks are put in order by one cat."""
+        gathered = _all_gather_autograd(x.contiguous(), gather_dim=0, group=self.group)  # (cp·batch, 2·chunk, ...)
+        by_rank = functional.wait_tensor(gathered).unflatten(0, (self.size, -1)).unbind(0)
+        return unshard_sequence(by_rank, dim=1)
 
 
-def _prefix_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_len: int, scale: float, dropout_p: float
+def _flash_attention4_prefix(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float
 ) -> torch.Tensor:
-    """Queries that end the first ``key_len`` keys, each seeing the keys up to its own position."""
-    k, v = k[:, :, :key_len], v[:, :, :key_len]
+    """q (batch, chunk, heads, head_dim) ending k and v (batch, keys, kv_heads, head_dim) -> q's shape.
+
+    FlashAttention aligns its causal mask to the last key when keys outnumber queries (query i sees keys up
+    to keys - chunk + i: the tail chunk's mask); with as many keys it is plain causal (rank 0's head). Its
+    kernels take any strides with a contiguous last dimension, and grouped-query heads as they are. The op
+    is foundry's (foundry/models/flash_attention4.py), called by name so that this module stays apart from
+    the models package; the layer's ``runs_flash_attention4`` said that it runs (so dropout_p is 0).
+    """
+    return torch.ops.foundry.flash_attention4_forward(q, k, v, scale)[0]
+
+
+def _sdpa_prefix_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float
+) -> torch.Tensor:
+    """``_flash_attention4_prefix`` on SDPA, through transposed views: SDPA takes (batch, heads, seq, head_dim)."""
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    key_len = k.shape[2]
     grouped = k.shape[1] != q.shape[1]
     if q.shape[2] == key_len:  # the first chunk: plain causal, as foundry's SDPA path runs it
-        return F.scaled_dot_product_attention(
+        out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=grouped
         )
+        return out.transpose(1, 2)
     if grouped:  # the end-aligned causal kernels take equal head counts
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     if _flash_runs(q):
         # FlashAttention aligns its causal mask to the last key when keys outnumber queries. Called as the
         # op (as torch's CausalBias does) so that torch.compile traces it: CausalBias breaks the graph.
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, True, scale=scale)[0]
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, True, scale=scale)[0]
+        return out.transpose(1, 2)
     mask = causal_lower_right(q.shape[2], key_len)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale).transpose(1, 2)
 
 
 def _flash_runs(q: torch.Tensor) -> bool:
@@ -238,7 +281,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> ContextPara
         )
     for layer in layers:
         _refuse_unsupported(layer.config)
-        layer.attn_fn = context_parallel.attention(layer.attn_fn)
+        layer.attn_fn = context_parallel.attention(layer.attn_fn, layer.runs_flash_attention4)
     return context_parallel
 
 

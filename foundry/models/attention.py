@@ -394,15 +394,20 @@ def flash_attention4_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inputs: AttentionInputs, scale: float, dropout_p: float
 ) -> torch.Tensor:
     """Exactly FlashAttention-4: fails with the reason rather than run another kernel."""
+    _require_flash_attention4(q, k, _plain_causal(inputs, dropout_p))
+    return flash_attention4.flash_attention4(q, k, v, scale)
+
+
+def _require_flash_attention4(q: torch.Tensor, k: torch.Tensor, plain_causal: bool) -> None:
+    """``fa4`` pinned: a ConfigError naming why FlashAttention-4 cannot run this input."""
     reason = _flash_attention4_unsupported(q, k)
-    if not reason and not _plain_causal(inputs, dropout_p):
+    if not reason and not plain_causal:
         reason = "it takes plain causal attention only, and this forward has padding or attention dropout"
     if reason:
         raise ConfigError(
             f"'{_KEY}.attn_impl' is 'fa4', but FlashAttention-4 cannot run here: {reason}. Use attn_impl 'flash', "
             "which runs FlashAttention-4 where it can and the fastest other fused kernel elsewhere."
         )
-    return flash_attention4.flash_attention4(q, k, v, scale)
 
 
 def flex_or_sdpa_attention(
@@ -543,6 +548,18 @@ class Attention(nn.Module):
             k, v = cache.write(k, v, inputs.past_len)  # (batch, kv_heads, max_len, head_dim)
             out = self.cached_attn_fn(q, k, v, inputs, self.softmax_scale, dropout_p)
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq_len, d_model))
+
+    def runs_flash_attention4(self, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bool:
+        """Whether this layer's kernel runs plain causal attention of q and k (batch, heads, seq, head_dim) on
+        FlashAttention-4: ``flash`` where it can, ``fa4`` always (a ConfigError where it cannot).
+
+        Context parallelism asks, so that its sequence chunks run on the kernel the layer would run.
+        """
+        kernel = ATTENTION_IMPLS[self.config.attn_impl]
+        if kernel is flash_attention4_attention:
+            _require_flash_attention4(q, k, dropout_p == 0)
+            return True
+        return kernel is fused_sdpa_attention and dropout_p == 0 and not _flash_attention4_unsupported(q, k)
 
     def _qk_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """qk_ln normalises all heads together, qk_gn each head; x is (batch, seq, heads, head_dim)."""

@@ -126,7 +126,11 @@ def _unsupported_reason(
 
 
 PROBE_SEQ = 192  # a few tiles of every kernel configuration, causal diagonal included
+# The end-aligned check's queries: the last rows against all keys, more than one 128-row tile (as PROBE_SEQ,
+# so it runs the kernels the square probe compiled) and ending the keys off a tile boundary.
+PROBE_END_QUERIES = 144
 PROBE_TOLERANCE = 4.0  # FlashAttention-4 may be this many times further from fp32 math than SDPA is (both bf16)
+_GRADIENT_NAMES = ("output", "dq", "dk", "dv")
 
 
 @functools.cache
@@ -136,6 +140,8 @@ def probe_problem(device: torch.device, dtype: torch.dtype, head_dim: int, heads
     The package compiles kernels per shape on first use, and a beta release can fail to build one or build
     a wrong one. Probing a small causal input first (once per shape, a few seconds of compiling the run
     would pay anyway) turns either into SDPA and a warning, instead of a crash or silently wrong attention.
+    Two checks: square causal attention (``attn_impl: flash``), and the last queries against all keys, whose
+    causal mask must align to the last key (context parallelism runs each sequence chunk that way).
     """
     try:
         return _probe(device, dtype, head_dim, heads, kv_heads)
@@ -151,24 +157,40 @@ def _probe(device: torch.device, dtype: torch.dtype, head_dim: int, heads: int, 
             for count in (heads, kv_heads, kv_heads, heads)
         )
     scale = head_dim**-0.5
+    end_q, end_grad_out = q[:, -PROBE_END_QUERIES:], grad_out[:, -PROBE_END_QUERIES:]
     try:
-        out, lse = _forward_outputs(q, v)
-        _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, out=out, lse=lse, return_lse=True)
-        grads = _input_grads(q, k, v)
-        dq, dk, dv = grads
-        _interface()._flash_attn_bwd(q, k, v, out, grad_out, lse, softmax_scale=scale, causal=True, dq=dq, dk=dk, dv=dv)
+        square = _kernel_outputs_and_grads(q, k, v, grad_out, scale)
+        end_aligned = _kernel_outputs_and_grads(end_q, k, v, end_grad_out, scale)
     except Exception as error:  # any failure to build or launch is a reason to use SDPA
         return f"its kernels failed on a {PROBE_SEQ}-token probe of this shape ({type(error).__name__}: {error})"
     reference = _causal_attention_and_grads(q.float(), k.float(), v.float(), grad_out.float(), scale, _math_attention)
     sdpa = _causal_attention_and_grads(q, k, v, grad_out, scale, _sdpa_attention)
-    for name, got, exact, fused in zip(("output", "dq", "dk", "dv"), (out, *grads), reference, sdpa, strict=True):
-        error, allowed = (got.float() - exact).abs().max().item(), (fused.float() - exact).abs().max().item()
-        if not error <= PROBE_TOLERANCE * allowed + 1e-3:  # NaN fails too
-            return (
-                f"its {name} on a {PROBE_SEQ}-token probe of this shape is {error:.3g} from fp32 math, SDPA's "
-                f"{allowed:.3g}"
-            )
+    allowed = [(fused.float() - exact).abs().max().item() for fused, exact in zip(sdpa, reference, strict=True)]
+    end_reference = _causal_attention_and_grads(
+        end_q.float(), k.float(), v.float(), end_grad_out.float(), scale, _math_attention
+    )
+    checks = (
+        (f"on a {PROBE_SEQ}-token probe of this shape", square, reference),
+        (f"for the last {PROBE_END_QUERIES} of {PROBE_SEQ} queries against all keys (the causal mask aligned to the "
+         "last key, as context parallelism needs)", end_aligned, end_reference),
+    )  # fmt: skip
+    for where, found, exact in checks:
+        for name, got, want, sdpa_error in zip(_GRADIENT_NAMES, found, exact, allowed, strict=True):
+            error = (got.float() - want).abs().max().item()
+            if not error <= PROBE_TOLERANCE * sdpa_error + 1e-3:  # NaN fails too
+                return f"its {name} {where} is {error:.3g} from fp32 math, SDPA's {sdpa_error:.3g}"
     return ""
+
+
+def _kernel_outputs_and_grads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, ...]:
+    """Output, dq, dk, dv of the package's kernels called as the ops call them."""
+    out, lse = _forward_outputs(q, v)
+    _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, out=out, lse=lse, return_lse=True)
+    dq, dk, dv = _input_grads(q, k, v)
+    _interface()._flash_attn_bwd(q, k, v, out, grad_out, lse, softmax_scale=scale, causal=True, dq=dq, dk=dk, dv=dv)
+    return out, dq, dk, dv
 
 
 def _causal_attention_and_grads(
@@ -189,9 +211,11 @@ def _causal_attention_and_grads(
 
 
 def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention, the mask aligned to the last key where keys outnumber queries (as FlashAttention's)."""
     k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     scores = (q @ k.transpose(-2, -1)) * scale
-    causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    queries, keys = scores.shape[-2:]
+    causal = torch.ones(queries, keys, dtype=torch.bool, device=q.device).tril(keys - queries)
     return scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
 
 
@@ -203,9 +227,11 @@ def _sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 # for the package on CPU tensors.
 @torch.library.custom_op("foundry::flash_attention4_forward", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of q (batch, seq, heads, head_dim), k and v (batch, seq, kv_heads, head_dim).
+    """Causal attention of q (batch, seq, heads, head_dim), k and v (batch, keys, kv_heads, head_dim).
 
-    Returns the output (q's shape, contiguous) and the log-sum-exp of each query row (batch, heads, seq) in fp32.
+    With more keys than queries the causal mask aligns to the last key: query i sees keys up to
+    keys - seq + i (``probe_problem`` checks the package does so). Returns the output (q's shape,
+    contiguous) and the log-sum-exp of each query row (batch, heads, seq) in fp32.
     """
     out, lse = _forward_outputs(q, v)
     _interface()._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=True, out=out, lse=lse, return_lse=True)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from flash_attention4_reference import reference_fwd, reference_interface
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from distributed.jobs import build_trainer, rank_batches, train
@@ -24,7 +28,7 @@ from foundry.distributed.context_parallel import (
 )
 from foundry.distributed.mesh import parallel_dims
 from foundry.errors import ConfigError
-from foundry.models import MPTCausalLM
+from foundry.models import LlamaCausalLM, MPTCausalLM, flash_attention4
 from foundry.optim.schedulers import CosineWithWarmupScheduler
 from foundry.targets import IGNORE_INDEX, SHIFTED_LABELS_KEY, shifted_targets
 
@@ -50,7 +54,7 @@ def test_unsharding_the_ranks_pieces_restores_the_sequence():
     sequence = torch.arange(2 * 24).view(2, 24)
     pieces = [shard_sequence(sequence, rank, 3) for rank in range(3)]
     assert pieces[0][0].tolist() == [0, 1, 2, 3, 20, 21, 22, 23]
-    assert torch.equal(unshard_sequence(torch.cat(pieces, dim=1), 3, dim=1), sequence)
+    assert torch.equal(unshard_sequence(pieces, dim=1), sequence)
 
 
 def test_a_length_the_chunks_do_not_divide_is_refused():
@@ -176,8 +180,9 @@ def test_cp_ranks_that_loaded_unequal_batches_are_all_told_which(ranks, differ_i
         assert "different shapes or keys" in message and rank1_loaded in message and "drop_last: true" in message
 
 
-def attention_against_full(kv_heads: int) -> dict:
-    """Split-sequence attention (forward and the gradients of q, k, v) next to full causal attention."""
+def attention_against_full(kv_heads: int, flash_attention4: bool = False) -> dict:
+    """Split-sequence attention (forward and the gradients of q, k, v) next to full causal attention, and how many
+    times the split repeated a tensor's heads (``repeat_interleave``)."""
     mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
     context_parallel = ContextParallel(mesh["cp"])
     generator = torch.Generator().manual_seed(0)  # the same whole q, k, v on both ranks
@@ -189,18 +194,124 @@ def attention_against_full(kv_heads: int) -> dict:
     want = {"out": full.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
     rank = get_rank()
     local = [shard_sequence(x.detach(), rank, 2, dim=2).requires_grad_() for x in (q, k, v)]
-    out = context_parallel.split_sequence_attention(*local, scale=8**-0.5, dropout_p=0.0)
-    (out * shard_sequence(weights, rank, 2, dim=2)).sum().backward()
+    with repeats_counted() as repeats:
+        out = context_parallel.split_sequence_attention(*local, 8**-0.5, 0.0, flash_attention4)
+        (out * shard_sequence(weights, rank, 2, dim=2)).sum().backward()
     got = {"out": out.detach(), "q": local[0].grad, "k": local[1].grad, "v": local[2].grad}
-    return {name: (got[name], shard_sequence(want[name], rank, 2, dim=2)) for name in got}
+    return {"tensors": {name: (got[name], shard_sequence(want[name], rank, 2, dim=2)) for name in got}, **repeats}
+
+
+@contextlib.contextmanager
+def repeats_counted() -> Iterator[dict[str, int]]:
+    """Counts calls of ``repeat_interleave`` (the method and the function) inside the block."""
+    counted = {"repeats": 0}
+
+    def counting(original):
+        def repeat_interleave(*args, **kwargs):
+            counted["repeats"] += 1
+            return original(*args, **kwargs)
+
+        return repeat_interleave
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "repeat_interleave", counting(torch.Tensor.repeat_interleave))
+        patch.setattr(torch, "repeat_interleave", counting(torch.repeat_interleave))
+        yield counted
+
+
+def assert_matches_full_attention(result: dict) -> None:
+    for name, (got, want) in result["tensors"].items():
+        # k and v gradients: this rank's share of the sum over both ranks' queries (the reduce-scatter)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["multihead", "grouped-query"])
 def test_split_sequence_attention_matches_full_attention_forward_and_backward(ranks, kv_heads):
     for result in ranks.run(2, attention_against_full, kv_heads):
-        for name, (got, want) in result.items():
-            # k and v gradients: this rank's share of the sum over both ranks' queries (the reduce-scatter)
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
+        assert_matches_full_attention(result)
+
+
+def flash_attention4_against_full(kv_heads: int) -> dict:
+    """``attention_against_full`` on the FlashAttention-4 route, the package stood in for by fp32 math; with the
+    (queries, keys, kv_heads) of each forward its kernel ran."""
+    kernel_calls = []
+
+    def recording_fwd(q, k, v, **kwargs):
+        kernel_calls.append((q.shape[1], k.shape[1], k.shape[2]))
+        return reference_fwd(q, k, v, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(flash_attention4, "_interface", lambda: reference_interface(fwd=recording_fwd))
+        result = attention_against_full(kv_heads, flash_attention4=True)
+    return {**result, "kernel_calls": kernel_calls}
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["multihead", "grouped-query"])
+def test_split_sequence_attention_on_flash_attention4_matches_full_attention_without_repeating_kv(ranks, kv_heads):
+    rank0, rank1 = ranks.run(2, flash_attention4_against_full, kv_heads)
+    for result in (rank0, rank1):
+        assert_matches_full_attention(result)
+        assert result["repeats"] == 0  # grouped-query heads reach the kernel as they are
+    # 16 tokens in 4 chunks: rank 0's head is square (4 queries, 4 keys), every other chunk ends a longer prefix
+    assert rank0["kernel_calls"] == [(4, 4, kv_heads), (4, 16, kv_heads)]
+    assert rank1["kernel_calls"] == [(4, 8, kv_heads), (4, 12, kv_heads)]
+
+
+def test_the_sdpa_route_repeats_grouped_kv_heads_for_its_end_aligned_kernel(ranks):
+    """The counter above sees a repeat where one happens: SDPA's end-aligned kernels take equal head counts."""
+    # k and v for each chunk that ends a longer prefix; rank 0's head is square (SDPA's enable_gqa takes it)
+    assert [result["repeats"] for result in ranks.run(2, attention_against_full, 2)] == [2, 4]
+
+
+def cp_logits(attn_impl: str, flash_attention4_runs: bool) -> dict:
+    """A Llama's logits over this rank's pieces under CP2 next to the same pieces of its whole-sequence logits,
+    with FlashAttention-4 able to run (stood in for on CPU tensors) or not; and the kernel calls' lengths."""
+    kernel_calls = []
+
+    def recording_fwd(q, k, v, **kwargs):
+        kernel_calls.append((q.shape[1], k.shape[1]))
+        return reference_fwd(q, k, v, **kwargs)
+
+    keys = {key: value for key, value in LLAMA.items() if key != "name"}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(flash_attention4, "_interface", lambda: reference_interface(fwd=recording_fwd))
+        reason = "" if flash_attention4_runs else "it runs on NVIDIA GPUs only, not on cpu"
+        patch.setattr(flash_attention4, "unsupported_reason", lambda *shape: reason)
+        torch.manual_seed(0)
+        model = LlamaCausalLM(**keys, attn_impl=attn_impl)
+        mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
+        context_parallel = apply_context_parallel(model, mesh["cp"])
+        whole = {"input_ids": torch.arange(32).view(2, 16) % LLAMA["vocab_size"]}
+        batch = context_parallel.shard({"input_ids": whole["input_ids"][get_rank()][None]})
+        with context_parallel.activated():
+            try:
+                got = model(batch).detach()
+            except ConfigError as error:
+                return {"error": str(error)}
+        split_calls = list(kernel_calls)
+        want = shard_sequence(model(whole).detach(), get_rank(), 2)
+    return {"got": got, "want": want, "kernel_calls": split_calls}
+
+
+def test_a_flash_layer_runs_its_chunks_on_flash_attention4_where_it_runs(ranks):
+    for result in ranks.run(2, cp_logits, "flash", True):
+        torch.testing.assert_close(result["got"], result["want"], atol=1e-5, rtol=1e-5)
+        assert len(result["kernel_calls"]) == 2 * LLAMA["n_layers"]  # two chunks a layer, all on the kernel
+        assert any(queries < keys for queries, keys in result["kernel_calls"])
+
+
+def test_a_flash_layer_runs_its_chunks_on_sdpa_where_flash_attention4_cannot(ranks):
+    for result in ranks.run(2, cp_logits, "flash", False):
+        torch.testing.assert_close(result["got"], result["want"], atol=1e-5, rtol=1e-5)
+        assert result["kernel_calls"] == []
+
+
+def test_pinned_fa4_under_cp_names_why_flash_attention4_cannot_run(ranks):
+    for result in ranks.run(2, cp_logits, "fa4", False):
+        assert (
+            "attn_impl' is 'fa4', but FlashAttention-4 cannot run here: it runs on NVIDIA GPUs only"
+            in (result["error"])
+        )
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,12 @@
 """Split-sequence attention on 2 GPUs (NCCL, bf16) against full attention: forward, backward, eager and compiled.
 
-Both are compared with an fp32 reference on the same inputs: the context-parallel error must stay within
-twice the error of plain bf16 attention. Run as a test (skips without 2 CUDA devices), or directly:
-``torchrun --nproc-per-node 2 tests/distributed/test_context_parallel_gpu.py OUT_FOLDER``.
+Two routes: SDPA (any GPU), and FlashAttention-4 (Hopper or Blackwell with the flash-attn-4 package), the one
+a ``flash`` or ``fa4`` layer takes there. Each is compared with an fp32 reference on the same inputs: the
+context-parallel error must stay within twice the error of unsplit bf16 attention on the same kernel. Run as
+tests (each skips where its route cannot run), or directly, which also times one attention layer's forward
+and backward on each route at the Llama-3.1-8B shape with 65,536 tokens over the 2 GPUs:
+``torchrun --nproc-per-node 2 tests/distributed/test_context_parallel_gpu.py OUT_FOLDER [ROUTE ...]``
+(writes OUT_FOLDER/errors_ROUTE.json and, without ROUTE arguments, timings.json).
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,52 +26,111 @@ from foundry.distributed import destroy_process_group, init_process_group
 from foundry.distributed.config import ParallelismConfig
 from foundry.distributed.context_parallel import ContextParallel, shard_sequence
 from foundry.distributed.mesh import parallel_dims
+from foundry.models import flash_attention4
 
 # (batch, heads, kv_heads, seq, head_dim): Llama-8B's grouped-query heads; MPT's multi-head 64-wide heads
 SHAPES = {"llama_gqa": (1, 8, 2, 8192, 128), "mpt_mha": (2, 16, 16, 4096, 64)}
+TIMED_SHAPE = (1, 32, 8, 65536, 128)  # one Llama-3.1-8B attention layer at 64k tokens
+ROUTES = ("sdpa", "fa4")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-def test_split_sequence_attention_matches_full_attention_on_two_gpus(tmp_path):
+def _two_gpus() -> bool:
+    return torch.cuda.device_count() >= 2
+
+
+def _flash_attention4_installed_on_hopper_or_blackwell() -> bool:
+    return (
+        _two_gpus()
+        and torch.cuda.get_device_capability()[0] in flash_attention4.MAX_HEAD_DIM
+        and flash_attention4.installed()
+    )
+
+
+def _run_on_two_gpus(tmp_path: Path, route: str) -> dict:
     from helpers import repo_pythonpath
 
     env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__]
-    done = subprocess.run([*command, str(tmp_path)], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([*command, str(tmp_path), route], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    for name, errors in json.loads((tmp_path / "errors.json").read_text()).items():
+    return json.loads((tmp_path / f"errors_{route}.json").read_text())
+
+
+def _assert_within_bf16_error(errors_by_case: dict) -> None:
+    for name, errors in errors_by_case.items():
         assert errors["context_parallel"] <= 2 * errors["full_bf16"] + 1e-3, (name, errors)
+
+
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA devices")
+def test_split_sequence_attention_matches_full_attention_on_two_gpus(tmp_path):
+    _assert_within_bf16_error(_run_on_two_gpus(tmp_path, "sdpa"))
+
+
+@pytest.mark.skipif(
+    not _flash_attention4_installed_on_hopper_or_blackwell(),
+    reason="needs 2 Hopper or Blackwell GPUs and flash-attn-4",
+)
+def test_split_sequence_attention_on_flash_attention4_matches_full_attention_on_two_gpus(tmp_path):
+    _assert_within_bf16_error(_run_on_two_gpus(tmp_path, "fa4"))
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def compare(shape: tuple[int, ...], compiled: bool) -> dict[str, dict[str, float]]:
+def full_attention(route: str) -> Callable[..., torch.Tensor]:
+    """Unsplit causal attention on the route's kernel, (batch, heads, seq, head_dim) in and out."""
+    if route == "fa4":
+        return lambda q, k, v, scale: flash_attention4.flash_attention4(q, k, v, scale)
+    return lambda q, k, v, scale: F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
+
+
+def model_layout(x: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, seq, head_dim) as the models make q, k, v: a transposed view of (batch, seq, heads, head_dim)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def require_route(route: str, shape: tuple[int, ...]) -> None:
+    """The fa4 route runs only where the layer's kernel would pick FlashAttention-4: else stop, saying why."""
+    _, heads, kv_heads, _, head_dim = shape
+    if route == "fa4":
+        index = torch.cuda.current_device()
+        reason = flash_attention4.unsupported_reason("cuda", index, torch.bfloat16, head_dim, heads, kv_heads)
+        if reason:
+            raise SystemExit(f"FlashAttention-4 cannot run {shape}: {reason}")
+
+
+def compare(shape: tuple[int, ...], compiled: bool, route: str) -> dict[str, dict[str, float]]:
     batch, heads, kv_heads, seq, head_dim = shape
+    require_route(route, shape)
     device, rank = torch.device("cuda", torch.cuda.current_device()), int(os.environ["RANK"])
     mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cuda")
     context_parallel = ContextParallel(mesh["cp"])
     generator = torch.Generator().manual_seed(0)  # the same whole inputs on both ranks
     inputs = [torch.randn(batch, n, seq, head_dim, generator=generator) for n in (heads, kv_heads, kv_heads)]
     weights = torch.randn(batch, heads, seq, head_dim, generator=generator).to(device)
+    scale = head_dim**-0.5
 
-    def run(dtype: torch.dtype, split: bool) -> dict[str, torch.Tensor]:
-        q, k, v = (x.to(device, dtype, copy=True) for x in inputs)
+    def run(dtype: torch.dtype, split: bool, attention: Callable[..., torch.Tensor]) -> dict[str, torch.Tensor]:
+        q, k, v = (model_layout(x.to(device, dtype, copy=True)) for x in inputs)
         if split:
-            q, k, v = (shard_sequence(x, rank, 2, dim=2) for x in (q, k, v))
-        q, k, v = (x.requires_grad_() for x in (q, k, v))
+            q, k, v = (model_layout(shard_sequence(x, rank, 2, dim=2)) for x in (q, k, v))
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
         if split:
-            attention = context_parallel.split_sequence_attention
-            out = (torch.compile(attention) if compiled else attention)(q, k, v, head_dim**-0.5, 0.0)
+            split_attention = context_parallel.split_sequence_attention
+            attend = torch.compile(split_attention) if compiled else split_attention
+            out = attend(q, k, v, scale, 0.0, route == "fa4")
             (out.float() * shard_sequence(weights, rank, 2, dim=2)).sum().backward()
         else:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
+            out = attention(q, k, v, scale)
             (out.float() * weights).sum().backward()
         found = {"out": out, "q": q.grad, "k": k.grad, "v": v.grad}
         return found if split else {name: shard_sequence(x, rank, 2, dim=2) for name, x in found.items()}
 
-    reference, full, split = run(torch.float32, False), run(torch.bfloat16, False), run(torch.bfloat16, True)
+    reference = run(torch.float32, False, full_attention("sdpa"))
+    full, split = run(torch.bfloat16, False, full_attention(route)), run(torch.bfloat16, True, full_attention(route))
     return {
         name: {
             "context_parallel": relative_error(split[name], reference[name]),
@@ -76,21 +140,74 @@ def compare(shape: tuple[int, ...], compiled: bool) -> dict[str, dict[str, float
     }
 
 
-def main(out_folder: str) -> None:
+def time_route(route: str, shape: tuple[int, ...] = TIMED_SHAPE, iterations: int = 10) -> dict[str, float]:
+    """Milliseconds per forward + backward of one layer's split-sequence attention (each rank half the tokens)."""
+    batch, heads, kv_heads, seq, head_dim = shape
+    require_route(route, shape)
+    device = torch.device("cuda", torch.cuda.current_device())
+    context_parallel = ContextParallel(
+        parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cuda")["cp"]
+    )
+    local = seq // 2
+    q, k, v = (
+        model_layout(torch.randn(batch, n, local, head_dim, device=device, dtype=torch.bfloat16))
+        .detach()
+        .requires_grad_()
+        for n in (heads, kv_heads, kv_heads)
+    )
+    grad_out = torch.randn(batch, heads, local, head_dim, device=device, dtype=torch.bfloat16)
+
+    def step() -> None:
+        out = context_parallel.split_sequence_attention(q, k, v, head_dim**-0.5, 0.0, route == "fa4")
+        out.backward(grad_out)
+
+    for _ in range(3):  # kernels compiled, allocator warm
+        step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iterations):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    milliseconds = start.elapsed_time(end) / iterations
+    # causal attention FLOPs of this rank's half: 4·d per (query, key) pair forward, 2.5 times that with backward
+    pairs = seq * (seq + 1) / 2 / 2
+    tflops = 3.5 * 4 * batch * heads * head_dim * pairs / (milliseconds / 1e3) / 1e12
+    return {"ms_forward_backward": milliseconds, "attention_tflops_per_gpu": tflops}
+
+
+def gathered_on_rank0(found: dict) -> dict | None:
+    every: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, found)
+    return {key: value for each in every for key, value in each.items()} if int(os.environ["RANK"]) == 0 else None
+
+
+def main(out_folder: str, routes: list[str]) -> None:
     init_process_group()
-    errors = {}
-    for name, shape in SHAPES.items():
-        for compiled in (False, True):
-            for tensor, pair in compare(shape, compiled).items():
-                errors[f"{name}{'_compiled' if compiled else ''}_{tensor}_rank{os.environ['RANK']}"] = pair
-    gathered: list = [None, None]
-    torch.distributed.all_gather_object(gathered, errors)
-    if int(os.environ["RANK"]) == 0:
-        merged = {key: value for each in gathered for key, value in each.items()}
-        Path(out_folder, "errors.json").write_text(json.dumps(merged, indent=1))
-        print(json.dumps(merged, indent=1))
+    timed = not routes
+    routes = routes or [
+        route for route in ROUTES if route == "sdpa" or _flash_attention4_installed_on_hopper_or_blackwell()
+    ]
+    rank = os.environ["RANK"]
+    for route in routes:
+        errors = {}
+        for name, shape in SHAPES.items():
+            for compiled in (False, True):
+                for tensor, pair in compare(shape, compiled, route).items():
+                    errors[f"{name}{'_compiled' if compiled else ''}_{tensor}_rank{rank}"] = pair
+        if merged := gathered_on_rank0(errors):
+            Path(out_folder, f"errors_{route}.json").write_text(json.dumps(merged, indent=1))
+            print(route, json.dumps(merged, indent=1))
+    if timed:
+        timings = {f"{route}_rank{rank}": time_route(route) for route in routes}
+        if merged := gathered_on_rank0(timings):
+            merged["shape"] = dict(zip(("batch", "heads", "kv_heads", "seq", "head_dim"), TIMED_SHAPE, strict=True))
+            merged["device"] = torch.cuda.get_device_name()
+            Path(out_folder, "timings.json").write_text(json.dumps(merged, indent=1))
+            print(json.dumps(merged, indent=1))
     destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from flash_attention4_reference import reference_bwd, reference_fwd, reference_interface
 
 from foundry.errors import ConfigError
 from foundry.models import attention as attention_module
@@ -23,45 +24,6 @@ from foundry.models import flash_attention4
 from foundry.models.attention import ATTENTION_IMPLS, AttentionInputs, AttnConfig, torch_attention
 
 BATCH, HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 16, 8
-
-
-def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
-    """Causal attention of (batch, seq, heads, head_dim) inputs in fp32: output and log-sum-exp (batch, heads, seq)."""
-    q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
-    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-    scores = (q @ k.transpose(-2, -1)) * scale
-    scores = scores.masked_fill(~torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril(), float("-inf"))
-    return (scores.softmax(-1) @ v).transpose(1, 2), scores.logsumexp(-1)
-
-
-def _reference_fwd(q, k, v, *, softmax_scale, causal, out, lse, return_lse):
-    assert causal and return_lse
-    assert out.is_contiguous() and out.shape == q.shape and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
-    expected_out, expected_lse = _math_attention(q, k, v, softmax_scale)
-    out.copy_(expected_out)
-    lse.copy_(expected_lse)
-    return out, lse, None, None, None
-
-
-def _reference_bwd(q, k, v, out, dout, lse, *, softmax_scale, causal, dq, dk, dv):
-    """The attention backward written out (an op's body runs below autograd): dS = P * (dP - rowsum(dO * O))."""
-    assert causal and dout.is_contiguous()
-    assert all(grad.is_contiguous() and grad.shape == x.shape for grad, x in ((dq, q), (dk, k), (dv, v)))
-    group = q.shape[2] // k.shape[2]
-    q, k, v, out, dout = (x.float().transpose(1, 2) for x in (q, k, v, out, dout))  # (batch, heads, seq, dim)
-    k_heads, v_heads = (x.repeat_interleave(group, dim=1) for x in (k, v))
-    probs = torch.exp((q @ k_heads.transpose(-2, -1)) * softmax_scale - lse[..., None]).tril()
-    grad_scores = probs * (dout @ v_heads.transpose(-2, -1) - (dout * out).sum(-1, keepdim=True))
-    per_query_head = {
-        dq: grad_scores @ k_heads * softmax_scale,
-        dk: grad_scores.transpose(-2, -1) @ q * softmax_scale,
-        dv: probs.transpose(-2, -1) @ dout,
-    }
-    for grad, value in per_query_head.items():
-        if grad is not dq:  # each kv head sums the gradients of the query heads it serves
-            value = value.unflatten(1, (-1, group)).sum(2)
-        grad.copy_(value.transpose(1, 2))
-    return dq, dk, dv
 
 
 @pytest.fixture(autouse=True)
@@ -78,8 +40,7 @@ def fresh_choices() -> Iterator[None]:
 @pytest.fixture
 def reference_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """The package's entry points replaced by fp32 math, so the ops run on CPU tensors."""
-    interface = types.SimpleNamespace(_flash_attn_fwd=_reference_fwd, _flash_attn_bwd=_reference_bwd)
-    monkeypatch.setattr(flash_attention4, "_interface", lambda: interface)
+    monkeypatch.setattr(flash_attention4, "_interface", reference_interface)
 
 
 def _qkv(dtype: torch.dtype = torch.float32, device: str = "cpu") -> tuple[torch.Tensor, ...]:
@@ -170,11 +131,11 @@ def test_a_hopper_gpu_without_the_package_says_once_how_to_install_it(
 @pytest.mark.parametrize(
     ("interface", "problem"),
     [
-        (types.SimpleNamespace(_flash_attn_fwd=_reference_fwd, _flash_attn_bwd=_reference_bwd), None),
-        (types.SimpleNamespace(_flash_attn_fwd=_reference_fwd), "no flash_attn.cute.interface._flash_attn_bwd"),
+        (types.SimpleNamespace(_flash_attn_fwd=reference_fwd, _flash_attn_bwd=reference_bwd), None),
+        (types.SimpleNamespace(_flash_attn_fwd=reference_fwd), "no flash_attn.cute.interface._flash_attn_bwd"),
         (
             types.SimpleNamespace(
-                _flash_attn_fwd=lambda q, k, v, softmax_scale, causal: q, _flash_attn_bwd=_reference_bwd
+                _flash_attn_fwd=lambda q, k, v, softmax_scale, causal: q, _flash_attn_bwd=reference_bwd
             ),
             "_flash_attn_fwd takes no out, lse, return_lse",
         ),
@@ -202,35 +163,57 @@ def test_an_installed_package_with_another_interface_is_a_reason_not_a_crash(
         assert "foundry[flash]" in found and len(caplog.records) == 1
 
 
-def _kernels(fwd=_reference_fwd, bwd=_reference_bwd) -> types.SimpleNamespace:
-    return types.SimpleNamespace(_flash_attn_fwd=fwd, _flash_attn_bwd=bwd)
-
-
 def _raising(*args, **kwargs):
     raise RuntimeError("no tile configuration for this head width")
 
 
 def _without_causal_mask(q, k, v, *, softmax_scale, causal, out, lse, return_lse):
     """A wrong kernel: the right layout and lse, but every query also attends to the future."""
-    _reference_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal, out=out, lse=lse, return_lse=return_lse)
+    reference_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal, out=out, lse=lse, return_lse=return_lse)
     q32, k32, v32 = (x.float().transpose(1, 2) for x in (q, k, v))
     k32, v32 = (x.repeat_interleave(q32.shape[1] // x.shape[1], dim=1) for x in (k32, v32))
     out.copy_(((q32 @ k32.transpose(-2, -1)) * softmax_scale).softmax(-1).matmul(v32).transpose(1, 2))
 
 
 def _zero_dk(q, k, v, out, dout, lse, *, softmax_scale, causal, dq, dk, dv):
-    _reference_bwd(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal, dq=dq, dk=dk, dv=dv)
+    reference_bwd(q, k, v, out, dout, lse, softmax_scale=softmax_scale, causal=causal, dq=dq, dk=dk, dv=dv)
     dk.zero_()
+
+
+def _top_left_fwd(q, k, v, *, softmax_scale, causal, out, lse, return_lse):
+    """A kernel aligning its causal mask to the first key (query i sees keys 0..i) when keys outnumber queries."""
+    square = q.shape[1]
+    return reference_fwd(
+        q, k[:, :square], v[:, :square], softmax_scale=softmax_scale, causal=causal, out=out, lse=lse,
+        return_lse=return_lse,
+    )  # fmt: skip
+
+
+def _top_left_bwd(q, k, v, out, dout, lse, *, softmax_scale, causal, dq, dk, dv):
+    square = q.shape[1]
+    dk.zero_(), dv.zero_()
+    reference_bwd(
+        q, k[:, :square], v[:, :square], out, dout, lse, softmax_scale=softmax_scale, causal=causal, dq=dq,
+        dk=dk[:, :square], dv=dv[:, :square],
+    )  # fmt: skip
+
+
+END_ALIGNED = "for the last 144 of 192 queries against all keys"
 
 
 @pytest.mark.parametrize(
     ("kernels", "problem"),
     [
-        (_kernels(), None),
-        (_kernels(fwd=_raising), "kernels failed on a 192-token probe .*no tile configuration"),
-        (_kernels(bwd=_raising), "kernels failed"),
-        (_kernels(fwd=_without_causal_mask), "its output on a 192-token probe of this shape is .* from fp32 math"),
-        (_kernels(bwd=_zero_dk), "its dk on a 192-token probe"),
+        (reference_interface(), None),
+        (reference_interface(fwd=_top_left_fwd), f"its output {END_ALIGNED} .* from fp32 math"),
+        (reference_interface(bwd=_top_left_bwd), f"its dq {END_ALIGNED}"),
+        (reference_interface(fwd=_raising), "kernels failed on a 192-token probe .*no tile configuration"),
+        (reference_interface(bwd=_raising), "kernels failed"),
+        (
+            reference_interface(fwd=_without_causal_mask),
+            "its output on a 192-token probe of this shape is .* from fp32 math",
+        ),
+        (reference_interface(bwd=_zero_dk), "its dk on a 192-token probe"),
     ],
 )
 def test_a_probe_of_each_shape_catches_kernels_that_fail_or_compute_wrong_attention(
@@ -258,7 +241,7 @@ def _installed_on_a_hopper_gpu(monkeypatch: pytest.MonkeyPatch, kernels: types.S
 def test_a_failed_probe_runs_sdpa_with_one_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    _installed_on_a_hopper_gpu(monkeypatch, _kernels(fwd=_without_causal_mask))
+    _installed_on_a_hopper_gpu(monkeypatch, reference_interface(fwd=_without_causal_mask))
     with caplog.at_level(logging.WARNING, logger=flash_attention4.__name__):
         reasons = [
             flash_attention4.unsupported_reason("cuda", 0, torch.bfloat16, HEAD_DIM, HEADS, KV_HEADS) for _ in range(2)
@@ -269,7 +252,7 @@ def test_a_failed_probe_runs_sdpa_with_one_warning(
 
 def test_the_probe_runs_while_torch_compile_traces_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under compile the choice is made at trace time (a constant): the probe must run there, on real tensors."""
-    _installed_on_a_hopper_gpu(monkeypatch, _kernels())
+    _installed_on_a_hopper_gpu(monkeypatch, reference_interface())
 
     def choose(x: torch.Tensor) -> torch.Tensor:
         reason = flash_attention4.unsupported_reason("cuda", 0, torch.bfloat16, HEAD_DIM, HEADS, KV_HEADS)
