@@ -1,0 +1,132 @@
+"""fsdp_config.activation_checkpointing_keep_attention: backward recomputes every block but its attention kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from foundry.algorithms import ActivationCheckpointing
+from foundry.algorithms.torch_compile import TorchCompile
+from foundry.distributed.activation_checkpoint import attention_kernel_ops
+from foundry.distributed.config import FSDPConfig
+from foundry.distributed.fsdp import parallelize
+from foundry.errors import ConfigError
+from foundry.models.build import build_model
+from foundry.schema import parse_dataclass
+
+N_LAYERS = 2
+LLAMA = {
+    "name": "llama_causal_lm", "d_model": 32, "n_heads": 4, "kv_n_heads": 2, "n_layers": N_LAYERS,
+    "vocab_size": 64, "max_seq_len": 16, "ffn_hidden_size": 64, "rope_theta": 100.0,
+}  # fmt: skip
+NO_CHECKPOINTING: dict = {}
+CHECKPOINTING = {"activation_checkpointing": True}
+KEEP_ATTENTION = {"activation_checkpointing": True, "activation_checkpointing_keep_attention": True}
+
+
+class AttentionKernelCounter(TorchDispatchMode):
+    """Counts the attention kernels that run (a kernel whose output selective checkpointing kept does not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = set(attention_kernel_ops())
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in self.ops
+        return func(*args, **(kwargs or {}))
+
+
+def placed_model(fsdp_config: dict, compile_backend: str | None = None) -> tuple[torch.nn.Module, TorchCompile | None]:
+    """The tiny Llama (same seed each time), compiled at INIT as the Trainer does, then placed on one CPU rank."""
+    torch.manual_seed(0)
+    model = build_model(LLAMA)
+    compiler = None
+    if compile_backend is not None:
+        compiler = TorchCompile(backend=compile_backend)
+        compiler._compile_blocks(model)
+    parallelize(model, FSDPConfig(**fsdp_config), torch.device("cpu"), "fp32")
+    return model, compiler
+
+
+class ProfiledAttentionKernels(torch.profiler.profile):
+    """Counts the attention kernels compiled code calls. A dispatch mode cannot: under one, dynamo runs a
+    compiled block eagerly, and plain checkpointing's recompute then differs from its compiled forward.
+    (The profiler also records the calls selective checkpointing answers from its cache: eager runs use
+    ``AttentionKernelCounter``.)"""
+
+    @property
+    def calls(self) -> int:
+        names = {f"aten::{op.__name__.split('.')[0]}" for op in attention_kernel_ops() if hasattr(op, "_schema")}
+        return sum(event.count for event in self.key_averages() if event.key in names)
+
+
+def loss_grads_and_backward_kernels(
+    model: torch.nn.Module, counter: type = AttentionKernelCounter
+) -> tuple[torch.Tensor, dict, int]:
+    """One step's loss, each parameter's gradient (by its unwrapped name), and the attention kernels backward ran."""
+    batch = {"input_ids": torch.randint(0, LLAMA["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))}
+    loss = model.loss(model(batch), batch)
+    with counter() as backward:
+        loss.backward()
+    grads = {name.replace("_checkpoint_wrapped_module.", ""): p.grad for name, p in model.named_parameters()}
+    return loss.detach(), grads, backward.calls
+
+
+def assert_same_step(step: tuple, reference: tuple) -> None:
+    torch.testing.assert_close(step[0], reference[0], rtol=1e-6, atol=0)
+    assert step[1].keys() == reference[1].keys()
+    for name, grad in reference[1].items():
+        torch.testing.assert_close(
+            step[1][name], grad, rtol=1e-5, atol=1e-7, msg=lambda text, name=name: f"{name}: {text}"
+        )
+
+
+def test_keeping_attention_gives_the_loss_and_gradients_of_plain_and_of_no_checkpointing():
+    reference = loss_grads_and_backward_kernels(placed_model(NO_CHECKPOINTING)[0])
+    assert_same_step(loss_grads_and_backward_kernels(placed_model(CHECKPOINTING)[0]), reference)
+    assert_same_step(loss_grads_and_backward_kernels(placed_model(KEEP_ATTENTION)[0]), reference)
+
+
+def test_plain_checkpointing_reruns_attention_in_backward_and_keep_attention_does_not():
+    model, _ = placed_model(KEEP_ATTENTION)
+    batch = {"input_ids": torch.zeros(1, 16, dtype=torch.long)}
+    with AttentionKernelCounter() as forward:  # the counter sees the kernel this CPU runs
+        model(batch)
+    assert forward.calls == N_LAYERS
+    assert loss_grads_and_backward_kernels(placed_model(CHECKPOINTING)[0])[2] == N_LAYERS
+    assert loss_grads_and_backward_kernels(placed_model(KEEP_ATTENTION)[0])[2] == 0
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_compiled_blocks_keep_attention_inside_the_compiled_graph(backend):
+    """Regional compile runs at INIT, before checkpointing wraps the blocks; the wrapper is what gets compiled."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    reference = loss_grads_and_backward_kernels(placed_model(NO_CHECKPOINTING)[0])
+    plain, compiler = placed_model(CHECKPOINTING, backend)
+    assert loss_grads_and_backward_kernels(plain, ProfiledAttentionKernels)[2] == N_LAYERS
+    model, compiler = placed_model(KEEP_ATTENTION, backend)
+    step = loss_grads_and_backward_kernels(model, ProfiledAttentionKernels)
+    assert step[2] == 0
+    assert_same_step(step, reference)
+    assert compiler.compiled.error is None  # compiled, not fallen back to eager
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 2  # one graph each run, not skipped
+
+
+def test_keep_attention_without_checkpointing_names_both_keys():
+    with pytest.raises(
+        ConfigError, match="activation_checkpointing_keep_attention is true but .*activation_checkpointing is false"
+    ):
+        parse_dataclass(FSDPConfig, {"activation_checkpointing_keep_attention": True}, "fsdp_config")
+
+
+def test_keep_attention_with_reentrant_checkpointing_names_both_keys():
+    section = {**KEEP_ATTENTION, "activation_checkpointing_reentrant": True}
+    with pytest.raises(
+        ConfigError, match="keep_attention needs .*non-reentrant.*activation_checkpointing_reentrant is true"
+    ):
+        parse_dataclass(FSDPConfig, section, "fsdp_config")
+    with pytest.raises(ConfigError, match="keep_attention: true and reentrant: true"):
+        ActivationCheckpointing(reentrant=True, keep_attention=True)
