@@ -6,8 +6,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from distributed.jobs import build_trainer, summary
 from foundry.algorithms import ActivationCheckpointing
 from foundry.algorithms.torch_compile import TorchCompile
+from foundry.distributed import context_parallel
 from foundry.distributed.activation_checkpoint import attention_kernel_ops
 from foundry.distributed.config import FSDPConfig
 from foundry.distributed.fsdp import parallelize
@@ -130,3 +132,40 @@ def test_keep_attention_with_reentrant_checkpointing_names_both_keys():
         parse_dataclass(FSDPConfig, section, "fsdp_config")
     with pytest.raises(ConfigError, match="keep_attention: true and reentrant: true"):
         ActivationCheckpointing(reentrant=True, keep_attention=True)
+
+
+def dense_causal_lower_right(query_len: int, key_len: int) -> torch.Tensor:
+    """The end-aligned causal mask as a plain bool tensor: torch's ``CausalBias`` (a tensor subclass) cannot be
+    created under a dispatch mode (selective checkpointing's, or a counter's). Only CP's CPU path builds one."""
+    return torch.ones(query_len, key_len, dtype=torch.bool).tril(key_len - query_len)
+
+
+def train_counting_attention_kernels(folder: str, fsdp_config: dict) -> dict | None:
+    """Two CP2 steps of the tiny Llama; rank 0 returns the summary and the attention kernels this rank ran."""
+    trainer = build_trainer(2, folder, {"sharding_strategy": "FULL_SHARD", **fsdp_config}, model_keys=LLAMA,
+                            parallelism={"context_parallel_degree": 2})  # fmt: skip
+    with AttentionKernelCounter() as counter:
+        trainer.fit()
+    result = summary(trainer)
+    return None if result is None else {**result, "kernels": counter.calls}
+
+
+def train_plain_and_keeping_attention(folder: str) -> tuple[dict, dict] | None:
+    causal_lower_right = context_parallel.causal_lower_right
+    context_parallel.causal_lower_right = dense_causal_lower_right
+    try:
+        plain = train_counting_attention_kernels(f"{folder}/plain", CHECKPOINTING)
+        kept = train_counting_attention_kernels(f"{folder}/kept", KEEP_ATTENTION)
+    finally:
+        context_parallel.causal_lower_right = causal_lower_right
+    return None if plain is None else (plain, kept)
+
+
+def test_context_parallel_keeps_attention_with_the_same_losses_and_weights(ranks, tmp_path):
+    """Under CP each layer runs two kernels (the rank's head and tail chunks); keep_attention runs them once."""
+    plain, kept = ranks.run(2, train_plain_and_keeping_attention, str(tmp_path))[0]
+    forward_kernels = 2 * N_LAYERS * 2  # two chunks per layer, two steps
+    assert (plain["kernels"], kept["kernels"]) == (2 * forward_kernels, forward_kernels)
+    assert kept["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+    for name, weight in plain["weights"].items():
+        torch.testing.assert_close(kept["weights"][name], weight, rtol=1e-5, atol=1e-7, msg=name)
