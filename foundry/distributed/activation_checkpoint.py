@@ -20,8 +20,8 @@ log-sum-exp per checkpointed module.
 
 Selective checkpointing and regional compile (``algorithms.torch_compile``, which compiles each block's
 forward in place at INIT, before this wrapper exists): the policy is a dispatch mode, and a dispatch mode
-around compiled code sees the whole compiled region as one op (torch 2.14: ``inductor_compiled_code``; older
-torch skips compiling under the mode), so it cannot keep the attention inside and backward recomputes it.
+around compiled code does not see the ops inside it (torch 2.14 hands it the whole compiled region as one
+``inductor_compiled_code`` op), so it cannot keep the attention there and backward recomputes it (tested).
 The policy has to be traced into the graph instead, where AOTAutograd's partitioner honours it. So when
 the module was compiled by ``algorithms.torch_compile``, its forward goes back to eager and the checkpoint
 wrapper's forward is compiled in its place, the same way (same options, same fall-back-to-eager group):

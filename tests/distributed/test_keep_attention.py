@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -9,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from distributed.jobs import build_trainer, summary
 from foundry.algorithms import ActivationCheckpointing
 from foundry.algorithms.torch_compile import TorchCompile
+from foundry.core.event import Event
 from foundry.distributed import context_parallel
 from foundry.distributed.activation_checkpoint import attention_kernel_ops
 from foundry.distributed.config import FSDPConfig
@@ -41,15 +44,19 @@ class AttentionKernelCounter(TorchDispatchMode):
 
 
 def placed_model(
-    fsdp_config: dict, compile_backend: str | None = None, device: str = "cpu", model_keys: dict = LLAMA
+    fsdp_config: dict,
+    compile_backend: str | None = None,
+    device: str = "cpu",
+    model_keys: dict = LLAMA,
+    compile_scope: str = "blocks",
 ) -> tuple[torch.nn.Module, TorchCompile | None]:
     """The tiny Llama (same seed each time), compiled at INIT as the Trainer does, then placed on one rank."""
     torch.manual_seed(0)
     model = build_model(model_keys)
     compiler = None
     if compile_backend is not None:
-        compiler = TorchCompile(backend=compile_backend)
-        compiler._compile_blocks(model)
+        compiler = TorchCompile(backend=compile_backend, scope=compile_scope)
+        compiler.apply(Event.INIT, SimpleNamespace(model=model), logger=None)
     precision = "amp_bf16" if device == "cuda" else "fp32"
     parallelize(model, FSDPConfig(mixed_precision="PURE", **fsdp_config), torch.device(device), precision)
     return model, compiler
@@ -108,15 +115,19 @@ def test_plain_checkpointing_reruns_attention_in_backward_and_keep_attention_doe
     assert loss_grads_and_backward_kernels(placed_model(KEEP_ATTENTION)[0])[2] == 0
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_compiled_blocks_keep_attention_inside_the_compiled_graph(backend):
-    """Regional compile runs at INIT, before checkpointing wraps the blocks; the wrapper is what gets compiled."""
+@pytest.mark.parametrize(
+    ("backend", "scope"),
+    [("aot_eager", "blocks"), ("aot_eager", "model"), pytest.param("inductor", "blocks", marks=pytest.mark.slow)],
+)
+def test_compiled_blocks_keep_attention_inside_the_compiled_graph(backend, scope):
+    """Regional compile runs at INIT, before checkpointing wraps the blocks; the wrapper is what gets compiled.
+    A whole-model graph (scope: model) traces the wrappers as they are."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     reference = loss_grads_and_backward_kernels(placed_model(NO_CHECKPOINTING)[0])
-    plain, compiler = placed_model(CHECKPOINTING, backend)
+    plain, compiler = placed_model(CHECKPOINTING, backend, compile_scope=scope)
     assert loss_grads_and_backward_kernels(plain, ProfiledAttentionKernels)[2] == N_LAYERS
-    model, compiler = placed_model(KEEP_ATTENTION, backend)
+    model, compiler = placed_model(KEEP_ATTENTION, backend, compile_scope=scope)
     step = loss_grads_and_backward_kernels(model, ProfiledAttentionKernels)
     assert step[2] == 0
     assert_same_step(step, reference)
