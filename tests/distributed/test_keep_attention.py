@@ -204,3 +204,24 @@ def test_on_a_gpu_backward_runs_no_fused_attention_kernel_and_matches_plain_chec
     assert (plain[2], kept[2]) == (N_LAYERS, 0)
     assert_same_step(kept, plain, rtol=2e-2, atol=1e-3)  # bf16: compiled graphs may fuse differently
     assert compiler is None or compiler.compiled.error is None
+
+
+def train_sharded_compiled(folder: str) -> tuple[dict, dict] | None:
+    """FSDP2 over 2 ranks with regional compile (aot_eager): plain checkpointing, then keep_attention."""
+    runs = []
+    for name, fsdp_config in (("plain", CHECKPOINTING), ("kept", KEEP_ATTENTION)):
+        torch._dynamo.reset()
+        trainer = build_trainer(2, f"{folder}/{name}", {"sharding_strategy": "FULL_SHARD", **fsdp_config},
+                                model_keys=LLAMA, compile_config={"backend": "aot_eager"})  # fmt: skip
+        trainer.fit()
+        runs.append(summary(trainer))
+    return None if runs[0] is None else tuple(runs)
+
+
+@pytest.mark.slow
+def test_sharded_compiled_blocks_keep_attention_and_train_like_plain_checkpointing(ranks, tmp_path):
+    """FSDP2 shards the compiled checkpoint wrappers (the kernel counts are the one-rank tests')."""
+    plain, kept = ranks.run(2, train_sharded_compiled, str(tmp_path))[0]
+    assert kept["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+    for name, weight in plain["weights"].items():
+        torch.testing.assert_close(kept["weights"][name], weight, rtol=1e-5, atol=1e-7, msg=name)
