@@ -14,6 +14,10 @@ moments, schedule, gradient clipping, FSDP2 and activation checkpointing, compil
 Rows (``--rows`` picks; each is skipped when the time left in ``--budget-s`` is below its estimate):
 
 - ``llama8b-64k-cp2``: ``yamls/pretrain/llama-8b-64k.yaml`` as shipped: 65,536 tokens, CP2.
+- ``llama8b-64k-cp2-keep-attention``: the same with ``fsdp_config.activation_checkpointing_keep_attention``
+  (backward recomputes each block but its attention kernel; about 8 GiB more a GPU, docs/DISTRIBUTED.md).
+- ``llama8b-128k-cp2``: the same YAML at 131,072 tokens, CP2 (by the memory arithmetic near an 80 GB card's
+  limit: its peak, or the out-of-memory error, is the measurement).
 - ``llama8b-16k``, ``llama8b-16k-repeat`` and ``llama8b-16k-cp2``: the same model at 16,384 tokens on the same
   real-text batches for ``--loss-steps`` steps: FSDP only, FSDP only again (same seed: the run-to-run spread of
   bf16 training) and CP2. ``llama8b-16k-reduce-fp32`` is FSDP only with gradients reduced in fp32 instead of
@@ -22,6 +26,8 @@ Rows (``--rows`` picks; each is skipped when the time left in ``--budget-s`` is 
   their differences (``--replot JSON`` draws them from a saved JSON where the GPU machine lacks matplotlib).
 - ``mpt1b-8k`` ... ``mpt1b-128k-cp2``: ``yamls/pretrain/mpt-1b.yaml`` (learned positions, no ALiBi) from 8k to
   128k tokens, activation checkpointing from 32k.
+
+``OPT_IN_ROWS`` (keep-attention, 128k, fp32 reduction) run only when ``--rows`` names them.
 
 Text: the corpus files (``--corpus``, default ../shared/data/corpus) tokenized with ``--tokenizer`` (default
 the shared gpt-neox-20b); random tokens when neither is there (the JSON says which). MFU is the speed
@@ -64,6 +70,9 @@ MPT_1B = "yamls/pretrain/mpt-1b.yaml"
 # the loss rows' steps and seconds follow --loss-steps (LOSS_ROWS)
 ROWS: dict[str, tuple[str, int, int, int, int, int]] = {
     "llama8b-64k-cp2": (LLAMA_8B_64K, 65536, 2, 4, 1, 150),
+    "llama8b-64k-cp2-keep-attention": (LLAMA_8B_64K, 65536, 2, 4, 1, 150),
+    # 64k: 24 s a batch, about half of it attention; at 128k attention quadruples and the rest doubles (~72 s)
+    "llama8b-128k-cp2": (LLAMA_8B_64K, 131072, 2, 3, 1, 300),
     "llama8b-16k": (LLAMA_8B_64K, 16384, 1, 20, 2, 110),
     "llama8b-16k-repeat": (LLAMA_8B_64K, 16384, 1, 20, 2, 110),
     "llama8b-16k-cp2": (LLAMA_8B_64K, 16384, 2, 20, 2, 110),
@@ -73,13 +82,20 @@ ROWS: dict[str, tuple[str, int, int, int, int, int]] = {
     "mpt1b-64k-cp2": (MPT_1B, 65536, 2, 4, 2, 45),
     "mpt1b-128k-cp2": (MPT_1B, 131072, 2, 4, 2, 70),
 }
-# the 16k loss rows: seconds a step on 2 H100s (2026-11-26 JSON) and their overrides beyond the degree
-LOSS_ROWS: dict[str, tuple[float, list[str]]] = {
-    "llama8b-16k": (2.45, []),
-    "llama8b-16k-repeat": (2.45, []),
-    "llama8b-16k-cp2": (3.18, []),
-    "llama8b-16k-reduce-fp32": (2.45, ["fsdp_config.mixed_precision=DEFAULT"]),
+# the 16k loss rows: seconds a step on 2 H100s (2026-11-26 JSON)
+LOSS_ROWS: dict[str, float] = {
+    "llama8b-16k": 2.45,
+    "llama8b-16k-repeat": 2.45,
+    "llama8b-16k-cp2": 3.18,
+    "llama8b-16k-reduce-fp32": 2.45,
 }
+# a row's overrides of its YAML beyond the length and the degree
+ROW_OVERRIDES: dict[str, list[str]] = {
+    "llama8b-64k-cp2-keep-attention": ["fsdp_config.activation_checkpointing_keep_attention=true"],
+    "llama8b-16k-reduce-fp32": ["fsdp_config.mixed_precision=DEFAULT"],
+}
+# opt-in rows (--rows names them): not part of a default call's budget
+OPT_IN_ROWS = ("llama8b-64k-cp2-keep-attention", "llama8b-128k-cp2", "llama8b-16k-reduce-fp32")
 LOSS_REFERENCE = "llama8b-16k"
 ROW_SETUP_S = 25  # building the 8B model on the GPUs, FSDP, the first batch
 
@@ -136,14 +152,14 @@ def rank_batches(stream: torch.Tensor, seq_len: int, steps: int) -> list[dict[st
 def steps_and_estimate_s(name: str, args: argparse.Namespace) -> tuple[int, float]:
     """How many steps row ``name`` trains and about how many seconds it takes on 2 H100s."""
     if name in LOSS_ROWS:
-        return args.loss_steps, ROW_SETUP_S + args.loss_steps * LOSS_ROWS[name][0]
+        return args.loss_steps, ROW_SETUP_S + args.loss_steps * LOSS_ROWS[name]
     return ROWS[name][3], ROWS[name][5]
 
 
 def run_row(name: str, args: argparse.Namespace, stream_cache: dict) -> dict[str, Any]:
     yaml_path, seq_len, cp, _, warmup, _ = ROWS[name]
     steps, _ = steps_and_estimate_s(name, args)
-    overrides = [f"parallelism.context_parallel_degree={cp}", *LOSS_ROWS.get(name, (0, []))[1]]
+    overrides = [f"parallelism.context_parallel_degree={cp}", *ROW_OVERRIDES.get(name, [])]
     if yaml_path == MPT_1B:
         overrides.append(f"fsdp_config.activation_checkpointing={str(seq_len >= 32768).lower()}")
     trainer_overrides: dict[str, Any] = {}
@@ -175,6 +191,7 @@ def run_row(name: str, args: argparse.Namespace, stream_cache: dict) -> dict[str
         "seq_len": seq_len,
         "context_parallel_degree": cp,
         "activation_checkpointing": cfg.fsdp_config.activation_checkpointing,
+        "keep_attention": cfg.fsdp_config.activation_checkpointing_keep_attention,
         "optimizer_moments": cfg.optimizer.get("moments_dtype", "float32"),
         "tokens_per_s_per_gpu": round(seq_len / seconds_per_batch, 1),
         "mfu": round(flops_per_gpu / seconds_per_batch / peak, 4) if peak else None,
@@ -262,7 +279,7 @@ def plot_losses(rows: list[dict[str, Any]], path: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    default_rows = [name for name in ROWS if name != "llama8b-16k-reduce-fp32"]
+    default_rows = [name for name in ROWS if name not in OPT_IN_ROWS]
     parser.add_argument("--rows", nargs="*", default=default_rows, choices=list(ROWS))
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--budget-s", type=float, default=500.0, help="rows that would not fit are skipped")

@@ -27,6 +27,7 @@ from foundry.deprecation import warn_deprecated
 from foundry.distributed.activation_checkpoint import apply_activation_checkpointing
 from foundry.distributed.config import FSDP_DEFAULTS
 from foundry.distributed.fsdp import fsdp_blocks
+from foundry.errors import ConfigError
 
 
 @registry.algorithms.register("activation_checkpointing")
@@ -39,19 +40,34 @@ class ActivationCheckpointing(Algorithm):
             ``first-n`` / ``last-n`` / ``middle-n`` / ``range-i-j``.
         reentrant: torch's reentrant checkpoint (default: the non-reentrant one, as
             ``fsdp_config.activation_checkpointing_reentrant``'s).
+        keep_attention: keep the attention kernels' outputs, as
+            ``fsdp_config.activation_checkpointing_keep_attention`` (non-reentrant only).
     """
 
-    def __init__(self, target: Any = None, reentrant: bool = FSDP_DEFAULTS.activation_checkpointing_reentrant) -> None:
+    def __init__(
+        self,
+        target: Any = None,
+        reentrant: bool = FSDP_DEFAULTS.activation_checkpointing_reentrant,
+        keep_attention: bool = FSDP_DEFAULTS.activation_checkpointing_keep_attention,
+    ) -> None:
         warn_deprecated(
             "algorithms.activation_checkpointing",
             "set fsdp_config.activation_checkpointing: true (it applies on one GPU too) and "
             "model.activation_checkpointing_target to choose the modules.",
         )
+        if keep_attention and reentrant:
+            raise ConfigError(
+                "algorithms.activation_checkpointing has keep_attention: true and reentrant: true, but keeping the "
+                "attention outputs needs torch's non-reentrant checkpoint. Set reentrant: false (the default)."
+            )
         self.target = target
         self.reentrant = reentrant
+        self.keep_attention = keep_attention
 
     def match(self, event: Event, state: State) -> bool:
         return event == Event.INIT
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
-        apply_activation_checkpointing(state.model, fsdp_blocks(state.model), self.target, self.reentrant)
+        apply_activation_checkpointing(
+            state.model, fsdp_blocks(state.model), self.target, self.reentrant, self.keep_attention
+        )

@@ -6,7 +6,8 @@ happens at INIT, before FSDP2 shards the model, and compiles each block's ``forw
 the block keeps its parameter names (checkpoints are unchanged) and FSDP2's all-gather hooks, which
 run around ``forward`` in ``Module.__call__``, stay outside the compiled graph, as torchtitan gets by
 sharding the compiled block. Activation checkpointing wrapped around a block later recomputes
-the compiled forward.
+the compiled forward; selective checkpointing (``activation_checkpointing_keep_attention``) compiles
+its wrapper instead (``foundry.distributed.activation_checkpoint``).
 
 ``scope: model`` compiles the model's whole training forward as one graph instead: fusions across
 block boundaries (one block's residual add with the next block's norm) at the price of compiling
@@ -176,10 +177,14 @@ def compile_forward(
         training_only: compile only forwards in training mode; eval forwards run eagerly.
     """
     eager = module.forward
-    wrapped = (compiled or CompiledForwards()).wrap(eager, compile_kwargs)
+    group = compiled or CompiledForwards()
+    wrapped = group.wrap(eager, compile_kwargs)
     module.foundry_compiled = True  # read by is_compiled
     if not training_only:
         module.forward = wrapped
+        # How to compile a wrapper around this module instead (selective activation checkpointing).
+        module.foundry_eager_forward = eager
+        module.foundry_compile = functools.partial(group.wrap, compile_kwargs=compile_kwargs)
         return
 
     @functools.wraps(eager)

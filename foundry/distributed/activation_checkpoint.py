@@ -10,13 +10,31 @@ Which modules, as LLM Foundry's ``model.activation_checkpointing_target`` says:
   j not), alone, in a list, or comma-separated.
 
 A block whose own class is named is checkpointed whole, and the other names are ignored for it.
+
+``keep_attention`` (``fsdp_config.activation_checkpointing_keep_attention``) makes the checkpoint selective
+(torch's ``create_selective_checkpoint_contexts``, torchtitan's "op" SAC narrowed to attention): the outputs
+of the attention kernels (``attention_kernel_ops``) are kept from the forward, everything else is recomputed.
+Backward then reruns the projections, norms and MLP but not attention, which is about half of a step's
+FLOPs at 64k tokens; the cost is the attention output (tokens x d_model x 2 bytes in bf16) and the kernel's
+log-sum-exp per checkpointed module.
+
+Selective checkpointing and regional compile (``algorithms.torch_compile``, which compiles each block's
+forward in place at INIT, before this wrapper exists): the policy is a dispatch mode, and a dispatch mode
+around compiled code does not see the ops inside it (torch 2.14 hands it the whole compiled region as one
+``inductor_compiled_code`` op), so it cannot keep the attention there and backward recomputes it (tested).
+The policy has to be traced into the graph instead, where AOTAutograd's partitioner honours it. So when
+the module was compiled by ``algorithms.torch_compile``, its forward goes back to eager and the checkpoint
+wrapper's forward is compiled in its place, the same way (same options, same fall-back-to-eager group):
+the compiled region then holds the checkpoint, as in torchtitan, which compiles checkpointed blocks.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -24,6 +42,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
     offload_wrapper,
 )
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from foundry.errors import ConfigError
 
@@ -38,10 +57,37 @@ _ALIASES = {
 }
 
 
+# The attention kernels foundry's layers dispatch (foundry.models.attention, distributed.context_parallel):
+# SDPA's fused backends, its CPU flash kernel, other accelerators' fused SDPA, and FlashAttention-4 (a custom
+# op that exists once foundry.models is imported). Looked up by name: an op this torch lacks is skipped.
+_ATTENTION_OPS = (
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_fused_attention_overrideable",
+    "foundry.flash_attention4_forward",
+)
+
+
+def attention_kernel_ops() -> list[Any]:
+    """The ops whose outputs ``keep_attention`` keeps: the kernels above and FlexAttention's operator."""
+    ops: list[Any] = [torch._higher_order_ops.flex_attention]
+    for name in _ATTENTION_OPS:
+        namespace, _, op_name = name.partition(".")
+        packet = getattr(getattr(torch.ops, namespace), op_name, None)
+        if packet is not None:
+            ops.append(packet.default)
+    return ops
+
+
 def apply_activation_checkpointing(
-    model: nn.Module, blocks: Sequence[nn.Module], target: Any, reentrant: bool
+    model: nn.Module, blocks: Sequence[nn.Module], target: Any, reentrant: bool, keep_attention: bool = False
 ) -> list[nn.Module]:
-    """Wrap the targeted modules of ``blocks`` in place; returns the blocks as they now are (some wrapped)."""
+    """Wrap the targeted modules of ``blocks`` in place; returns the blocks as they now are (some wrapped).
+
+    ``keep_attention``: keep the attention kernels' outputs (non-reentrant only; the config refuses reentrant).
+    """
     if any(isinstance(module, CheckpointWrapper) for module in model.modules()):
         raise ConfigError(
             "Activation checkpointing is already applied to this model: algorithms.activation_checkpointing and "
@@ -51,8 +97,27 @@ def apply_activation_checkpointing(
     plan = checkpoint_plan(blocks, target)
     for block_modules in plan:
         for module in block_modules:
-            replace_module(model, module, checkpoint_wrapper(module, checkpoint_impl=impl))
+            wrapper = (
+                keep_attention_wrapper(module) if keep_attention else checkpoint_wrapper(module, checkpoint_impl=impl)
+            )
+            replace_module(model, module, wrapper)
     return [checkpoint_wrapper_of(model, block) for block in blocks]
+
+
+def keep_attention_wrapper(module: nn.Module) -> nn.Module:
+    """``module`` under a non-reentrant checkpoint that keeps the attention kernels' outputs.
+
+    A module compiled by ``algorithms.torch_compile`` (which leaves ``foundry_compile``, the way it compiles,
+    and ``foundry_eager_forward`` on it) runs eagerly inside the wrapper, and the wrapper's forward is compiled
+    instead, so the policy is traced into the graph (module docstring).
+    """
+    context_fn = functools.partial(create_selective_checkpoint_contexts, attention_kernel_ops())
+    wrapper = checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=context_fn)
+    compile_forward = getattr(module, "foundry_compile", None)
+    if compile_forward is not None:
+        module.forward = module.foundry_eager_forward
+        wrapper.forward = compile_forward(wrapper.forward)
+    return wrapper
 
 
 def apply_activation_offload(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:

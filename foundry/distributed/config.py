@@ -28,6 +28,13 @@ class FSDPConfig:
     activation_checkpointing_reentrant: bool = field(
         default=False, metadata=doc("torch's reentrant checkpoint (default: the non-reentrant one torch recommends)")
     )
+    activation_checkpointing_keep_attention: bool = field(
+        default=False,
+        metadata=doc(
+            "with activation_checkpointing: keep each attention kernel's output (and log-sum-exp) from the forward, "
+            "so backward recomputes everything but attention (long context; costs tokens x d_model x 2 bytes a layer)"
+        ),
+    )
     activation_cpu_offload: bool = field(
         default=False, metadata=doc("offload saved activations to the CPU (CUDA only)")
     )
@@ -66,6 +73,22 @@ class FSDPConfig:
     )
     verbose: bool = field(default=False, metadata=doc("log how modules are wrapped"))
     cpu_offload: bool = field(default=False, metadata=doc("keep shards and the optimizer step on the CPU (CUDA only)"))
+
+    def __post_init__(self) -> None:
+        if not self.activation_checkpointing_keep_attention:
+            return
+        if not self.activation_checkpointing:
+            raise ConfigError(
+                "fsdp_config.activation_checkpointing_keep_attention is true but fsdp_config.activation_checkpointing "
+                "is false: keeping the attention outputs is a choice within checkpointing (without checkpointing every "
+                "activation is kept anyway). Set activation_checkpointing: true, or drop the keep_attention key."
+            )
+        if self.activation_checkpointing_reentrant:
+            raise ConfigError(
+                "fsdp_config.activation_checkpointing_keep_attention needs torch's non-reentrant checkpoint (selective "
+                "checkpointing runs through it), but fsdp_config.activation_checkpointing_reentrant is true. Set "
+                "activation_checkpointing_reentrant: false (the default), or keep_attention: false."
+            )
 
 
 FSDP_DEFAULTS = field_defaults(FSDPConfig)

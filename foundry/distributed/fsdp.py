@@ -181,7 +181,10 @@ def _wrap_blocks(model: nn.Module, config: FSDPConfig, device: torch.device) -> 
     blocks = fsdp_blocks(model)
     if config.activation_checkpointing:
         target = getattr(getattr(model, "config", None), "activation_checkpointing_target", None)
-        blocks = apply_activation_checkpointing(model, blocks, target, config.activation_checkpointing_reentrant)
+        blocks = apply_activation_checkpointing(
+            model, blocks, target, config.activation_checkpointing_reentrant,
+            keep_attention=config.activation_checkpointing_keep_attention,
+        )  # fmt: skip
     if config.activation_cpu_offload and device.type == "cuda":  # on a CPU run activations are in host memory
         blocks = apply_activation_offload(model, blocks)
     return blocks
