@@ -39,7 +39,6 @@ import torch.distributed._functional_collectives as functional
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.attention.bias import causal_lower_right
 
 from foundry.errors import ConfigError
 from foundry.targets import SHIFTED_LABELS_KEY, shifted_targets
@@ -244,7 +243,8 @@ def _sdpa_prefix_attention(
         # op (as torch's CausalBias does) so that torch.compile traces it: CausalBias breaks the graph.
         out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, True, scale=scale)[0]
         return out.transpose(1, 2)
-    mask = causal_lower_right(q.shape[2], key_len)
+    # A plain bool mask, not torch's CausalBias: a tensor subclass cannot be made under selective checkpointing.
+    mask = torch.ones(q.shape[2], key_len, dtype=torch.bool, device=q.device).tril(key_len - q.shape[2])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale).transpose(1, 2)
 
 

@@ -12,7 +12,6 @@ from distributed.jobs import build_trainer, summary
 from foundry.algorithms import ActivationCheckpointing
 from foundry.algorithms.torch_compile import TorchCompile
 from foundry.core.event import Event
-from foundry.distributed import context_parallel
 from foundry.distributed.activation_checkpoint import attention_kernel_ops
 from foundry.distributed.config import FSDPConfig
 from foundry.distributed.fsdp import parallelize
@@ -152,12 +151,6 @@ def test_keep_attention_with_reentrant_checkpointing_names_both_keys():
         ActivationCheckpointing(reentrant=True, keep_attention=True)
 
 
-def dense_causal_lower_right(query_len: int, key_len: int) -> torch.Tensor:
-    """The end-aligned causal mask as a plain bool tensor: torch's ``CausalBias`` (a tensor subclass) cannot be
-    created under a dispatch mode (selective checkpointing's, or a counter's). Only CP's CPU path builds one."""
-    return torch.ones(query_len, key_len, dtype=torch.bool).tril(key_len - query_len)
-
-
 def train_counting_attention_kernels(folder: str, fsdp_config: dict) -> dict | None:
     """Two CP2 steps of the tiny Llama; rank 0 returns the summary and the attention kernels this rank ran."""
     trainer = build_trainer(2, folder, {"sharding_strategy": "FULL_SHARD", **fsdp_config}, model_keys=LLAMA,
@@ -169,13 +162,8 @@ def train_counting_attention_kernels(folder: str, fsdp_config: dict) -> dict | N
 
 
 def train_plain_and_keeping_attention(folder: str) -> tuple[dict, dict] | None:
-    causal_lower_right = context_parallel.causal_lower_right
-    context_parallel.causal_lower_right = dense_causal_lower_right
-    try:
-        plain = train_counting_attention_kernels(f"{folder}/plain", CHECKPOINTING)
-        kept = train_counting_attention_kernels(f"{folder}/kept", KEEP_ATTENTION)
-    finally:
-        context_parallel.causal_lower_right = causal_lower_right
+    plain = train_counting_attention_kernels(f"{folder}/plain", CHECKPOINTING)
+    kept = train_counting_attention_kernels(f"{folder}/kept", KEEP_ATTENTION)
     return None if plain is None else (plain, kept)
 
 
