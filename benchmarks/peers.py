@@ -6,21 +6,24 @@ Here, once (writes the token stream and LLM Foundry's YAMLs into DATA, and the p
         --tokenizer TOKENIZERS/gpt-neox-20b --llm-foundry-yamls REFERENCE/llm-foundry-yamls/pretrain --out data/peers
     python benchmarks/peers.py wheels --out .whl
 
-On the GPU machine (one GPU: five rows; ``--two-gpu``: the 8B pair on two GPUs):
+On the GPU machine (one GPU: five rows; ``--two-gpu``: the 8B pair on two GPUs; ``--long-context``: the 8B
+rows at 65,536 tokens with context parallelism on two GPUs, global batch 2, 1 warm-up + 2 timed steps):
 
-    python benchmarks/peers.py run --data data/peers --wheels .whl --out $OUT [--rows ...] [--two-gpu]
+    python benchmarks/peers.py run --data data/peers --wheels .whl --out $OUT [--rows ...] [--two-gpu | --long-context]
 
 Each peer is installed from the carried wheels into its own target (``/tmp/site-<peer>``, first on its
 PYTHONPATH) and runs through its own entry point with its own fast settings (peers_rows.py has the table),
-every row on the same tokens, sequence length 2048 and global batch (``--global-batch``, default 16
-sequences), for ``--warmup`` + ``--steps`` optimizer steps. A row that cannot be set up or fails keeps its
-exact error and the script goes on. ``--smoke`` runs the same entry points on tiny models on the CPU.
+every row on the same tokens, at its sequence length (2048; 65,536 for the long-context rows) and the same
+global batch (``--global-batch``, default 16 sequences; 2 with ``--long-context``), for ``--warmup`` +
+``--steps`` optimizer steps. A row that cannot be set up or fails keeps its exact error and the script goes on.
+``--smoke`` runs the same entry points on tiny models on the CPU.
 
 One measurement for every row, from outside the framework: each framework prints a line per optimizer step;
-this script stamps the time each line arrives. tokens/s per GPU = global batch x 2048 x timed steps / (time of
-the last step's line - time of the last warm-up step's line) / GPUs. MFU = tokens/s per GPU x FLOPs per token
-by LLM Foundry's formula (3 x (2 x active parameters + 4 x layers x d_model x 2048), foundry.models.flops; the
-shape's, so every framework is charged the same FLOPs) / ``--peak-tflops``. Peak memory is the largest
+this script stamps the time each line arrives. tokens/s per GPU = global batch x seq_len x timed steps / (time
+of the last step's line - time of the last warm-up step's line) / GPUs. MFU = tokens/s per GPU x FLOPs per token
+by LLM Foundry's formula (3 x (2 x active parameters + 4 x layers x d_model x seq_len): attention over the full
+seq_len² square, no causal discount, as foundry's speed monitor counts it; foundry.models.flops; the shape's,
+so every framework is charged the same FLOPs) / ``--peak-tflops``. Peak memory is the largest
 ``nvidia-smi`` memory.used of any GPU while the row ran (CUDA context and allocator cache included). Time to
 first batch is from the process start to the first step's line (imports, setup, data, compile). What each
 framework reports itself is kept beside these (``own``).
@@ -40,9 +43,12 @@ from pathlib import Path
 from typing import Any
 
 from bench_utils import environment, markdown_table
+from peers_data import write_long_samples
 from peers_rows import (
+    LONG_CONTEXT_ROWS,
     ONE_GPU_ROWS,
     ROWS,
+    SEQ_LEN,
     TWO_GPU_ROWS,
     Row,
     Settings,
@@ -55,6 +61,10 @@ from peers_rows import versions as package_versions
 
 H100_BF16_PEAK_TFLOPS = 989.5
 LOG_TAIL_LINES = 60
+# What --long-context runs unless told otherwise: a step of two 65,536-token sequences takes ~20 s on two H100s.
+DEFAULTS = {"global_batch": 16, "warmup": 3, "steps": 20}
+LONG_CONTEXT_DEFAULTS = {"global_batch": 2, "warmup": 1, "steps": 2}
+ROW_TIMEOUT_S = 240  # where neither --row-timeout nor the row names one
 LLM_FOUNDRY_WITHOUT_FLASH = (
     "attn_impl: torch, loss_fn: torch_crossentropy (flash-attn, its YAML's FA2 and fused loss, is not installed)"
 )
@@ -62,7 +72,7 @@ LLM_FOUNDRY_WITHOUT_FLASH = (
 
 def run_row(row: Row, settings: Settings, wheels: Path, sites: dict[str, Path], warmup: int, timeout_s: int) -> dict:
     """Set the row's peer up, run it, and measure it; any failure becomes the row's ``error``."""
-    result: dict[str, Any] = {"row": row.name, "framework": row.framework, "gpus": row.gpus,
+    result: dict[str, Any] = {"row": row.name, "framework": row.framework, "gpus": row.gpus, "seq_len": row.seq_len,
                               "microbatch": row.microbatch, "global_batch": settings.global_batch}  # fmt: skip
     site = None
     if row.peer:
@@ -146,11 +156,11 @@ def measure(row: Row, settings: Settings, warmup: int, watched: dict) -> dict:
     if warmup not in steps or last <= warmup:
         return {**out, "error": f"no timed steps: step lines seen {sorted(steps)[:5]}..., warm-up {warmup}"}
     timed_s = steps[last] - steps[warmup]
-    tokens_per_s = settings.global_batch * 2048 * (last - warmup) / timed_s / row.gpus
+    tokens_per_s = settings.global_batch * row.seq_len * (last - warmup) / timed_s / row.gpus
     out.update(timed_steps=last - warmup, step_s=round(timed_s / (last - warmup), 4))
     if settings.smoke:  # tiny models on shorter samples: the plumbing, not a speed
         return out
-    flops_per_token = row.shape.flops_per_token()
+    flops_per_token = row.shape.flops_per_token(row.seq_len)
     return {**out, "tokens_per_s_per_gpu": round(tokens_per_s, 1), "flops_per_token": flops_per_token,
             "mfu": tokens_per_s * flops_per_token / (settings.peak_tflops * 1e12)}  # fmt: skip
 
@@ -202,7 +212,7 @@ def table(results: list[dict]) -> str:
         )
         version = f"{package} {versions.get(package)}" + (", foundry" if result["framework"] == "foundry" else "")
         shown.append({
-            "row": result["row"], "version": version, "GPUs": result["gpus"],
+            "row": result["row"], "version": version, "GPUs": result["gpus"], "seq_len": result.get("seq_len"),
             "microbatch": result["microbatch"], "tokens/s per GPU": round(tokens_per_s) if tokens_per_s else None,
             "MFU": f"{result['mfu']:.1%}" if result.get("mfu") else None,
             "foundry / peer": result.get("foundry_vs_peer"), "peak GiB (nvidia-smi)": result.get("peak_gib_nvidia_smi"),
@@ -215,10 +225,11 @@ def table(results: list[dict]) -> str:
 def save(out: Path | None, settings: Settings, warmup: int, results: list[dict]) -> None:
     document = {
         "environment": environment(),
-        "settings": {"global_batch": settings.global_batch, "seq_len": 2048, "warmup_steps": warmup,
-                     "steps": settings.steps, "smoke": settings.smoke, "peak_tflops": settings.peak_tflops,
+        "settings": {"global_batch": settings.global_batch, "seq_len": "each row's (seq_len)",
+                     "warmup_steps": warmup, "steps": settings.steps, "smoke": settings.smoke,
+                     "peak_tflops": settings.peak_tflops,
                      "mfu_formula": "3 * (2 * active_params + 4 * n_layers * d_model * seq_len) per token "
-                                    "(LLM Foundry's; foundry.models.flops)"},
+                                    "(LLM Foundry's, attention over the full seq_len^2; foundry.models.flops)"},
         "rows": results,
     }  # fmt: skip
     text = table(results)
@@ -236,8 +247,25 @@ def llm_foundry_has_flash(wheels: Path, sites: dict[str, Path], work: Path) -> b
     return subprocess.run([sys.executable, "-c", probe], env=peer_environment("llmf", site)).returncode == 0
 
 
+def resolve_defaults(args: argparse.Namespace) -> None:
+    """Fill the options left unset with --long-context's defaults or the usual ones."""
+    for key, value in (LONG_CONTEXT_DEFAULTS if args.long_context else DEFAULTS).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def ensure_long_samples(names: list[str], settings: Settings) -> None:
+    """Build the MDS of each long row's sample length where ``prepare`` did not (from ``tokens.bin``)."""
+    for seq_len in sorted({ROWS[name].seq_len for name in names if ROWS[name].framework == "foundry"} - {SEQ_LEN}):
+        mds = settings.mds(seq_len)
+        if not (mds / "train" / "index.json").exists():
+            count = write_long_samples(settings.data / "tokens.bin", seq_len, mds)
+            print(f"wrote {count} samples of {seq_len} tokens to {mds}", flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
-    names = args.rows or (TWO_GPU_ROWS if args.two_gpu else ONE_GPU_ROWS)
+    resolve_defaults(args)
+    names = args.rows or (LONG_CONTEXT_ROWS if args.long_context else TWO_GPU_ROWS if args.two_gpu else ONE_GPU_ROWS)
     steps = args.warmup + args.steps
     settings = Settings(
         Path(args.data).resolve(), Path(args.work), args.global_batch, steps, args.smoke, peak_tflops=args.peak_tflops
@@ -252,6 +280,8 @@ def run(args: argparse.Namespace) -> int:
             settings.flash_attn_available = llm_foundry_has_flash(wheels, sites, settings.work)
         except (OSError, subprocess.CalledProcessError):
             pass  # the row reports the setup error
+    if not args.dry_run:
+        ensure_long_samples(names, settings)
     out = Path(args.out) if args.out else None
     results: list[dict] = []
     for name in names:
@@ -261,7 +291,8 @@ def run(args: argparse.Namespace) -> int:
             print(name, " ".join(argv))
             continue
         print(f"== {name}", flush=True)
-        result = run_row(row, settings, wheels, sites, args.warmup, args.row_timeout)
+        timeout_s = args.row_timeout or row.timeout_s or ROW_TIMEOUT_S
+        result = run_row(row, settings, wheels, sites, args.warmup, timeout_s)
         if row.framework == "llm-foundry" and not settings.flash_attn_available and not settings.smoke:
             result["note"] = LLM_FOUNDRY_WITHOUT_FLASH
         results.append(result)
@@ -288,15 +319,18 @@ def main() -> int:
     wheels_parser.add_argument("--out", required=True, help="the folder carried to the GPU machine (.whl)")
     run_parser = commands.add_parser("run", help="run the rows")
     run_parser.add_argument("--rows", nargs="*", choices=list(ROWS), help="default: every one-GPU row")
-    run_parser.add_argument("--two-gpu", action="store_true", help="the two-GPU rows (8B, FSDP2) instead")
+    rows_group = run_parser.add_mutually_exclusive_group()
+    rows_group.add_argument("--two-gpu", action="store_true", help="the two-GPU rows (8B, FSDP2) instead")
+    rows_group.add_argument("--long-context", action="store_true",
+                            help="the 65,536-token rows (8B, CP2, two GPUs): global batch 2, 1 + 2 steps")  # fmt: skip
     run_parser.add_argument("--data", default="data/peers", help="the folder `prepare` wrote")
     run_parser.add_argument("--wheels", default=".whl", help="the folder `wheels` wrote")
     run_parser.add_argument("--site", nargs="*", default=[], metavar="PEER=DIR", help="use an installed target")
-    run_parser.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step")
-    run_parser.add_argument("--warmup", type=int, default=3, help="optimizer steps left out of the timing")
-    run_parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps")
+    run_parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default 16)")
+    run_parser.add_argument("--warmup", type=int, help="optimizer steps left out of the timing (default 3)")
+    run_parser.add_argument("--steps", type=int, help="timed optimizer steps (default 20)")
     run_parser.add_argument("--peak-tflops", type=float, default=H100_BF16_PEAK_TFLOPS)
-    run_parser.add_argument("--row-timeout", type=int, default=240, help="seconds before a row is stopped")
+    run_parser.add_argument("--row-timeout", type=int, help="seconds before a row is stopped (default: the row's)")
     run_parser.add_argument("--work", default="/tmp/foundry-peers")
     run_parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU: checks the plumbing")
     run_parser.add_argument("--dry-run", action="store_true", help="print each row's command and stop")

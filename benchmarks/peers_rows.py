@@ -1,7 +1,8 @@
 """What each row of benchmarks/peers.py runs: the command, its environment, the shape it trains.
 
 A row is one workload run by one framework through its own entry point and its own recommended fast
-settings, on the token stream of ``peers.py prepare``, at sequence length 2048 and the same global batch:
+settings, on the token stream of ``peers.py prepare``, at its sequence length (2048, or 65,536 for the
+long-context rows) and the same global batch:
 
 - ``torchtitan-llama-1b`` / ``-8b``: ``torch.distributed.run -m torchtitan.train --job.config_file`` with a TOML
   of its llama3_8b.toml's settings: FSDP2, ``compile`` of model and loss, fused AdamW, bf16 parameters, and
@@ -16,6 +17,24 @@ settings, on the token stream of ``peers.py prepare``, at sequence length 2048 a
 - ``hf-trainer-llama-1b``: ``benchmarks/peers_hf_trainer.py``, transformers' ``Trainer`` with bf16, SDPA,
   ``torch_compile`` and fused AdamW.
 - ``foundry-*``: ``foundry train yamls/pretrain/<yaml>``, the YAML's settings.
+
+Long context (``LONG_CONTEXT_ROWS``, two GPUs, 65,536-token sequences, one sequence a microbatch):
+
+- ``foundry-llama-8b-64k``: ``foundry train yamls/pretrain/llama-8b-64k.yaml --nproc 2`` as shipped: context
+  parallelism over both GPUs (head-tail balanced), FSDP2 over both, every block checkpointed keeping attention
+  outputs, AdamW moments in bf16, on the same tokens cut into 65,536-token samples (``mds-65536``).
+- ``torchtitan-llama-8b-64k``: its 8B TOML's settings with what its context parallelism asks for:
+  ``parallelism.context_parallel_degree = 2`` (its FSDP then shards over dp_shard x cp = both GPUs), its SDPA
+  attention (the only kind its CP runs for Llama 3 without a document mask; cuDNN, then flash, kernels), its
+  ``headtail`` load balancer and ``allgather`` K/V rotation (its defaults, written out), local batch 1,
+  ``activation_checkpoint.mode = "full"`` and compile, as its published 64k row (FSDP 4 x CP 2 on 8 GPUs).
+  No float8 (foundry's row has none). On two cards this does not fit by the arithmetic: fp32 weights,
+  gradients and both AdamW moments take 16 B x 8.03B / 2 = 59.8 GiB a card before the 32,768 tokens a GPU
+  holds (8 GiB of checkpointed block inputs, 7.8 GiB of bf16 logits and as much again for their gradient);
+  the row runs anyway and keeps its error.
+- ``torchtitan-llama-8b-64k-bf16``: the same with its one lever that does fit, ``training.dtype =
+  "bfloat16"`` (weights, gradients and moments in bf16: 29.9 GiB a card; foundry keeps fp32 weights and
+  gradients and only its moments in bf16, so this row carries less state than foundry's).
 """
 
 from __future__ import annotations
@@ -33,6 +52,7 @@ from foundry.models import flops
 BENCHMARKS = Path(__file__).resolve().parent
 REPO_ROOT = BENCHMARKS.parent
 SEQ_LEN = 2048
+LONG_SEQ_LEN = 65536
 # LLM Foundry's scripts/train/train.py (0.22), whole: the wheel ships llmfoundry, not scripts/.
 LLM_FOUNDRY_TRAIN_PY = (
     "import sys; from llmfoundry.command_utils import train_from_yaml; train_from_yaml(sys.argv[1], sys.argv[2:])"
@@ -96,6 +116,10 @@ class Row:
     yaml: str | None = None  # foundry / LLM Foundry rows
     titan_flavor: str | None = None
     titan_ac: str = "none"
+    seq_len: int = SEQ_LEN
+    context_parallel: int = 1  # torchtitan's parallelism.context_parallel_degree (foundry's is in its YAML)
+    titan_dtype: str = "float32"  # torchtitan's training.dtype: of its weights, gradients and optimizer moments
+    timeout_s: int | None = None  # where it differs from --row-timeout's default
 
 
 FOUNDRY_STEP = r"\[batch (\d+)/"
@@ -112,10 +136,21 @@ ROWS = {
         Row("torchtitan-llama-8b", "torchtitan", LLAMA_8B, 2, 4, r"step:\s*(\d+)", "titan", "foundry-llama-8b",
             titan_flavor="8B", titan_ac="full"),
         Row("foundry-llama-8b", "foundry", LLAMA_8B, 2, 4, FOUNDRY_STEP, yaml="yamls/pretrain/llama-8b.yaml"),
+        # Long context, in the order they run: foundry, then torchtitan where it fits, then as it ships
+        # (expected out of memory). Timeouts: start-up ~90 s (foundry) / ~50 s (torchtitan) + 3 steps of ~20-25 s.
+        Row("foundry-llama-8b-64k", "foundry", LLAMA_8B, 2, 1, FOUNDRY_STEP, yaml="yamls/pretrain/llama-8b-64k.yaml",
+            seq_len=LONG_SEQ_LEN, timeout_s=230),
+        Row("torchtitan-llama-8b-64k-bf16", "torchtitan", LLAMA_8B, 2, 1, r"step:\s*(\d+)", "titan",
+            "foundry-llama-8b-64k", titan_flavor="8B", titan_ac="full", seq_len=LONG_SEQ_LEN, context_parallel=2,
+            titan_dtype="bfloat16", timeout_s=190),
+        Row("torchtitan-llama-8b-64k", "torchtitan", LLAMA_8B, 2, 1, r"step:\s*(\d+)", "titan",
+            "foundry-llama-8b-64k", titan_flavor="8B", titan_ac="full", seq_len=LONG_SEQ_LEN, context_parallel=2,
+            timeout_s=100),
     )
 }  # fmt: skip
 ONE_GPU_ROWS = [name for name, row in ROWS.items() if row.gpus == 1]
-TWO_GPU_ROWS = [name for name, row in ROWS.items() if row.gpus == 2]
+TWO_GPU_ROWS = [name for name, row in ROWS.items() if row.gpus == 2 and row.seq_len == SEQ_LEN]
+LONG_CONTEXT_ROWS = [name for name, row in ROWS.items() if row.seq_len > SEQ_LEN]
 
 # The CPU smoke test (--smoke): the same entry points on tiny models, fp32, uncompiled.
 SMOKE_FOUNDRY = {
@@ -139,6 +174,13 @@ class Settings:
     flash_attn_available: bool = False  # in LLM Foundry's environment
     peak_tflops: float = 989.5  # dense bf16 of the device (H100 SXM)
 
+    def mds(self, seq_len: int) -> Path:
+        """The MDS dataset of ``seq_len``-token samples: ``prepare``'s, else the one ``run`` builds in ``work``."""
+        if seq_len == SEQ_LEN:
+            return self.data / "mds"
+        prepared = self.data / f"mds-{seq_len}"
+        return prepared if (prepared / "train" / "index.json").exists() else self.work / f"mds-{seq_len}"
+
 
 def command(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]]:
     """The row's command line and its extra environment variables."""
@@ -146,10 +188,10 @@ def command(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]]:
     return build[row.framework](row, settings)
 
 
-def _yaml_overrides(settings: Settings) -> list[str]:
+def _yaml_overrides(row: Row, settings: Settings) -> list[str]:
     """What foundry's and LLM Foundry's rows change in their YAMLs (same schema): data, tokenizer, length, batch."""
     return [
-        f"variables.data_local={settings.data / 'mds'}",
+        f"variables.data_local={settings.mds(row.seq_len)}",
         f"tokenizer.name={settings.data / 'tokenizer'}",
         f"max_duration={settings.steps}ba",
         f"global_train_batch_size={settings.global_batch}",
@@ -159,19 +201,20 @@ def _yaml_overrides(settings: Settings) -> list[str]:
 
 def _foundry(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]]:
     overrides = [
-        *_yaml_overrides(settings),
+        *_yaml_overrides(row, settings),
         "console_log_interval=1ba",
         f"run_folder={settings.work / 'runs' / row.name}",
     ]
     if settings.smoke:
-        overrides += [*SMOKE_FOUNDRY[row.shape.family], *SMOKE_SETTINGS, "device_train_microbatch_size=2"]
+        microbatch = min(2, row.microbatch)
+        overrides += [*SMOKE_FOUNDRY[row.shape.family], *SMOKE_SETTINGS, f"device_train_microbatch_size={microbatch}"]
     launch = ["--nproc", str(row.gpus)] if row.gpus > 1 else []
     return [sys.executable, "-m", "foundry.cli", "train", str(REPO_ROOT / row.yaml), *overrides, *launch], {}
 
 
 def _llm_foundry(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]]:
     yaml = settings.data / ("llm-foundry/mpt-small-cpu.yaml" if settings.smoke else row.yaml)
-    overrides = _yaml_overrides(settings)
+    overrides = _yaml_overrides(row, settings)
     if settings.smoke:
         overrides += ["device_train_microbatch_size=2", f"variables.max_seq_len={SMOKE_SEQ_LEN}"]
     elif not settings.flash_attn_available:
@@ -198,9 +241,12 @@ def titan_config(row: Row, settings: Settings) -> dict[str, dict[str, Any]]:
         "optimizer": {"name": "AdamW", "lr": 3e-4, "eps": 1e-8},
         "lr_scheduler": {"warmup_steps": min(2, settings.steps - 1)},
         "training": {"local_batch_size": row.microbatch, "global_batch_size": settings.global_batch,
-                     "seq_len": SEQ_LEN, "max_norm": 1.0, "steps": settings.steps, "dataset": "c4_test",
-                     "dataset_path": str(settings.data / "text")},
-        "parallelism": {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1},
+                     "seq_len": row.seq_len, "max_norm": 1.0, "steps": settings.steps, "dataset": "c4_test",
+                     "dataset_path": str(settings.data / "text"), "dtype": row.titan_dtype},
+        # FSDP over what the other axes leave (-1): with CP its mesh is dp_shard x cp, every GPU.
+        "parallelism": {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1,
+                        "context_parallel_degree": row.context_parallel,
+                        "context_parallel_load_balancer": "headtail", "context_parallel_rotate_method": "allgather"},
         "checkpoint": {"enable": False},
         "compile": {"enable": not settings.smoke, "components": ["model", "loss"]},
         "activation_checkpoint": {"mode": row.titan_ac, "selective_ac_option": "op"},
@@ -217,10 +263,12 @@ def _torchtitan(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]
 
 
 # torchtitan trains on CUDA only: on the CPU its row checks that the TOML parses through its ConfigManager,
-# the flavor registers and the model builds (on the meta device), and prints the parameter count.
+# the flavor registers, the model builds (on the meta device) and the parallel degrees are valid for the row's
+# GPUs (its ParallelDims, and the sequence divisible as its parallelize_llama asserts), and prints what it read.
 TITAN_CHECK_PY = """
 import importlib, sys, torch
 from torchtitan.config import ConfigManager
+from torchtitan.distributed import ParallelDims
 from torchtitan.protocols.train_spec import get_train_spec
 config = ConfigManager().parse_args(["--job.config_file", sys.argv[1]])
 importlib.import_module(config.experimental.custom_import)
@@ -229,15 +277,22 @@ model_args = spec.model_args[config.model.flavor]
 model_args.update_from_config(config)
 with torch.device("meta"):
     model = spec.model_cls(model_args)
+p = config.parallelism
+dims = ParallelDims(dp_replicate=p.data_parallel_replicate_degree, dp_shard=p.data_parallel_shard_degree,
+                    cp=p.context_parallel_degree, tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+                    ep=p.expert_parallel_degree, etp=p.expert_tensor_parallel_degree, world_size=int(sys.argv[2]))
+assert config.training.seq_len % dims.seq_len_divisor == 0, (config.training.seq_len, dims.seq_len_divisor)
 print("torchtitan-config-ok", config.model.flavor, config.training.global_batch_size,
-      sum(parameter.numel() for parameter in model.parameters()))
+      sum(parameter.numel() for parameter in model.parameters()), f"seq_len={config.training.seq_len}",
+      f"dp_shard={dims.dp_shard}", f"cp={dims.cp}", f"attention={model_args.attn_type}",
+      f"dtype={config.training.dtype}")
 """
 
 
 def titan_check(row: Row, settings: Settings) -> list[str]:
     """The command of the torchtitan row's CPU check (the TOML as the run would use it)."""
     argv, _ = _torchtitan(row, settings)
-    return [sys.executable, "-c", TITAN_CHECK_PY, argv[-1]]
+    return [sys.executable, "-c", TITAN_CHECK_PY, argv[-1], str(row.gpus)]
 
 
 def to_toml(tables: dict[str, dict[str, Any]]) -> str:
