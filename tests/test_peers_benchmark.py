@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tomllib
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import peers
+import peers_data
 import peers_rows
 from bench_utils import model_from_yaml
 
@@ -69,3 +72,71 @@ def test_peer_ratio_is_foundry_over_the_peer() -> None:
                {"row": "torchtitan-llama-1b", "tokens_per_s_per_gpu": 50.0}]  # fmt: skip
     peers.ratios(results)
     assert results[1]["foundry_vs_peer"] == 1.2 and "foundry_vs_peer" not in results[0]
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("torchtitan-llama-8b-64k", "float32"),
+                                             ("torchtitan-llama-8b-64k-bf16", "bfloat16")])  # fmt: skip
+def test_long_context_torchtitan_toml_splits_each_sequence_over_two_gpus(tmp_path: Path, name: str, dtype: str) -> None:
+    settings = peers_rows.Settings(tmp_path / "data", tmp_path / "work", global_batch=2, steps=3)
+    config = peers_rows.titan_config(peers_rows.ROWS[name], settings)
+    parsed = tomllib.loads(peers_rows.to_toml(config))
+    assert parsed == config
+    assert parsed["training"] | {"dataset_path": None} == {
+        "local_batch_size": 1, "global_batch_size": 2, "seq_len": 65536, "max_norm": 1.0, "steps": 3,
+        "dataset": "c4_test", "dataset_path": None, "dtype": dtype}  # fmt: skip
+    assert parsed["parallelism"] == {
+        "data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1, "context_parallel_degree": 2,
+        "context_parallel_load_balancer": "headtail", "context_parallel_rotate_method": "allgather"}  # fmt: skip
+    assert parsed["activation_checkpoint"]["mode"] == "full" and parsed["compile"]["enable"]
+    assert parsed["model"]["flavor"] == "8B"
+
+
+def test_long_context_foundry_row_trains_the_64k_yaml_on_65536_token_samples(tmp_path: Path) -> None:
+    settings = peers_rows.Settings(tmp_path / "data", tmp_path / "work", global_batch=2, steps=3)
+    row = peers_rows.ROWS["foundry-llama-8b-64k"]
+    argv, _ = peers_rows.command(row, settings)
+    assert argv[argv.index("train") + 1] == str(peers_rows.REPO_ROOT / "yamls/pretrain/llama-8b-64k.yaml")
+    assert argv[-2:] == ["--nproc", "2"]
+    assert "global_train_batch_size=2" in argv and "max_duration=3ba" in argv
+    assert f"variables.data_local={tmp_path / 'work' / 'mds-65536'}" in argv  # built by `run` when not prepared
+    (tmp_path / "data" / "mds-65536" / "train").mkdir(parents=True)
+    (tmp_path / "data" / "mds-65536" / "train" / "index.json").write_text("{}")
+    argv, _ = peers_rows.command(row, settings)
+    assert f"variables.data_local={tmp_path / 'data' / 'mds-65536'}" in argv
+    two_k, _ = peers_rows.command(peers_rows.ROWS["foundry-llama-8b"], settings)
+    assert f"variables.data_local={tmp_path / 'data' / 'mds'}" in two_k
+
+
+def test_long_samples_are_the_short_samples_joined_in_order(tmp_path: Path) -> None:
+    from streaming import LocalDataset
+
+    stream = np.arange(5 * 64, dtype=np.uint16)  # five 64-token samples of one stream
+    stream.tofile(tmp_path / "tokens.bin")
+    assert peers_data.write_long_samples(tmp_path / "tokens.bin", 128, tmp_path / "mds-128") == 2
+    dataset = LocalDataset(local=str(tmp_path / "mds-128" / "train"))
+    samples = np.stack([dataset[index]["tokens"] for index in range(len(dataset))])
+    assert samples.dtype == np.int32 and samples.tolist() == stream[:256].reshape(2, 128).tolist()
+
+
+def test_long_context_throughput_and_mfu_count_the_rows_sequence_length(tmp_path: Path) -> None:
+    settings = peers_rows.Settings(tmp_path, tmp_path, global_batch=2, steps=3, peak_tflops=1000.0)
+    row = peers_rows.ROWS["foundry-llama-8b-64k"]
+    watched = {"returncode": 0, "killed": False, "wall_s": 200.0, "step_times_s": {1: 130.0, 2: 150.0, 3: 170.0},
+               "peak_gib": None, "log": []}  # fmt: skip
+    result = peers.measure(row, settings, warmup=1, watched=watched)
+    tokens_per_s = 2 * 65536 * 2 / 40.0 / 2  # per GPU
+    attention_over_the_full_square = 4 * 32 * 4096 * 65536
+    flops_per_token = 3 * (2 * peers_rows.LLAMA_8B.active_params() + attention_over_the_full_square)
+    assert result["tokens_per_s_per_gpu"] == pytest.approx(tokens_per_s)
+    assert result["flops_per_token"] == flops_per_token
+    assert result["mfu"] == pytest.approx(tokens_per_s * flops_per_token / 1e15)
+
+
+def test_long_context_flag_runs_the_long_rows_with_short_defaults() -> None:
+    args = argparse.Namespace(long_context=True, global_batch=None, warmup=None, steps=4)
+    peers.resolve_defaults(args)
+    assert (args.global_batch, args.warmup, args.steps) == (2, 1, 4)
+    assert peers_rows.LONG_CONTEXT_ROWS == ["foundry-llama-8b-64k", "torchtitan-llama-8b-64k-bf16",
+                                            "torchtitan-llama-8b-64k"]  # fmt: skip
+    assert not set(peers_rows.LONG_CONTEXT_ROWS) & set(peers_rows.TWO_GPU_ROWS)
+    assert all(peers_rows.ROWS[name].compare_to == "foundry-llama-8b-64k" for name in peers_rows.LONG_CONTEXT_ROWS[1:])
