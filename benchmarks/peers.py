@@ -59,6 +59,8 @@ from peers_rows import (
 )
 from peers_rows import versions as package_versions
 
+from foundry.errors import FoundryError
+
 H100_BF16_PEAK_TFLOPS = 989.5
 LOG_TAIL_LINES = 60
 # What --long-context runs unless told otherwise: a step of two 65,536-token sequences takes ~20 s on two H100s.
@@ -82,6 +84,11 @@ def run_row(row: Row, settings: Settings, wheels: Path, sites: dict[str, Path], 
                 install_peer(row.peer, wheels, site)
         except (OSError, subprocess.CalledProcessError) as error:
             return {**result, "error": f"setup: {getattr(error, 'stderr', None) or error}".strip()[-600:]}
+    if row.framework == "foundry" and row.seq_len != SEQ_LEN:
+        try:
+            ensure_long_samples(row.seq_len, settings)
+        except (FoundryError, OSError) as error:
+            return {**result, "error": f"data: {error}"[:600]}
     env = peer_environment(row.peer, site)
     result["versions"] = package_versions(row.peer, env)
     argv, extra_env = command(row, settings)
@@ -254,13 +261,12 @@ def resolve_defaults(args: argparse.Namespace) -> None:
             setattr(args, key, value)
 
 
-def ensure_long_samples(names: list[str], settings: Settings) -> None:
-    """Build the MDS of each long row's sample length where ``prepare`` did not (from ``tokens.bin``)."""
-    for seq_len in sorted({ROWS[name].seq_len for name in names if ROWS[name].framework == "foundry"} - {SEQ_LEN}):
-        mds = settings.mds(seq_len)
-        if not (mds / "train" / "index.json").exists():
-            count = write_long_samples(settings.data / "tokens.bin", seq_len, mds)
-            print(f"wrote {count} samples of {seq_len} tokens to {mds}", flush=True)
+def ensure_long_samples(seq_len: int, settings: Settings) -> None:
+    """Build the MDS of ``seq_len``-token samples where ``prepare`` did not (from ``tokens.bin``, in ``work``)."""
+    mds = settings.mds(seq_len)
+    if not (mds / "train" / "index.json").exists():
+        count = write_long_samples(settings.data / "tokens.bin", seq_len, mds)
+        print(f"wrote {count} samples of {seq_len} tokens to {mds}", flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -280,8 +286,6 @@ def run(args: argparse.Namespace) -> int:
             settings.flash_attn_available = llm_foundry_has_flash(wheels, sites, settings.work)
         except (OSError, subprocess.CalledProcessError):
             pass  # the row reports the setup error
-    if not args.dry_run:
-        ensure_long_samples(names, settings)
     out = Path(args.out) if args.out else None
     results: list[dict] = []
     for name in names:

@@ -139,13 +139,13 @@ ROWS = {
         # Long context, in the order they run: foundry, then torchtitan where it fits, then as it ships
         # (expected out of memory). Timeouts: start-up ~90 s (foundry) / ~50 s (torchtitan) + 3 steps of ~20-25 s.
         Row("foundry-llama-8b-64k", "foundry", LLAMA_8B, 2, 1, FOUNDRY_STEP, yaml="yamls/pretrain/llama-8b-64k.yaml",
-            seq_len=LONG_SEQ_LEN, timeout_s=230),
+            seq_len=LONG_SEQ_LEN, timeout_s=220),
         Row("torchtitan-llama-8b-64k-bf16", "torchtitan", LLAMA_8B, 2, 1, r"step:\s*(\d+)", "titan",
             "foundry-llama-8b-64k", titan_flavor="8B", titan_ac="full", seq_len=LONG_SEQ_LEN, context_parallel=2,
-            titan_dtype="bfloat16", timeout_s=190),
+            titan_dtype="bfloat16", timeout_s=180),
         Row("torchtitan-llama-8b-64k", "torchtitan", LLAMA_8B, 2, 1, r"step:\s*(\d+)", "titan",
             "foundry-llama-8b-64k", titan_flavor="8B", titan_ac="full", seq_len=LONG_SEQ_LEN, context_parallel=2,
-            timeout_s=100),
+            timeout_s=110),
     )
 }  # fmt: skip
 ONE_GPU_ROWS = [name for name, row in ROWS.items() if row.gpus == 1]
