@@ -64,7 +64,7 @@ BASELINES = ("hf-llama", "hf-llama-compiled")
 # recomputed costs a forward (~25% of a step); each block left out of the checkpoint gives that back for its
 # share and holds its activations instead (about 1 GiB at 4 x 2048 tokens), which bf16 moments (15 GiB a GPU
 # less) and a smaller microbatch make room for.
-TWO_GPU_COMMON = ["global_train_batch_size=16", "model.init_device=cuda", "--nproc", "2"]
+TWO_GPU_COMMON = ["global_train_batch_size=16", "model.init_device=cuda"]
 TWO_GPU_BATCHES = (10, 3)
 BF16_MOMENTS = "optimizer.moments_dtype=bfloat16"
 
@@ -89,7 +89,8 @@ SEQ_LEN = 2048
 
 def two_gpu_jobs() -> list[tuple[str, list[str], str, tuple[int, int]]]:
     """``--two-gpu``'s rows as (ROWS name, overrides, label, (batches, batches left out of the averages))."""
-    return [("llama-8b", [*TWO_GPU_COMMON, *extra], label, TWO_GPU_BATCHES) for label, extra in TWO_GPU_ROWS.items()]
+    rows = TWO_GPU_ROWS.items()
+    return [("llama-8b", [*TWO_GPU_COMMON, *extra, "--nproc", "2"], label, TWO_GPU_BATCHES) for label, extra in rows]
 
 
 def build_data(corpus: list[str], tokenizer: str, samples: int, out: Path) -> Path:
