@@ -16,6 +16,17 @@
    (~1.4B parameters), eager and ``torch.compile``d, in the same call.
 
 ``--set 'ROW:key=value;key=value'`` adds a row: ROW's YAML with more overrides (e.g. a microbatch sweep).
+
+``--two-gpu`` runs ``TWO_GPU_ROWS`` instead: ``yamls/pretrain/llama-8b.yaml`` on two GPUs at a global batch of 16
+(two microbatches of 4 a GPU), as shipped and with the memory levers that buy back recomputation (bf16 Adam
+moments, fewer checkpointed blocks, a smaller microbatch; docs/DISTRIBUTED.md has the arithmetic), each for 10
+batches with 3 left out of the averages. The weights are initialised on the GPUs (``model.init_device=cuda``,
+the same seed on both ranks) rather than on rank 0's CPU: the same training, a minute less setup a row. On the
+GPU machine (carry ``.whl``, the mosaicml-streaming wheels, and an MDS folder of 2048-token samples)::
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site python3 benchmarks/default_path.py --two-gpu --data data/float8_loss/mds \
+        --tokenizer data/float8_loss/tokenizer --out $OUT
 """
 
 from __future__ import annotations
@@ -49,7 +60,37 @@ ROWS: dict[str, tuple[str, int, int]] = {
     "llm-foundry-mpt-125m": ("llm-foundry-yamls/pretrain/mpt-125m.yaml", 8, 2),
 }
 BASELINES = ("hf-llama", "hf-llama-compiled")
+# --two-gpu: llama-8b.yaml's overrides a row, in the order they run (the most likely to pay first). Every block
+# recomputed costs a forward (~25% of a step); each block left out of the checkpoint gives that back for its
+# share and holds its activations instead (about 1 GiB at 4 x 2048 tokens), which bf16 moments (15 GiB a GPU
+# less) and a smaller microbatch make room for.
+TWO_GPU_COMMON = ["global_train_batch_size=16", "model.init_device=cuda"]
+TWO_GPU_BATCHES = (10, 3)
+BF16_MOMENTS = "optimizer.moments_dtype=bfloat16"
+
+
+def first_blocks_checkpointed(blocks: int) -> str:
+    return f"model.activation_checkpointing_target={{mptblock: {blocks}}}"
+
+
+TWO_GPU_ROWS: dict[str, list[str]] = {
+    "llama-8b as shipped": [],
+    "bf16 moments, 20 of 32 blocks checkpointed": [BF16_MOMENTS, first_blocks_checkpointed(20)],
+    "microbatch 2, bf16 moments, 8 of 32 checkpointed": [
+        BF16_MOMENTS, "device_train_microbatch_size=2", first_blocks_checkpointed(8),
+    ],
+    "bf16 moments, 16 of 32 checkpointed": [BF16_MOMENTS, first_blocks_checkpointed(16)],
+    "microbatch 2, bf16 moments, none checkpointed": [
+        BF16_MOMENTS, "device_train_microbatch_size=2", "fsdp_config.activation_checkpointing=false",
+    ],
+}  # fmt: skip
 SEQ_LEN = 2048
+
+
+def two_gpu_jobs() -> list[tuple[str, list[str], str, tuple[int, int]]]:
+    """``--two-gpu``'s rows as (ROWS name, overrides, label, (batches, batches left out of the averages))."""
+    rows = TWO_GPU_ROWS.items()
+    return [("llama-8b", [*TWO_GPU_COMMON, *extra, "--nproc", "2"], label, TWO_GPU_BATCHES) for label, extra in rows]
 
 
 def build_data(corpus: list[str], tokenizer: str, samples: int, out: Path) -> Path:
@@ -106,6 +147,8 @@ def run_foundry_row(
         first_batch_s=latest.get("time/first_batch_s"),
         compile_s=latest.get("time/compile_s"),
         peak_gib=latest.get("memory/peak_allocated_mem"),
+        peak_reserved_gib=latest.get("memory/peak_reserved_mem"),
+        alloc_retries=latest.get("memory/alloc_retries"),
         microbatch=latest.get("trainer/device_train_microbatch_size"),
         summary=log[log.find("Run summary") :].strip() if "Run summary" in log else None,
     )
@@ -134,6 +177,7 @@ def main() -> int:
     parser.add_argument(
         "--set", nargs="*", default=[], metavar="ROW:key=value", help="extra rows: ROW plus an override"
     )
+    parser.add_argument("--two-gpu", action="store_true", help="llama-8b.yaml and its memory levers on two GPUs")
     parser.add_argument("--corpus", nargs="+", help="text files for the MDS data (unless --data is given)")
     parser.add_argument("--data", default=None, help="MDS data already converted (train split of 2048-token samples)")
     parser.add_argument("--tokenizer", required=True, help="tokenizer directory (gpt-neox-20b)")
@@ -145,18 +189,18 @@ def main() -> int:
     if args.data is None:
         args.data = build_data(args.corpus, args.tokenizer, args.samples, Path(args.work) / "data")
     os.makedirs(args.out, exist_ok=True) if args.out else None
-    jobs = [(name, [], name) for name in args.rows]
+    jobs = [(name, [], name, ROWS.get(name, (None,))[1:]) for name in ([] if args.two_gpu else args.rows)]
     for spec in args.set:
         row, _, overrides = spec.partition(":")
-        jobs.append((row, overrides.split(";"), f"{row}[{overrides}]"))
+        jobs.append((row, overrides.split(";"), f"{row}[{overrides}]", ROWS[row][1:]))
+    jobs += two_gpu_jobs() if args.two_gpu else []
     results = []
-    for row, extra, label in jobs:  # in the order given; results are saved after each
+    for row, extra, label, batches in jobs:  # in the order given; results are saved after each
         if row in BASELINES:
             results.append(run_baseline(row, args))
         else:
-            yaml_path, *batches = ROWS[row]
             base = Path(args.reference_yamls) if row.startswith("llm-foundry") else REPO_ROOT
-            results.append(run_foundry_row(label, base / yaml_path, batches, extra, args))
+            results.append(run_foundry_row(label, base / ROWS[row][0], batches, extra, args))
         print({key: value for key, value in results[-1].items() if key != "summary"}, flush=True)
         save_json(args.out, "default_path", results)
     compiled_baseline = next((r.get("mfu") for r in results if r["row"] == "hf-llama-compiled"), None)
@@ -170,6 +214,7 @@ def main() -> int:
         "vs_hf_compiled",
         "tokens_per_s",
         "peak_gib",
+        "peak_reserved_gib",
         "first_batch_s",
         "compile_s",
         "wall_s",
