@@ -103,9 +103,9 @@ def undo_sort(expert_out: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
 
 
 def slot_weights(weights: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-    """(tokens, top_k) router weights -> (rows,): each buffer row's weight, 0 in padding."""
-    with_zero = torch.cat([weights.flatten(), weights.new_zeros(1)])
-    return with_zero.index_select(0, layout.assignment_of_slot)
+    """(tokens, top_k) router weights -> (rows,): each buffer row's weight, 0 in padding (undo_sort's transpose)."""
+    per_assignment = weights.reshape(-1, 1)
+    return _Dispatch.apply(per_assignment, layout.assignment_of_slot, layout.slot_of_assignment, 1).squeeze(1)
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

@@ -96,6 +96,8 @@ def test_dispatch_combine_and_undo_sort_backward_are_the_gathers_transposes() ->
     assert torch.autograd.gradcheck(lambda x: dispatch(x, layout), (x,))
     assert torch.autograd.gradcheck(lambda rows: undo_sort(rows, layout), (rows,))
     assert torch.autograd.gradcheck(lambda rows: combine(rows, layout), (rows,))
+    weights = torch.rand(6, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda weights: slot_weights(weights, layout), (weights,))
     assert layout.assignment_of_slot[layout.slot_of_assignment].tolist() == list(range(12))
 
 
