@@ -2,9 +2,10 @@
 
 - ``layer_profile`` (1 GPU): one MoE layer of OLMoE's shape with bf16 weights and input (what FSDP2's PURE
   mixed precision hands it), forward + backward, on each token count eager, and compiled on the first:
-  the median time, the expert GEMMs' achieved TFLOP/s, whether the step ran without a host sync (CUDA's
-  sync debug mode, with the line that synced if not), and a profile of one step: kernel time by
-  category, the top kernels, host-sync events.
+  the median time, the expert GEMMs' achieved TFLOP/s, the activations the forward keeps for backward
+  (MiB, parameters and input excluded), whether the step ran without a host sync (CUDA's sync debug
+  mode, with the line that synced if not), and a profile of one step: kernel time by category, the top
+  kernels, host-sync events.
 - ``sweep`` (one torchrun per layout): one Trainer, built as ``foundry train`` builds it from
   ``moe-1b-7b.yaml``, trains segments of batches one after another, each segment a (sequences per GPU
   per batch, sequences per microbatch) pair, and writes each segment's row (tokens/s per GPU, MFU on
@@ -69,6 +70,7 @@ def layer_profile(
 
             try:
                 measured = _timed_and_profiled(step, device, expert_flops)
+                measured["saved_for_backward_MiB"] = saved_for_backward_mib(module, x, device)
             except Exception as error:  # one failed variant (a compile error) must not lose the others
                 measured = {"error": f"{type(error).__name__}: {str(error)[:300]}", "profile": {"ms": {}}}
             rows.append({"variant": variant, "tokens": tokens, **measured})
@@ -84,6 +86,24 @@ def _timed_and_profiled(step: Callable[[], Any], device: torch.device, expert_fl
         "host_sync": first_host_sync(step, device),
         "profile": profiled(step, device),
     }
+
+
+def saved_for_backward_mib(module: nn.Module, x: torch.Tensor, device: torch.device) -> float:
+    """MiB of the distinct storages one training forward keeps for backward, parameters and ``x`` excluded."""
+    excluded = {tensor.untyped_storage().data_ptr() for tensor in (x, *module.parameters())}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    keep = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+    with keep, torch.autocast(device.type, dtype=torch.bfloat16):
+        out = module(x)
+    del out
+    return round(sum(saved.values()) / 2**20, 1)
 
 
 def step_times_ms(step: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> list[float]:

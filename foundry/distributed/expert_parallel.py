@@ -9,8 +9,9 @@ exchange between the ranks:
    contiguous, and the ranks exchange how many rows go where (a small all-to-all);
 2. dispatch: an all-to-all sends every row to the rank holding its expert;
 3. each rank runs its experts on what it received (regrouped by local expert, grouped GEMMs);
-4. combine: the reverse all-to-all returns the outputs, and each token sums its experts' outputs
-   with its router weights.
+4. combine: the reverse all-to-all returns the outputs, and each token sums its experts' outputs.
+   The router weights travel with the rows (a third, small all-to-all) and scale them on the experts'
+   rank, inside the experts' elementwise activation, as on one rank.
 
 Both all-to-alls are torch's autograd-aware functional collectives: backward exchanges the
 gradients the same way. Routing stays on every rank (the router is replicated), and the load
@@ -34,7 +35,7 @@ _PARALLEL_CLASSES: dict[type, type] = {}  # an experts class -> its expert-paral
 class ExpertParallelRouting:
     """Mixed into an experts module (``foundry.models.experts.GroupedExperts``): its weights hold this rank's
     experts, and its tokens travel by all-to-all. The module's own ``sort_by_expert``, ``dispatch``,
-    ``undo_sort`` and ``combine`` lay the rows out (distributed code does not import the models)."""
+    ``undo_sort``, ``combine`` and ``slot_weights`` lay the rows out (distributed code does not import the models)."""
 
     ep_mesh: DeviceMesh
 
@@ -42,6 +43,7 @@ class ExpertParallelRouting:
         self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         sort_by_expert, dispatch, undo_sort, combine = self.sort_by_expert, self.dispatch, self.undo_sort, self.combine
+        slot_weights = self.slot_weights
         group, ep = self.ep_mesh.get_group(), self.ep_mesh.size()
         layout = sort_by_expert(expert_ids, self.num_experts)  # rows grouped by expert, so by destination rank
         tokens_per_expert = layout.tokens_per_expert
@@ -52,14 +54,18 @@ class ExpertParallelRouting:
         sizes = torch.stack([tokens_per_expert.view(ep, -1).sum(1), received.sum(1)])
         send_splits, receive_splits = sizes.tolist()
         rows = funcol.all_to_all_single_autograd(dispatch(x, layout), receive_splits, send_splits, group)
+        row_weights = funcol.all_to_all_single_autograd(
+            slot_weights(weights, layout), receive_splits, send_splits, group
+        )
         local_experts = received.shape[1]
         # rows arrive by source rank, then by local expert: regroup them by local expert for the GEMMs
         local_ids = torch.arange(local_experts, device=x.device).repeat(ep)
         local_ids = local_ids.repeat_interleave(received.flatten(), output_size=rows.shape[0])  # size known: no sync
         local_layout = sort_by_expert(local_ids[:, None], local_experts, self.row_alignment(rows))
-        outputs = undo_sort(self(dispatch(rows, local_layout), local_layout), local_layout)
+        local_weights = dispatch(row_weights.unsqueeze(1), local_layout).squeeze(1)
+        outputs = undo_sort(self(dispatch(rows, local_layout), local_layout, local_weights), local_layout)
         returned = funcol.all_to_all_single_autograd(outputs, send_splits, receive_splits, group)
-        return combine(returned, layout, weights), tokens_per_expert
+        return combine(returned, layout), tokens_per_expert
 
 
 def shard_experts(model: nn.Module, ep_mesh: DeviceMesh | None) -> set[nn.Parameter]:

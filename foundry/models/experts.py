@@ -5,7 +5,9 @@ Every (token, expert) assignment of a top-k router is computed: nothing is dropp
 argsort and a few gathers, all of fixed size: no host sync, and ``torch.compile`` traces it as one graph
 with static shapes); ``GroupedExperts`` runs each projection of every expert in
 one ``grouped_mm`` on a Hopper-class GPU in bf16, and as a loop over each expert's contiguous slice
-elsewhere (CPU, fp32, older GPUs), which gives the same numbers as a per-token loop.
+elsewhere (CPU, fp32, older GPUs), which gives the same numbers as a per-token loop. Each row's router
+weight multiplies its hidden activation before the down projection, so ``combine`` only sums each token's
+rows: one gather-and-sum, with no per-assignment copy of the outputs made or kept for backward.
 """
 
 from __future__ import annotations
@@ -90,41 +92,60 @@ def dispatch(x: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     return _Dispatch.apply(x, layout.source_of_slot, layout.slot_of_assignment, layout.top_k)
 
 
+def combine(expert_out: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """(rows, d_model) -> (tokens, d_model): the sum of each token's ``top_k`` rows (already router-weighted)."""
+    return _Combine.apply(expert_out, layout.slot_of_assignment, layout.source_of_slot, layout.top_k)
+
+
 def undo_sort(expert_out: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
     """(rows, d_model) -> (tokens * top_k, d_model): each assignment's output, in assignment order, padding dropped."""
-    return _UndoSort.apply(expert_out, layout.slot_of_assignment, layout.assignment_of_slot)
+    return _Combine.apply(expert_out, layout.slot_of_assignment, layout.assignment_of_slot, 1)
 
 
-# dispatch and undo_sort are row gathers whose backward would be index_select's: a scatter-add into a zeroed
-# buffer, with atomics (run-to-run differences in bf16). Each is the other's transpose, so each backward is
-# the other gather instead: the gradients sum in a fixed order, and no buffer is zeroed first.
+def slot_weights(weights: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """(tokens, top_k) router weights -> (rows,): each buffer row's weight, 0 in padding (undo_sort's transpose)."""
+    per_assignment = weights.reshape(-1, 1)
+    return _Dispatch.apply(per_assignment, layout.assignment_of_slot, layout.slot_of_assignment, 1).squeeze(1)
+
+
+def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Row ``index[i]`` of ``x`` for each i; index ``len(x)`` reads a zero row (padding)."""
+    return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, index)
+
+
+def _sum_groups(rows: torch.Tensor, index: torch.Tensor, group: int) -> torch.Tensor:
+    """Rows ``index`` of ``rows``, each consecutive ``group`` of them summed: (len(index) / group, d)."""
+    gathered = rows.index_select(0, index)
+    return gathered if group == 1 else gathered.view(-1, group, rows.shape[1]).sum(1)
+
+
+# Dispatch (tokens to buffer rows) and combine (rows to tokens, each token's top_k rows summed) are each
+# other's transpose, and undo_sort is combine with one row per output. Each backward is the other forward,
+# a gather: index_select's own backward would be a scatter-add into a zeroed buffer, with atomics (run-to-run
+# differences in bf16); these sum in a fixed order and zero nothing first.
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(
-        x: torch.Tensor, source_of_slot: torch.Tensor, slot_of_assignment: torch.Tensor, top_k: int
-    ) -> torch.Tensor:
-        with_zero_row = torch.cat([x, x.new_zeros(1, x.shape[1])])
-        return with_zero_row.index_select(0, source_of_slot)
+    def forward(x: torch.Tensor, source_of_row: torch.Tensor, row_of_output: torch.Tensor, group: int) -> torch.Tensor:
+        return _gather_rows(x, source_of_row)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-        _, _, slot_of_assignment, ctx.top_k = inputs
-        ctx.save_for_backward(slot_of_assignment)
+        _, _, row_of_output, ctx.group = inputs
+        ctx.save_for_backward(row_of_output)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad_rows: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (slot_of_assignment,) = ctx.saved_tensors
-        per_assignment = grad_rows.index_select(0, slot_of_assignment)  # (tokens * top_k, d_model)
-        return per_assignment.view(-1, ctx.top_k, grad_rows.shape[1]).sum(1), None, None, None
+        (row_of_output,) = ctx.saved_tensors
+        return _sum_groups(grad_rows, row_of_output, ctx.group), None, None, None
 
 
-class _UndoSort(torch.autograd.Function):
+class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(
-        expert_out: torch.Tensor, slot_of_assignment: torch.Tensor, assignment_of_slot: torch.Tensor
+        rows: torch.Tensor, row_of_output: torch.Tensor, source_of_row: torch.Tensor, group: int
     ) -> torch.Tensor:
-        return expert_out.index_select(0, slot_of_assignment)
+        return _sum_groups(rows, row_of_output, group)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
@@ -132,17 +153,9 @@ class _UndoSort(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad_assignments: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        (assignment_of_slot,) = ctx.saved_tensors
-        with_zero_row = torch.cat([grad_assignments, grad_assignments.new_zeros(1, grad_assignments.shape[1])])
-        return with_zero_row.index_select(0, assignment_of_slot), None, None  # padding slots: zeros
-
-
-def combine(expert_out: torch.Tensor, layout: ExpertLayout, weights: torch.Tensor) -> torch.Tensor:
-    """(rows, d_model) -> (tokens, d_model): each token's expert outputs summed with ``weights`` (tokens, top_k)."""
-    tokens, top_k = weights.shape
-    per_assignment = undo_sort(expert_out, layout).view(tokens, top_k, -1)
-    return torch.bmm(weights.to(per_assignment.dtype).unsqueeze(1), per_assignment).squeeze(1)
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (source_of_row,) = ctx.saved_tensors
+        return _gather_rows(grad_out, source_of_row), None, None, None  # padding rows: zeros
 
 
 @torch.compiler.assume_constant_result  # a property of the device: compiled code need not re-check it
@@ -178,6 +191,7 @@ class GroupedExperts(nn.Module):
     dispatch = staticmethod(dispatch)
     undo_sort = staticmethod(undo_sort)
     combine = staticmethod(combine)
+    slot_weights = staticmethod(slot_weights)
 
     def init_weights_with(self, weight_init: InitFn, residual_divisor: float | None) -> None:
         """Each expert's matrix initialised as its own nn.Linear weight would be (foundry/models/init.py)."""
@@ -214,10 +228,16 @@ class GroupedExperts(nn.Module):
         parallelism (``foundry.distributed.expert_parallel``) replaces this with an exchange between ranks.
         """
         layout = sort_by_expert(expert_ids, self.num_experts, self.row_alignment(x))
-        return combine(self(dispatch(x, layout), layout), layout, weights), layout.tokens_per_expert
+        rows = self(dispatch(x, layout), layout, slot_weights(weights, layout))
+        return combine(rows, layout), layout.tokens_per_expert
 
-    def forward(self, x: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
-        """(rows, d_model) expert-sorted tokens -> (rows, d_model); padding rows give zeros."""
+    def forward(self, x: torch.Tensor, layout: ExpertLayout, row_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """(rows, d_model) expert-sorted tokens -> (rows, d_model); padding rows give zeros.
+
+        ``row_weights`` (rows,): each row's router weight, by which its output is multiplied. The down
+        projection is linear, so the weight scales its input: fused by the compiler into the activation's
+        elementwise kernel, where scaling the output would be a pass of its own over (rows, d_model).
+        """
         weights = [self.local(w) for w in (self.up_proj, self.gate_proj, self.down_proj) if w is not None]
         dtype = autocast_dtype(x.device.type) or x.dtype  # autocast does not cover grouped_mm: cast here
         x, weights = x.to(dtype), [w.to(dtype) for w in weights]
@@ -227,6 +247,8 @@ class GroupedExperts(nn.Module):
             project = self._project_per_expert(layout)
         up = project(x, weights[0])
         hidden = self.act(project(x, weights[1])) * up if self.glu else self.act(up)
+        if row_weights is not None:
+            hidden = hidden * row_weights.to(hidden.dtype).unsqueeze(1)
         return project(hidden, weights[-1])
 
     def _project_per_expert(self, layout: ExpertLayout) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

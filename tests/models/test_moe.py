@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from foundry.errors import ConfigError
 from foundry.models import experts as experts_module
-from foundry.models.experts import count_per_expert, dispatch, sort_by_expert, undo_sort
+from foundry.models.experts import combine, count_per_expert, dispatch, slot_weights, sort_by_expert, undo_sort
 from foundry.models.init import InitConfig, init_weights_
 from foundry.models.layers import ActFnConfig
 from foundry.models.moe import MoE, MoEConfig, Routing, expert_load, moe_loss_terms
@@ -87,7 +87,7 @@ def test_sort_by_expert_groups_assignments_with_aligned_padding() -> None:
     assert [rows[slot] for slot in layout.slot_of_assignment.tolist()] == [1, 1, 2, 2, 3, 3, 4, 4]
 
 
-def test_dispatch_and_undo_sort_backward_are_the_gathers_transposes() -> None:
+def test_dispatch_combine_and_undo_sort_backward_are_the_gathers_transposes() -> None:
     """Their backward passes are gathers written by hand (no scatter-add): autograd's numerical check, with padding."""
     expert_ids = torch.randint(0, 4, (6, 2), generator=torch.Generator().manual_seed(0))
     layout = sort_by_expert(expert_ids, num_experts=4, row_alignment=4)
@@ -95,7 +95,51 @@ def test_dispatch_and_undo_sort_backward_are_the_gathers_transposes() -> None:
     rows = torch.randn(layout.source_of_slot.shape[0], 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda x: dispatch(x, layout), (x,))
     assert torch.autograd.gradcheck(lambda rows: undo_sort(rows, layout), (rows,))
+    assert torch.autograd.gradcheck(lambda rows: combine(rows, layout), (rows,))
+    weights = torch.rand(6, 2, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda weights: slot_weights(weights, layout), (weights,))
     assert layout.assignment_of_slot[layout.slot_of_assignment].tolist() == list(range(12))
+
+
+def test_combine_is_dispatchs_transpose_and_sums_each_tokens_rows() -> None:
+    """<dispatch(x), rows> = <x, combine(rows)>; combine adds a token's top_k rows and reads no padding row."""
+    expert_ids = torch.randint(0, 4, (6, 2), generator=torch.Generator().manual_seed(1))
+    layout = sort_by_expert(expert_ids, num_experts=4, row_alignment=4)
+    x = torch.randn(6, 3, dtype=torch.float64)
+    rows = torch.randn(layout.source_of_slot.shape[0], 3, dtype=torch.float64)
+    torch.testing.assert_close((dispatch(x, layout) * rows).sum(), (x * combine(rows, layout)).sum())
+    per_assignment = undo_sort(rows, layout).view(6, 2, 3)
+    torch.testing.assert_close(combine(rows, layout), per_assignment.sum(1), rtol=0, atol=0)
+    padding = layout.assignment_of_slot == 12
+    rows[padding] = float("nan")
+    assert combine(rows, layout).isfinite().all()
+
+
+def test_slot_weights_put_each_router_weight_on_its_row() -> None:
+    expert_ids = torch.tensor([[2, 0], [0, 1], [2, 1], [0, 2]])
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.9, 0.1], [0.8, 0.2]])
+    layout = sort_by_expert(expert_ids, num_experts=4, row_alignment=4)
+    # rows as in test_sort_by_expert_groups_assignments_with_aligned_padding: padding rows weigh 0
+    expected = [0.4, 0.7, 0.8, 0, 0.3, 0.1, 0, 0, 0.6, 0.9, 0.2, 0]
+    assert slot_weights(weights, layout)[:12].tolist() == pytest.approx(expected)
+    assert slot_weights(weights, layout)[12:].tolist() == [0.0] * 8
+
+
+def test_backward_keeps_no_per_assignment_copy_of_the_outputs() -> None:
+    """The router weights scale the hidden activation, so combine keeps nothing: of the tensors saved for
+    backward, only the dispatched input rows hold (tokens * top_k, d_model) values (HIDDEN != D_MODEL)."""
+    moe = tiny_moe(top_k=3)
+    tokens, top_k = 10, 3
+    assignment_rows_bytes = tokens * top_k * D_MODEL * 4
+    saved_storages = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved_storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        moe(torch.randn(1, tokens, D_MODEL, requires_grad=True))
+    assert list(saved_storages.values()).count(assignment_rows_bytes) == 1
 
 
 def test_count_per_expert_equals_bincount_including_unused_experts() -> None:

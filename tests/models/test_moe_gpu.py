@@ -77,3 +77,22 @@ def test_forward_and_backward_never_wait_for_the_host() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert x.grad is not None and moe.routing is not None
+
+
+def test_grouped_mm_takes_groups_of_any_size() -> None:
+    """torch's bf16 grouped GEMM on unpadded groups (sizes 0, 1, 13, 50): forward and both gradients against a
+    per-group matmul. Where this passes, ``GROUPED_MM_ROW_ALIGNMENT`` 1 would be correct on this torch."""
+    torch.manual_seed(0)
+    sizes = [13, 0, 1, 50]
+    x = torch.randn(sum(sizes), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(len(sizes), 512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ends = torch.tensor(sizes, device="cuda").cumsum(0).int()
+    out = torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [x, weight], grad_out)
+    x_ref, weight_ref = x.detach().float().requires_grad_(True), weight.detach().float().requires_grad_(True)
+    expected = torch.cat([group @ w.T for group, w in zip(x_ref.split(sizes), weight_ref)])
+    expected_grads = torch.autograd.grad(expected, [x_ref, weight_ref], grad_out.float())
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-1)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        assert (grad.float() - expected_grad).norm() <= 1e-2 * expected_grad.norm()
