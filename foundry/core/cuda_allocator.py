@@ -11,4 +11,6 @@ def apply_allocator_settings(expandable_segments: bool) -> None:
     It applies only before the first CUDA allocation of the process; later calls change nothing.
     """
     if expandable_segments and torch.cuda.is_available():
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        # torch 2.10+ names the setter per accelerator (its CUDA alias warns that it is deprecated)
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
