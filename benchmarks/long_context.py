@@ -22,11 +22,14 @@ moments, schedule, gradient clipping, FSDP2 and activation checkpointing, compil
 
 Rows (``--rows`` picks; each is skipped when the time left in ``--budget-s`` is below its estimate):
 
-- ``llama8b-64k-cp2``: ``yamls/pretrain/llama-8b-64k.yaml`` as shipped: 65,536 tokens, CP2.
-- ``llama8b-64k-cp2-keep-attention``: the same with ``fsdp_config.activation_checkpointing_keep_attention``
-  (backward recomputes each block but its attention kernel; about 8 GiB more a GPU, docs/DISTRIBUTED.md).
-- ``llama8b-128k-cp2``: the same YAML at 131,072 tokens, CP2 (by the memory arithmetic near an 80 GB card's
-  limit: its peak, or the out-of-memory error, is the measurement).
+- ``llama8b-64k-cp2``: ``yamls/pretrain/llama-8b-64k.yaml`` as shipped: 65,536 tokens, CP2, checkpointed blocks
+  keeping their attention outputs (``fsdp_config.activation_checkpointing_keep_attention``).
+- ``llama8b-64k-cp2-recompute-attention``: the same with attention recomputed in backward (plain checkpointing:
+  about 8 GiB less a GPU, docs/DISTRIBUTED.md); ``llama8b-64k-cp2-float8``: the YAML with ``algorithms.float8``.
+- ``llama8b-128k-cp2``: the same YAML at 131,072 tokens, CP2, attention recomputed (by the memory arithmetic
+  over an 80 GB card's limit: its peak, or the out-of-memory error, is the measurement);
+  ``llama8b-128k-cp2-lora``: the same with LoRA on every linear layer; ``...-lora-keep-attention`` keeps
+  attention outputs as the YAML does (16 GiB more a GPU at 128k).
 - ``llama8b-16k``, ``llama8b-16k-repeat`` and ``llama8b-16k-cp2``: the same model at 16,384 tokens on the same
   real-text batches for ``--loss-steps`` steps: FSDP only, FSDP only again (same seed: the run-to-run spread of
   bf16 training) and CP2. ``llama8b-16k-reduce-fp32`` is FSDP only with gradients reduced in fp32 instead of
@@ -41,7 +44,7 @@ Rows (``--rows`` picks; each is skipped when the time left in ``--budget-s`` is 
 - ``mpt1b-8k`` ... ``mpt1b-128k-cp2``: ``yamls/pretrain/mpt-1b.yaml`` (learned positions, no ALiBi) from 8k to
   128k tokens, activation checkpointing from 32k.
 
-``OPT_IN_ROWS`` (keep-attention, 128k, fp32 reduction) run only when ``--rows`` names them.
+``OPT_IN_ROWS`` (recompute-attention, float8, 128k, fp32 reduction, 8k) run only when ``--rows`` names them.
 
 Text: ``--tokens`` (the uint16 .npy ``--prepare`` writes: the shared corpora, then the ICL passages once each,
 gpt-neox-20b), else the corpus files (``--corpus``, default ../shared/data/corpus) tokenized with
@@ -90,10 +93,12 @@ MPT_1B = "yamls/pretrain/mpt-1b.yaml"
 # the loss rows' steps and seconds follow --loss-steps (LOSS_ROWS)
 ROWS: dict[str, tuple[str, int, int, int, int, int]] = {
     "llama8b-64k-cp2": (LLAMA_8B_64K, 65536, 2, 4, 1, 150),
-    "llama8b-64k-cp2-keep-attention": (LLAMA_8B_64K, 65536, 2, 4, 1, 150),
+    "llama8b-64k-cp2-recompute-attention": (LLAMA_8B_64K, 65536, 2, 4, 1, 150),
+    "llama8b-64k-cp2-float8": (LLAMA_8B_64K, 65536, 2, 4, 1, 150),
     # 64k: 24 s a batch, about half of it attention; at 128k attention quadruples and the rest doubles (~72 s)
     "llama8b-128k-cp2": (LLAMA_8B_64K, 131072, 2, 3, 1, 300),
     "llama8b-128k-cp2-lora": (LLAMA_8B_64K, 131072, 2, 3, 1, 260),
+    "llama8b-128k-cp2-lora-keep-attention": (LLAMA_8B_64K, 131072, 2, 3, 1, 230),
     "llama8b-16k": (LLAMA_8B_64K, 16384, 1, 20, 2, 110),
     "llama8b-16k-repeat": (LLAMA_8B_64K, 16384, 1, 20, 2, 110),
     "llama8b-16k-cp2": (LLAMA_8B_64K, 16384, 2, 20, 2, 110),
@@ -131,19 +136,27 @@ LOSS_ROWS: dict[str, float] = {
 LOSS_REFERENCES = ("llama8b-16k", "llama8b-8k")
 LOSS_TOLERANCE = 0.01  # CP2 passes within max(this, the repeat's max |Δloss|)
 PARTIAL_SAVE_STEPS = 25  # a loss row's curve so far is written this often: a call cut off keeps it
+RECOMPUTE_ATTENTION = "fsdp_config.activation_checkpointing_keep_attention=false"
+LORA_ALL_LINEAR = (
+    "model.peft_config={peft_type: LORA, r: 16, lora_alpha: 32, lora_dropout: 0.0, "
+    "target_modules: [Wqkv, out_proj, gate_proj, up_proj, down_proj]}"
+)
 # a row's overrides of its YAML beyond the length and the degree
 ROW_OVERRIDES: dict[str, list[str]] = {
-    "llama8b-64k-cp2-keep-attention": ["fsdp_config.activation_checkpointing_keep_attention=true"],
+    "llama8b-64k-cp2-recompute-attention": [RECOMPUTE_ATTENTION],
+    "llama8b-64k-cp2-float8": ["algorithms.float8={}"],  # torchao (foundry[float8]) on the GPU machine
     "llama8b-16k-reduce-fp32": ["fsdp_config.mixed_precision=DEFAULT"],
+    # 128k: attention recomputed (kept outputs would add 16 GiB a GPU)
+    "llama8b-128k-cp2": [RECOMPUTE_ATTENTION],
     # LoRA on every linear layer: frozen weights need no fp32 gradients or moments, which frees 128k's activations
-    "llama8b-128k-cp2-lora": [
-        "model.peft_config={peft_type: LORA, r: 16, lora_alpha: 32, lora_dropout: 0.0, "
-        "target_modules: [Wqkv, out_proj, gate_proj, up_proj, down_proj]}"
-    ],
+    "llama8b-128k-cp2-lora": [RECOMPUTE_ATTENTION, LORA_ALL_LINEAR],
+    "llama8b-128k-cp2-lora-keep-attention": [LORA_ALL_LINEAR],
 }
 # opt-in rows (--rows names them): not part of a default call's budget
 OPT_IN_ROWS = (
-    "llama8b-64k-cp2-keep-attention", "llama8b-128k-cp2", "llama8b-128k-cp2-lora", "llama8b-16k-reduce-fp32",
+    "llama8b-64k-cp2-recompute-attention",
+    "llama8b-64k-cp2-float8", "llama8b-128k-cp2", "llama8b-128k-cp2-lora",
+    "llama8b-128k-cp2-lora-keep-attention", "llama8b-16k-reduce-fp32",
     "llama8b-8k", "llama8b-8k-repeat", "llama8b-8k-cp2",
 )  # fmt: skip
 ROW_SETUP_S = 25  # building the 8B model on the GPUs, FSDP, the first batch
