@@ -75,6 +75,7 @@ def first_blocks_checkpointed(blocks: int) -> str:
 
 TWO_GPU_ROWS: dict[str, list[str]] = {
     "llama-8b as shipped": [],
+    "float8 (torchao), otherwise as shipped": ["algorithms.float8={}"],
     "bf16 moments, 20 of 32 blocks checkpointed": [BF16_MOMENTS, first_blocks_checkpointed(20)],
     "microbatch 2, bf16 moments, 8 of 32 checkpointed": [
         BF16_MOMENTS, "device_train_microbatch_size=2", first_blocks_checkpointed(8),

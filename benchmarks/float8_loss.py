@@ -112,7 +112,8 @@ def run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     run_folder = Path(args.work) / name
     overrides = variant_overrides(name, args)
     started_s = time.perf_counter()
-    clear_stale_shared_memory()
+    if not args.shares_machine:
+        clear_stale_shared_memory()
     returncode = foundry_train(args.yaml, run_folder, overrides, args.nproc, args.variant_timeout)
     log = (run_folder.parent / f"{name}.log").read_text(errors="replace").splitlines()
     losses = train_losses(run_folder)
@@ -221,6 +222,11 @@ def main() -> int:
     run_parser.add_argument("--nproc", type=int, default=2)
     run_parser.add_argument("--variant-timeout", type=float, default=250.0, help="seconds before a variant stops")
     run_parser.add_argument("--work", default="/tmp/foundry-float8-loss")
+    run_parser.add_argument(
+        "--shares-machine", action="store_true",
+        help="another run streams data on this machine now: leave streaming's shared memory alone (give each run "
+        "its own --data copy and --work)",
+    )  # fmt: skip
     run_parser.add_argument("--smoke", action="store_true", help="a tiny MPT on the CPU: checks the plumbing")
     run_parser.add_argument("--out", required=True)
     compare_parser = commands.add_parser("compare", help="merge the runs' JSON, print the gaps, draw the curves")

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from foundry.core.precision import autocast_dtype
 from foundry.models.init import InitFn
@@ -208,7 +209,8 @@ class GroupedExperts(nn.Module):
     @staticmethod
     def local(weight: torch.Tensor) -> torch.Tensor:
         """This rank's experts of ``weight``: all of them, or its shard under expert parallelism (a DTensor)."""
-        return weight.to_local() if hasattr(weight, "to_local") else weight
+        # isinstance, not hasattr: torch.compile resolves hasattr on a DTensor parameter to False
+        return weight.to_local() if isinstance(weight, DTensor) else weight
 
     def row_alignment(self, x: torch.Tensor) -> int:
         """How ``sort_by_expert`` must pad each expert's rows for this input."""
