@@ -42,6 +42,7 @@ SHAPES = {
     "mpt-125m": (16, 12, 12, 2048, 64),
     "llama-1b": (4, 32, 8, 2048, 64),
     "mpt-1b": (4, 16, 16, 2048, 128),
+    "llama-8b": (4, 32, 8, 2048, 128),  # llama-8b.yaml's microbatch: FA2 takes its 8 kv heads, cuDNN repeats them
 }
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (b, s, h, d) views -> (b, s, h, d)

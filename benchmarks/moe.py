@@ -73,7 +73,11 @@ from foundry.models.moe import MoE, MoEConfig
 
 OLMOE_YAML = REPO_ROOT / "yamls/pretrain/moe-1b-7b.yaml"
 # The small pair: same attention and depth; the MoE's two active experts are as wide as the dense SwiGLU.
-SMALL_MODEL = ["model.d_model=1024", "model.n_layers=8", "model.n_heads=16", "model.max_seq_len=2048"]
+# not checkpointed: the rows compare the two FFNs' speed (moe-1b-7b.yaml checkpoints every block for memory)
+SMALL_MODEL = [
+    "model.d_model=1024", "model.n_layers=8", "model.n_heads=16", "model.max_seq_len=2048",
+    "fsdp_config.activation_checkpointing=false",
+]  # fmt: skip
 SMALL_MOE = [*SMALL_MODEL, "model.moe_num_experts=16", "model.moe_top_k=2", "model.ffn_hidden_size=1408"]
 SMALL_DENSE = [*SMALL_MODEL, "model.moe_num_experts=null", "model.ffn_hidden_size=2816"]
 PARITY_MODEL = [
