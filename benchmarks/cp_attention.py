@@ -11,6 +11,8 @@ that work, forward + backward in bf16 (32 query heads, 8 key/value heads, head_d
   (``foundry.distributed.context_parallel._sdpa_prefix_attention``): the head through SDPA with grouped
   heads, the tail through FlashAttention-2's op (the one SDPA kernel that aligns a causal mask to the last
   key) on heads repeated to 32.
+- ``foundry-split``: the same with ``parallelism.context_parallel_attention: split``
+  (``foundry.distributed.split_attention``: the tail's two pieces on cuDNN, merged, with their backward).
 - ``flash2-split``, ``cudnn-split``: the same work in pieces a square-causal kernel runs: the head (causal),
   and the tail as a full block over the first 49,152 keys plus a causal square over the last 16,384, each
   piece on SDPA pinned to one backend (cuDNN on heads repeated to 32, as it takes equal head counts). The
@@ -62,9 +64,9 @@ def inputs(queries: int, keys: int) -> tuple[torch.Tensor, ...]:
     return make(queries, HEADS), make(keys, KV_HEADS), make(keys, KV_HEADS)
 
 
-def foundry_piece(queries: int, keys: int) -> Callable[[], torch.Tensor]:
+def foundry_piece(queries: int, keys: int, split: bool = False) -> Callable[[], torch.Tensor]:
     q, k, v = inputs(queries, keys)
-    return lambda: _sdpa_prefix_attention(q, k, v, SCALE, 0.0)
+    return lambda: _sdpa_prefix_attention(q, k, v, SCALE, 0.0, split=split)
 
 
 def pinned_piece(backend: SDPBackend, queries: int, keys: int, causal: bool) -> Callable[[], torch.Tensor]:
@@ -106,6 +108,14 @@ def kernel_names(run: Callable[[], torch.Tensor]) -> list[str]:
     return sorted(name[:90] for name in names if any(key in name.lower() for key in keys))
 
 
+def split_error() -> float:
+    """Max |foundry's split tail - its end-aligned tail| on one forward (bf16)."""
+    q, k, v = inputs(CHUNK, SEQ)
+    with torch.no_grad():
+        one_call = _sdpa_prefix_attention(q, k, v, SCALE, 0.0).float()
+        return (_sdpa_prefix_attention(q, k, v, SCALE, 0.0, split=True).float() - one_call).abs().max().item()
+
+
 def merge_error() -> float:
     """Max |tail merged from its two pieces by log-sum-exp - foundry's tail| on one forward (flash op, bf16)."""
     q, k, v = inputs(CHUNK, SEQ)
@@ -129,6 +139,7 @@ def main() -> int:
     args = parser.parse_args()
     variants: dict[str, list[tuple[Piece, Callable[[], Callable[[], torch.Tensor]]]]] = {
         "foundry": [(piece, lambda p=piece: foundry_piece(p[1], p[2])) for piece in FOUNDRY_PIECES],
+        "foundry-split": [(piece, lambda p=piece: foundry_piece(p[1], p[2], True)) for piece in FOUNDRY_PIECES],
         **{
             f"{name}-split": [
                 (piece, lambda p=piece, b=backend: pinned_piece(b, p[1], p[2], p[3])) for piece in SPLIT_PIECES
@@ -146,6 +157,8 @@ def main() -> int:
                 flops = piece_flops(queries, keys, causal, end_aligned=keys > queries and causal)
                 row |= {"ms": round(ms, 2), "tflops": round(flops / ms / 1e9, 1)}
                 row["kernels"] = kernel_names(run) if name in ("head", "tail") else []
+                if variant == "foundry-split" and name == "tail":
+                    row["max_abs_vs_foundry"] = split_error()
                 del run
             except Exception as error:  # a kernel that cannot run reports why
                 row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"

@@ -19,7 +19,9 @@ their gradients) and runs each local chunk against the prefix of the sequence it
 causal mask aligned to the chunk's end. Where the layer's kernel runs FlashAttention-4 (``flash`` on a
 Hopper or Blackwell GPU with the package, ``fa4``), the chunks run on its custom op, whose causal mask
 aligns to the last key when keys outnumber queries and which takes grouped-query heads as they are;
-elsewhere on SDPA (its FlashAttention-2 kernel on a GPU, its math on a CPU). Keys and values travel in
+elsewhere on SDPA (its FlashAttention-2 kernel on a GPU, its math on a CPU), or, with
+``parallelism.context_parallel_attention: split``, as a full block plus a causal square on cuDNN's kernel
+merged by their log-sum-exps (``foundry.distributed.split_attention``). Keys and values travel in
 the layout the model makes them, (batch, seq, kv_heads, head_dim), and the output is returned as a
 transposed view of (batch, seq, heads, head_dim): neither side copies to change layout. This is the
 all-gather form of context parallelism that Llama 3 was trained with; with grouped-query attention the
@@ -30,6 +32,7 @@ ALiBi, sliding windows and padding are refused, never applied wrongly.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -40,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from foundry.distributed.split_attention import end_aligned_attention, split_kernel
 from foundry.errors import ConfigError
 from foundry.targets import SHIFTED_LABELS_KEY, shifted_targets
 
@@ -86,8 +90,9 @@ def _describe(layout: torch.Tensor) -> str:
 class ContextParallel:
     """Splits batches over a cp mesh and, while ``active``, makes the wrapped attention gather keys and values."""
 
-    def __init__(self, cp_mesh: DeviceMesh) -> None:
+    def __init__(self, cp_mesh: DeviceMesh, attention: str = "end_aligned") -> None:
         self.mesh = cp_mesh
+        self.split = attention == "split"  # parallelism.context_parallel_attention
         self.rank, self.size = cp_mesh.get_local_rank(), cp_mesh.size()
         self.group = cp_mesh.get_group()
         self.active = False
@@ -194,7 +199,10 @@ class ContextParallel:
         whole_k, whole_v = (self._gather_sequence(x.transpose(1, 2)) for x in (k, v))  # (batch, seq, kv_heads, dim)
         q = q.transpose(1, 2)  # (batch, 2·chunk, heads, head_dim)
         chunk = q.shape[1] // 2
-        attend = _flash_attention4_prefix if flash_attention4 else _sdpa_prefix_attention
+        if flash_attention4:
+            attend = _flash_attention4_prefix
+        else:
+            attend = functools.partial(_sdpa_prefix_attention, split=self.split)
         head, tail = chunks_of_rank(self.rank, self.size)
         outputs = [
             attend(queries, whole_k[:, :key_len], whole_v[:, :key_len], scale, dropout_p)
@@ -225,9 +233,12 @@ def _flash_attention4_prefix(
 
 
 def _sdpa_prefix_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float, split: bool = False
 ) -> torch.Tensor:
-    """``_flash_attention4_prefix`` on SDPA, through transposed views: SDPA takes (batch, heads, seq, head_dim)."""
+    """``_flash_attention4_prefix`` on SDPA, through transposed views: SDPA takes (batch, heads, seq, head_dim).
+
+    ``split``: a chunk with more keys than queries runs as a full block and a causal square merged by their
+    log-sum-exps (``foundry.distributed.split_attention``) where that has a kernel and there is no dropout."""
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     key_len = k.shape[2]
     grouped = k.shape[1] != q.shape[1]
@@ -238,6 +249,9 @@ def _sdpa_prefix_attention(
         return out.transpose(1, 2)
     if grouped:  # the end-aligned causal kernels take equal head counts
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    kernel = split_kernel(q) if split and dropout_p == 0.0 else None
+    if kernel is not None:
+        return end_aligned_attention(q, k, v, scale, kernel).transpose(1, 2)
     if _flash_runs(q):
         # FlashAttention aligns its causal mask to the last key when keys outnumber queries. Called as the
         # op (as torch's CausalBias does) so that torch.compile traces it: CausalBias breaks the graph.
@@ -270,9 +284,11 @@ def _refuse_masks(inputs: Any) -> None:
         )
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> ContextParallel:
-    """Wrap the attention kernel of every attention layer of ``model``; returns what splits its batches."""
-    context_parallel = ContextParallel(cp_mesh)
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, attention: str = "end_aligned") -> ContextParallel:
+    """Wrap the attention kernel of every attention layer of ``model``; returns what splits its batches.
+
+    ``attention``: ``parallelism.context_parallel_attention`` (``end_aligned`` or ``split``)."""
+    context_parallel = ContextParallel(cp_mesh, attention)
     layers = [module for module in model.modules() if callable(getattr(module, "attn_fn", None))]
     if not layers:
         raise ConfigError(

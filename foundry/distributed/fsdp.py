@@ -94,7 +94,8 @@ def parallelize(
         _place_unsharded(model, config, device, precision)
         return Placement()
     mesh = dims.build_mesh(device.type)
-    batches = apply_context_parallel(model, mesh["cp"]) if dims.cp > 1 else WholeSequences()
+    cp_attention = parallelism.context_parallel_attention
+    batches = apply_context_parallel(model, mesh["cp"], cp_attention) if dims.cp > 1 else WholeSequences()
     rank0_weights = _rank0_weights(model, config.sync_module_states, device)
     expert_params = shard_experts(model, mesh.ep)  # FSDP leaves them be
     blocks = _wrap_blocks(model, config, device)

@@ -17,6 +17,7 @@ from foundry.algorithms.gradient_clipping import GradientClipping
 from foundry.callbacks.hand_over import HandOver
 from foundry.callbacks.speed_monitor import model_flops_per_batch
 from foundry.core import Callback
+from foundry.distributed import context_parallel as context_parallel_module
 from foundry.distributed import get_rank
 from foundry.distributed.config import ParallelismConfig
 from foundry.distributed.context_parallel import (
@@ -180,11 +181,11 @@ def test_cp_ranks_that_loaded_unequal_batches_are_all_told_which(ranks, differ_i
         assert "different shapes or keys" in message and rank1_loaded in message and "drop_last: true" in message
 
 
-def attention_against_full(kv_heads: int, flash_attention4: bool = False) -> dict:
+def attention_against_full(kv_heads: int, flash_attention4: bool = False, attention: str = "end_aligned") -> dict:
     """Split-sequence attention (forward and the gradients of q, k, v) next to full causal attention, and how many
     times the split repeated a tensor's heads (``repeat_interleave``)."""
     mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
-    context_parallel = ContextParallel(mesh["cp"])
+    context_parallel = ContextParallel(mesh["cp"], attention)
     generator = torch.Generator().manual_seed(0)  # the same whole q, k, v on both ranks
     q = torch.randn(2, 4, 16, 8, generator=generator, requires_grad=True)
     k, v = (torch.randn(2, kv_heads, 16, 8, generator=generator, requires_grad=True) for _ in range(2))
@@ -255,6 +256,38 @@ def test_split_sequence_attention_on_flash_attention4_matches_full_attention_wit
     # 16 tokens in 4 chunks: rank 0's head is square (4 queries, 4 keys), every other chunk ends a longer prefix
     assert rank0["kernel_calls"] == [(4, 4, kv_heads), (4, 16, kv_heads)]
     assert rank1["kernel_calls"] == [(4, 8, kv_heads), (4, 12, kv_heads)]
+
+
+def split_against_full(kv_heads: int) -> dict:
+    """``attention_against_full`` with ``context_parallel_attention: split``; the (queries, keys, kernel) of each
+    chunk that ran as merged pieces."""
+    calls = []
+    original = context_parallel_module.end_aligned_attention
+
+    def recording(q, k, v, scale, kernel):
+        calls.append((q.shape[2], k.shape[2], kernel))
+        return original(q, k, v, scale, kernel)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(context_parallel_module, "end_aligned_attention", recording)
+        result = attention_against_full(kv_heads, attention="split")
+    return {**result, "split_calls": calls}
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["multihead", "grouped-query"])
+def test_split_tail_chunks_merge_to_full_attention_forward_and_backward(ranks, kv_heads):
+    rank0, rank1 = ranks.run(2, split_against_full, kv_heads)
+    for result in (rank0, rank1):
+        assert_matches_full_attention(result)
+    # 16 tokens in 4 chunks: rank 0's head is square (plain causal SDPA); every longer prefix runs as two pieces
+    assert rank0["split_calls"] == [(4, 16, "cpu")]
+    assert rank1["split_calls"] == [(4, 8, "cpu"), (4, 12, "cpu")]
+
+
+def test_an_unknown_context_parallel_attention_is_refused_naming_the_key_and_choices():
+    choices = r"'parallelism.context_parallel_attention' is 'splitt'.*'end_aligned', 'split'"
+    with pytest.raises(ConfigError, match=choices):
+        ParallelismConfig(context_parallel_degree=2, context_parallel_attention="splitt")
 
 
 def test_the_sdpa_route_repeats_grouped_kv_heads_for_its_end_aligned_kernel(ranks):
@@ -332,9 +365,13 @@ def test_cp2_trains_exactly_like_one_rank(ranks, one_rank, tmp_path):
     assert_same_run(ranks.run(2, train, NUM_BATCHES, str(tmp_path), FULL_SHARD, parallelism=CP2)[0], one_rank)
 
 
-def test_cp2_llama_with_rope_and_grouped_query_attention_trains_like_one_rank(ranks, tmp_path):
+@pytest.mark.parametrize("attention", ["end_aligned", "split"])
+def test_cp2_llama_with_rope_and_grouped_query_attention_trains_like_one_rank(ranks, tmp_path, attention):
     reference = ranks.run(1, train, NUM_BATCHES, str(tmp_path / "one"), model_keys=LLAMA)[0]
-    result = ranks.run(2, train, NUM_BATCHES, str(tmp_path / "cp"), FULL_SHARD, model_keys=LLAMA, parallelism=CP2)
+    parallelism = {**CP2, "context_parallel_attention": attention}
+    result = ranks.run(
+        2, train, NUM_BATCHES, str(tmp_path / "cp"), FULL_SHARD, model_keys=LLAMA, parallelism=parallelism
+    )
     assert_same_run(result[0], reference)
 
 

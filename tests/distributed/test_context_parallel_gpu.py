@@ -1,8 +1,10 @@
 """Split-sequence attention on 2 GPUs (NCCL, bf16) against full attention: forward, backward, eager and compiled.
 
-Two routes: SDPA (any GPU), and FlashAttention-4 (Hopper or Blackwell with the flash-attn-4 package), the one
-a ``flash`` or ``fa4`` layer takes there. Each is compared with an fp32 reference on the same inputs: the
-context-parallel error must stay within twice the error of unsplit bf16 attention on the same kernel. Run as
+Three routes: SDPA (any GPU), ``split`` (``parallelism.context_parallel_attention: split``: each longer prefix
+as a full block plus a causal square on cuDNN's kernel, merged by log-sum-exp), and FlashAttention-4 (Hopper or
+Blackwell with the flash-attn-4 package), the one a ``flash`` or ``fa4`` layer takes there. Each is compared
+with an fp32 reference on the same inputs: the context-parallel error must stay within twice the error of
+unsplit bf16 attention on the same kernel. Run as
 tests (each skips where its route cannot run), or directly, which also times one attention layer's forward
 and backward on each route at the Llama-3.1-8B shape with 65,536 tokens over the 2 GPUs:
 ``torchrun --nproc-per-node 2 tests/distributed/test_context_parallel_gpu.py OUT_FOLDER [ROUTE ...]``
@@ -31,7 +33,7 @@ from foundry.models import flash_attention4
 # (batch, heads, kv_heads, seq, head_dim): Llama-8B's grouped-query heads; MPT's multi-head 64-wide heads
 SHAPES = {"llama_gqa": (1, 8, 2, 8192, 128), "mpt_mha": (2, 16, 16, 4096, 64)}
 TIMED_SHAPE = (1, 32, 8, 65536, 128)  # one Llama-3.1-8B attention layer at 64k tokens
-ROUTES = ("sdpa", "fa4")
+ROUTES = ("sdpa", "split", "fa4")
 
 
 def _two_gpus() -> bool:
@@ -66,12 +68,22 @@ def test_split_sequence_attention_matches_full_attention_on_two_gpus(tmp_path):
     _assert_within_bf16_error(_run_on_two_gpus(tmp_path, "sdpa"))
 
 
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA devices")
+def test_split_prefixes_merged_on_cudnn_match_full_attention_on_two_gpus(tmp_path):
+    _assert_within_bf16_error(_run_on_two_gpus(tmp_path, "split"))
+
+
 @pytest.mark.skipif(
     not _flash_attention4_installed_on_hopper_or_blackwell(),
     reason="needs 2 Hopper or Blackwell GPUs and flash-attn-4",
 )
 def test_split_sequence_attention_on_flash_attention4_matches_full_attention_on_two_gpus(tmp_path):
     _assert_within_bf16_error(_run_on_two_gpus(tmp_path, "fa4"))
+
+
+def cp_attention(route: str) -> str:
+    """``parallelism.context_parallel_attention`` for a route."""
+    return "split" if route == "split" else "end_aligned"
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -107,7 +119,7 @@ def compare(shape: tuple[int, ...], compiled: bool, route: str) -> dict[str, dic
     require_route(route, shape)
     device, rank = torch.device("cuda", torch.cuda.current_device()), int(os.environ["RANK"])
     mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cuda")
-    context_parallel = ContextParallel(mesh["cp"])
+    context_parallel = ContextParallel(mesh["cp"], cp_attention(route))
     generator = torch.Generator().manual_seed(0)  # the same whole inputs on both ranks
     inputs = [torch.randn(batch, n, seq, head_dim, generator=generator) for n in (heads, kv_heads, kv_heads)]
     weights = torch.randn(batch, heads, seq, head_dim, generator=generator).to(device)
@@ -146,7 +158,8 @@ def time_route(route: str, shape: tuple[int, ...] = TIMED_SHAPE, iterations: int
     require_route(route, shape)
     device = torch.device("cuda", torch.cuda.current_device())
     context_parallel = ContextParallel(
-        parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cuda")["cp"]
+        parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cuda")["cp"],
+        cp_attention(route),
     )
     local = seq // 2
     q, k, v = (

@@ -1,0 +1,152 @@
+"""Causal attention aligned to the last key, as kernel calls that only know square causal masks.
+
+Under context parallelism a rank's later chunk of queries attends to every key up to its own end: more keys
+than queries, with the causal mask aligned to the last key. Of SDPA's GPU kernels only FlashAttention-2 aligns
+it so, and on Hopper its backward is slow; cuDNN's kernel is 1.66× faster on the same work (a CP2 rank's share
+of a 64k-token Llama-8B layer, one H100: docs/PERFORMANCE.md "Long context") but masks from the first key. So
+the chunk runs as two calls: a full (unmasked) block over the keys before the chunk, and a causal square over
+the chunk's own keys. Their outputs merge by their log-sum-exps, as the kernels merge their own tiles:
+
+    lse = log(exp(lse_a) + exp(lse_b)),   out = out_a · exp(lse_a - lse) + out_b · exp(lse_b - lse)
+
+Backward calls each kernel's own backward with the merged output and log-sum-exp, which makes each piece's
+softmax the whole row's: the exact gradient, with no grad through the log-sum-exp (torch's ring attention does
+the same). Kernels (``KERNELS``): ``cudnn`` (CUDA, fp16/bf16, equal head counts), ``flash`` (CUDA
+FlashAttention-2, the reference for the GPU test) and ``cpu`` (the CPU's flash kernel, for the tests here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitKernel:
+    """One attention kernel's forward (returning the log-sum-exp) and backward (taking it), as aten ops.
+
+    ``forward(q, k, v, causal, scale) -> (out, lse, state)``; ``backward(grad, q, k, v, out, lse, state,
+    causal, scale) -> (dq, dk, dv)``. Tensors are (batch, heads, seq, head_dim); ``state`` is what the
+    kernel's backward needs beyond the tensors (its RNG state, sequence bookkeeping).
+    """
+
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]]
+    backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _cudnn_forward(q, k, v, causal, scale):  # type: ignore[no-untyped-def]
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, 0.0, causal, False, scale=scale
+    )
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _cudnn_backward(grad, q, k, v, out, lse, state, causal, scale):  # type: ignore[no-untyped-def]
+    cum_q, cum_k, max_q, max_k, seed, offset = state
+    return aten._scaled_dot_product_cudnn_attention_backward(
+        grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale
+    )
+
+
+def _flash_forward(q, k, v, causal, scale):  # type: ignore[no-untyped-def]
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale
+    )
+    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+
+def _flash_backward(grad, q, k, v, out, lse, state, causal, scale):  # type: ignore[no-untyped-def]
+    cum_q, cum_k, max_q, max_k, seed, offset = state
+    return aten._scaled_dot_product_flash_attention_backward(
+        grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
+    )
+
+
+def _cpu_forward(q, k, v, causal, scale):  # type: ignore[no-untyped-def]
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse, ()
+
+
+def _cpu_backward(grad, q, k, v, out, lse, state, causal, scale):  # type: ignore[no-untyped-def]
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+KERNELS = {
+    "cudnn": SplitKernel(_cudnn_forward, _cudnn_backward),
+    "flash": SplitKernel(_flash_forward, _flash_backward),
+    "cpu": SplitKernel(_cpu_forward, _cpu_backward),
+}
+
+
+def split_kernel(q: torch.Tensor) -> str | None:
+    """The kernel ``end_aligned_attention`` runs for ``q``: cuDNN on a CUDA GPU where SDPA may use it (fp16/bf16,
+    head_dim a multiple of 8 up to 128), the CPU's flash kernel on a CPU; None where neither runs."""
+    if q.is_cuda:
+        head_dim = q.shape[-1]
+        runs = q.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 128
+        return "cudnn" if runs and torch.backends.cuda.cudnn_sdp_enabled() else None
+    return "cpu" if q.device.type == "cpu" else None
+
+
+def end_aligned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kernel: str) -> torch.Tensor:
+    """Causal attention of q (batch, heads, queries, dim) over k, v (batch, heads, keys, dim), keys ≥ queries,
+    query i seeing keys up to ``keys - queries + i``; equal head counts. Returns (batch, heads, queries, dim)."""
+    if k.shape[2] < q.shape[2]:
+        raise ValueError(f"end_aligned_attention needs at least as many keys as queries: {k.shape[2]} < {q.shape[2]}")
+    return _EndAlignedAttention.apply(q, k, v, scale, KERNELS[kernel])
+
+
+class _EndAlignedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, scale, kernel):  # type: ignore[no-untyped-def, override]
+        before = k.shape[2] - q.shape[2]
+        pieces = (
+            [(slice(before, None), True)] if before == 0 else [(slice(0, before), False), (slice(before, None), True)]
+        )
+        outs, lses, states = [], [], []
+        for keys, causal in pieces:
+            out, lse, state = kernel.forward(q, k[:, :, keys], v[:, :, keys], causal, scale)
+            outs.append(out)
+            lses.append(lse)
+            states.append(state)
+        out, lse = _merge(outs, lses)
+        ctx.pieces, ctx.states, ctx.scale, ctx.kernel = pieces, states, scale, kernel
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad.stride() != out.stride():  # the kernels read the output and its gradient in one layout
+            grad = torch.empty_like(out).copy_(grad)
+        dq = dk = dv = None
+        dks, dvs = [], []
+        for (keys, causal), state in zip(ctx.pieces, ctx.states, strict=True):
+            piece_dq, piece_dk, piece_dv = ctx.kernel.backward(
+                grad, q, k[:, :, keys], v[:, :, keys], out, lse, state, causal, ctx.scale
+            )
+            dq = piece_dq if dq is None else dq + piece_dq
+            dks.append(piece_dk)
+            dvs.append(piece_dv)
+        dk, dv = torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
+        return dq, dk, dv, None, None
+
+
+def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pieces' outputs (batch, heads, queries, dim) weighted by their share of the row's softmax mass; the
+    merged log-sum-exp keeps the first piece's layout (each kernel's backward reads its own)."""
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    rows = outs[0].shape[:-1]  # (batch, heads, queries); a kernel may keep a trailing 1 on its log-sum-exp
+    dtype = torch.promote_types(outs[0].dtype, torch.float32)  # bf16 pieces merge in fp32, fp64 ones in fp64
+    lse_a, lse_b = (lse.reshape(rows).to(dtype) for lse in lses)
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = outs[0].to(dtype) * (lse_a - lse).exp().unsqueeze(-1) + outs[1].to(dtype) * (lse_b - lse).exp().unsqueeze(-1)
+    # the merged output in the layout the kernel gave its own (its backward expects out and grad alike)
+    merged = torch.empty_like(outs[1]).copy_(out)
+    return merged, lse.reshape(lses[1].shape).to(lses[1].dtype)

@@ -1,0 +1,82 @@
+"""End-aligned causal attention as a full block plus a causal square, merged by log-sum-exp (the CPU kernel)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foundry.distributed.split_attention import end_aligned_attention, split_kernel
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Softmax attention with query i seeing keys up to keys - queries + i, in the inputs' dtype."""
+    allowed = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2])
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize(("queries", "keys"), [(8, 24), (5, 13), (8, 8)], ids=["tail", "uneven", "square"])
+def test_merged_pieces_equal_one_end_aligned_softmax_forward_and_backward(queries, keys) -> None:
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 16, generator=generator, dtype=torch.float64) for n in (queries, keys, keys))
+    weights = torch.randn(2, 3, queries, 16, generator=generator, dtype=torch.float64)
+    got, want = {}, {}
+    for found, attend in ((got, lambda *x: end_aligned_attention(*x, 16**-0.5, "cpu")),
+                          (want, lambda *x: reference(*x, 16**-0.5))):  # fmt: skip
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = attend(*leaves)
+        (out * weights).sum().backward()
+        found.update(out=out.detach(), q=leaves[0].grad, k=leaves[1].grad, v=leaves[2].grad)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_bf16_pieces_merge_in_fp32_as_close_as_one_bf16_kernel_call() -> None:
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 4, n, 32, generator=generator) for n in (16, 64, 64))
+    exact = reference(q.double(), k.double(), v.double(), 32**-0.5)
+    merged = end_aligned_attention(*(x.bfloat16() for x in (q, k, v)), 32**-0.5, "cpu").double()
+    one_call = reference(*(x.bfloat16() for x in (q, k, v)), 32**-0.5).double()
+    assert (merged - exact).abs().max() <= 2 * (one_call - exact).abs().max()
+
+
+def test_a_gradient_in_another_layout_reaches_the_kernels_as_the_output_is_laid_out() -> None:
+    """The models hand attention's output on as a transposed view, so its gradient arrives strided."""
+    generator = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=generator, dtype=torch.float64) for n in (4, 12, 12))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    grad = torch.randn(1, 4, 2, 8, generator=generator, dtype=torch.float64).transpose(1, 2)  # (b, h, s, d) view
+    end_aligned_attention(*leaves, 8**-0.5, "cpu").backward(grad)
+    ref_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    reference(*ref_leaves, 8**-0.5).backward(grad)
+    for got, want in zip(leaves, ref_leaves, strict=True):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_fewer_keys_than_queries_is_refused_and_kernels_are_chosen_by_device() -> None:
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="at least as many keys as queries: 4 < 8"):
+        end_aligned_attention(q, q[:, :, :4], q[:, :, :4], 0.25, "cpu")
+    assert split_kernel(q) == "cpu"
+    assert split_kernel(q.to("meta")) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
+def test_gpu_kernels_merge_within_bf16_error_forward_and_backward(kernel) -> None:
+    """On the GPU kernels a CP rank's longer prefix runs on: errors against fp64 within twice one bf16 call's."""
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 4, n, 128, generator=generator) for n in (512, 2048, 2048))
+    weights = torch.randn(1, 4, 512, 128, generator=generator).cuda()
+    found = {}
+    for name, dtype, attend in (
+        ("exact", torch.float64, lambda *x: reference(*x, 128**-0.5)),
+        ("bf16_once", torch.bfloat16, lambda *x: reference(*x, 128**-0.5)),
+        ("merged", torch.bfloat16, lambda *x: end_aligned_attention(*x, 128**-0.5, kernel)),
+    ):
+        leaves = [x.to("cuda", dtype).requires_grad_() for x in (q, k, v)]
+        out = attend(*leaves)
+        (out.double() * weights.double()).sum().backward()
+        found[name] = [t.detach().double() for t in (out, *(x.grad for x in leaves))]
+    for tensor, exact, once, merged in zip(("out", "q", "k", "v"), *found.values(), strict=True):
+        assert (merged - exact).abs().max() <= 2 * (once - exact).abs().max() + 1e-3, tensor
