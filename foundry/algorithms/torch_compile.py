@@ -225,6 +225,9 @@ class CompiledForwards:
             except TorchDynamoException as error:
                 if _out_of_memory_cause(error) is not None:  # the caller (e.g. microbatch search) handles it
                     raise _out_of_memory_cause(error) from error
+                if _in_checkpointed_forward():
+                    self.error = error
+                    raise _checkpointed_failure(error) from error
                 self._fall_back(error)
                 return eager(*args, **kwargs)
             if first_call:
@@ -244,6 +247,27 @@ class CompiledForwards:
             stacklevel=3,
         )
         log.debug("torch.compile failure", exc_info=error)
+
+
+def _in_checkpointed_forward() -> bool:
+    """Whether this forward runs inside non-reentrant activation checkpointing (its saved-tensor hooks are on top)."""
+    top_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top_hooks(False) if top_hooks is not None else None
+    return hooks is not None and "_checkpoint_hook" in getattr(hooks[0], "__qualname__", "")
+
+
+def _checkpointed_failure(error: BaseException) -> ConfigError:
+    """Why a compiler error inside a checkpointed block stops the run: the part of the block that ran compiled
+    before the error saved tensors in the checkpoint, an eager re-run would save them again, and backward's
+    recomputation (eager only) would not match them."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return ConfigError(
+        f"torch.compile failed inside an activation-checkpointed block ({type(error).__name__}: {first_line}), "
+        "where the run cannot fall back to eager: the checkpoint already holds what the compiled part saved. "
+        "Set compile_config: false (or drop algorithms.torch_compile) to train this model eagerly with "
+        "checkpointing, or fsdp_config.activation_checkpointing: false to keep compile; TORCH_LOGS=+dynamo "
+        "shows why it failed."
+    )
 
 
 @contextlib.contextmanager

@@ -193,6 +193,36 @@ def test_a_compiler_error_falls_back_to_eager_with_one_warning(train, eager_loss
     assert trainer.state.timestamp.batch == 3
 
 
+def test_a_compiler_error_inside_a_checkpointed_block_stops_with_the_keys_to_change():
+    """Part of the block ran compiled (and saved tensors in the checkpoint) before the error; an eager re-run
+    would save them twice and backward's recomputation would refuse the mismatch (seen on GPUs, 2026-11-27)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from foundry.algorithms.torch_compile import CompiledForwards
+
+    graphs = []
+
+    def second_graph_fails(gm, example_inputs):
+        graphs.append(gm)
+        if len(graphs) > 1:
+            raise RuntimeError("the second graph does not compile")
+        return gm.forward
+
+    def block(x):
+        y = x.sin() * x
+        torch._dynamo.graph_break()
+        return (y.cos() * y).sum()
+
+    torch._dynamo.reset()
+    compiled = CompiledForwards().wrap(block, {"backend": second_graph_fails})
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(ConfigError, match="inside an activation-checkpointed block.*compile_config: false"):
+        checkpoint(compiled, x, use_reentrant=False)
+    assert len(graphs) == 2  # the first part had compiled and run
+    checkpoint(compiled, x, use_reentrant=False).backward()  # later calls run eager: no second failure
+    torch.testing.assert_close(x.grad, torch.func.grad(block)(x.detach()))
+
+
 def test_compile_config_auto_compiles_only_on_a_gpu():
     assert from_compile_config("auto", CPU, sharded=False) is None
     assert from_compile_config("auto", CUDA, sharded=False).scope == "model"
