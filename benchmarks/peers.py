@@ -6,7 +6,7 @@ Here, once (writes the token stream and LLM Foundry's YAMLs into DATA, and the p
         --tokenizer TOKENIZERS/gpt-neox-20b --llm-foundry-yamls REFERENCE/llm-foundry-yamls/pretrain --out data/peers
     python benchmarks/peers.py wheels --out .whl
 
-On the GPU machine (one GPU: five rows; ``--two-gpu``: the 8B pair on two GPUs; ``--long-context``: the 8B
+On the GPU machine (one GPU: five rows; ``--two-gpu``: the MPT-1B and 8B pairs on two GPUs; ``--long-context``: the 8B
 rows at 65,536 tokens with context parallelism on two GPUs, global batch 2, 1 warm-up + 2 timed steps):
 
     python benchmarks/peers.py run --data data/peers --wheels .whl --out $OUT [--rows ...] [--two-gpu | --long-context]

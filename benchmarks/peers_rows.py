@@ -133,6 +133,9 @@ ROWS = {
         Row("hf-trainer-llama-1b", "hf-trainer", LLAMA_1B, 1, 4, r"peers-step (\d+)", None, "foundry-llama-1b"),
         Row("foundry-llama-1b", "foundry", LLAMA_1B, 1, 16, FOUNDRY_STEP, yaml="yamls/pretrain/llama-1b.yaml"),
         Row("foundry-mpt-1b", "foundry", MPT_1B, 1, 16, FOUNDRY_STEP, yaml="yamls/pretrain/mpt-1b.yaml"),
+        Row("llm-foundry-mpt-1b-2gpu", "llm-foundry", MPT_1B, 2, 4, r"\[batch=(\d+)/", "llmf", "foundry-mpt-1b-2gpu",
+            yaml="llm-foundry/mpt-1b.yaml"),
+        Row("foundry-mpt-1b-2gpu", "foundry", MPT_1B, 2, 16, FOUNDRY_STEP, yaml="yamls/pretrain/mpt-1b.yaml"),
         Row("torchtitan-llama-8b", "torchtitan", LLAMA_8B, 2, 4, r"step:\s*(\d+)", "titan", "foundry-llama-8b",
             titan_flavor="8B", titan_ac="full"),
         Row("foundry-llama-8b", "foundry", LLAMA_8B, 2, 4, FOUNDRY_STEP, yaml="yamls/pretrain/llama-8b.yaml"),
@@ -217,10 +220,19 @@ def _llm_foundry(row: Row, settings: Settings) -> tuple[list[str], dict[str, str
     overrides = _yaml_overrides(row, settings)
     if settings.smoke:
         overrides += ["device_train_microbatch_size=2", f"variables.max_seq_len={SMOKE_SEQ_LEN}"]
+        overrides += ["fsdp_config=null"] if row.gpus > 1 else []  # Composer's FSDP needs CUDA: DDP over gloo
     elif not settings.flash_attn_available:
         # flash-attn's package also holds the fused cross-entropy its YAML's loss_fn names
         overrides += ["model.attn_config.attn_impl=torch", "model.loss_fn=torch_crossentropy"]
-    return [sys.executable, "-c", LLM_FOUNDRY_TRAIN_PY, str(yaml), *overrides], {"RUN_NAME": row.name}
+    if row.gpus == 1:
+        return [sys.executable, "-c", LLM_FOUNDRY_TRAIN_PY, str(yaml), *overrides], {"RUN_NAME": row.name}
+    # several GPUs: Composer reads torchrun's RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, and NODE_RANK
+    # (which its own launcher sets and torchrun does not)
+    script = settings.work / "llm_foundry_train.py"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(LLM_FOUNDRY_TRAIN_PY + "\n")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={row.gpus}"]
+    return [*launch, str(script), str(yaml), *overrides], {"RUN_NAME": row.name, "NODE_RANK": "0"}
 
 
 def _hf_trainer(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]]:
