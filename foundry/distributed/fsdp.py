@@ -89,7 +89,8 @@ def parallelize(
         How the model moves gradients and parameters between microbatches, and how batches are split.
     """
     layout, reshard_after_forward = STRATEGIES[config.sharding_strategy]
-    dims = parallel_dims(layout, with_fsdp_aliases(parallelism or ParallelismConfig(), config))
+    parallelism = with_fsdp_aliases(parallelism or ParallelismConfig(), config)
+    dims = parallel_dims(layout, parallelism)
     if not shards(config, device):  # one rank: parallel_dims refused any degree above 1
         _place_unsharded(model, config, device, precision)
         return Placement()

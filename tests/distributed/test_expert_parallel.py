@@ -77,27 +77,29 @@ def test_ep2_trains_as_fsdp_alone_with_clipping_and_the_load_balancing_loss(rank
         torch.testing.assert_close(ep["weights"][name], weight, atol=1e-5, rtol=0, msg=name)
 
 
-def train_compiled_and_checkpointed(folder: str, parallelism: dict) -> dict | None:
-    """moe-1b-7b.yaml's way on 2 ranks: regional compile (aot_eager) of blocks that are all checkpointed."""
+def train_checkpointed(folder: str, parallelism: dict, compiled: bool) -> dict | None:
+    """moe-1b-7b.yaml's way on 2 ranks: every block checkpointed, with regional compile (aot_eager) or eager."""
     import warnings
 
     from distributed.jobs import build_trainer, summary
 
     torch._dynamo.reset()
     fsdp_config = {**FSDP, "activation_checkpointing": True}
+    compile_config = {"backend": "aot_eager"} if compiled else False
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="torch.compile failed")  # no silent fall-back to eager
         trainer = build_trainer(3, folder, fsdp_config, model_keys=moe_keys(0.01),
-                                compile_config={"backend": "aot_eager"}, **parallelism)  # fmt: skip
+                                compile_config=compile_config, **parallelism)  # fmt: skip
         trainer.fit()
     return summary(trainer)
 
 
+@pytest.mark.slow  # compiling the expert-parallel blocks on two CPU ranks: about 20 s
 def test_ep2_compiles_and_recomputes_checkpointed_blocks_as_fsdp_alone(ranks, tmp_path) -> None:
-    """A compiled expert-parallel block once failed to trace (the DTensor weights) and its eager fall-back
+    """A compiled expert-parallel block once failed to trace (the DTensor weights), and its eager fall-back
     inside a checkpointed block saved tensors twice, which recomputation refused (GPU run, 2026-11-27)."""
-    fsdp = ranks.run(2, train_compiled_and_checkpointed, str(tmp_path / "fsdp"), {})[0]
-    ep = ranks.run(2, train_compiled_and_checkpointed, str(tmp_path / "ep"), EP2)[0]
+    fsdp = ranks.run(2, train_checkpointed, str(tmp_path / "fsdp"), {}, False)[0]
+    ep = ranks.run(2, train_checkpointed, str(tmp_path / "ep"), EP2, True)[0]
     assert ep["losses"] == pytest.approx(fsdp["losses"], abs=1e-5)
     for name, weight in fsdp["weights"].items():
         torch.testing.assert_close(ep["weights"][name], weight, atol=1e-5, rtol=0, msg=name)
