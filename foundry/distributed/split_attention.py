@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 aten = torch.ops.aten
+_SAVED = object()  # marks a kernel state's tensor, saved with save_for_backward (a state may also hold None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,18 +116,23 @@ class _EndAlignedAttention(torch.autograd.Function):
             lses.append(lse)
             states.append(state)
         out, lse = _merge(outs, lses)
-        ctx.pieces, ctx.states, ctx.scale, ctx.kernel = pieces, states, scale, kernel
-        ctx.save_for_backward(q, k, v, out, lse)
+        # the kernels' state tensors are saved as tensors (what torch.compile traces), the rest kept as values
+        state_tensors = [x for state in states for x in state if isinstance(x, torch.Tensor)]
+        ctx.states = [[_SAVED if isinstance(x, torch.Tensor) else x for x in state] for state in states]
+        ctx.pieces, ctx.scale, ctx.kernel = pieces, scale, kernel
+        ctx.save_for_backward(q, k, v, out, lse, *state_tensors)
         return out
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *state_tensors = ctx.saved_tensors
+        tensors = iter(state_tensors)
+        states = [tuple(next(tensors) if x is _SAVED else x for x in state) for state in ctx.states]
         if grad.stride() != out.stride():  # the kernels read the output and its gradient in one layout
             grad = torch.empty_like(out).copy_(grad)
         dq = dk = dv = None
         dks, dvs = [], []
-        for (keys, causal), state in zip(ctx.pieces, ctx.states, strict=True):
+        for (keys, causal), state in zip(ctx.pieces, states, strict=True):
             piece_dq, piece_dk, piece_dv = ctx.kernel.backward(
                 grad, q, k[:, :, keys], v[:, :, keys], out, lse, state, causal, ctx.scale
             )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -80,3 +82,34 @@ def test_gpu_kernels_merge_within_bf16_error_forward_and_backward(kernel) -> Non
         found[name] = [t.detach().double() for t in (out, *(x.grad for x in leaves))]
     for tensor, exact, once, merged in zip(("out", "q", "k", "v"), *found.values(), strict=True):
         assert (merged - exact).abs().max() <= 2 * (once - exact).abs().max() + 1e-3, tensor
+
+
+def test_kernel_state_reaches_each_backward_eager_and_compiled(monkeypatch) -> None:
+    """The GPU kernels return state their backward needs (tensors, sizes, undefined tensors as None): a kernel
+    built on the CPU's returns such a state and scales its gradients by keys-in-state / keys, which is 1 only
+    where each piece's backward gets its own state back, eager and compiled."""
+    from foundry.distributed import split_attention
+
+    def forward(q, k, v, causal, scale):
+        out, lse, _ = split_attention.KERNELS["cpu"].forward(q, k, v, causal, scale)
+        return out, lse, (None, torch.tensor([float(k.shape[2])]), k.shape[2])
+
+    def backward(grad, q, k, v, out, lse, state, causal, scale):
+        undefined, keys, count = state
+        assert undefined is None and count == k.shape[2]
+        grads = split_attention.KERNELS["cpu"].backward(grad, q, k, v, out, lse, (), causal, scale)
+        return tuple(g * (keys / k.shape[2]) for g in grads)
+
+    monkeypatch.setitem(split_attention.KERNELS, "stateful", split_attention.SplitKernel(forward, backward))
+    generator = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=generator) for n in (4, 12, 12))
+    grads = {}
+    for name, kernel, compiled in (("cpu", "cpu", False), ("eager", "stateful", False), ("compiled", "stateful", True)):
+        attend = functools.partial(end_aligned_attention, scale=8**-0.5, kernel=kernel)
+        attend = torch.compile(attend, backend="aot_eager", fullgraph=True) if compiled else attend
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        attend(*leaves).sum().backward()
+        grads[name] = [x.grad for x in leaves]
+    for name in ("eager", "compiled"):
+        for got, want in zip(grads[name], grads["cpu"], strict=True):
+            torch.testing.assert_close(got, want)
