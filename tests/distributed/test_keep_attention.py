@@ -151,26 +151,31 @@ def test_keep_attention_with_reentrant_checkpointing_names_both_keys():
         ActivationCheckpointing(reentrant=True, keep_attention=True)
 
 
-def train_counting_attention_kernels(folder: str, fsdp_config: dict) -> dict | None:
+def train_counting_attention_kernels(folder: str, fsdp_config: dict, attention: str) -> dict | None:
     """Two CP2 steps of the tiny Llama; rank 0 returns the summary and the attention kernels this rank ran."""
+    parallelism = {"context_parallel_degree": 2, "context_parallel_attention": attention}
     trainer = build_trainer(2, folder, {"sharding_strategy": "FULL_SHARD", **fsdp_config}, model_keys=LLAMA,
-                            parallelism={"context_parallel_degree": 2})  # fmt: skip
+                            parallelism=parallelism)  # fmt: skip
     with AttentionKernelCounter() as counter:
         trainer.fit()
     result = summary(trainer)
     return None if result is None else {**result, "kernels": counter.calls}
 
 
-def train_plain_and_keeping_attention(folder: str) -> tuple[dict, dict] | None:
-    plain = train_counting_attention_kernels(f"{folder}/plain", CHECKPOINTING)
-    kept = train_counting_attention_kernels(f"{folder}/kept", KEEP_ATTENTION)
+def train_plain_and_keeping_attention(folder: str, attention: str) -> tuple[dict, dict] | None:
+    plain = train_counting_attention_kernels(f"{folder}/plain", CHECKPOINTING, attention)
+    kept = train_counting_attention_kernels(f"{folder}/kept", KEEP_ATTENTION, attention)
     return None if plain is None else (plain, kept)
 
 
-def test_context_parallel_keeps_attention_with_the_same_losses_and_weights(ranks, tmp_path):
-    """Under CP each layer runs two kernels (the rank's head and tail chunks); keep_attention runs them once."""
-    plain, kept = ranks.run(2, train_plain_and_keeping_attention, str(tmp_path))[0]
-    forward_kernels = 2 * N_LAYERS * 2  # two chunks per layer, two steps
+@pytest.mark.parametrize(("attention", "kernels_per_layer"), [("end_aligned", 2), ("split", 3)])
+def test_context_parallel_keeps_attention_with_the_same_losses_and_weights(
+    ranks, tmp_path, attention, kernels_per_layer
+):
+    """Under CP rank 0 runs each layer's head chunk as one kernel call and its tail as one (end_aligned) or two
+    (split: the block before it and its causal square); keep_attention runs them once, not again in backward."""
+    plain, kept = ranks.run(2, train_plain_and_keeping_attention, str(tmp_path), attention)[0]
+    forward_kernels = kernels_per_layer * N_LAYERS * 2  # two steps
     assert (plain["kernels"], kept["kernels"]) == (2 * forward_kernels, forward_kernels)
     assert kept["losses"] == pytest.approx(plain["losses"], rel=1e-6)
     for name, weight in plain["weights"].items():
