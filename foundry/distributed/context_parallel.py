@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -252,6 +253,13 @@ def _sdpa_prefix_attention(
     kernel = split_kernel(q) if split and dropout_p == 0.0 else None
     if kernel is not None:
         return end_aligned_attention(q, k, v, scale, kernel).transpose(1, 2)
+    if split:
+        why = "attention dropout is on" if dropout_p else f"no kernel runs it here ({q.device.type}, {q.dtype})"
+        warnings.warn(
+            f"parallelism.context_parallel_attention is 'split', but {why}: the chunks run 'end_aligned' "
+            "(split needs cuDNN's attention: a CUDA GPU, fp16/bf16, head_dim <= 128, no dropout; or a CPU).",
+            stacklevel=2,
+        )
     if _flash_runs(q):
         # FlashAttention aligns its causal mask to the last key when keys outnumber queries. Called as the
         # op (as torch's CausalBias does) so that torch.compile traces it: CausalBias breaks the graph.

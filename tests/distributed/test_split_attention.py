@@ -113,3 +113,15 @@ def test_kernel_state_reaches_each_backward_eager_and_compiled(monkeypatch) -> N
     for name in ("eager", "compiled"):
         for got, want in zip(grads[name], grads["cpu"], strict=True):
             torch.testing.assert_close(got, want)
+
+
+def test_split_with_dropout_warns_and_runs_the_end_aligned_chunk() -> None:
+    from foundry.distributed.context_parallel import _sdpa_prefix_attention
+
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, n, 2, 8, generator=generator) for n in (4, 12, 12))  # (batch, seq, heads, dim)
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="'split', but attention dropout is on: the chunks run 'end_aligned'"):
+        split = _sdpa_prefix_attention(q, k, v, 8**-0.5, 0.5, split=True)
+    torch.manual_seed(0)
+    torch.testing.assert_close(split, _sdpa_prefix_attention(q, k, v, 8**-0.5, 0.5))
