@@ -375,6 +375,27 @@ def test_cp2_llama_with_rope_and_grouped_query_attention_trains_like_one_rank(ra
     assert_same_run(result[0], reference)
 
 
+def train_compiled(max_batches: int, folder: str, **kwargs) -> dict | None:
+    """``train`` with regional compile (aot_eager); a compile fall-back to eager fails the run."""
+    import warnings
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="torch.compile failed")
+        return train(max_batches, folder, compile_config={"backend": "aot_eager"}, **kwargs)
+
+
+@pytest.mark.slow  # compiling on two CPU ranks
+def test_cp2_split_attention_compiles_into_the_blocks_and_trains_like_one_rank(ranks, tmp_path):
+    reference = ranks.run(1, train, NUM_BATCHES, str(tmp_path / "one"), model_keys=LLAMA)[0]
+    parallelism = {**CP2, "context_parallel_attention": "split"}
+    result = ranks.run(
+        2, train_compiled, NUM_BATCHES, str(tmp_path / "cp"), fsdp_config=FULL_SHARD, model_keys=LLAMA,
+        parallelism=parallelism,
+    )  # fmt: skip
+    assert_same_run(result[0], reference)
+
+
 class WeightsAfterEachStep(Callback):
     """The full weights (gathered from FSDP's shards) and the pre-clip gradient norm after every batch."""
 
