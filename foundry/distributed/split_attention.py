@@ -130,7 +130,7 @@ class _EndAlignedAttention(torch.autograd.Function):
         states = [tuple(next(tensors) if x is _SAVED else x for x in state) for state in ctx.states]
         if grad.stride() != out.stride():  # the kernels read the output and its gradient in one layout
             grad = torch.empty_like(out).copy_(grad)
-        dq = dk = dv = None
+        dq = None
         dks, dvs = [], []
         for (keys, causal), state in zip(ctx.pieces, states, strict=True):
             piece_dq, piece_dk, piece_dv = ctx.kernel.backward(
@@ -144,8 +144,8 @@ class _EndAlignedAttention(torch.autograd.Function):
 
 
 def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pieces' outputs (batch, heads, queries, dim) weighted by their share of the row's softmax mass; the
-    merged log-sum-exp keeps the first piece's layout (each kernel's backward reads its own)."""
+    """The pieces' outputs (batch, heads, queries, dim) weighted by their share of the row's softmax mass. The
+    merged output and log-sum-exp keep the layouts the kernel gave the pieces (its backward reads its own)."""
     if len(outs) == 1:
         return outs[0], lses[0]
     rows = outs[0].shape[:-1]  # (batch, heads, queries); a kernel may keep a trailing 1 on its log-sum-exp
