@@ -118,7 +118,8 @@ class ParallelismConfig:
             "how a rank's later chunk attends to the keys before it under context parallelism: 'end_aligned', "
             "one kernel call whose causal mask aligns to the last key (FlashAttention-2 through SDPA, or "
             "FlashAttention-4); 'split', a full block plus a causal square on cuDNN's kernel merged by their "
-            "log-sum-exps (1.66x faster attention on an H100 at 64k; docs/DISTRIBUTED.md)"
+            "log-sum-exps (1.66x faster attention on an H100 at 64k; FlashAttention-4 still runs where it would; "
+            "docs/DISTRIBUTED.md)"
         ),
     )
     expert_parallel_degree: int = field(
