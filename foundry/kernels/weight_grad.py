@@ -72,6 +72,8 @@ class _LinearSummingWeightGrad(torch.autograd.Function):
     def forward(ctx, x, weight, compute_weight, bias, grad_sum):  # type: ignore[override]
         # ``weight`` only ties the output to the graph (it gets no gradient from autograd): without it a
         # layer whose input needs no gradient would return a tensor that backward cannot start from.
+        # ``compute_weight`` None: the weight itself (fp32), not passed twice, which torch.compile cannot trace.
+        compute_weight = weight if compute_weight is None else compute_weight
         dtype = compute_weight.dtype
         with torch.autocast(x.device.type, enabled=False):
             x_c = x.to(dtype)
@@ -110,6 +112,8 @@ class AccumulatingLinear(nn.Linear):
         compute_weight = self.compute_weight
         if compute_weight is None or compute_weight.dtype != (autocast_dtype(x.device.type) or self.weight.dtype):
             compute_weight = self.weight.to(autocast_dtype(x.device.type) or self.weight.dtype)
+        if compute_weight is self.weight:  # fp32: the Function reads the weight itself
+            compute_weight = None
         return _LinearSummingWeightGrad.apply(x, self.weight, compute_weight, self.bias, self.weight_grad_sum)
 
 

@@ -71,7 +71,8 @@ def test_fp32_gradients_and_weights_equal_autograds_over_microbatches_and_steps(
     # On a CPU, aot_eager traces what inductor traces (dynamo and AOT autograd through the custom function)
     # without inductor's C++ code generation, which takes most of a minute on 2 cores; on a GPU, inductor.
     backend = "inductor" if kernel_device.type == "cuda" else "aot_eager"
-    run = torch.compile(model, backend=backend) if compile_model else model
+    # fullgraph: in fp32 the weight once reached the function twice, a graph break at every linear
+    run = torch.compile(model, backend=backend, fullgraph=True) if compile_model else model
     got = _train(model, _microbatches(kernel_device), None, sums, run)
     want = _train(reference, _microbatches(kernel_device), None)
     for step_got, step_want in zip(got, want, strict=True):
