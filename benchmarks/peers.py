@@ -32,9 +32,12 @@ framework reports itself is kept beside these (``own``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -109,10 +112,13 @@ def run_row(row: Row, settings: Settings, wheels: Path, sites: dict[str, Path], 
 def watch(argv: list[str], env: dict[str, str], step_pattern: re.Pattern, timeout_s: int) -> dict:
     """Run ``argv``; stamp the first line naming each step, poll GPU memory, keep the output."""
     started_s = time.perf_counter()
+    # its own process group: a timeout kills the launcher and every worker it started, which would otherwise
+    # keep their GPU memory (the next row then runs out of it) and the output pipe open
     process = subprocess.Popen(argv, env=env, cwd=Path(__file__).resolve().parent.parent, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=1)  # fmt: skip
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=1,
+                               start_new_session=True)  # fmt: skip
     memory = MemoryPoller()
-    timer = threading.Timer(timeout_s, process.kill)
+    timer = threading.Timer(timeout_s, os.killpg, (process.pid, signal.SIGKILL))
     timer.start()
     step_times_s: dict[int, float] = {}
     log: list[str] = []
@@ -123,6 +129,8 @@ def watch(argv: list[str], env: dict[str, str], step_pattern: re.Pattern, timeou
             step_times_s.setdefault(int(match.group(1)), time.perf_counter() - started_s)
     returncode = process.wait()
     timer.cancel()
+    with contextlib.suppress(ProcessLookupError):  # workers left behind by a launcher that exited
+        os.killpg(process.pid, signal.SIGKILL)
     killed = not timer.finished.is_set() or returncode == -9
     return {"returncode": returncode, "killed": killed and returncode < 0, "wall_s": time.perf_counter() - started_s,
             "step_times_s": step_times_s, "peak_gib": memory.stop(), "log": log}  # fmt: skip
@@ -140,6 +148,9 @@ class MemoryPoller:
 
     def _poll(self) -> None:
         query = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # nvidia-smi ignores it: a shared machine's other GPUs
+        if visible:
+            query.append(f"--id={visible}")
         while not self._done.wait(1.0):
             output = subprocess.run(query, capture_output=True, text=True).stdout
             used = [float(value) for value in output.split() if value.replace(".", "", 1).isdigit()]

@@ -23,6 +23,8 @@ Long context (``LONG_CONTEXT_ROWS``, two GPUs, 65,536-token sequences, one seque
 - ``foundry-llama-8b-64k``: ``foundry train yamls/pretrain/llama-8b-64k.yaml --nproc 2`` as shipped: context
   parallelism over both GPUs (head-tail balanced), FSDP2 over both, every block checkpointed keeping attention
   outputs, AdamW moments in bf16, on the same tokens cut into 65,536-token samples (``mds-65536``).
+- ``foundry-llama-8b-64k-split``: the same with ``parallelism.context_parallel_attention=split`` (each rank's
+  tail chunk as cuDNN calls merged by log-sum-exp, instead of FlashAttention-2's end-aligned kernel).
 - ``torchtitan-llama-8b-64k``: its 8B TOML's settings with what its context parallelism asks for:
   ``parallelism.context_parallel_degree = 2`` (its FSDP then shards over dp_shard x cp = both GPUs), its SDPA
   attention (the only kind its CP runs for Llama 3 without a document mask; cuDNN, then flash, kernels), its
@@ -120,6 +122,7 @@ class Row:
     context_parallel: int = 1  # torchtitan's parallelism.context_parallel_degree (foundry's is in its YAML)
     titan_dtype: str = "float32"  # torchtitan's training.dtype: of its weights, gradients and optimizer moments
     timeout_s: int | None = None  # where it differs from --row-timeout's default
+    overrides: tuple[str, ...] = ()  # foundry rows: key=value overrides on top of the YAML
 
 
 FOUNDRY_STEP = r"\[batch (\d+)/"
@@ -143,6 +146,9 @@ ROWS = {
         # (expected out of memory). Timeouts: start-up ~90 s (foundry) / ~50 s (torchtitan) + 3 steps of ~20-25 s.
         Row("foundry-llama-8b-64k", "foundry", LLAMA_8B, 2, 1, FOUNDRY_STEP, yaml="yamls/pretrain/llama-8b-64k.yaml",
             seq_len=LONG_SEQ_LEN, timeout_s=220),
+        Row("foundry-llama-8b-64k-split", "foundry", LLAMA_8B, 2, 1, FOUNDRY_STEP,
+            yaml="yamls/pretrain/llama-8b-64k.yaml", seq_len=LONG_SEQ_LEN, timeout_s=220,
+            overrides=("parallelism.context_parallel_attention=split",)),
         Row("torchtitan-llama-8b-64k-bf16", "torchtitan", LLAMA_8B, 2, 1, r"step:\s*(\d+)", "titan",
             "foundry-llama-8b-64k", titan_flavor="8B", titan_ac="full", seq_len=LONG_SEQ_LEN, context_parallel=2,
             titan_dtype="bfloat16", timeout_s=180),
@@ -207,6 +213,7 @@ def _foundry(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]]:
         *_yaml_overrides(row, settings),
         "console_log_interval=1ba",
         f"run_folder={settings.work / 'runs' / row.name}",
+        *row.overrides,
     ]
     if settings.smoke:
         microbatch = min(2, row.microbatch)

@@ -44,6 +44,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from foundry.distributed import split_attention  # noqa: F401  (registers foundry.end_aligned_attention_forward)
 from foundry.errors import ConfigError
 
 _KEY = "model.activation_checkpointing_target"
@@ -58,8 +59,10 @@ _ALIASES = {
 
 
 # The attention kernels foundry's layers dispatch (foundry.models.attention, distributed.context_parallel):
-# SDPA's fused backends, its CPU flash kernel, other accelerators' fused SDPA, and FlashAttention-4 (a custom
-# op that exists once foundry.models is imported). Looked up by name: an op this torch lacks is skipped.
+# SDPA's fused backends, its CPU flash kernel, other accelerators' fused SDPA, FlashAttention-4 (a custom
+# op that exists once foundry.models is imported) and context parallelism's split route (a custom op that
+# runs several kernels: kept whole, its merged output, not the pieces'). Looked up by name: an op this torch
+# lacks is skipped.
 _ATTENTION_OPS = (
     "aten._scaled_dot_product_flash_attention",
     "aten._scaled_dot_product_cudnn_attention",
@@ -67,6 +70,7 @@ _ATTENTION_OPS = (
     "aten._scaled_dot_product_flash_attention_for_cpu",
     "aten._scaled_dot_product_fused_attention_overrideable",
     "foundry.flash_attention4_forward",
+    "foundry.end_aligned_attention_forward",
 )
 
 

@@ -13,18 +13,21 @@ Backward calls each kernel's own backward with the merged output and log-sum-exp
 softmax the whole row's: the exact gradient, with no grad through the log-sum-exp (torch's ring attention does
 the same). Kernels (``KERNELS``): ``cudnn`` (CUDA, fp16/bf16, equal head counts), ``flash`` (CUDA
 FlashAttention-2, the reference for the GPU test) and ``cpu`` (the CPU's flash kernel, for the tests here).
+
+Forward and backward are custom ops (``foundry::end_aligned_attention_forward`` / ``_backward``), one call each
+whatever the pieces: torch.compile traces them whole, and selective checkpointing (``keep_attention``) keeps
+the forward's merged output and log-sum-exp, as it keeps one SDPA kernel's; it would keep every piece's output,
+twice the tail chunk's, if it saw the kernels one by one (an 8B model at 64k then runs out of memory).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 aten = torch.ops.aten
-_SAVED = object()  # marks a kernel state's tensor, saved with save_for_backward (a state may also hold None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,45 +35,45 @@ class SplitKernel:
     """One attention kernel's forward (returning the log-sum-exp) and backward (taking it), as aten ops.
 
     ``forward(q, k, v, causal, scale) -> (out, lse, state)``; ``backward(grad, q, k, v, out, lse, state,
-    causal, scale) -> (dq, dk, dv)``. Tensors are (batch, heads, seq, head_dim); ``state`` is what the
-    kernel's backward needs beyond the tensors (its RNG state, sequence bookkeeping).
+    causal, scale) -> (dq, dk, dv)``. Tensors are (batch, heads, seq, head_dim); ``state`` is the tensors the
+    kernel's backward needs beyond those (its RNG state); sequence lengths come from the shapes (dense inputs).
     """
 
-    forward: Callable[..., tuple[torch.Tensor, torch.Tensor, tuple[Any, ...]]]
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def _cudnn_forward(q, k, v, causal, scale):  # type: ignore[no-untyped-def]
-    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+    out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, True, 0.0, causal, False, scale=scale
     )
-    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+    return out, lse, [seed, offset]
 
 
 def _cudnn_backward(grad, q, k, v, out, lse, state, causal, scale):  # type: ignore[no-untyped-def]
-    cum_q, cum_k, max_q, max_k, seed, offset = state
+    seed, offset = state
     return aten._scaled_dot_product_cudnn_attention_backward(
-        grad, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale
+        grad, q, k, v, out, lse, seed, offset, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale
     )
 
 
 def _flash_forward(q, k, v, causal, scale):  # type: ignore[no-untyped-def]
-    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+    out, lse, _, _, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
         q, k, v, 0.0, causal, False, scale=scale
     )
-    return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+    return out, lse, [seed, offset]
 
 
 def _flash_backward(grad, q, k, v, out, lse, state, causal, scale):  # type: ignore[no-untyped-def]
-    cum_q, cum_k, max_q, max_k, seed, offset = state
+    seed, offset = state
     return aten._scaled_dot_product_flash_attention_backward(
-        grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed, offset, scale=scale
+        grad, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale
     )
 
 
 def _cpu_forward(q, k, v, causal, scale):  # type: ignore[no-untyped-def]
     out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-    return out, lse, ()
+    return out, lse, []
 
 
 def _cpu_backward(grad, q, k, v, out, lse, state, causal, scale):  # type: ignore[no-untyped-def]
@@ -99,48 +102,81 @@ def end_aligned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     query i seeing keys up to ``keys - queries + i``; equal head counts. Returns (batch, heads, queries, dim)."""
     if k.shape[2] < q.shape[2]:
         raise ValueError(f"end_aligned_attention needs at least as many keys as queries: {k.shape[2]} < {q.shape[2]}")
-    return _EndAlignedAttention.apply(q, k, v, scale, KERNELS[kernel])
+    return torch.ops.foundry.end_aligned_attention_forward(q, k, v, scale, kernel)[0]
 
 
-class _EndAlignedAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, scale, kernel):  # type: ignore[no-untyped-def, override]
-        before = k.shape[2] - q.shape[2]
-        pieces = (
-            [(slice(before, None), True)] if before == 0 else [(slice(0, before), False), (slice(before, None), True)]
+def _pieces(queries: int, keys: int) -> list[tuple[slice, bool]]:
+    """(keys, causal) of each kernel call: the keys before the chunk unmasked, then the chunk's own causally."""
+    before = keys - queries
+    return [(slice(before, None), True)] if before == 0 else [(slice(0, before), False), (slice(before, None), True)]
+
+
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kernel: str
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The merged output (the kernel's layout), its log-sum-exp, and every piece's kernel state, in order."""
+    outs, lses, states = [], [], []
+    for keys, causal in _pieces(q.shape[2], k.shape[2]):
+        out, lse, state = KERNELS[kernel].forward(q, k[:, :, keys], v[:, :, keys], causal, scale)
+        outs.append(out)
+        lses.append(lse)
+        states += state
+    out, lse = _merge(outs, lses)
+    return out, lse, states
+
+
+def _backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    states: list[torch.Tensor],
+    scale: float,
+    kernel: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv: each piece's kernel backward with the merged output and log-sum-exp, summed over pieces."""
+    if grad.stride() != out.stride():  # the kernels read the output and its gradient in one layout
+        grad = torch.empty_like(out).copy_(grad)
+    pieces = _pieces(q.shape[2], k.shape[2])
+    per_piece = len(states) // len(pieces)
+    dq, dks, dvs = None, [], []
+    for index, (keys, causal) in enumerate(pieces):
+        state = states[index * per_piece : (index + 1) * per_piece]
+        piece_dq, piece_dk, piece_dv = KERNELS[kernel].backward(
+            grad, q, k[:, :, keys], v[:, :, keys], out, lse, state, causal, scale
         )
-        outs, lses, states = [], [], []
-        for keys, causal in pieces:
-            out, lse, state = kernel.forward(q, k[:, :, keys], v[:, :, keys], causal, scale)
-            outs.append(out)
-            lses.append(lse)
-            states.append(state)
-        out, lse = _merge(outs, lses)
-        # the kernels' state tensors are saved as tensors (what torch.compile traces), the rest kept as values
-        state_tensors = [x for state in states for x in state if isinstance(x, torch.Tensor)]
-        ctx.states = [[_SAVED if isinstance(x, torch.Tensor) else x for x in state] for state in states]
-        ctx.pieces, ctx.scale, ctx.kernel = pieces, scale, kernel
-        ctx.save_for_backward(q, k, v, out, lse, *state_tensors)
-        return out
+        dq = piece_dq if dq is None else dq + piece_dq
+        dks.append(piece_dk)
+        dvs.append(piece_dv)
+    return dq, torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
 
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
-        q, k, v, out, lse, *state_tensors = ctx.saved_tensors
-        tensors = iter(state_tensors)
-        states = [tuple(next(tensors) if x is _SAVED else x for x in state) for state in ctx.states]
-        if grad.stride() != out.stride():  # the kernels read the output and its gradient in one layout
-            grad = torch.empty_like(out).copy_(grad)
-        dq = None
-        dks, dvs = [], []
-        for (keys, causal), state in zip(ctx.pieces, states, strict=True):
-            piece_dq, piece_dk, piece_dv = ctx.kernel.backward(
-                grad, q, k[:, :, keys], v[:, :, keys], out, lse, state, causal, ctx.scale
-            )
-            dq = piece_dq if dq is None else dq + piece_dq
-            dks.append(piece_dk)
-            dvs.append(piece_dv)
-        dk, dv = torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
-        return dq, dk, dv, None, None
+
+# No device_types: one implementation calls whichever aten kernel ``kernel`` names, on any device. The aten
+# kernels have fake implementations, so the same code run on fake tensors gives torch.compile the outputs' metadata.
+_forward_op = torch.library.custom_op("foundry::end_aligned_attention_forward", _forward, mutates_args=())
+_forward_op.register_fake(_forward)
+_backward_op = torch.library.custom_op("foundry::end_aligned_attention_backward", _backward, mutates_args=())
+_backward_op.register_fake(_backward)
+
+
+def _setup_context(ctx: torch.autograd.function.FunctionCtx, inputs: tuple, output: tuple) -> None:
+    q, k, v, scale, kernel = inputs
+    out, lse, states = output
+    ctx.save_for_backward(q, k, v, out, lse, *states)
+    ctx.scale, ctx.kernel = scale, kernel
+
+
+def _autograd_backward(ctx, grad_out, grad_lse, grad_states):  # type: ignore[no-untyped-def]
+    q, k, v, out, lse, *states = ctx.saved_tensors
+    dq, dk, dv = torch.ops.foundry.end_aligned_attention_backward(
+        grad_out, q, k, v, out, lse, states, ctx.scale, ctx.kernel
+    )
+    return dq, dk, dv, None, None
+
+
+_forward_op.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -168,12 +168,13 @@ def train_plain_and_keeping_attention(folder: str, attention: str) -> tuple[dict
     return None if plain is None else (plain, kept)
 
 
-@pytest.mark.parametrize(("attention", "kernels_per_layer"), [("end_aligned", 2), ("split", 3)])
+@pytest.mark.parametrize(("attention", "kernels_per_layer"), [("end_aligned", 2), ("split", 2)])
 def test_context_parallel_keeps_attention_with_the_same_losses_and_weights(
     ranks, tmp_path, attention, kernels_per_layer
 ):
-    """Under CP rank 0 runs each layer's head chunk as one kernel call and its tail as one (end_aligned) or two
-    (split: the block before it and its causal square); keep_attention runs them once, not again in backward."""
+    """Under CP rank 0 runs each layer's head chunk as one kernel call and its tail as one: SDPA's (end_aligned)
+    or the split op (its block before the chunk and causal square in one call, whose merged output is what
+    selective checkpointing keeps); keep_attention runs them once, not again in backward."""
     plain, kept = ranks.run(2, train_plain_and_keeping_attention, str(tmp_path), attention)[0]
     forward_kernels = kernels_per_layer * N_LAYERS * 2  # two steps
     assert (plain["kernels"], kept["kernels"]) == (2 * forward_kernels, forward_kernels)

@@ -85,19 +85,18 @@ def test_gpu_kernels_merge_within_bf16_error_forward_and_backward(kernel) -> Non
 
 
 def test_kernel_state_reaches_each_backward_eager_and_compiled(monkeypatch) -> None:
-    """The GPU kernels return state their backward needs (tensors, sizes, undefined tensors as None): a kernel
-    built on the CPU's returns such a state and scales its gradients by keys-in-state / keys, which is 1 only
-    where each piece's backward gets its own state back, eager and compiled."""
+    """The GPU kernels return state tensors their backward needs (their RNG state): a kernel built on the CPU's
+    returns its piece's key count as such a state and scales its gradients by keys-in-state / keys, which is 1
+    only where each piece's backward gets its own state back, eager and compiled."""
     from foundry.distributed import split_attention
 
     def forward(q, k, v, causal, scale):
         out, lse, _ = split_attention.KERNELS["cpu"].forward(q, k, v, causal, scale)
-        return out, lse, (None, torch.tensor([float(k.shape[2])]), k.shape[2])
+        return out, lse, [torch.full((1,), float(k.shape[2]))]
 
     def backward(grad, q, k, v, out, lse, state, causal, scale):
-        undefined, keys, count = state
-        assert undefined is None and count == k.shape[2]
-        grads = split_attention.KERNELS["cpu"].backward(grad, q, k, v, out, lse, (), causal, scale)
+        (keys,) = state
+        grads = split_attention.KERNELS["cpu"].backward(grad, q, k, v, out, lse, [], causal, scale)
         return tuple(g * (keys / k.shape[2]) for g in grads)
 
     monkeypatch.setitem(split_attention.KERNELS, "stateful", split_attention.SplitKernel(forward, backward))
