@@ -247,7 +247,7 @@ def _sdpa_prefix_attention(
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=grouped
         )
-        return out.transpose(1, 2)
+        return _GradientInOutputLayout.apply(out).transpose(1, 2)
     if grouped:  # the end-aligned causal kernels take equal head counts
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     kernel = split_kernel(q) if split and dropout_p == 0.0 else None
@@ -268,6 +268,27 @@ def _sdpa_prefix_attention(
     # A plain bool mask, not torch's CausalBias: a tensor subclass cannot be made under selective checkpointing.
     mask = torch.ones(q.shape[2], key_len, dtype=torch.bool, device=q.device).tril(key_len - q.shape[2])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale).transpose(1, 2)
+
+
+class _GradientInOutputLayout(torch.autograd.Function):
+    """Identity whose backward hands the gradient on in the output's own strides.
+
+    A chunk's output gradient arrives as a slice of the whole sequence's (``torch.cat``'s backward), which is
+    not dense where a microbatch holds several sequences; SDPA's cuDNN backward then gives wrong gradients
+    (tests/distributed/test_context_parallel_gpu.py). One copy of the chunk's gradient puts it in the layout
+    of the output the kernel wrote, as its backward reads both.
+    """
+
+    @staticmethod
+    def forward(ctx, out):  # type: ignore[no-untyped-def, override]
+        ctx.layout = out.stride()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
+        if grad.stride() == ctx.layout:
+            return grad
+        return torch.empty_strided(grad.shape, ctx.layout, dtype=grad.dtype, device=grad.device).copy_(grad)
 
 
 def _flash_runs(q: torch.Tensor) -> bool:

@@ -63,6 +63,45 @@ def _assert_within_bf16_error(errors_by_case: dict) -> None:
         assert errors["context_parallel"] <= 2 * errors["full_bf16"] + 1e-3, (name, errors)
 
 
+# A chunk's output gradient as torch.cat's backward hands it on: a slice of the whole (batch, 2·chunk, heads,
+# head_dim) gradient (not dense with 2 sequences), or of a (batch, heads, 2·chunk, head_dim) one, as here.
+CHUNK_GRADIENT_LAYOUTS = {
+    "batch_padded": lambda b, c, h, d, g: torch.randn(b, 2 * c, h, d, generator=g)[:, :c],
+    "head_padded": lambda b, c, h, d, g: torch.randn(b, h, 2 * c, d, generator=g)[:, :, :c].transpose(1, 2),
+}
+
+
+def chunk_gradients(backend, grad: torch.Tensor, inputs: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+    """dq, dk, dv of the first chunk's attention (the route's SDPA call) for an output gradient ``grad``."""
+    from torch.nn.attention import sdpa_kernel
+
+    from foundry.distributed.context_parallel import _sdpa_prefix_attention
+
+    leaves = [x.to("cuda", dtype).requires_grad_() for x in inputs]
+    with sdpa_kernel(backend):
+        out = _sdpa_prefix_attention(*leaves, leaves[0].shape[-1] ** -0.5, 0.0)
+        out.backward(grad.to("cuda", dtype))
+    return [x.grad.double() for x in leaves]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", sorted(CHUNK_GRADIENT_LAYOUTS))
+@pytest.mark.parametrize("backend", ["CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"])
+def test_a_chunk_gradient_sliced_from_the_whole_gives_each_sdpa_kernel_its_exact_gradients(backend, layout):
+    """Within twice the error of the same kernel given a dense gradient (fp32 math as the reference)."""
+    from torch.nn.attention import SDPBackend
+
+    generator = torch.Generator().manual_seed(0)
+    batch, chunk, heads, head_dim = 2, 512, 8, 64
+    inputs = [torch.randn(batch, chunk, heads, head_dim, generator=generator) for _ in range(3)]  # q, k, v
+    grad = CHUNK_GRADIENT_LAYOUTS[layout](batch, chunk, heads, head_dim, generator)
+    exact = chunk_gradients(SDPBackend.MATH, grad.contiguous(), inputs, torch.float32)
+    dense = chunk_gradients(getattr(SDPBackend, backend), grad.contiguous(), inputs, torch.bfloat16)
+    sliced = chunk_gradients(getattr(SDPBackend, backend), grad, inputs, torch.bfloat16)
+    for name, want, once, got in zip("qkv", exact, dense, sliced, strict=True):
+        assert (got - want).abs().max() <= 2 * (once - want).abs().max() + 1e-3, name
+
+
 @pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA devices")
 def test_split_sequence_attention_matches_full_attention_on_two_gpus(tmp_path):
     _assert_within_bf16_error(_run_on_two_gpus(tmp_path, "sdpa"))

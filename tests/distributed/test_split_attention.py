@@ -12,7 +12,7 @@ from foundry.distributed.split_attention import end_aligned_attention, split_ker
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention with query i seeing keys up to keys - queries + i, in the inputs' dtype."""
-    allowed = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).tril(k.shape[2] - q.shape[2])
+    allowed = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
     scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
     return scores.softmax(-1) @ v
 
