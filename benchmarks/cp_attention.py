@@ -66,7 +66,7 @@ def inputs(queries: int, keys: int) -> tuple[torch.Tensor, ...]:
 
 def foundry_piece(queries: int, keys: int, split: bool = False) -> Callable[[], torch.Tensor]:
     q, k, v = inputs(queries, keys)
-    return lambda: _sdpa_prefix_attention(q, k, v, SCALE, 0.0, split=split)
+    return lambda: _sdpa_prefix_attention(q, k, v, SCALE, 0.0, attention="split" if split else "end_aligned")
 
 
 def pinned_piece(backend: SDPBackend, queries: int, keys: int, causal: bool) -> Callable[[], torch.Tensor]:
@@ -112,8 +112,8 @@ def split_error() -> float:
     """Max |foundry's split tail - its end-aligned tail| on one forward (bf16)."""
     q, k, v = inputs(CHUNK, SEQ)
     with torch.no_grad():
-        one_call = _sdpa_prefix_attention(q, k, v, SCALE, 0.0).float()
-        return (_sdpa_prefix_attention(q, k, v, SCALE, 0.0, split=True).float() - one_call).abs().max().item()
+        one_call = _sdpa_prefix_attention(q, k, v, SCALE, 0.0, attention="end_aligned").float()
+        return (_sdpa_prefix_attention(q, k, v, SCALE, 0.0, attention="split").float() - one_call).abs().max().item()
 
 
 def merge_error() -> float:

@@ -23,7 +23,9 @@ moments, schedule, gradient clipping, FSDP2 and activation checkpointing, compil
 Rows (``--rows`` picks; each is skipped when the time left in ``--budget-s`` is below its estimate):
 
 - ``llama8b-64k-cp2``: ``yamls/pretrain/llama-8b-64k.yaml`` as shipped: 65,536 tokens, CP2, checkpointed blocks
-  keeping their attention outputs (``fsdp_config.activation_checkpointing_keep_attention``).
+  keeping their attention outputs (``fsdp_config.activation_checkpointing_keep_attention``), its
+  ``context_parallel_attention: auto`` (cuDNN split on a GPU); ``llama8b-64k-cp2-end-aligned``: the same with
+  ``end_aligned`` (FlashAttention-2's end-aligned kernel for the chunks that see more keys than they hold).
 - ``llama8b-64k-cp2-recompute-attention``: the same with attention recomputed in backward (plain checkpointing:
   about 8 GiB less a GPU, docs/DISTRIBUTED.md); ``llama8b-64k-cp2-float8``: the YAML with ``algorithms.float8``.
 - ``llama8b-128k-cp2``: the same YAML at 131,072 tokens, CP2, attention recomputed (by the memory arithmetic
@@ -95,7 +97,7 @@ ROWS: dict[str, tuple[str, int, int, int, int, int]] = {
     "llama8b-64k-cp2": (LLAMA_8B_64K, 65536, 2, 4, 1, 150),
     "llama8b-64k-cp2-recompute-attention": (LLAMA_8B_64K, 65536, 2, 4, 1, 150),
     "llama8b-64k-cp2-float8": (LLAMA_8B_64K, 65536, 2, 4, 1, 150),
-    "llama8b-64k-cp2-split": (LLAMA_8B_64K, 65536, 2, 4, 1, 150),
+    "llama8b-64k-cp2-end-aligned": (LLAMA_8B_64K, 65536, 2, 4, 1, 150),
     # 64k: 24 s a batch, about half of it attention; at 128k attention quadruples and the rest doubles (~72 s)
     "llama8b-128k-cp2": (LLAMA_8B_64K, 131072, 2, 3, 1, 300),
     "llama8b-128k-cp2-lora": (LLAMA_8B_64K, 131072, 2, 3, 1, 260),
@@ -147,7 +149,7 @@ ROW_OVERRIDES: dict[str, list[str]] = {
     "llama8b-64k-cp2-recompute-attention": [RECOMPUTE_ATTENTION],
     "llama8b-64k-cp2-float8": ["algorithms.float8={}"],  # torchao (foundry[float8]) on the GPU machine
     # the tail chunks as a full block plus a causal square on cuDNN, merged (benchmarks/cp_attention.py)
-    "llama8b-64k-cp2-split": ["parallelism.context_parallel_attention=split"],
+    "llama8b-64k-cp2-end-aligned": ["parallelism.context_parallel_attention=end_aligned"],
     "llama8b-16k-reduce-fp32": ["fsdp_config.mixed_precision=DEFAULT"],
     # 128k: attention recomputed (kept outputs would add 16 GiB a GPU)
     "llama8b-128k-cp2": [RECOMPUTE_ATTENTION],
@@ -158,7 +160,7 @@ ROW_OVERRIDES: dict[str, list[str]] = {
 # opt-in rows (--rows names them): not part of a default call's budget
 OPT_IN_ROWS = (
     "llama8b-64k-cp2-recompute-attention",
-    "llama8b-64k-cp2-float8", "llama8b-64k-cp2-split", "llama8b-128k-cp2", "llama8b-128k-cp2-lora",
+    "llama8b-64k-cp2-float8", "llama8b-64k-cp2-end-aligned", "llama8b-128k-cp2", "llama8b-128k-cp2-lora",
     "llama8b-128k-cp2-lora-keep-attention", "llama8b-16k-reduce-fp32",
     "llama8b-8k", "llama8b-8k-repeat", "llama8b-8k-cp2",
 )  # fmt: skip

@@ -23,8 +23,9 @@ Long context (``LONG_CONTEXT_ROWS``, two GPUs, 65,536-token sequences, one seque
 - ``foundry-llama-8b-64k``: ``foundry train yamls/pretrain/llama-8b-64k.yaml --nproc 2`` as shipped: context
   parallelism over both GPUs (head-tail balanced), FSDP2 over both, every block checkpointed keeping attention
   outputs, AdamW moments in bf16, on the same tokens cut into 65,536-token samples (``mds-65536``).
-- ``foundry-llama-8b-64k-split``: the same with ``parallelism.context_parallel_attention=split`` (each rank's
-  tail chunk as cuDNN calls merged by log-sum-exp, instead of FlashAttention-2's end-aligned kernel).
+- ``foundry-llama-8b-64k-end-aligned``: the same with ``parallelism.context_parallel_attention=end_aligned``
+  (the chunks that see more keys than they hold on FlashAttention-2's end-aligned kernel, instead of the
+  YAML's ``auto``, which on an H100 splits them into cuDNN calls merged by log-sum-exp).
 - ``torchtitan-llama-8b-64k``: its 8B TOML's settings with what its context parallelism asks for:
   ``parallelism.context_parallel_degree = 2`` (its FSDP then shards over dp_shard x cp = both GPUs), its SDPA
   attention (the only kind its CP runs for Llama 3 without a document mask; cuDNN, then flash, kernels), its
@@ -146,12 +147,12 @@ ROWS = {
         # (expected out of memory). Timeouts: start-up ~90 s (foundry) / ~50 s (torchtitan) + 3 steps of ~20-25 s.
         Row("foundry-llama-8b-64k", "foundry", LLAMA_8B, 2, 1, FOUNDRY_STEP, yaml="yamls/pretrain/llama-8b-64k.yaml",
             seq_len=LONG_SEQ_LEN, timeout_s=220),
-        Row("foundry-llama-8b-64k-split", "foundry", LLAMA_8B, 2, 1, FOUNDRY_STEP,
-            yaml="yamls/pretrain/llama-8b-64k.yaml", seq_len=LONG_SEQ_LEN, timeout_s=220,
-            overrides=("parallelism.context_parallel_attention=split",)),
         Row("torchtitan-llama-8b-64k-bf16", "torchtitan", LLAMA_8B, 2, 1, r"step:\s*(\d+)", "titan",
             "foundry-llama-8b-64k", titan_flavor="8B", titan_ac="full", seq_len=LONG_SEQ_LEN, context_parallel=2,
             titan_dtype="bfloat16", timeout_s=180),
+        Row("foundry-llama-8b-64k-end-aligned", "foundry", LLAMA_8B, 2, 1, FOUNDRY_STEP,
+            yaml="yamls/pretrain/llama-8b-64k.yaml", seq_len=LONG_SEQ_LEN, timeout_s=220,
+            overrides=("parallelism.context_parallel_attention=end_aligned",)),
         Row("torchtitan-llama-8b-64k", "torchtitan", LLAMA_8B, 2, 1, r"step:\s*(\d+)", "titan",
             "foundry-llama-8b-64k", titan_flavor="8B", titan_ac="full", seq_len=LONG_SEQ_LEN, context_parallel=2,
             timeout_s=110),

@@ -137,6 +137,13 @@ def test_long_context_flag_runs_the_long_rows_with_short_defaults() -> None:
     peers.resolve_defaults(args)
     assert (args.global_batch, args.warmup, args.steps) == (2, 1, 4)
     assert peers_rows.LONG_CONTEXT_ROWS == ["foundry-llama-8b-64k", "torchtitan-llama-8b-64k-bf16",
-                                            "torchtitan-llama-8b-64k"]  # fmt: skip
+                                            "foundry-llama-8b-64k-end-aligned", "torchtitan-llama-8b-64k"]  # fmt: skip
     assert not set(peers_rows.LONG_CONTEXT_ROWS) & set(peers_rows.TWO_GPU_ROWS)
-    assert all(peers_rows.ROWS[name].compare_to == "foundry-llama-8b-64k" for name in peers_rows.LONG_CONTEXT_ROWS[1:])
+    peer_rows = [name for name in peers_rows.LONG_CONTEXT_ROWS if peers_rows.ROWS[name].framework != "foundry"]
+    assert all(peers_rows.ROWS[name].compare_to == "foundry-llama-8b-64k" for name in peer_rows)
+
+
+def test_a_foundry_row_passes_its_overrides_after_the_shared_ones(tmp_path: Path) -> None:
+    settings = peers_rows.Settings(tmp_path, tmp_path, global_batch=2, steps=3, peak_tflops=1000.0)
+    argv, _ = peers_rows.command(peers_rows.ROWS["foundry-llama-8b-64k-end-aligned"], settings)
+    assert argv[-3:] == ["parallelism.context_parallel_attention=end_aligned", "--nproc", "2"]

@@ -19,9 +19,10 @@ their gradients) and runs each local chunk against the prefix of the sequence it
 causal mask aligned to the chunk's end. Where the layer's kernel runs FlashAttention-4 (``flash`` on a
 Hopper or Blackwell GPU with the package, ``fa4``), the chunks run on its custom op, whose causal mask
 aligns to the last key when keys outnumber queries and which takes grouped-query heads as they are;
-elsewhere on SDPA (its FlashAttention-2 kernel on a GPU, its math on a CPU), or, with
-``parallelism.context_parallel_attention: split``, as a full block plus a causal square on cuDNN's kernel
-merged by their log-sum-exps (``foundry.distributed.split_attention``). Keys and values travel in
+elsewhere, by ``parallelism.context_parallel_attention``, as a full block plus a causal square on cuDNN's
+kernel (the CPU's on a CPU) merged by their log-sum-exps (``split``, ``foundry.distributed.split_attention``;
+``auto`` where it runs) or on SDPA's end-aligned kernel (``end_aligned``: FlashAttention-2 on a GPU, a masked
+kernel on a CPU). Keys and values travel in
 the layout the model makes them, (batch, seq, kv_heads, head_dim), and the output is returned as a
 transposed view of (batch, seq, heads, head_dim): neither side copies to change layout. This is the
 all-gather form of context parallelism that Llama 3 was trained with; with grouped-query attention the
@@ -91,9 +92,9 @@ def _describe(layout: torch.Tensor) -> str:
 class ContextParallel:
     """Splits batches over a cp mesh and, while ``active``, makes the wrapped attention gather keys and values."""
 
-    def __init__(self, cp_mesh: DeviceMesh, attention: str = "end_aligned") -> None:
+    def __init__(self, cp_mesh: DeviceMesh, attention: str = "auto") -> None:
         self.mesh = cp_mesh
-        self.split = attention == "split"  # parallelism.context_parallel_attention
+        self.attention_route = attention  # parallelism.context_parallel_attention
         self.rank, self.size = cp_mesh.get_local_rank(), cp_mesh.size()
         self.group = cp_mesh.get_group()
         self.active = False
@@ -203,7 +204,7 @@ class ContextParallel:
         if flash_attention4:
             attend = _flash_attention4_prefix
         else:
-            attend = functools.partial(_sdpa_prefix_attention, split=self.split)
+            attend = functools.partial(_sdpa_prefix_attention, attention=self.attention_route)
         head, tail = chunks_of_rank(self.rank, self.size)
         outputs = [
             attend(queries, whole_k[:, :key_len], whole_v[:, :key_len], scale, dropout_p)
@@ -234,12 +235,14 @@ def _flash_attention4_prefix(
 
 
 def _sdpa_prefix_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float, split: bool = False
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float, attention: str = "auto"
 ) -> torch.Tensor:
     """``_flash_attention4_prefix`` on SDPA, through transposed views: SDPA takes (batch, heads, seq, head_dim).
 
-    ``split``: a chunk with more keys than queries runs as a full block and a causal square merged by their
-    log-sum-exps (``foundry.distributed.split_attention``) where that has a kernel and there is no dropout."""
+    ``attention`` (``parallelism.context_parallel_attention``): with ``split`` or ``auto``, a chunk with more
+    keys than queries runs as a full block and a causal square merged by their log-sum-exps
+    (``foundry.distributed.split_attention``) where that has a kernel and there is no dropout; ``split`` warns
+    where it cannot."""
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     key_len = k.shape[2]
     grouped = k.shape[1] != q.shape[1]
@@ -250,10 +253,10 @@ def _sdpa_prefix_attention(
         return _GradientInOutputLayout.apply(out).transpose(1, 2)
     if grouped:  # the end-aligned causal kernels take equal head counts
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-    kernel = split_kernel(q) if split and dropout_p == 0.0 else None
+    kernel = split_kernel(q) if attention != "end_aligned" and dropout_p == 0.0 else None
     if kernel is not None:
         return end_aligned_attention(q, k, v, scale, kernel).transpose(1, 2)
-    if split:
+    if attention == "split":
         why = "attention dropout is on" if dropout_p else f"no kernel runs it here ({q.device.type}, {q.dtype})"
         warnings.warn(
             f"parallelism.context_parallel_attention is 'split', but {why}: the chunks run 'end_aligned' "
@@ -313,10 +316,10 @@ def _refuse_masks(inputs: Any) -> None:
         )
 
 
-def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, attention: str = "end_aligned") -> ContextParallel:
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, attention: str = "auto") -> ContextParallel:
     """Wrap the attention kernel of every attention layer of ``model``; returns what splits its batches.
 
-    ``attention``: ``parallelism.context_parallel_attention`` (``end_aligned`` or ``split``)."""
+    ``attention``: ``parallelism.context_parallel_attention`` (``auto``, ``end_aligned`` or ``split``)."""
     context_parallel = ContextParallel(cp_mesh, attention)
     layers = [module for module in model.modules() if callable(getattr(module, "attn_fn", None))]
     if not layers:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -121,6 +123,29 @@ def test_split_with_dropout_warns_and_runs_the_end_aligned_chunk() -> None:
     q, k, v = (torch.randn(1, n, 2, 8, generator=generator) for n in (4, 12, 12))  # (batch, seq, heads, dim)
     torch.manual_seed(0)
     with pytest.warns(UserWarning, match="'split', but attention dropout is on: the chunks run 'end_aligned'"):
-        split = _sdpa_prefix_attention(q, k, v, 8**-0.5, 0.5, split=True)
+        split = _sdpa_prefix_attention(q, k, v, 8**-0.5, 0.5, attention="split")
     torch.manual_seed(0)
-    torch.testing.assert_close(split, _sdpa_prefix_attention(q, k, v, 8**-0.5, 0.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # auto, the default, runs end_aligned there without a word
+        auto = _sdpa_prefix_attention(q, k, v, 8**-0.5, 0.5)
+    torch.manual_seed(0)
+    end_aligned = _sdpa_prefix_attention(q, k, v, 8**-0.5, 0.5, attention="end_aligned")
+    torch.testing.assert_close(split, end_aligned)
+    torch.testing.assert_close(auto, end_aligned)
+
+
+def test_auto_splits_where_a_kernel_runs_and_end_aligned_does_not() -> None:
+    from foundry.distributed import split_attention
+    from foundry.distributed.context_parallel import _sdpa_prefix_attention
+
+    generator = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, n, 2, 8, generator=generator) for n in (4, 12, 12))  # (batch, seq, heads, dim)
+    cpu = split_attention.KERNELS["cpu"]
+    for attention, kernel_calls in (("auto", 2), ("split", 2), ("end_aligned", 0)):
+        calls: list[int] = []
+        counting = split_attention.SplitKernel(
+            lambda *args, calls=calls: calls.append(1) or cpu.forward(*args), cpu.backward
+        )
+        with mock.patch.dict(split_attention.KERNELS, {"cpu": counting}):
+            _sdpa_prefix_attention(q, k, v, 8**-0.5, 0.0, attention=attention)
+        assert len(calls) == kernel_calls, attention
