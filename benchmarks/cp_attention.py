@@ -8,11 +8,11 @@ to all 65,536 keys (causal aligned to the last key); rank 1's quarters cost the 
 that work, forward + backward in bf16 (32 query heads, 8 key/value heads, head_dim 128):
 
 - ``foundry``: what ``ContextParallel.split_sequence_attention`` runs on the gathered keys and values
-  (``foundry.distributed.context_parallel._sdpa_prefix_attention``): the head through SDPA with grouped
-  heads, the tail through FlashAttention-2's op (the one SDPA kernel that aligns a causal mask to the last
-  key) on heads repeated to 32.
-- ``foundry-split``: the same with ``parallelism.context_parallel_attention: split``
-  (``foundry.distributed.split_attention``: the tail's two pieces on cuDNN, merged, with their backward).
+  (``foundry.distributed.context_parallel._sdpa_prefix_attention``) with ``context_parallel_attention:
+  end_aligned``: the head through SDPA with grouped heads, the tail through FlashAttention-2's op (the one SDPA
+  kernel that aligns a causal mask to the last key) on heads repeated to 32.
+- ``foundry-split``: the same with ``split`` (what ``auto``, the default, runs on a GPU with cuDNN;
+  ``foundry.distributed.split_attention``: the tail's two pieces on cuDNN, merged, with their backward).
 - ``flash2-split``, ``cudnn-split``: the same work in pieces a square-causal kernel runs: the head (causal),
   and the tail as a full block over the first 49,152 keys plus a causal square over the last 16,384, each
   piece on SDPA pinned to one backend (cuDNN on heads repeated to 32, as it takes equal head counts). The
@@ -21,6 +21,11 @@ that work, forward + backward in bf16 (32 query heads, 8 key/value heads, head_d
 
 FLOPs are the work done (the causal half skipped), backward counted as 2.5 forwards (five matmuls to
 two), so TFLOP/s is each kernel's real rate; ``layer_ms`` × 32 layers is one microbatch's attention.
+
+``gradient_layouts`` (small shapes): each SDPA kernel's dq, dk, dv against fp32 math when the output's
+gradient is dense, or a slice of a larger gradient (two sequences of a batch, or heads of a (batch, heads,
+seq, dim) gradient), as ``torch.cat``'s backward hands CP's first chunk one: SDPA alone, and through
+foundry's chunk path, which copies such a gradient into the output's layout first.
 """
 
 from __future__ import annotations
@@ -131,6 +136,42 @@ def merge_error() -> float:
     return (merged.transpose(1, 2) - expected).abs().max().item()
 
 
+def gradient_layout_errors() -> dict[str, list[float]]:
+    """Relative error of (dq, dk, dv) by kernel and output-gradient layout, SDPA alone and foundry's chunk path."""
+    generator = torch.Generator().manual_seed(0)
+    batch, chunk, heads, dim = 2, 512, 8, 64
+    inputs = [torch.randn(batch, chunk, heads, dim, generator=generator) for _ in range(3)]  # (batch, seq, heads, dim)
+    grads = {
+        "dense": torch.randn(batch, chunk, heads, dim, generator=generator),
+        "batch_sliced": torch.randn(batch, 2 * chunk, heads, dim, generator=generator)[:, :chunk],
+        "head_sliced": torch.randn(batch, heads, 2 * chunk, dim, generator=generator)[:, :, :chunk].transpose(1, 2),
+    }
+
+    def gradients(backend: SDPBackend, grad: torch.Tensor, dtype: torch.dtype, foundry: bool) -> list[torch.Tensor]:
+        leaves = [x.to("cuda", dtype, copy=True).requires_grad_() for x in inputs]
+        with sdpa_kernel(backend):
+            if foundry:
+                out = _sdpa_prefix_attention(*leaves, dim**-0.5, 0.0)
+            else:
+                out = F.scaled_dot_product_attention(*(x.transpose(1, 2) for x in leaves), is_causal=True)
+                out = out.transpose(1, 2)
+            out.backward(grad.to("cuda", dtype))
+        return [x.grad.double() for x in leaves]
+
+    errors = {}
+    for layout, grad in grads.items():
+        exact = gradients(SDPBackend.MATH, grad.contiguous(), torch.float32, False)
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                              ("efficient", SDPBackend.EFFICIENT_ATTENTION)):  # fmt: skip
+            for path in ("sdpa", "foundry"):
+                try:
+                    got = gradients(backend, grad, torch.bfloat16, path == "foundry")
+                    errors[f"{name}/{path}/{layout}"] = [((g - e).norm() / e.norm()).item() for g, e in zip(got, exact)]
+                except RuntimeError as error:  # a kernel that cannot run these inputs
+                    errors[f"{name}/{path}/{layout}"] = [f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"]
+    return errors
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warmup", type=int, default=3)
@@ -176,7 +217,13 @@ def main() -> int:
         rows.append({"variant": "flash2-split", "piece": "merge_error", "max_abs": merge_error()})
     except Exception as error:
         rows.append({"variant": "flash2-split", "piece": "merge_error", "error": f"{type(error).__name__}: {error}"})
-    print(markdown_table([{key: value for key, value in row.items() if key != "kernels"} for row in rows]))
+    layouts = gradient_layout_errors()
+    rows.append({"variant": "sdpa", "piece": "gradient_layouts", "errors": layouts})
+    print(
+        markdown_table([{key: value for key, value in row.items() if key not in ("kernels", "errors")} for row in rows])
+    )
+    for case, errors in layouts.items():
+        print(f"gradient layout {case}: dq, dk, dv relative errors {errors}")
     for row in rows:
         if row.get("kernels"):
             print(row["variant"], row["piece"], row["kernels"])
