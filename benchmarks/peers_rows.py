@@ -124,6 +124,7 @@ class Row:
     titan_dtype: str = "float32"  # torchtitan's training.dtype: of its weights, gradients and optimizer moments
     timeout_s: int | None = None  # where it differs from --row-timeout's default
     overrides: tuple[str, ...] = ()  # foundry rows: key=value overrides on top of the YAML
+    titan_float8: bool = False  # torchtitan's float8 linears (tensorwise, float8 all-gathers, output layer kept)
 
 
 FOUNDRY_STEP = r"\[batch (\d+)/"
@@ -143,6 +144,10 @@ ROWS = {
         Row("torchtitan-llama-8b", "torchtitan", LLAMA_8B, 2, 4, r"step:\s*(\d+)", "titan", "foundry-llama-8b",
             titan_flavor="8B", titan_ac="full"),
         Row("foundry-llama-8b", "foundry", LLAMA_8B, 2, 4, FOUNDRY_STEP, yaml="yamls/pretrain/llama-8b.yaml"),
+        Row("torchtitan-llama-8b-float8", "torchtitan", LLAMA_8B, 2, 4, r"step:\s*(\d+)", "titan",
+            "foundry-llama-8b-float8", titan_flavor="8B", titan_ac="full", titan_float8=True),
+        Row("foundry-llama-8b-float8", "foundry", LLAMA_8B, 2, 4, FOUNDRY_STEP, yaml="yamls/pretrain/llama-8b.yaml",
+            overrides=("algorithms.float8={}",)),
         # Long context, in the order they run: foundry, then torchtitan where it fits, then as it ships
         # (expected out of memory). Timeouts: start-up ~90 s (foundry) / ~50 s (torchtitan) + 3 steps of ~20-25 s.
         Row("foundry-llama-8b-64k", "foundry", LLAMA_8B, 2, 1, FOUNDRY_STEP, yaml="yamls/pretrain/llama-8b-64k.yaml",
@@ -257,7 +262,8 @@ def titan_config(row: Row, settings: Settings) -> dict[str, dict[str, Any]]:
         "job": {"dump_folder": str(settings.work / "runs" / row.name), "description": row.name},
         "metrics": {"log_freq": 1, "enable_tensorboard": False, "disable_color_printing": True},
         "model": {"name": "llama3", "flavor": "peers_tiny" if settings.smoke else row.titan_flavor,
-                  "hf_assets_path": str(settings.data / "tokenizer")},
+                  "hf_assets_path": str(settings.data / "tokenizer"),
+                  "converters": ["quantize.linear.float8"] if row.titan_float8 else []},
         "optimizer": {"name": "AdamW", "lr": 3e-4, "eps": 1e-8},
         "lr_scheduler": {"warmup_steps": min(2, settings.steps - 1)},
         "training": {"local_batch_size": row.microbatch, "global_batch_size": settings.global_batch,
@@ -271,6 +277,10 @@ def titan_config(row: Row, settings: Settings) -> dict[str, dict[str, Any]]:
         "compile": {"enable": not settings.smoke, "components": ["model", "loss"]},
         "activation_checkpoint": {"mode": row.titan_ac, "selective_ac_option": "op"},
         "experimental": {"custom_import": "peers_torchtitan_flavors"},
+        # its float8 recipe for FSDP (docs/float8.md): tensorwise scales, float8 all-gathers, the output layer kept
+        **({"quantize.linear.float8": {"enable_fsdp_float8_all_gather": True,
+                                       "precompute_float8_dynamic_scale_for_fsdp": True,
+                                       "filter_fqns": ["output"]}} if row.titan_float8 else {}),
     }  # fmt: skip
 
 

@@ -147,3 +147,17 @@ def test_a_foundry_row_passes_its_overrides_after_the_shared_ones(tmp_path: Path
     settings = peers_rows.Settings(tmp_path, tmp_path, global_batch=2, steps=3, peak_tflops=1000.0)
     argv, _ = peers_rows.command(peers_rows.ROWS["foundry-llama-8b-64k-end-aligned"], settings)
     assert argv[-3:] == ["parallelism.context_parallel_attention=end_aligned", "--nproc", "2"]
+
+
+def test_the_float8_pair_turns_on_each_frameworks_own_float8_recipe(tmp_path: Path) -> None:
+    settings = peers_rows.Settings(tmp_path, tmp_path, global_batch=16, steps=3, peak_tflops=1000.0)
+    titan = peers_rows.titan_config(peers_rows.ROWS["torchtitan-llama-8b-float8"], settings)
+    assert titan["model"]["converters"] == ["quantize.linear.float8"]
+    assert titan["quantize.linear.float8"] == {"enable_fsdp_float8_all_gather": True,
+                                               "precompute_float8_dynamic_scale_for_fsdp": True,
+                                               "filter_fqns": ["output"]}  # fmt: skip
+    plain = peers_rows.titan_config(peers_rows.ROWS["torchtitan-llama-8b"], settings)
+    assert plain["model"]["converters"] == [] and "quantize.linear.float8" not in plain
+    argv, _ = peers_rows.command(peers_rows.ROWS["foundry-llama-8b-float8"], settings)
+    assert "algorithms.float8={}" in argv
+    assert peers_rows.ROWS["torchtitan-llama-8b-float8"].compare_to == "foundry-llama-8b-float8"
