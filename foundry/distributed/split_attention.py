@@ -88,9 +88,12 @@ KERNELS = {
 
 
 def split_kernel(q: torch.Tensor) -> str | None:
-    """The kernel ``end_aligned_attention`` runs for ``q``: cuDNN on a CUDA GPU where SDPA may use it (fp16/bf16,
-    head_dim a multiple of 8 up to 128), the CPU's flash kernel on a CPU; None where neither runs."""
+    """The kernel ``end_aligned_attention`` runs for ``q``: cuDNN on an NVIDIA GPU where SDPA may use it
+    (fp16/bf16, head_dim a multiple of 8 up to 128), the CPU's flash kernel on a CPU; None where neither runs
+    (ROCm builds have no cuDNN)."""
     if q.is_cuda:
+        if torch.version.hip is not None:
+            return None
         head_dim = q.shape[-1]
         runs = q.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 128
         return "cudnn" if runs and torch.backends.cuda.cudnn_sdp_enabled() else None

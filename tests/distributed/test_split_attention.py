@@ -65,6 +65,16 @@ def test_fewer_keys_than_queries_is_refused_and_kernels_are_chosen_by_device() -
     assert split_kernel(q.to("meta")) is None
 
 
+def test_no_split_kernel_on_a_rocm_gpu(monkeypatch) -> None:
+    """ROCm builds have no cuDNN: ``auto`` runs end_aligned there (a stand-in for a GPU tensor: is_cuda only)."""
+    gpu_like = mock.Mock(is_cuda=True, dtype=torch.bfloat16, shape=(1, 2, 8, 64))
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert split_kernel(gpu_like) == "cudnn"
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert split_kernel(gpu_like) is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kernel", ["cudnn", "flash"])
 def test_gpu_kernels_merge_within_bf16_error_forward_and_backward(kernel) -> None:
