@@ -27,6 +27,12 @@ so every framework is charged the same FLOPs) / ``--peak-tflops``. Peak memory i
 ``nvidia-smi`` memory.used of any GPU while the row ran (CUDA context and allocator cache included). Time to
 first batch is from the process start to the first step's line (imports, setup, data, compile). What each
 framework reports itself is kept beside these (``own``).
+
+``--profile`` runs one step more on the foundry and torchtitan rows, profiled by the framework's own profiler
+(foundry's ``callbacks.profiler``, torchtitan's ``[profiling]``) and left out of the timing; rank 0's Chrome
+trace of that step is summarised by one function for both (``profile_summary.summarize_chrome_trace``: kernel
+time by category, compute / exposed communication / idle on the device's timeline, the top kernels) into the
+row's ``profile``: where the time of two frameworks' steps on the same shape differs.
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from peers_rows import (
     titan_check,
 )
 from peers_rows import versions as package_versions
+from profile_summary import summarize_chrome_trace
 
 from foundry.errors import FoundryError
 
@@ -106,7 +113,21 @@ def run_row(row: Row, settings: Settings, wheels: Path, sites: dict[str, Path], 
     result.update(measure(row, settings, warmup, watched))
     result["log_tail"] = watched["log"][-LOG_TAIL_LINES:]
     result["own"] = own_report(row, settings, watched["log"])
+    if settings.profile and row.framework in ("foundry", "torchtitan"):
+        result["profile"] = profile_of(row, settings)
     return result
+
+
+def profile_of(row: Row, settings: Settings) -> dict:
+    """Rank 0's profiled step (the row's last), summarised from the trace its framework wrote."""
+    run_folder = settings.work / "runs" / row.name
+    pattern = (
+        "profile/rank0.trace.json.gz" if row.framework == "foundry" else "profile_traces/iteration_*/rank0_trace.json"
+    )
+    traces = sorted(run_folder.glob(pattern))
+    if not traces:
+        return {"error": f"no trace under {run_folder} ({pattern})"}
+    return {"trace": str(traces[-1]), **summarize_chrome_trace(traces[-1])}
 
 
 def watch(argv: list[str], env: dict[str, str], step_pattern: re.Pattern, timeout_s: int) -> dict:
@@ -171,7 +192,7 @@ def measure(row: Row, settings: Settings, warmup: int, watched: dict) -> dict:
     if watched["returncode"] != 0:
         reason = "timed out" if watched["killed"] else f"exit {watched['returncode']}"
         return {**out, "error": f"{reason}: {last_error_line(watched['log'])}"}
-    last = max(steps, default=0)
+    last = max((step for step in steps if step <= settings.steps), default=0)  # not the profiled step
     if warmup not in steps or last <= warmup:
         return {**out, "error": f"no timed steps: step lines seen {sorted(steps)[:5]}..., warm-up {warmup}"}
     timed_s = steps[last] - steps[warmup]
@@ -286,8 +307,9 @@ def run(args: argparse.Namespace) -> int:
     names = args.rows or (LONG_CONTEXT_ROWS if args.long_context else TWO_GPU_ROWS if args.two_gpu else ONE_GPU_ROWS)
     steps = args.warmup + args.steps
     settings = Settings(
-        Path(args.data).resolve(), Path(args.work), args.global_batch, steps, args.smoke, peak_tflops=args.peak_tflops
-    )
+        Path(args.data).resolve(), Path(args.work), args.global_batch, steps, args.smoke,
+        peak_tflops=args.peak_tflops, profile=args.profile,
+    )  # fmt: skip
     sites = dict(spec.split("=", 1) for spec in args.site)
     sites = {peer: Path(path) for peer, path in sites.items()}
     wheels = Path(args.wheels).resolve()
@@ -350,6 +372,7 @@ def main() -> int:
     run_parser.add_argument("--work", default="/tmp/foundry-peers")
     run_parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU: checks the plumbing")
     run_parser.add_argument("--dry-run", action="store_true", help="print each row's command and stop")
+    run_parser.add_argument("--profile", action="store_true", help="profile one step more (foundry, torchtitan rows)")
     run_parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.action == "prepare":

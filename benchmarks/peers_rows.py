@@ -188,6 +188,12 @@ class Settings:
     smoke: bool = False
     flash_attn_available: bool = False  # in LLM Foundry's environment
     peak_tflops: float = 989.5  # dense bf16 of the device (H100 SXM)
+    profile: bool = False  # one step more, profiled by the framework's own profiler (foundry and torchtitan rows)
+
+    @property
+    def run_steps(self) -> int:
+        """Steps a row runs: ``steps``, plus the profiled one (left out of the timing)."""
+        return self.steps + self.profile
 
     def mds(self, seq_len: int) -> Path:
         """The MDS dataset of ``seq_len``-token samples: ``prepare``'s, else the one ``run`` builds in ``work``."""
@@ -208,7 +214,7 @@ def _yaml_overrides(row: Row, settings: Settings) -> list[str]:
     return [
         f"variables.data_local={settings.mds(row.seq_len)}",
         f"tokenizer.name={settings.data / 'tokenizer'}",
-        f"max_duration={settings.steps}ba",
+        f"max_duration={settings.run_steps}ba",
         f"global_train_batch_size={settings.global_batch}",
         "eval_loader=null",
     ]
@@ -221,6 +227,8 @@ def _foundry(row: Row, settings: Settings) -> tuple[list[str], dict[str, str]]:
         f"run_folder={settings.work / 'runs' / row.name}",
         *row.overrides,
     ]
+    if settings.profile:  # the last step, written as <run_folder>/profile/rank<r>.trace.json.gz
+        overrides += ["callbacks.profiler={}", f"callbacks.profiler.skip_batches={settings.steps}"]
     if settings.smoke:
         microbatch = min(2, row.microbatch)
         overrides += [*SMOKE_FOUNDRY[row.shape.family], *SMOKE_SETTINGS, f"device_train_microbatch_size={microbatch}"]
@@ -267,7 +275,7 @@ def titan_config(row: Row, settings: Settings) -> dict[str, dict[str, Any]]:
         "optimizer": {"name": "AdamW", "lr": 3e-4, "eps": 1e-8},
         "lr_scheduler": {"warmup_steps": min(2, settings.steps - 1)},
         "training": {"local_batch_size": row.microbatch, "global_batch_size": settings.global_batch,
-                     "seq_len": row.seq_len, "max_norm": 1.0, "steps": settings.steps, "dataset": "c4_test",
+                     "seq_len": row.seq_len, "max_norm": 1.0, "steps": settings.run_steps, "dataset": "c4_test",
                      "dataset_path": str(settings.data / "text"), "dtype": row.titan_dtype},
         # FSDP over what the other axes leave (-1): with CP its mesh is dp_shard x cp, every GPU.
         "parallelism": {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1,
@@ -277,6 +285,9 @@ def titan_config(row: Row, settings: Settings) -> dict[str, dict[str, Any]]:
         "compile": {"enable": not settings.smoke, "components": ["model", "loss"]},
         "activation_checkpoint": {"mode": row.titan_ac, "selective_ac_option": "op"},
         "experimental": {"custom_import": "peers_torchtitan_flavors"},
+        # the last step, written as <dump_folder>/profile_traces/iteration_<step>/rank<r>_trace.json
+        **({"profiling": {"enable_profiling": True, "profile_freq": settings.run_steps, "profiler_warmup": 1,
+                          "profiler_active": 1, "save_traces_folder": "profile_traces"}} if settings.profile else {}),
         # its float8 recipe for FSDP (docs/float8.md): tensorwise scales, float8 all-gathers, the output layer kept
         **({"quantize.linear.float8": {"enable_fsdp_float8_all_gather": True,
                                        "precompute_float8_dynamic_scale_for_fsdp": True,

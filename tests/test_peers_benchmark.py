@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -161,3 +162,43 @@ def test_the_float8_pair_turns_on_each_frameworks_own_float8_recipe(tmp_path: Pa
     argv, _ = peers_rows.command(peers_rows.ROWS["foundry-llama-8b-float8"], settings)
     assert "algorithms.float8={}" in argv
     assert peers_rows.ROWS["torchtitan-llama-8b-float8"].compare_to == "foundry-llama-8b-float8"
+
+
+def test_profile_runs_one_step_more_profiled_by_each_frameworks_own_profiler(tmp_path: Path) -> None:
+    from foundry.yaml_config import apply_overrides, load_yaml
+
+    settings = peers_rows.Settings(tmp_path, tmp_path, global_batch=16, steps=11, profile=True)
+    argv, _ = peers_rows.command(peers_rows.ROWS["foundry-llama-8b"], settings)
+    overrides = [arg for arg in argv if "=" in arg]
+    cfg = apply_overrides(load_yaml(peers_rows.REPO_ROOT / "yamls/pretrain/llama-8b.yaml"), overrides)
+    assert cfg["max_duration"] == "12ba"
+    assert cfg["callbacks"]["profiler"] == {"skip_batches": 11}  # the 12th batch, left out of the timing
+    titan = peers_rows.titan_config(peers_rows.ROWS["torchtitan-llama-8b"], settings)
+    assert titan["training"]["steps"] == 12 and titan["profiling"]["profile_freq"] == 12
+    assert "profiling" not in peers_rows.titan_config(peers_rows.ROWS["torchtitan-llama-8b"],
+                                                      peers_rows.Settings(tmp_path, tmp_path, 16, 11))  # fmt: skip
+    watched = {"returncode": 0, "killed": False, "wall_s": 30.0, "peak_gib": None, "log": [],
+               "step_times_s": {step: 10.0 + step for step in range(1, 12)} | {12: 40.0}}  # fmt: skip
+    measured = peers.measure(peers_rows.ROWS["foundry-llama-8b"], settings, warmup=3, watched=watched)
+    assert (measured["timed_steps"], measured["step_s"]) == (8, 1.0)  # steps 3 to 11; the slow 12th is not timed
+
+
+def test_a_chrome_trace_summary_splits_the_step_into_compute_exposed_communication_and_idle(tmp_path: Path) -> None:
+    from profile_summary import summarize_chrome_trace
+
+    kernel = lambda name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    events = [
+        kernel("sm90_xmma_gemm_bf16", 0, 400),
+        kernel("ncclDevKernel_AllGather", 300, 300),  # 100 us hidden
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 700, "dur": 100},
+        kernel("multi_tensor_apply_kernel adam", 900, 100),  # idle 600-700 and 800-900
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5000},  # host events are not the device's
+    ]
+    path = tmp_path / "rank0_trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    summary = summarize_chrome_trace(path)
+    assert summary["wall_ms"] == pytest.approx(1.0)
+    assert summary["ms"]["gemm"] == pytest.approx(0.4) and summary["ms"]["comm"] == pytest.approx(0.3)
+    assert summary["ms"]["data"] == pytest.approx(0.1) and summary["ms"]["optimizer"] == pytest.approx(0.1)
+    assert summary["timeline"] == pytest.approx({"compute_ms": 0.6, "exposed_comm_ms": 0.2, "idle_ms": 0.2})
+    assert summary["top_kernels"][0][:2] == ("sm90_xmma_gemm_bf16", "gemm")
