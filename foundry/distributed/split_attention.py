@@ -144,16 +144,18 @@ def _backward(
         grad = torch.empty_like(out).copy_(grad)
     pieces = _pieces(q.shape[2], k.shape[2])
     per_piece = len(states) // len(pieces)
-    dq, dks, dvs = None, [], []
+    # each piece's key/value gradients go into place as they come: one piece's at a time besides the whole
+    dq, dk, dv = None, torch.empty_like(k), torch.empty_like(v)
     for index, (keys, causal) in enumerate(pieces):
         state = states[index * per_piece : (index + 1) * per_piece]
         piece_dq, piece_dk, piece_dv = KERNELS[kernel].backward(
             grad, q, k[:, :, keys], v[:, :, keys], out, lse, state, causal, scale
         )
-        dq = piece_dq if dq is None else dq + piece_dq
-        dks.append(piece_dk)
-        dvs.append(piece_dv)
-    return dq, torch.cat(dks, dim=2), torch.cat(dvs, dim=2)
+        dq = piece_dq if dq is None else dq.add_(piece_dq)
+        dk[:, :, keys].copy_(piece_dk)
+        dv[:, :, keys].copy_(piece_dv)
+        del piece_dk, piece_dv
+    return dq, dk, dv
 
 
 # No device_types: one implementation calls whichever aten kernel ``kernel`` names, on any device. The aten
@@ -191,7 +193,9 @@ def _merge(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Te
     dtype = torch.promote_types(outs[0].dtype, torch.float32)  # bf16 pieces merge in fp32, fp64 ones in fp64
     lse_a, lse_b = (lse.reshape(rows).to(dtype) for lse in lses)
     lse = torch.logaddexp(lse_a, lse_b)
-    out = outs[0].to(dtype) * (lse_a - lse).exp().unsqueeze(-1) + outs[1].to(dtype) * (lse_b - lse).exp().unsqueeze(-1)
+    # one buffer of the merge's precision (the first piece's copy, or the piece itself where already in it)
+    out = outs[0].to(dtype).mul_((lse_a - lse).exp().unsqueeze(-1))
+    out.addcmul_(outs[1], (lse_b - lse).exp().unsqueeze(-1))
     # the merged output in the layout the kernel gave its own (its backward expects out and grad alike)
     merged = torch.empty_like(outs[1]).copy_(out)
     return merged, lse.reshape(lses[1].shape).to(lses[1].dtype)
