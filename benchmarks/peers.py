@@ -143,16 +143,18 @@ def watch(argv: list[str], env: dict[str, str], step_pattern: re.Pattern, timeou
     timer.start()
     step_times_s: dict[int, float] = {}
     log: list[str] = []
-    for line in process.stdout:
-        log.append(line.rstrip())
-        match = step_pattern.search(line)
-        if match:
-            step_times_s.setdefault(int(match.group(1)), time.perf_counter() - started_s)
-    returncode = process.wait()
-    timer.cancel()
-    with contextlib.suppress(ProcessLookupError):  # workers left behind by a launcher that exited
-        os.killpg(process.pid, signal.SIGKILL)
-    killed = not timer.finished.is_set() or returncode == -9
+    try:
+        for line in process.stdout:
+            log.append(line.rstrip())
+            match = step_pattern.search(line)
+            if match:
+                step_times_s.setdefault(int(match.group(1)), time.perf_counter() - started_s)
+        returncode = process.wait()
+    finally:  # also when this script is stopped (run() turns SIGTERM into SystemExit): no row outlives it
+        timer.cancel()
+        with contextlib.suppress(ProcessLookupError):  # workers left behind by a launcher that exited
+            os.killpg(process.pid, signal.SIGKILL)
+    killed = returncode == -signal.SIGKILL
     return {"returncode": returncode, "killed": killed and returncode < 0, "wall_s": time.perf_counter() - started_s,
             "step_times_s": step_times_s, "peak_gib": memory.stop(), "log": log}  # fmt: skip
 
@@ -303,6 +305,8 @@ def ensure_long_samples(seq_len: int, settings: Settings) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # a `timeout` around this script sends SIGTERM: exit through the finally blocks that stop the running row
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     resolve_defaults(args)
     names = args.rows or (LONG_CONTEXT_ROWS if args.long_context else TWO_GPU_ROWS if args.two_gpu else ONE_GPU_ROWS)
     steps = args.warmup + args.steps

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -202,3 +205,31 @@ def test_a_chrome_trace_summary_splits_the_step_into_compute_exposed_communicati
     assert summary["ms"]["data"] == pytest.approx(0.1) and summary["ms"]["optimizer"] == pytest.approx(0.1)
     assert summary["timeline"] == pytest.approx({"compute_ms": 0.6, "exposed_comm_ms": 0.2, "idle_ms": 0.2})
     assert summary["top_kernels"][0][:2] == ("sm90_xmma_gemm_bf16", "gemm")
+
+
+def test_a_row_stopped_at_its_timeout_takes_the_workers_it_started_with_it(tmp_path: Path) -> None:
+    """A launcher's workers would hold their GPUs into the next row (or the next call) if only it were killed."""
+    pid_file = tmp_path / "worker.pid"
+    launcher = (
+        "import subprocess, sys, time\n"
+        "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(worker.pid))\n"
+        "print('step 1', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    watched = peers.watch([sys.executable, "-c", launcher], dict(os.environ), re.compile(r"step (\d+)"), timeout_s=3)
+    assert watched["killed"] and 1 in watched["step_times_s"]
+    worker = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and process_alive(worker):
+        time.sleep(0.1)
+    assert not process_alive(worker)
+
+
+def process_alive(pid: int) -> bool:
+    """Running, not gone or a zombie waiting for a parent to reap it."""
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in state
