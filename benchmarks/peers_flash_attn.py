@@ -72,10 +72,14 @@ def fetch(out: Path) -> Path:
     return out / f"flash_attn-{VERSION}.tar.gz"
 
 
-def patch(tree: Path) -> None:
-    """Narrow the build to ``KERNELS``: setup.py compiles only them, the dispatch in flash_api.cpp reaches only them."""
+def patch(tree: Path, cxx20: bool = False) -> None:
+    """Narrow the build to ``KERNELS``: setup.py compiles only them, the dispatch in flash_api.cpp reaches only them.
+
+    ``cxx20``: compile as C++20, which torch's headers require from torch 2.13 (flash-attn 2.8.3 pins C++17)."""
     setup = tree / "setup.py"
     text = setup.read_text()
+    if cxx20:
+        text = text.replace('"-std=c++17"', '"-std=c++20"')
     listed = re.findall(r'"(csrc/flash_attn/src/flash_[a-z_]+hdim\d+_(?:fp16|bf16)[a-z_]*_sm80\.cu)",\n', text)
     missing = sorted(set(KERNELS) - set(listed))
     if missing or not listed:
@@ -101,7 +105,9 @@ def build(src: Path, out: Path, jobs: int) -> list[Path]:
     with tarfile.open(sdist) as archive:
         archive.extractall(work, filter="data")
     tree = work / f"flash_attn-{VERSION}"
-    patch(tree)
+    import torch  # the build's torch: the GPU image's
+
+    patch(tree, cxx20=tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 13))
     env = {**os.environ, "FLASH_ATTENTION_FORCE_BUILD": "TRUE", "FLASH_ATTN_CUDA_ARCHS": "90",
            "MAX_JOBS": str(jobs), "NVCC_THREADS": "4"}  # fmt: skip
     if importlib.util.find_spec("wheel") is None:  # its setup.py imports it; `fetch` brings it along

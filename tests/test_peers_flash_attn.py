@@ -43,9 +43,11 @@ SWITCH_H = """#define BOOL_SWITCH(COND, CONST_NAME, ...) [&] { return __VA_ARGS_
 
 
 def source_tree(tmp_path: Path, kernels: list[str]) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     listed = "".join(f'                "{kernel}",\n' for kernel in kernels)
     api = '                "csrc/flash_attn/flash_api.cpp",\n'
-    (tmp_path / "setup.py").write_text(f"sources=[\n{api}{listed}            ]\n")
+    flags = 'nvcc_flags = ["-O3", "-std=c++17"]\ncompiler_c17_flag = ["-O3", "-std=c++17"]\n'
+    (tmp_path / "setup.py").write_text(f"{flags}sources=[\n{api}{listed}            ]\n")
     switch = tmp_path / "csrc/flash_attn/src/static_switch.h"
     switch.parent.mkdir(parents=True)
     switch.write_text(SWITCH_H)
@@ -81,3 +83,10 @@ def test_the_wheel_travels_in_parts_and_a_cut_part_is_caught(tmp_path: Path, mon
     parts[-1].write_bytes(b"cut")
     with pytest.raises(SystemExit, match="do not match the manifest"):
         peers_flash_attn.join(tmp_path / "out", tmp_path / "again")
+
+
+def test_torch_headers_that_need_cxx20_get_it_and_older_ones_keep_cxx17(tmp_path: Path) -> None:
+    for cxx20, standard in ((False, "c++17"), (True, "c++20")):
+        tree = source_tree(tmp_path / standard, peers_flash_attn.KERNELS)
+        peers_flash_attn.patch(tree, cxx20=cxx20)
+        assert (tree / "setup.py").read_text().count(f'"-std={standard}"') == 2
