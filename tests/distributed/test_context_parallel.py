@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from flash_attention4_reference import reference_fwd, reference_interface
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from distributed.jobs import build_trainer, rank_batches, train
 from foundry.algorithms.gradient_clipping import GradientClipping
@@ -523,3 +524,34 @@ def padded_forward() -> str:
 
 def test_a_padded_batch_is_refused_at_its_forward(ranks):
     assert all("this batch needs a mask: padding" in message for message in ranks.run(2, padded_forward))
+
+
+class _BackwardGradientStrides(TorchDispatchMode):
+    """The strides of the output gradient and output that SDPA's CPU flash backward is handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default:
+            grad_out, _, _, _, out = args[:5]
+            self.seen.append((grad_out.stride(), out.stride()))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layout", ["batch_sliced", "head_sliced"])
+def test_the_first_chunks_gradient_reaches_sdpa_in_the_layout_of_its_output(layout):
+    """CP's first chunk gets its output gradient as a slice of the whole sequence's (torch.cat's backward); cuDNN's
+    backward misreads such strides, so the chunk hands SDPA the gradient in the output's own layout (the CPU kernel
+    stands in here for the check of what reaches it; the GPU test checks the gradients)."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 16, 4, 8, generator=generator).requires_grad_() for _ in range(3))
+    if layout == "batch_sliced":  # (batch, seq, heads, dim), as the models hand attention's output on
+        whole = torch.randn(2, 32, 4, 8, generator=generator)[:, :16]
+    else:
+        whole = torch.randn(2, 4, 32, 8, generator=generator)[:, :, :16].transpose(1, 2)
+    with _BackwardGradientStrides() as strides:
+        context_parallel_module._sdpa_prefix_attention(q, k, v, 8**-0.5, 0.0).backward(whole)
+    assert whole.stride() != strides.seen[0][1]  # the slice is laid out unlike the output
+    assert strides.seen == [(strides.seen[0][1], strides.seen[0][1])]
