@@ -148,7 +148,7 @@ LORA_ALL_LINEAR = (
 ROW_OVERRIDES: dict[str, list[str]] = {
     "llama8b-64k-cp2-recompute-attention": [RECOMPUTE_ATTENTION],
     "llama8b-64k-cp2-float8": ["algorithms.float8={}"],  # torchao (foundry[float8]) on the GPU machine
-    # the tail chunks as a full block plus a causal square on cuDNN, merged (benchmarks/cp_attention.py)
+    # the tail chunks on FlashAttention-2's end-aligned kernel instead of the YAML's cuDNN split (cp_attention.py)
     "llama8b-64k-cp2-end-aligned": ["parallelism.context_parallel_attention=end_aligned"],
     "llama8b-16k-reduce-fp32": ["fsdp_config.mixed_precision=DEFAULT"],
     # 128k: attention recomputed (kept outputs would add 16 GiB a GPU)

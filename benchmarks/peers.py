@@ -155,7 +155,7 @@ def watch(argv: list[str], env: dict[str, str], step_pattern: re.Pattern, timeou
         with contextlib.suppress(ProcessLookupError):  # workers left behind by a launcher that exited
             os.killpg(process.pid, signal.SIGKILL)
     killed = returncode == -signal.SIGKILL
-    return {"returncode": returncode, "killed": killed and returncode < 0, "wall_s": time.perf_counter() - started_s,
+    return {"returncode": returncode, "killed": killed, "wall_s": time.perf_counter() - started_s,
             "step_times_s": step_times_s, "peak_gib": memory.stop(), "log": log}  # fmt: skip
 
 

@@ -15,14 +15,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from foundry.callbacks.profiler import (
-    KERNEL_CATEGORIES,
-    kernel_category,
-    merge_intervals,
-    recorded_event,
-    subtract_intervals,
-    summarize,
-)
+from foundry.callbacks.profiler import KERNEL_CATEGORIES, device_timeline, kernel_category, recorded_event, summarize
 
 __all__ = [
     "KERNEL_CATEGORIES",
@@ -57,20 +50,14 @@ def summarize_chrome_trace(path: str | Path) -> dict[str, Any]:
     device = [event for event in events if event.get("ph") == "X" and event.get("cat") in DEVICE_EVENT_CATEGORIES]
     if not device:
         return {"error": f"no device events in {path}"}
+    spans = [(event["name"], float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0))) for event in device]
     by_category = {label: 0.0 for label, _ in KERNEL_CATEGORIES}
     by_kernel: dict[str, float] = {}
-    compute, comm = [], []
-    for event in device:
-        start, duration = float(event["ts"]), float(event.get("dur", 0.0))
-        category = kernel_category(event["name"])
-        by_category[category] += duration / 1e3
-        by_kernel[event["name"]] = by_kernel.get(event["name"], 0.0) + duration / 1e3
-        (comm if category == "comm" else compute).append((start, start + duration))
-    first, last = min(start for start, _ in compute + comm), max(end for _, end in compute + comm)
-    wall_ms = (last - first) / 1e3
-    compute_merged = merge_intervals(compute)
-    compute_ms = sum(end - start for start, end in compute_merged) / 1e3
-    comm_only_ms = sum(end - start for start, end in subtract_intervals(merge_intervals(comm), compute_merged)) / 1e3
+    for name, start, end in spans:
+        by_category[kernel_category(name)] += (end - start) / 1e3
+        by_kernel[name] = by_kernel.get(name, 0.0) + (end - start) / 1e3
+    wall_ms = (max(end for _, _, end in spans) - min(start for _, start, _ in spans)) / 1e3
+    compute_ms, comm_only_ms = device_timeline(spans)
     top = sorted(by_kernel.items(), key=lambda item: item[1], reverse=True)[:40]
     return {
         "wall_ms": wall_ms,

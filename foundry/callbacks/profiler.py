@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -99,12 +100,18 @@ def summarize(prof: profile, wall_ms: float) -> dict[str, Any]:
 
 def _timeline(prof: profile) -> tuple[float, float]:
     """(ms with some compute kernel running, ms with only communication kernels running) over the trace."""
+    return device_timeline(
+        (event.name, event.time_range.start, event.time_range.end)
+        for event in prof.events()
+        if event.device_type == DeviceType.CUDA and event.time_range.elapsed_us() > 0
+    )
+
+
+def device_timeline(kernels: Iterable[tuple[str, float, float]]) -> tuple[float, float]:
+    """(ms with some compute kernel running, ms with only communication running) of (name, start µs, end µs)."""
     compute, comm = [], []
-    for event in prof.events():
-        if event.device_type != DeviceType.CUDA or event.time_range.elapsed_us() <= 0:
-            continue
-        span = (event.time_range.start, event.time_range.end)
-        (comm if kernel_category(event.name) == "comm" else compute).append(span)
+    for name, start, end in kernels:
+        (comm if kernel_category(name) == "comm" else compute).append((start, end))
     compute_merged = merge_intervals(compute)
     compute_us = sum(end - start for start, end in compute_merged)
     comm_only_us = sum(

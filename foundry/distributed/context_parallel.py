@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from foundry.distributed.split_attention import end_aligned_attention, split_kernel
+from foundry.distributed.split_attention import end_aligned_attention, in_layout, split_kernel
 from foundry.errors import ConfigError
 from foundry.targets import SHIFTED_LABELS_KEY, shifted_targets
 
@@ -260,7 +260,8 @@ def _sdpa_prefix_attention(
         why = "attention dropout is on" if dropout_p else f"no kernel runs it here ({q.device.type}, {q.dtype})"
         warnings.warn(
             f"parallelism.context_parallel_attention is 'split', but {why}: the chunks run 'end_aligned' "
-            "(split needs cuDNN's attention: a CUDA GPU, fp16/bf16, head_dim <= 128, no dropout; or a CPU).",
+            "(split needs cuDNN's attention: an NVIDIA GPU from Ampere on, fp16/bf16, head_dim <= 128, no dropout; "
+            "or a CPU).",
             stacklevel=2,
         )
     if _flash_runs(q):
@@ -289,9 +290,7 @@ class _GradientInOutputLayout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[no-untyped-def, override]
-        if grad.stride() == ctx.layout:
-            return grad
-        return torch.empty_strided(grad.shape, ctx.layout, dtype=grad.dtype, device=grad.device).copy_(grad)
+        return in_layout(grad, ctx.layout)
 
 
 def _flash_runs(q: torch.Tensor) -> bool:

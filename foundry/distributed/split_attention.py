@@ -88,11 +88,12 @@ KERNELS = {
 
 
 def split_kernel(q: torch.Tensor) -> str | None:
-    """The kernel ``end_aligned_attention`` runs for ``q``: cuDNN on an NVIDIA GPU where SDPA may use it
-    (fp16/bf16, head_dim a multiple of 8 up to 128), the CPU's flash kernel on a CPU; None where neither runs
-    (ROCm builds have no cuDNN)."""
+    """The kernel ``end_aligned_attention`` runs for ``q``: cuDNN on an NVIDIA GPU from Ampere on where SDPA may
+    use it (fp16/bf16, head_dim a multiple of 8 up to 128), the CPU's flash kernel on a CPU; None where neither
+    runs."""
     if q.is_cuda:
-        if torch.version.hip is not None:
+        # ROCm builds have no cuDNN; cuDNN's fused attention starts at Ampere (compute capability 8.0)
+        if torch.version.hip is not None or torch.cuda.get_device_capability(q.device) < (8, 0):
             return None
         head_dim = q.shape[-1]
         runs = q.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 128
@@ -106,6 +107,14 @@ def end_aligned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     if k.shape[2] < q.shape[2]:
         raise ValueError(f"end_aligned_attention needs at least as many keys as queries: {k.shape[2]} < {q.shape[2]}")
     return torch.ops.foundry.end_aligned_attention_forward(q, k, v, scale, kernel)[0]
+
+
+def in_layout(tensor: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """``tensor``, or a copy of it laid out with ``strides`` where its own differ (a size-1 dimension's stride
+    is never read, so it may differ)."""
+    if all(size == 1 or own == wanted for size, own, wanted in zip(tensor.shape, tensor.stride(), strides)):
+        return tensor
+    return torch.empty_strided(tensor.shape, strides, dtype=tensor.dtype, device=tensor.device).copy_(tensor)
 
 
 def _pieces(queries: int, keys: int) -> list[tuple[slice, bool]]:
@@ -140,8 +149,7 @@ def _backward(
     kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv: each piece's kernel backward with the merged output and log-sum-exp, summed over pieces."""
-    if grad.stride() != out.stride():  # the kernels read the output and its gradient in one layout
-        grad = torch.empty_like(out).copy_(grad)
+    grad = in_layout(grad, out.stride())  # the kernels read the output and its gradient in one layout
     pieces = _pieces(q.shape[2], k.shape[2])
     per_piece = len(states) // len(pieces)
     # each piece's key/value gradients go into place as they come: one piece's at a time besides the whole

@@ -9,7 +9,7 @@ from unittest import mock
 import pytest
 import torch
 
-from foundry.distributed.split_attention import end_aligned_attention, split_kernel
+from foundry.distributed.split_attention import end_aligned_attention, in_layout, split_kernel
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -65,12 +65,16 @@ def test_fewer_keys_than_queries_is_refused_and_kernels_are_chosen_by_device() -
     assert split_kernel(q.to("meta")) is None
 
 
-def test_no_split_kernel_on_a_rocm_gpu(monkeypatch) -> None:
-    """ROCm builds have no cuDNN: ``auto`` runs end_aligned there (a stand-in for a GPU tensor: is_cuda only)."""
+def test_no_split_kernel_on_a_rocm_or_pre_ampere_gpu(monkeypatch) -> None:
+    """Neither has cuDNN's fused attention: ``auto`` runs end_aligned there (a stand-in for a GPU tensor)."""
     gpu_like = mock.Mock(is_cuda=True, dtype=torch.bfloat16, shape=(1, 2, 8, 64))
     monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
     monkeypatch.setattr(torch.version, "hip", None)
     assert split_kernel(gpu_like) == "cudnn"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (7, 0))  # V100: no cuDNN attention
+    assert split_kernel(gpu_like) is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (9, 0))
     monkeypatch.setattr(torch.version, "hip", "6.4")
     assert split_kernel(gpu_like) is None
 
@@ -159,3 +163,12 @@ def test_auto_splits_where_a_kernel_runs_and_end_aligned_does_not() -> None:
         with mock.patch.dict(split_attention.KERNELS, {"cpu": counting}):
             _sdpa_prefix_attention(q, k, v, 8**-0.5, 0.0, attention=attention)
         assert len(calls) == kernel_calls, attention
+
+
+def test_a_gradient_is_copied_into_the_output_layout_only_where_a_read_stride_differs() -> None:
+    out = torch.empty(1, 6, 4, 8).transpose(1, 2)  # (batch, heads, seq, dim) laid out as (batch, seq, heads, dim)
+    batch_padded = torch.randn(1, 12, 4, 8).transpose(1, 2)[:, :, :6]  # only the size-1 batch's stride differs
+    assert in_layout(batch_padded, out.stride()) is batch_padded
+    head_padded = torch.randn(1, 8, 6, 8)[:, :4]
+    copied = in_layout(head_padded, out.stride())
+    assert copied.stride() == out.stride() and torch.equal(copied, head_padded)
