@@ -201,10 +201,13 @@ def parity_losses(overrides: list[str], steps: int) -> list[float]:
     return recorder.losses
 
 
-def parity_rows(steps: int, timeout_s: int) -> list[dict[str, Any]]:
+def parity_rows(steps: int, timeout_s: int, out: str | None = None) -> list[dict[str, Any]]:
+    """EP1, EP2, EP1 again; each run's curve saved as it ends (``moe_parity_runs.json``), so a call that runs out
+    of time keeps the runs before."""
     runs = {}
-    for name, overrides in (("ep1_a", []), ("ep1_b", []), ("ep2", ["parallelism.expert_parallel_degree=2"])):
+    for name, overrides in (("ep1_a", []), ("ep2", ["parallelism.expert_parallel_degree=2"]), ("ep1_b", [])):
         runs[name] = _torchrun(["--batches", str(steps), "--parity"], overrides, timeout_s).get("losses")
+        save_json(out, "moe_parity_runs", [{"run": run, "losses": losses} for run, losses in runs.items()])
     if any(losses is None for losses in runs.values()):  # the runs that ended keep their curves
         return [
             {"run": name, "final_loss": round(losses[-1], 4), "losses": losses}
@@ -381,7 +384,7 @@ def main() -> int:
     if "small" in args.parts:
         write_results(args.out, "moe_small", small_rows(args.batches))
     if "parity" in args.parts:
-        write_results(args.out, "moe_parity", parity_rows(args.parity_steps, 3 * args.row_timeout_s))
+        write_results(args.out, "moe_parity", parity_rows(args.parity_steps, 3 * args.row_timeout_s, args.out))
     print(json.dumps(environment()))
     return 0
 

@@ -246,11 +246,8 @@ def _sdpa_prefix_attention(
     q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     key_len = k.shape[2]
     grouped = k.shape[1] != q.shape[1]
-    if q.shape[2] == key_len:  # the first chunk: plain causal, as foundry's SDPA path runs it
-        out = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=grouped
-        )
-        return _GradientInOutputLayout.apply(out).transpose(1, 2)
+    if q.shape[2] == key_len:  # the first chunk: plain causal
+        return _causal_chunk_attention(q, k, v, scale, dropout_p).transpose(1, 2)
     if grouped:  # the end-aligned causal kernels take equal head counts
         k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
     kernel = split_kernel(q) if attention != "end_aligned" and dropout_p == 0.0 else None
@@ -272,6 +269,32 @@ def _sdpa_prefix_attention(
     # A plain bool mask, not torch's CausalBias: a tensor subclass cannot be made under selective checkpointing.
     mask = torch.ones(q.shape[2], key_len, dtype=torch.bool, device=q.device).tril(key_len - q.shape[2])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale).transpose(1, 2)
+
+
+def _causal_chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dropout_p: float
+) -> torch.Tensor:
+    """The first chunk's plain causal attention, (batch, heads, chunk, head_dim) in and out.
+
+    The chunk's output gradient arrives as a slice of the whole sequence's (``torch.cat``'s backward), laid out
+    unlike the output; cuDNN's backward misreads it (wrong gradients: tests/distributed/test_context_parallel_gpu.py).
+    An identity that copies it into the output's layout holds in eager mode, but under torch.compile inductor lays
+    the gradient out itself. So where cuDNN runs, the chunk runs as ``end_aligned_attention``'s one causal piece,
+    whose backward (an opaque op) lays the gradient out at run time; with dropout, FlashAttention-2's op, which
+    reads any layout; elsewhere SDPA, behind that identity.
+    """
+    repeats = q.shape[1] // k.shape[1]
+    kernel = split_kernel(q) if dropout_p == 0.0 else None
+    if kernel == "cudnn" or (dropout_p and _flash_runs(q)):
+        if repeats > 1:  # these kernels take equal head counts
+            k, v = (x.repeat_interleave(repeats, dim=1) for x in (k, v))
+        if kernel == "cudnn":
+            return end_aligned_attention(q, k, v, scale, kernel)
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, True, scale=scale)[0]
+    out = F.scaled_dot_product_attention(
+        q, k, v, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=repeats > 1
+    )
+    return _GradientInOutputLayout.apply(out)
 
 
 class _GradientInOutputLayout(torch.autograd.Function):
