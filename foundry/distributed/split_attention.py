@@ -92,13 +92,20 @@ def split_kernel(q: torch.Tensor) -> str | None:
     use it (fp16/bf16, head_dim a multiple of 8 up to 128), the CPU's flash kernel on a CPU; None where neither
     runs."""
     if q.is_cuda:
-        # ROCm builds have no cuDNN; cuDNN's fused attention starts at Ampere (compute capability 8.0)
-        if torch.version.hip is not None or torch.cuda.get_device_capability(q.device) < (8, 0):
-            return None
         head_dim = q.shape[-1]
         runs = q.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 128
-        return "cudnn" if runs and torch.backends.cuda.cudnn_sdp_enabled() else None
+        return "cudnn" if runs and _cudnn_attention_on(q.device.index) else None
     return "cpu" if q.device.type == "cpu" else None
+
+
+@torch.compiler.assume_constant_result
+def _cudnn_attention_on(device_index: int) -> bool:
+    """Whether SDPA may run cuDNN's fused attention on this CUDA device. A constant to torch.compile: these
+    queries return no tensor, and traced they would break every attention layer's graph in two."""
+    # ROCm builds have no cuDNN; cuDNN's fused attention starts at Ampere (compute capability 8.0)
+    if torch.version.hip is not None or torch.cuda.get_device_capability(device_index) < (8, 0):
+        return False
+    return torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def end_aligned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, kernel: str) -> torch.Tensor:

@@ -116,7 +116,7 @@ def chunk_then_next_gradients(backend, grad: torch.Tensor, inputs: list[torch.Te
     following = torch.zeros_like(leaves[0])
     torch._dynamo.reset()
     with sdpa_kernel(backend):
-        run = torch.compile(attend_then_next, fullgraph=True) if compiled else attend_then_next
+        run = torch.compile(attend_then_next) if compiled else attend_then_next
         run(*leaves, following).backward(grad.to("cuda", dtype))
     return [x.grad.double() for x in leaves]
 
@@ -138,6 +138,21 @@ def test_a_chunk_concatenated_with_the_next_gets_exact_gradients_eager_and_compi
     got = chunk_then_next_gradients(getattr(SDPBackend, backend), grad, inputs, torch.bfloat16, compiled)
     for name, want, alone, joined in zip("qkv", exact, once, got, strict=True):
         assert (joined - want).abs().max() <= 2 * (alone - want).abs().max() + 1e-3, name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("keys", [1, 3], ids=["first_chunk", "later_chunk"])
+def test_a_chunk_compiles_in_one_graph(heads, keys):
+    """Choosing the chunk's kernel (cuDNN's availability) must not break the layer's compiled graph."""
+    from foundry.distributed.context_parallel import _sdpa_prefix_attention
+
+    chunk, head_dim = 256, 64
+    q = torch.randn(1, chunk, heads[0], head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, keys * chunk, heads[1], head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(_sdpa_prefix_attention)(q, k, v, head_dim**-0.5, 0.0)
+    assert explained.graph_break_count == 0, [str(reason.reason)[:200] for reason in explained.break_reasons]
 
 
 @pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA devices")
