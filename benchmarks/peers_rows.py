@@ -16,7 +16,9 @@ long-context rows) and the same global batch:
   attention and fused cross-entropy) is not installed.
 - ``hf-trainer-llama-1b``: ``benchmarks/peers_hf_trainer.py``, transformers' ``Trainer`` with bf16, SDPA,
   ``torch_compile`` and fused AdamW.
-- ``foundry-*``: ``foundry train yamls/pretrain/<yaml>``, the YAML's settings.
+- ``foundry-*``: ``foundry train yamls/pretrain/<yaml>``, the YAML's settings; ``foundry-llama-8b-float8`` and
+  ``foundry-llama-8b-unfused-loss`` add one override each (``algorithms.float8={}``; ``model.loss_fn=
+  torch_crossentropy``: the output projection and the loss unfused, to weigh the fused loss at 8B).
 
 Long context (``LONG_CONTEXT_ROWS``, two GPUs, 65,536-token sequences, one sequence a microbatch):
 
@@ -144,6 +146,9 @@ ROWS = {
         Row("torchtitan-llama-8b", "torchtitan", LLAMA_8B, 2, 4, r"step:\s*(\d+)", "titan", "foundry-llama-8b",
             titan_flavor="8B", titan_ac="full"),
         Row("foundry-llama-8b", "foundry", LLAMA_8B, 2, 4, FOUNDRY_STEP, yaml="yamls/pretrain/llama-8b.yaml"),
+        # the 8B pair's profiled gap is GEMM time in the fused output projection + loss: the same row unfused
+        Row("foundry-llama-8b-unfused-loss", "foundry", LLAMA_8B, 2, 4, FOUNDRY_STEP,
+            yaml="yamls/pretrain/llama-8b.yaml", overrides=("model.loss_fn=torch_crossentropy",)),
         Row("torchtitan-llama-8b-float8", "torchtitan", LLAMA_8B, 2, 4, r"step:\s*(\d+)", "titan",
             "foundry-llama-8b-float8", titan_flavor="8B", titan_ac="full", titan_float8=True),
         Row("foundry-llama-8b-float8", "foundry", LLAMA_8B, 2, 4, FOUNDRY_STEP, yaml="yamls/pretrain/llama-8b.yaml",

@@ -167,6 +167,17 @@ def test_the_float8_pair_turns_on_each_frameworks_own_float8_recipe(tmp_path: Pa
     assert peers_rows.ROWS["torchtitan-llama-8b-float8"].compare_to == "foundry-llama-8b-float8"
 
 
+def test_the_unfused_loss_row_differs_from_the_shipped_8b_row_by_its_loss_only(tmp_path: Path) -> None:
+    settings = peers_rows.Settings(tmp_path, tmp_path, global_batch=16, steps=3, peak_tflops=1000.0)
+    shipped, _ = peers_rows.command(peers_rows.ROWS["foundry-llama-8b"], settings)
+    unfused, _ = peers_rows.command(peers_rows.ROWS["foundry-llama-8b-unfused-loss"], settings)
+    def settings_of(argv: list[str]) -> list[str]:  # each row writes its own run folder
+        return [arg for arg in argv if not arg.startswith("run_folder=")]
+
+    assert "model.loss_fn=torch_crossentropy" in unfused
+    assert [arg for arg in settings_of(unfused) if arg != "model.loss_fn=torch_crossentropy"] == settings_of(shipped)
+
+
 def test_profile_runs_one_step_more_profiled_by_each_frameworks_own_profiler(tmp_path: Path) -> None:
     from foundry.yaml_config import apply_overrides, load_yaml
 
