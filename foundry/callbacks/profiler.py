@@ -76,7 +76,7 @@ def summarize(prof: profile, wall_ms: float) -> dict[str, Any]:
     """
     by_category: dict[str, float] = {label: 0.0 for label, _ in KERNEL_CATEGORIES}
     # Device-side events only: a CPU op's "self device time" repeats its kernels' time.
-    kernels = [event for event in prof.key_averages() if event.device_type == DeviceType.CUDA]
+    kernels = [event for event in prof.key_averages() if is_device_work(event)]
     for event in kernels:
         by_category[kernel_category(event.key)] += event.self_device_time_total / 1e3
     top = sorted(kernels, key=lambda event: event.self_device_time_total, reverse=True)[:40]
@@ -103,8 +103,15 @@ def _timeline(prof: profile) -> tuple[float, float]:
     return device_timeline(
         (event.name, event.time_range.start, event.time_range.end)
         for event in prof.events()
-        if event.device_type == DeviceType.CUDA and event.time_range.elapsed_us() > 0
+        if is_device_work(event) and event.time_range.elapsed_us() > 0
     )
+
+
+def is_device_work(event: Any) -> bool:
+    """A kernel, copy or memset on the device; not a user annotation's range on the device's timeline
+    (``record_function`` spans such as FSDP's "FSDP::all_gather (...)", "nccl:_all_gather_base" or
+    "Optimizer.step#..."), which cover kernels already counted and would count them twice."""
+    return event.device_type == DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
 
 
 def device_timeline(kernels: Iterable[tuple[str, float, float]]) -> tuple[float, float]:

@@ -32,6 +32,47 @@ def test_kernel_categories_tell_communication_from_compute():
     assert kernel_category("triton_red_fused_native_layer_norm_0") == "elementwise+norm"
 
 
+class _Profile:
+    """A finished profile's two views, as ``summarize`` reads them: per-name totals and timed events."""
+
+    def __init__(self, events):
+        self._events = events
+
+    def key_averages(self):
+        return self._events
+
+    def events(self):
+        return self._events
+
+
+def _device_event(name, start_us, end_us, annotation=False):
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    span = SimpleNamespace(start=start_us, end=end_us, elapsed_us=lambda: end_us - start_us)
+    return SimpleNamespace(key=name, name=name, count=1, device_type=DeviceType.CUDA, is_user_annotation=annotation,
+                           self_device_time_total=end_us - start_us, time_range=span)  # fmt: skip
+
+
+def test_summary_counts_kernels_not_the_annotation_ranges_around_them():
+    """FSDP's and NCCL's record_function ranges sit on the device's timeline around kernels already counted;
+    counted too, they doubled communication and put FSDP's ranges under elementwise work."""
+    from foundry.callbacks.profiler import summarize
+
+    events = [
+        _device_event("ncclDevKernel_AllGather_RING_LL", 0, 4_000),
+        _device_event("nccl:_all_gather_base", 0, 4_000, annotation=True),
+        _device_event("FSDP::all_gather (transformer.blocks.0)", 0, 4_000, annotation=True),
+        _device_event("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NTT", 2_000, 10_000),
+    ]
+    summary = summarize(_Profile(events), wall_ms=12.0)
+    assert summary["ms"]["comm"] == 4.0 and summary["ms"]["gemm"] == 8.0
+    assert summary["ms"]["elementwise+norm"] == 0.0
+    assert summary["timeline"] == {"compute_ms": 8.0, "exposed_comm_ms": 2.0, "idle_ms": 2.0}
+    assert [name for name, _, _ in summary["top_kernels"]] == [events[3].key, events[0].key]
+
+
 def test_host_sync_counts_count_scalar_reads():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         torch.ones(3).sum().item()
