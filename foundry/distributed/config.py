@@ -117,7 +117,7 @@ class ParallelismConfig:
         metadata=doc(
             "how a rank's later chunk attends to the keys before it under context parallelism: 'split', a full "
             "block plus a causal square on cuDNN's kernel merged by their log-sum-exps (an 8B model at 64k trains "
-            "1.15-1.18x faster on two H100s; warns where it cannot run); 'end_aligned', one kernel call whose causal "
+            "1.35-1.39x faster on two H100s; warns where it cannot run); 'end_aligned', one kernel call whose causal "
             "mask aligns to the last key (FlashAttention-2 through SDPA); 'auto': split where it runs (no "
             "dropout; cuDNN on a GPU, the CPU's kernel), else end_aligned. FlashAttention-4 runs where the "
             "layer's kernel picks it, whatever this says (docs/DISTRIBUTED.md)"

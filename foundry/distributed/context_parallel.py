@@ -301,9 +301,10 @@ class _GradientInOutputLayout(torch.autograd.Function):
     """Identity whose backward hands the gradient on in the output's own strides.
 
     A chunk's output gradient arrives as a slice of the whole sequence's (``torch.cat``'s backward), which is
-    not dense where a microbatch holds several sequences; SDPA's cuDNN backward then gives wrong gradients
-    (tests/distributed/test_context_parallel_gpu.py). One copy of the chunk's gradient puts it in the layout
-    of the output the kernel wrote, as its backward reads both.
+    not dense where a microbatch holds several sequences. cuDNN's backward misreads such a gradient; it no
+    longer runs behind this (``_causal_chunk_attention``), but the SDPA kernels that do (efficient, math, the
+    CPU's, ROCm's) are verified on GPUs only with the gradient in the output's layout, so the chunk keeps
+    handing it over that way: one copy of a chunk's gradient, in eager mode.
     """
 
     @staticmethod
