@@ -260,11 +260,13 @@ def sweep_rows(
     layouts: Sequence[str],
     segments: Sequence[str] = (),
     settings: Sequence[str] = (),
+    counts: dict[str, int | None] | None = None,
 ) -> list[dict[str, Any]]:
     """Each of ``layouts``' sweep in its own torchrun of two ranks (this script, ``--worker --sweep``).
 
     ``segments`` ("8x2": sequences per GPU per batch x per microbatch) replace SWEEP_SEGMENTS; ``settings``
-    (YAML overrides) apply to every layout and are named in its label.
+    (YAML overrides) apply to every layout and are named in its label; ``counts`` (``batches_per_segment``)
+    set each segment's warm-up, timed and profiled batches.
     """
     rows = []
     for name, overrides in (layout for layout in LAYOUTS if slug(layout[0]) in layouts):
@@ -273,6 +275,7 @@ def sweep_rows(
             layout, overrides = f"{layout} + {' + '.join(settings)}", [*overrides, *settings]
         flags = ["--sweep", "--layout", layout, *(["--out", out] if out else []), *(["--smoke"] if smoke else [])]
         flags += ["--segments", *segments] if segments else []
+        flags += [f"--{key}-batches={value}" for key, value in (counts or {}).items() if value is not None]
         # under out, so the finished segments' rows come back even if the whole command is stopped
         row_file = Path(out) / f"moe_sweep_{slug(layout)}_rows.json" if out else None
         result = _torchrun(flags, overrides, timeout_s, row_file)
@@ -288,9 +291,15 @@ def sweep_worker(args: argparse.Namespace) -> None:
     overrides = [*args.override, *(SMOKE_MODEL if args.smoke else ["variables.max_seq_len=4096"])]
     folder = Path(args.out or tempfile.mkdtemp()) / f"moe_profile_{slug(args.layout)}"
     small = {"segments": ((1, 1), (2, 1), (2, 2)), "warmup": 1, "timed": 1} if args.smoke else {}
+    small.update({key: value for key, value in batches_per_segment(args).items() if value is not None})
     if args.segments:
         small["segments"] = tuple(parse_segment(text) for text in args.segments)
     sweep(OLMOE_YAML, overrides, args.layout, device, Path(args.worker), folder, **small)
+
+
+def batches_per_segment(args: argparse.Namespace) -> dict[str, int | None]:
+    """The sweep's batch counts given on the command line (None: the sweep's default)."""
+    return {"warmup": args.warmup_batches, "timed": args.timed_batches, "profiled": args.profiled_batches}
 
 
 def parse_segment(text: str) -> tuple[int, int]:
@@ -332,6 +341,9 @@ def main() -> int:
     parser.add_argument("--checkpointing", action="store_true", help="the sweep with activation checkpointing")
     parser.add_argument("--segments", nargs="+", default=[], help="the sweep's SxM segments (default: SWEEP_SEGMENTS)")
     parser.add_argument("--set", nargs="+", default=[], help="YAML overrides for the sweep's layouts")
+    parser.add_argument("--warmup-batches", type=int, help="the sweep's untimed batches per segment (default 3)")
+    parser.add_argument("--timed-batches", type=int, help="the sweep's timed batches per segment (default 3)")
+    parser.add_argument("--profiled-batches", type=int, choices=(0, 1), help="profile the first segment (default 1)")
     layouts = [slug(name) for name, _ in LAYOUTS]
     parser.add_argument("--layouts", nargs="+", choices=layouts, default=layouts, help="the sweep's layouts")
     parser.add_argument("--parity-steps", type=int, default=200)
@@ -372,7 +384,14 @@ def main() -> int:
             torch.cuda.empty_cache()  # the sweep's ranks need the whole GPU
     if "sweep" in args.parts:
         rows = sweep_rows(
-            args.out, args.sweep_timeout_s, args.smoke, args.checkpointing, args.layouts, args.segments, args.set
+            args.out,
+            args.sweep_timeout_s,
+            args.smoke,
+            args.checkpointing,
+            args.layouts,
+            args.segments,
+            args.set,
+            batches_per_segment(args),
         )
         label = ("_ac" if args.checkpointing else "") + (f"_{slug('_'.join(args.set))}" if args.set else "")
         name = f"moe_sweep{label}"

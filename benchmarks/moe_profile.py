@@ -157,10 +157,15 @@ class SweepRecorder(Callback):
     writes the rows so far (rank 0) whenever a segment ends."""
 
     def __init__(
-        self, segments: Sequence[tuple[int, int]], warmup: int, timed: int, layout: str, row_file: Path | None
+        self,
+        segments: Sequence[tuple[int, int]],
+        warmup: int,
+        timed: int,
+        layout: str,
+        row_file: Path | None,
+        profiled_batches: int = 1,  # the first segment's extra batches, after its timed ones
     ) -> None:
         self.segments, self.warmup, self.timed, self.layout, self.row_file = segments, warmup, timed, layout, row_file
-        profiled_batches = 1  # the first segment's extra batch, after its timed ones
         self.plan = [
             (index, position)
             for index in range(len(segments))
@@ -216,17 +221,22 @@ def sweep(
     segments: Sequence[tuple[int, int]] = SWEEP_SEGMENTS,
     warmup: int = 3,
     timed: int = 3,
+    profiled: int = 1,
 ) -> list[dict[str, Any]]:
-    """Train the YAML's model through the segments in one Trainer; the rows (see ``SweepRecorder``)."""
+    """Train the YAML's model through the segments in one Trainer; the rows (see ``SweepRecorder``).
+
+    ``profiled`` (0 or 1): whether the first segment ends with a profiled batch.
+    """
     cfg, _ = load_train_config(yaml, list(overrides))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    recorder = SweepRecorder(segments, warmup, timed, layout, row_file)
+    recorder = SweepRecorder(segments, warmup, timed, layout, row_file, profiled)
     cpu = torch.device("cpu")
     batches = [random_batch(segments[index][0], cfg.max_seq_len, cfg.model["vocab_size"], cpu) for index, _ in
                recorder.plan]  # fmt: skip
     # The summary only: exporting a whole step's trace on each rank takes longer than the step's segment.
     profiler = Profiler(skip_batches=warmup + timed, batches=1, trace=False, folder=str(profile_folder))
-    trainer = yaml_trainer(cfg, batches, segments[0][1], [recorder, profiler], device=device)
+    callbacks = [recorder, profiler] if profiled else [recorder]
+    trainer = yaml_trainer(cfg, batches, segments[0][1], callbacks, device=device)
     trainer.fit()
     return recorder.rows
