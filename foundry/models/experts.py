@@ -115,9 +115,22 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def _sum_groups(rows: torch.Tensor, index: torch.Tensor, group: int) -> torch.Tensor:
-    """Rows ``index`` of ``rows``, each consecutive ``group`` of them summed: (len(index) / group, d)."""
-    gathered = rows.index_select(0, index)
-    return gathered if group == 1 else gathered.view(-1, group, rows.shape[1]).sum(1)
+    """Rows ``index`` of ``rows``, each consecutive ``group`` of them summed: (len(index) / group, d).
+
+    Compiled, the sum is written as ``group`` gathers added in fp32, which the compiler fuses into one
+    elementwise kernel whose threads read along d_model; its kernel for gather-then-``sum(1)`` spreads the
+    group across threads and reads at about a third of the bandwidth (a 2 GB combine at 0.85 TB/s on an H100).
+    Eager keeps the one gather and sum: the unrolled form would write each gather out.
+    """
+    if group == 1:
+        return rows.index_select(0, index)
+    if torch.compiler.is_compiling():
+        columns = index.view(-1, group)
+        total = rows.index_select(0, columns[:, 0]).float()
+        for j in range(1, group):
+            total = total + rows.index_select(0, columns[:, j]).float()
+        return total.to(rows.dtype)
+    return rows.index_select(0, index).view(-1, group, rows.shape[1]).sum(1)
 
 
 # Dispatch (tokens to buffer rows) and combine (rows to tokens, each token's top_k rows summed) are each

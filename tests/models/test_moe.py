@@ -115,6 +115,26 @@ def test_combine_is_dispatchs_transpose_and_sums_each_tokens_rows() -> None:
     assert combine(rows, layout).isfinite().all()
 
 
+def test_compiled_combine_and_dispatch_backward_sum_as_eager_does() -> None:
+    """Compiled, each token's top_k rows are summed as unrolled gathers (one elementwise kernel on a GPU):
+    combine's forward and dispatch's backward equal eager's one-gather-and-sum, in bf16 with padding rows."""
+    expert_ids = torch.randint(0, 4, (16, 4), generator=torch.Generator().manual_seed(2))
+    layout = sort_by_expert(expert_ids, num_experts=4, row_alignment=8)
+    x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
+    rows = torch.randn(layout.source_of_slot.shape[0], 32, dtype=torch.bfloat16, requires_grad=True)
+    grad_out = torch.randn(16, 32, dtype=torch.bfloat16)
+
+    def round_trip(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return combine(dispatch(x, layout) * rows, layout)
+
+    results = []
+    for fn in (round_trip, torch.compile(round_trip, backend="aot_eager", fullgraph=True)):
+        out = fn(x, rows)
+        results.append((out, *torch.autograd.grad(out, (x, rows), grad_out)))
+    for compiled, eager in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-2, atol=1e-2)
+
+
 def test_slot_weights_put_each_router_weight_on_its_row() -> None:
     expert_ids = torch.tensor([[2, 0], [0, 1], [2, 1], [0, 2]])
     weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.9, 0.1], [0.8, 0.2]])
