@@ -171,6 +171,7 @@ def test_the_unfused_loss_row_differs_from_the_shipped_8b_row_by_its_loss_only(t
     settings = peers_rows.Settings(tmp_path, tmp_path, global_batch=16, steps=3, peak_tflops=1000.0)
     shipped, _ = peers_rows.command(peers_rows.ROWS["foundry-llama-8b"], settings)
     unfused, _ = peers_rows.command(peers_rows.ROWS["foundry-llama-8b-unfused-loss"], settings)
+
     def settings_of(argv: list[str]) -> list[str]:  # each row writes its own run folder
         return [arg for arg in argv if not arg.startswith("run_folder=")]
 

@@ -233,7 +233,8 @@ def _installed_on_a_hopper_gpu(monkeypatch: pytest.MonkeyPatch, kernels: types.S
     monkeypatch.setattr(flash_attention4, "_interface", lambda: kernels)
     monkeypatch.setattr(flash_attention4, "installed", lambda: True)
     monkeypatch.setattr(flash_attention4, "interface_problem", lambda: "")
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
+    # torch's own compile-time checks call it without an index
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
     probe = flash_attention4.probe_problem
     monkeypatch.setattr(flash_attention4, "probe_problem", lambda device, *shape: probe(torch.device("cpu"), *shape))
 
