@@ -104,6 +104,7 @@ class HFCausalLM(CausalLM):
         hf_config = load_hf_config(self.config)
         warn_if_native_moe(hf_config, self.config.pretrained_model_name_or_path)
         self.hf_model = _build_hf_model(self.config, hf_config)
+        keep_expert_sums_in_the_input_dtype(self.hf_model)
         # False once the weights are gone (init_device: meta, to_empty): then load_pretrained_weights() reads them.
         self.holds_pretrained_weights = self.config.pretrained and init_device(self.config.init_device).type != "meta"
         if self.config.peft_config is not None:
@@ -230,6 +231,21 @@ def warn_if_native_moe(hf_config: Any, path: str) -> None:
             "(docs/MODELS.md, Mixture of experts).",
             stacklevel=3,
         )
+
+
+def keep_expert_sums_in_the_input_dtype(hf_model: nn.Module) -> None:
+    """DBRX's experts (transformers 4.57 and 5.x) sum each expert's output into a buffer of the input's dtype
+    with ``index_add_``; under CUDA autocast the router weights arrive in fp32 (softmax and norm run in fp32),
+    which makes the source fp32 and ``index_add_`` refuse the bf16 buffer. The weights are cast to the input's
+    dtype before the experts run, as they would be on one dtype throughout."""
+    for module in hf_model.modules():
+        if type(module).__name__ == "DbrxExperts":
+            module.register_forward_pre_hook(_cast_floating_arguments_to_the_first)
+
+
+def _cast_floating_arguments_to_the_first(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    dtype = args[0].dtype
+    return tuple(arg.to(dtype) if isinstance(arg, torch.Tensor) and arg.is_floating_point() else arg for arg in args)
 
 
 def _fresh_module(module: nn.Module, config: Any) -> nn.Module:

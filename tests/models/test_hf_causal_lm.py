@@ -173,3 +173,26 @@ def test_default_attention_is_sdpa_where_the_model_has_it_else_eager(tmp_path, c
     getattr(transformers, config_name)(vocab_size=VOCAB, **keys[config_name]).save_pretrained(tmp_path)
     model = hf_lm(tmp_path, pretrained=False, config_overrides={"num_hidden_layers": 1} if expected == "sdpa" else {})
     assert model.hf_config._attn_implementation == expected
+
+
+def test_dbrx_experts_take_fp32_router_weights_beside_bf16_tokens(tmp_path) -> None:
+    """Under CUDA autocast DBRX's router weights arrive in fp32 while its tokens are bf16, and transformers'
+    ``index_add_`` refused the mix (GPU run, transformers 5); the weights are cast to the tokens' dtype."""
+    import transformers as tf
+
+    config = tf.DbrxConfig(
+        vocab_size=VOCAB, d_model=16, n_heads=2, n_layers=1, max_seq_len=32,
+        attn_config={"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 32, "moe_num_experts": 2, "moe_top_k": 1},
+    )  # fmt: skip
+    tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "dbrx")
+    model = hf_lm(tmp_path / "dbrx", pretrained=False, init_device="cpu")
+    experts = next(module for module in model.modules() if type(module).__name__ == "DbrxExperts")
+    captured: list[tuple] = []
+    handle = experts.register_forward_pre_hook(lambda module, args: captured.append(args), prepend=True)
+    model({"input_ids": torch.randint(0, VOCAB, (2, 8))})
+    handle.remove()
+    tokens, *rest = captured[0]  # fp32 throughout: as CUDA autocast hands the router's weights over
+    experts.to(torch.bfloat16)
+    out = experts(tokens.to(torch.bfloat16), *rest)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
