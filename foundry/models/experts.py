@@ -120,16 +120,21 @@ def _sum_groups(rows: torch.Tensor, index: torch.Tensor, group: int) -> torch.Te
     Compiled, the sum is written as ``group`` gathers added in fp32, which the compiler fuses into one
     elementwise kernel whose threads read along d_model; its kernel for gather-then-``sum(1)`` spreads the
     group across threads and reads at about a third of the bandwidth (a 2 GB combine at 0.85 TB/s on an H100).
-    Eager keeps the one gather and sum: the unrolled form would write each gather out.
+    Eager keeps the one gather and sum: the unrolled form would write each gather out. fp32 rows are summed
+    without casts: torch 2.11's dynamo returned wrong gradients through a custom autograd Function whose
+    forward held a no-op ``.float()`` (fp32 MoE training, compiled, was off by 0.05 in loss after one step).
     """
     if group == 1:
         return rows.index_select(0, index)
     if torch.compiler.is_compiling():
         columns = index.view(-1, group)
-        total = rows.index_select(0, columns[:, 0]).float()
+        upcast = rows.dtype != torch.float32
+        total = rows.index_select(0, columns[:, 0])
+        total = total.float() if upcast else total
         for j in range(1, group):
-            total = total + rows.index_select(0, columns[:, j]).float()
-        return total.to(rows.dtype)
+            gathered = rows.index_select(0, columns[:, j])
+            total = total + (gathered.float() if upcast else gathered)
+        return total.to(rows.dtype) if upcast else total
     return rows.index_select(0, index).view(-1, group, rows.shape[1]).sum(1)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -246,3 +247,23 @@ def test_moe_runs_under_bf16_autocast_and_compile() -> None:
     compiled = torch.compile(moe, backend="eager")
     torch.testing.assert_close(compiled(x), expected)
     assert math.isfinite(moe.routing.z.item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_moe_layer_has_eager_gradients(dtype: torch.dtype, backend: str) -> None:
+    """The whole layer compiled, inputs and every parameter's gradient: torch 2.11's dynamo returned wrong
+    gradients for fp32 rows through the combine's unrolled sum (2026-11-28), which the bf16-only check missed."""
+    eager = tiny_moe().to(dtype)
+    compiled_moe = copy.deepcopy(eager)
+    x = torch.randn(2, 8, D_MODEL, dtype=dtype)
+    grad = torch.randn_like(x)
+    results = []
+    torch._dynamo.reset()
+    for module, fn in ((eager, eager), (compiled_moe, torch.compile(compiled_moe, backend=backend, fullgraph=True))):
+        inputs = x.clone().requires_grad_(True)
+        fn(inputs).backward(grad)
+        results.append([inputs.grad, *(param.grad for param in module.parameters())])
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it compiled, not fell back to eager
+    for compiled_grad, eager_grad in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
