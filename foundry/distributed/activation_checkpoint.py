@@ -31,10 +31,13 @@ the compiled region then holds the checkpoint, as in torchtitan, which compiles 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Sequence
+from types import TracebackType
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -97,15 +100,47 @@ def apply_activation_checkpointing(
             "Activation checkpointing is already applied to this model: algorithms.activation_checkpointing and "
             "fsdp_config.activation_checkpointing are both on. Keep one (they take the same target)."
         )
-    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
     plan = checkpoint_plan(blocks, target)
     for block_modules in plan:
         for module in block_modules:
-            wrapper = (
-                keep_attention_wrapper(module) if keep_attention else checkpoint_wrapper(module, checkpoint_impl=impl)
-            )
+            if keep_attention:
+                wrapper = keep_attention_wrapper(module)
+            elif reentrant:
+                wrapper = checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.REENTRANT)
+            else:
+                wrapper = checkpoint_wrapper(module, checkpoint_fn=checkpoint_closing_on_error, use_reentrant=False)
             replace_module(model, module, wrapper)
     return [checkpoint_wrapper_of(model, block) for block in blocks]
+
+
+def checkpoint_closing_on_error(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint``, whose saved-tensor hooks are removed when the forward raises.
+
+    Up to torch 2.11 a non-reentrant checkpoint whose forward raised left its hooks installed until the
+    exception's traceback was freed: every later forward saved its tensors into the failed checkpoint, and the
+    next backward stopped with "A different number of tensors was saved during the original forward and
+    recomputation". foundry goes on after such errors (auto microbatching retries after running out of memory,
+    the compile fall-back reruns a block eagerly), so it closes the checkpoint itself, as torch 2.14 does.
+    """
+    if torch.compiler.is_compiling():  # a compiled region's checkpoint: an error there ends the graph, not the run
+        return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
+    try:
+        return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
+    except BaseException as error:
+        close_failed_checkpoints(error.__traceback__)
+        raise
+
+
+def close_failed_checkpoints(traceback: TracebackType | None) -> None:
+    """Finish the checkpoint generators left suspended in ``traceback``'s frames (their hooks come off)."""
+    checkpoint_file = inspect.getsourcefile(torch.utils.checkpoint)
+    while traceback is not None:
+        frame = traceback.tb_frame
+        if frame.f_code.co_name == "checkpoint" and frame.f_code.co_filename == checkpoint_file:
+            generator = frame.f_locals.get("gen")
+            if inspect.isgenerator(generator):
+                generator.close()
+        traceback = traceback.tb_next
 
 
 def keep_attention_wrapper(module: nn.Module) -> nn.Module:
@@ -116,7 +151,9 @@ def keep_attention_wrapper(module: nn.Module) -> nn.Module:
     instead, so the policy is traced into the graph (module docstring).
     """
     context_fn = functools.partial(create_selective_checkpoint_contexts, attention_kernel_ops())
-    wrapper = checkpoint_wrapper(module, checkpoint_impl=CheckpointImpl.NO_REENTRANT, context_fn=context_fn)
+    wrapper = checkpoint_wrapper(
+        module, checkpoint_fn=checkpoint_closing_on_error, use_reentrant=False, context_fn=context_fn
+    )
     compile_forward = getattr(module, "foundry_compile", None)
     if compile_forward is not None:
         module.forward = module.foundry_eager_forward

@@ -196,9 +196,11 @@ def test_a_compiler_error_falls_back_to_eager_with_one_warning(train, eager_loss
 def test_a_compiler_error_inside_a_checkpointed_block_stops_with_the_keys_to_change():
     """Part of the block ran compiled (and saved tensors in the checkpoint) before the error; an eager re-run
     would save them twice and backward's recomputation would refuse the mismatch (seen on GPUs, 2026-11-27)."""
-    from torch.utils.checkpoint import checkpoint
-
     from foundry.algorithms.torch_compile import CompiledForwards
+    from foundry.distributed.activation_checkpoint import checkpoint_closing_on_error
+
+    def checkpoint(function, *args, **kwargs):
+        return checkpoint_closing_on_error(function, *args, **kwargs)
 
     graphs = []
 
@@ -219,8 +221,27 @@ def test_a_compiler_error_inside_a_checkpointed_block_stops_with_the_keys_to_cha
     with pytest.raises(ConfigError, match="inside an activation-checkpointed block.*compile_config: false"):
         checkpoint(compiled, x, use_reentrant=False)
     assert len(graphs) == 2  # the first part had compiled and run
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # the failed checkpoint closed
     checkpoint(compiled, x, use_reentrant=False).backward()  # later calls run eager: no second failure
     torch.testing.assert_close(x.grad, torch.func.grad(block)(x.detach()))
+
+
+def test_a_checkpointed_forward_that_raises_leaves_no_hooks_behind() -> None:
+    """torch 2.11 left a failed non-reentrant checkpoint's saved-tensor hooks installed while the error lived;
+    every later checkpointed block then failed its recomputation (an OOM retried by auto microbatching, say)."""
+    from foundry.distributed.activation_checkpoint import checkpoint_closing_on_error
+
+    def fails(x):
+        x.sin()
+        raise torch.OutOfMemoryError("out of memory")
+
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        checkpoint_closing_on_error(fails, x, use_reentrant=False)
+    assert caught.value is not None  # the error, and its traceback, still alive
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    checkpoint_closing_on_error(lambda t: (t.sin() * t).sum(), x, use_reentrant=False).backward()
+    torch.testing.assert_close(x.grad, x.detach().sin() + x.detach() * x.detach().cos())
 
 
 def test_compile_config_auto_compiles_only_on_a_gpu():
