@@ -1,10 +1,10 @@
 """Mixture of experts on GPUs, in one call: grouped GEMMs, a small MoE beside its dense twin, OLMoE-1B-7B on two GPUs.
 
-    python benchmarks/moe.py --out $OUT            # all three parts (two GPUs for the last), under 9 minutes
-    python benchmarks/moe.py --parts layer --out $OUT
-    python benchmarks/moe.py --parts profile sweep --out $OUT   # where the time goes; the microbatch sweep
+    python benchmarks/moe.py --out OUT_DIR            # all three parts (two GPUs for the last), under 9 minutes
+    python benchmarks/moe.py --parts layer --out OUT_DIR
+    python benchmarks/moe.py --parts profile sweep --out OUT_DIR   # where the time goes; the microbatch sweep
     python benchmarks/moe.py --parts profile sweep --smoke      # the same code path, tiny, on two CPU ranks
-    python benchmarks/moe.py --parts sweep --checkpointing --out $OUT  # the sweep with activation checkpointing
+    python benchmarks/moe.py --parts sweep --checkpointing --out OUT_DIR  # the sweep with activation checkpointing
 
 Parts (each writes ``<out>/moe_<part>.json``: rows plus device, torch and date):
 
