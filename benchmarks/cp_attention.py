@@ -1,6 +1,6 @@
 """Context parallelism's attention on one GPU: a CP2 rank's share of one 64k-token Llama-3.1-8B layer, by kernel.
 
-    python benchmarks/cp_attention.py --out $OUT
+    python benchmarks/cp_attention.py --out OUT_DIR
 
 With two context-parallel ranks and head-tail load balancing, rank 0 holds the sequence's first and last
 quarter: its 16,384 head queries attend to the first 16,384 keys (plain causal) and its 16,384 tail queries

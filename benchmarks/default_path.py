@@ -22,11 +22,11 @@
 moments, fewer checkpointed blocks, a smaller microbatch; docs/DISTRIBUTED.md has the arithmetic), each for 10
 batches with 3 left out of the averages. The weights are initialised on the GPUs (``model.init_device=cuda``,
 the same seed on both ranks) rather than on rank 0's CPU: the same training, a minute less setup a row. On the
-GPU machine (carry ``.whl``, the mosaicml-streaming wheels, and an MDS folder of 2048-token samples)::
+GPU machine (with ``.whl``, the mosaicml-streaming wheels, and an MDS folder of 2048-token samples)::
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     PYTHONPATH=/tmp/site python3 benchmarks/default_path.py --two-gpu --data data/float8_loss/mds \
-        --tokenizer data/float8_loss/tokenizer --out $OUT
+        --tokenizer data/float8_loss/tokenizer --out OUT_DIR
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@ Here, once (real text of the shared data folder, tokenized with gpt-neox-20b int
 
     python benchmarks/float8_loss.py prepare --shared-data SHARED_DATA --out data/float8_loss
 
-On two GPUs (carry data/float8_loss); each variant's JSON is written to $OUT as soon as it ends, so a call
+On two GPUs (data/float8_loss copied there); each variant's JSON is written to OUT_DIR as soon as it ends, so a call
 that runs out of time keeps the variants before it, and a variant stopped by ``--variant-timeout`` keeps
 the batches it logged:
 
-    python benchmarks/float8_loss.py run --data data/float8_loss --out $OUT --variants bf16 float8
+    python benchmarks/float8_loss.py run --data data/float8_loss --out OUT_DIR --variants bf16 float8
 
 Every variant is ``foundry train yamls/pretrain/mpt-7b.yaml --nproc 2`` (the YAML as shipped: FSDP2,
 activation checkpointing, its optimizer and schedule over ``--batches``) on the same data, seed and order,
@@ -230,7 +230,7 @@ def main() -> int:
     run_parser.add_argument("--smoke", action="store_true", help="a tiny MPT on the CPU: checks the plumbing")
     run_parser.add_argument("--out", required=True)
     compare_parser = commands.add_parser("compare", help="merge the runs' JSON, print the gaps, draw the curves")
-    compare_parser.add_argument("folders", nargs="+", help="the $OUT folders of the GPU calls")
+    compare_parser.add_argument("folders", nargs="+", help="the --out folders of the GPU runs")
     compare_parser.add_argument("--plot", default=None, help="PNG of the curves and their differences")
     compare_parser.add_argument("--title", default="MPT-7B on two GPUs: train loss per batch")
     compare_parser.add_argument("--out", default=None, help="where to write the merged float8_loss.json")

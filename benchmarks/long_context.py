@@ -1,15 +1,15 @@
 """Long context on two GPUs: tokens/s per GPU, MFU and peak memory with and without context parallelism.
 
-    python benchmarks/long_context.py --out $OUT        # two GPUs, about 9 minutes; rows in priority order
+    python benchmarks/long_context.py --out OUT_DIR        # two GPUs, about 9 minutes; rows in priority order
 
 The loss check of CP2 against FSDP alone, 200 steps at 8,192 tokens, split over two GPU calls on the same
-token file (written here, carried there; the GPU machine has no shared data folder), compared here:
+token file (written here, copied there; the GPU machine has no shared data folder), compared here:
 
     python benchmarks/long_context.py --prepare data/long_context/tokens.npy      # 3.3M tokens, 6.6 MB
     python benchmarks/long_context.py --rows llama8b-8k llama8b-8k-repeat --loss-steps 200 \
-        --tokens data/long_context/tokens.npy --budget-s 515 --out $OUT            # call 1
+        --tokens data/long_context/tokens.npy --budget-s 515 --out OUT_DIR            # call 1
     python benchmarks/long_context.py --rows llama8b-8k-cp2 --loss-steps 200 \
-        --tokens data/long_context/tokens.npy --budget-s 515 --out $OUT            # call 2
+        --tokens data/long_context/tokens.npy --budget-s 515 --out OUT_DIR            # call 2
     python benchmarks/long_context.py --compare CALL1/long_context.json CALL2/long_context.json \
         --plot docs/images/cp_loss.png --out OUT                                   # here
 

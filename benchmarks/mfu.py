@@ -93,7 +93,7 @@ ROWS: dict[str, Row] = {
     "mpt-125m-residual-mb32": fast(MPT_125M, microbatch=32, residual=True),
     "mpt-125m-fused-residual-mb32": fast(MPT_125M, microbatch=32, fused_ce=True, residual=True),
     "mpt-125m-fused-residual-mb64": fast(MPT_125M, microbatch=64, fused_ce=True, residual=True),
-    # The fastest MPT-125M setup (benchmarks/mpt125m_levers.py): whole-model compile with coordinate
+    # The fastest MPT-125M setup (benchmarks/results/HISTORY.md): whole-model compile with coordinate
     # descent, the fused loss, a bf16 residual stream, microbatch 96 or 112 (68 GiB; 128 gains nothing).
     "mpt-125m-fastest-mb112": Row(MPT_125M, 112, {**WHOLE_CD, **RESIDUAL}, SDPA + FUSED_CE, use_fsdp_config=False),
     "mpt-125m-fastest-mb96": Row(MPT_125M, 96, {**WHOLE_CD, **RESIDUAL}, SDPA + FUSED_CE, use_fsdp_config=False),

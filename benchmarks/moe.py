@@ -1,10 +1,10 @@
 """Mixture of experts on GPUs, in one call: grouped GEMMs, a small MoE beside its dense twin, OLMoE-1B-7B on two GPUs.
 
-    python benchmarks/moe.py --out $OUT            # all three parts (two GPUs for the last), under 9 minutes
-    python benchmarks/moe.py --parts layer --out $OUT
-    python benchmarks/moe.py --parts profile sweep --out $OUT   # where the time goes; the microbatch sweep
+    python benchmarks/moe.py --out OUT_DIR            # all three parts (two GPUs for the last), under 9 minutes
+    python benchmarks/moe.py --parts layer --out OUT_DIR
+    python benchmarks/moe.py --parts profile sweep --out OUT_DIR   # where the time goes; the microbatch sweep
     python benchmarks/moe.py --parts profile sweep --smoke      # the same code path, tiny, on two CPU ranks
-    python benchmarks/moe.py --parts sweep --checkpointing --out $OUT  # the sweep with activation checkpointing
+    python benchmarks/moe.py --parts sweep --checkpointing --out OUT_DIR  # the sweep with activation checkpointing
 
 Parts (each writes ``<out>/moe_<part>.json``: rows plus device, torch and date):
 
@@ -28,8 +28,6 @@ Parts (each writes ``<out>/moe_<part>.json``: rows plus device, torch and date):
   (8, 8): tokens/s per GPU, MFU on active parameters, peak memory per segment; a segment that runs out of
   memory ends that layout's run and keeps the rows before it. The first segment's last batch is
   profiled on each rank (``<out>/moe_profile_<layout>/rank<r>.summary.json``).
-- ``router`` (1 GPU; ``benchmarks/moe_router.py``): the router's three GEMMs (one dimension of 64 experts) at
-  65,536 tokens (a microbatch of 16 sequences), each with the kernel it launches, beside other ways to compute it.
 - ``parity`` (2 GPUs, its own call: ``--parts parity``): a small MoE (8 experts, top-2, d_model 512) trained
   200 steps in bf16 on real text (Python's help topics, a 4,096-token BPE) with FSDP2 alone twice and with
   FSDP2 + EP2 once, same seed and data: the largest per-step loss gap EP2 vs EP1 beside the EP1 vs EP1
@@ -64,7 +62,6 @@ from bench_utils import (
     yaml_trainer,
 )
 from moe_profile import OLMOE_LAYER, layer_profile, sweep
-from moe_router import router_rows
 
 from foundry import Callback
 from foundry.callbacks.device_flops import peak_flops_per_sec
@@ -337,7 +334,7 @@ def _torchrun(flags: list[str], overrides: list[str], timeout_s: int, row_file: 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parts = ["layer", "small", "olmoe", "parity", "profile", "sweep", "router"]
+    parts = ["layer", "small", "olmoe", "parity", "profile", "sweep"]
     parser.add_argument("--parts", nargs="+", choices=parts, default=["layer", "small", "olmoe"])
     parser.add_argument("--smoke", action="store_true", help="profile and sweep, tiny, on two CPU ranks")
     parser.add_argument("--sweep-timeout-s", type=int, default=230, help="each layout's sweep time limit")
@@ -385,12 +382,6 @@ def main() -> int:
         torch._dynamo.reset()  # the compiled layer's cache holds its weights and gradients
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the sweep's ranks need the whole GPU
-    if "router" in args.parts:
-        rows = router_rows()
-        save_json(args.out, "moe_router", rows)
-        print(markdown_table([{key: value for key, value in row.items() if key != "kernels"} for row in rows]))
-        torch._dynamo.reset()
-        torch.cuda.empty_cache()
     if "sweep" in args.parts:
         rows = sweep_rows(
             args.out,

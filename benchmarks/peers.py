@@ -9,9 +9,9 @@ Here, once (writes the token stream and LLM Foundry's YAMLs into DATA, and the p
 On the GPU machine (one GPU: five rows; ``--two-gpu``: the MPT-1B and 8B pairs on two GPUs; ``--long-context``: the 8B
 rows at 65,536 tokens with context parallelism on two GPUs, global batch 2, 1 warm-up + 2 timed steps):
 
-    python benchmarks/peers.py run --data data/peers --wheels .whl --out $OUT [--rows ...] [--two-gpu | --long-context]
+    python benchmarks/peers.py run --data data/peers --wheels .whl --out OUT [--rows ...] [--two-gpu | --long-context]
 
-Each peer is installed from the carried wheels into its own target (``/tmp/site-<peer>``, first on its
+Each peer is installed from the wheels in ``--wheels`` into its own target (``/tmp/site-<peer>``, first on its
 PYTHONPATH) and runs through its own entry point with its own fast settings (peers_rows.py has the table),
 every row on the same tokens, at its sequence length (2048; 65,536 for the long-context rows) and the same
 global batch (``--global-batch``, default 16 sequences; 2 with ``--long-context``), for ``--warmup`` +
@@ -358,7 +358,7 @@ def main() -> int:
     prepare_parser.add_argument("--samples", type=int, default=700, help="2048-token train samples (at least)")
     prepare_parser.add_argument("--out", required=True)
     wheels_parser = commands.add_parser("wheels", help="download the peers' wheels (here, before the GPU call)")
-    wheels_parser.add_argument("--out", required=True, help="the folder carried to the GPU machine (.whl)")
+    wheels_parser.add_argument("--out", required=True, help="the folder to copy to the GPU machine (.whl)")
     run_parser = commands.add_parser("run", help="run the rows")
     run_parser.add_argument("--rows", nargs="*", choices=list(ROWS), help="default: every one-GPU row")
     rows_group = run_parser.add_mutually_exclusive_group()

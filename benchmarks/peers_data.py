@@ -1,4 +1,4 @@
-"""The one token stream every row of benchmarks/peers.py reads, prepared here and carried to the GPU machine.
+"""The one token stream every row of benchmarks/peers.py reads, prepared here and copied to the GPU machine.
 
     python benchmarks/peers.py prepare --corpus CORPUS/*.txt --tokenizer TOKENIZER_DIR --out data/peers
 

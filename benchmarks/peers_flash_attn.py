@@ -12,13 +12,13 @@ Here, once (the source, 8.4 MB, from the package registry):
 
     python benchmarks/peers_flash_attn.py fetch --out .whl/peers/flash-attn-src
 
-On one GPU (carry .whl; about 5 minutes, nvidia-h100-x1): the wheel, in parts the device tool returns whole
+On one GPU (1× H100 80GB, with .whl copied there; about 5 minutes): the wheel, in parts of at most 15 MiB each
 
-    python3 benchmarks/peers_flash_attn.py build --src .whl/peers/flash-attn-src --out $OUT
+    python3 benchmarks/peers_flash_attn.py build --src .whl/peers/flash-attn-src --out OUT_DIR
 
 Here: the parts back into one wheel, where ``peers.py`` installs LLM Foundry's environment from
 
-    python benchmarks/peers_flash_attn.py join /work/.device/N --out .whl/peers/llmf
+    python benchmarks/peers_flash_attn.py join OUT_DIR --out .whl/peers/llmf
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ KERNELS = [
     for kind in ("fwd", "bwd", "fwd_split")
     for causal in ("", "_causal")
 ]
-PART_BYTES = 15 * 1024 * 1024  # the device tool returns files of up to 16 MiB
+PART_BYTES = 15 * 1024 * 1024  # under a 16 MiB limit on each file copied back from the GPU machine
 ONLY = f"this flash-attn build (benchmarks/peers_flash_attn.py) has the bf16 head_dim {HEAD_DIM} kernels only"
 SWITCHES = f"""#define FP16_SWITCH(COND, ...)                                   \\
   [&] {{                                                          \\

@@ -352,7 +352,7 @@ def to_toml(tables: dict[str, dict[str, Any]]) -> str:
 
 
 def install_peer(peer: str, wheels: Path, target: Path) -> None:
-    """pip-install the peer's carried wheels (``wheels/peers/common`` + ``wheels/peers/<peer>``) into ``target``."""
+    """pip-install the peer's wheels (``wheels/peers/common`` + ``wheels/peers/<peer>``) into ``target``."""
     if (target / ".installed").exists():
         return
     files = sorted((wheels / "peers" / "common").glob("*.whl")) + sorted((wheels / "peers" / peer).glob("*.whl"))

@@ -5,8 +5,8 @@ built-in transformers class reproduces (grouped-query attention, QK norm, GLU, R
 logit scale, ...); ``config.json`` names it in ``auto_map``, so the folder loads with
 ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)``. It imports only torch and
 transformers. Config keys and parameter names are foundry's (LLM Foundry's MPT keys), and every forward
-computes what ``foundry.models.mpt`` computes; ``tests/convert/test_remote_code.py`` compares the two over
-every setting, so they cannot drift apart. Works with transformers 4.57 and 5.x.
+computes what ``foundry.models.mpt`` computes; ``tests/convert/test_export_yamls.py`` compares the two on each
+setting it exports with this code (``SETTINGS``), so they cannot drift apart. Works with transformers 4.57 and 5.x.
 """
 
 from __future__ import annotations
