@@ -90,9 +90,9 @@ def require_tokenizer(loaded: LoadedModel, purpose: str) -> Any:
     if loaded.tokenizer is None:
         raise ConfigError(
             f"{loaded.name} has no tokenizer (its run's config names no tokenizer.name: it trained on pre-tokenized "
-            f"batches), so it cannot {purpose}. Pass the tokenizer it was trained with: "
-            "foundry.load_model(path, tokenizer=DIR_OR_NAME), or export it with `foundry convert to-hf CKPT OUT "
-            "--tokenizer DIR_OR_NAME` and evaluate OUT."
+            f"batches), so it cannot {purpose}. Pass the tokenizer it was trained with: `foundry eval --tokenizer "
+            "DIR_OR_NAME ...` (a tokenizer directory or Hub name, as the train YAML's tokenizer.name takes); in "
+            "Python, foundry.load_model(path, tokenizer=DIR_OR_NAME)."
         )
     return loaded.tokenizer
 
