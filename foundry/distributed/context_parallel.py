@@ -105,6 +105,11 @@ class ContextParallel:
         self.group = cp_mesh.get_group()
         self.active = False
 
+    @property
+    def summary(self) -> str:
+        """One line for the run's start: how each sequence is split."""
+        return f"context parallelism on: each sequence split over {self.size} ranks ({_KEY}: {self.size})"
+
     def shard(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """This rank's pieces of every sample the cp group loaded (see the module docstring)."""
         if not isinstance(batch, Mapping) or "input_ids" not in batch:
@@ -378,6 +383,8 @@ def refuse_unsupported_attention(config: Any) -> None:
 
 class WholeSequences:
     """Batches as loaded: every rank holds whole sequences (no context parallelism)."""
+
+    summary: str | None = None  # nothing to say at the run's start
 
     def shard(self, batch: Any) -> Any:
         return batch

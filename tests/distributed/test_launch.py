@@ -208,3 +208,15 @@ def test_a_second_sigterm_to_the_launcher_of_two_ranks_still_exits_5_naming_the_
     reached = latest_checkpoint(tmp_path / "ckpt").name
     assert f"; checkpoint {tmp_path / 'ckpt' / reached}; relaunch with autoresume: true" in lines[-1], lines[-20:]
     assert not any("nothing new to checkpoint" in line for line in lines), lines[-20:]
+
+
+@pytest.mark.slow  # two ranks train (about 30 s on 2 cores)
+def test_the_quickstart_llama_trains_on_two_cpu_ranks_with_context_parallelism_and_says_so_once(tmp_path, data):
+    arguments = _args(tmp_path, data, "model.ffn_hidden_size=64", "max_duration=3ba", "autoresume=false")
+    arguments[1] = str(REPO_ROOT / "yamls" / "quickstart-llama.yaml")
+    code, lines = _foundry_train(arguments, "--nproc", "2", "parallelism.context_parallel_degree=2")
+    assert code == 0, lines[-20:]
+    said = [line for line in lines if "context parallelism on" in line]
+    assert said == ["foundry: context parallelism on: each sequence split over 2 ranks "
+                    "(parallelism.context_parallel_degree: 2)"], lines[-20:]  # fmt: skip
+    assert lines[-1].startswith("foundry: run 'quickstart-llama' finished"), lines[-20:]
