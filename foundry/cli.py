@@ -104,6 +104,7 @@ def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
         with distributed.explain_lost_ranks():  # a dead peer's raw gloo/NCCL error becomes one that names it
             # Ranks that each made a default name (foundry-<time>) must share rank 0's: it names the save folder.
             cfg.run_name = resolved["run_name"] = distributed.broadcast_object(cfg.run_name)
+            kill_point("train.started")
             trainer = build_trainer(cfg, resolved)
             main_process = trainer.state.is_main_process
             trainer.fit()

@@ -19,9 +19,11 @@ The points, in the order a save reaches them (``foundry.checkpoint.save``)::
     publish.latest_written  `latest` updated, older checkpoints not yet pruned
     prune.renamed           an old checkpoint renamed to .tmp-delete-*, not yet deleted
 
-At the end of each training batch, before the ranks agree whether to stop (``foundry.checkpoint.preemption``),
-and once ``fit()`` has returned to ``foundry train`` (its signal handlers given back)::
+In ``foundry train``: once the process group is joined (nothing built yet), at the end of each training batch,
+before the ranks agree whether to stop (``foundry.checkpoint.preemption``), and once ``fit()`` has returned (its
+signal handlers given back)::
 
+    train.started
     train.batch_end
     train.fit_returned
 

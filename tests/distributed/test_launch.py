@@ -198,6 +198,14 @@ def test_a_second_sigterm_after_the_run_checkpointed_still_exits_5(tmp_path, dat
                               "relaunch with autoresume: true"), lines[-20:]  # fmt: skip
 
 
+def test_a_sigterm_before_training_started_trains_one_batch_checkpoints_it_and_exits_5(tmp_path, data):
+    before = {kill_points.SIGNAL_VARIABLE: "SIGTERM", kill_points.ENV_VARIABLE: "train.started"}
+    code, lines = _foundry_train(_args(tmp_path, data), env=before)
+    assert code == EXIT_PREEMPTED, lines[-20:]
+    assert lines[-1].endswith(f"preempted by SIGTERM at batch 1; checkpoint {tmp_path / 'ckpt' / 'ep0-ba1'}; "
+                              "relaunch with autoresume: true"), lines[-20:]  # fmt: skip
+
+
 @pytest.mark.slow  # two ranks (about 20 s on 2 cores)
 def test_a_second_sigterm_to_the_launcher_of_two_ranks_still_exits_5_naming_the_checkpoint(tmp_path, data):
     """Rank 0 sends the launcher SIGTERM after batch 2 and again once fit() returned; the launcher forwards both."""
