@@ -18,7 +18,7 @@ CONFIG = """\
 variables:
   seq: 16
 run_name: cli-test
-model: {name: test_cli_lm, max_seq_len: "${variables.seq}"}
+model: {name: tiny_test_model, max_seq_len: "${variables.seq}"}
 tokenizer: {name: gpt2}
 train_loader: {name: text, dataset: {local: ./data}}
 optimizer: {name: decoupled_adamw, lr: 1.0e-3}

@@ -27,8 +27,12 @@ def build_model(section: Mapping[str, Any], tokenizer: Any = None) -> nn.Module:
 def checked_model_config(section: Mapping[str, Any]) -> Any:
     """The config a model section describes, its values checked without building the model (no weights, no
     download), or None where the registered model cannot check its keys alone (``hf_causal_lm`` reads its
-    Hugging Face config when built). A model class offers this with a ``checked_config(keys)`` classmethod."""
-    constructor = registry.component_factory(registry.models, section, "model").func  # the name checked, by key
+    Hugging Face config when built) or the name is none of them (the build says so, with what else is wrong, as
+    for LLM Foundry's encoder-decoder YAMLs). A model class offers this with a ``checked_config(keys)`` classmethod.
+    """
+    if section.get("name") not in registry.models:
+        return None
+    constructor = registry.component_factory(registry.models, section, "model").func  # its keys checked, by key
     checked_config = getattr(constructor, "checked_config", None)
     if checked_config is None:
         return None
