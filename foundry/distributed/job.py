@@ -84,10 +84,16 @@ def preemption_signals_noted(restore: bool = True) -> Iterator[SignalNote]:
 RANK_ERRORS_VARIABLE = "FOUNDRY_RANK_ERRORS"  # the folder the launcher reads its ranks' errors from
 
 
+def rank_errors_folder_prefix(launcher_pid: int) -> str:
+    """The name a launcher's folder starts with: its ranks (its children) know it by their parent's pid."""
+    return f"foundry-rank-errors-{launcher_pid}-"
+
+
 def hand_to_launcher(error: FoundryError) -> bool:
-    """Write ``error`` where this rank's launcher reads it; False when there is no such launcher (then print it)."""
+    """Write ``error`` where this rank's launcher reads it; False when this process is no rank of a launcher
+    (then it prints its error), as a command that a rank runs in its turn is not."""
     folder = os.environ.get(RANK_ERRORS_VARIABLE)
-    if not folder:
+    if not folder or not Path(folder).name.startswith(rank_errors_folder_prefix(os.getppid())):
         return False
     rank = int(os.environ.get("RANK", 0))
     report = {"rank": rank, "message": str(error), "lost_rank": isinstance(error, LostRankError)}

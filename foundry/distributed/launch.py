@@ -35,7 +35,13 @@ import torch
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from foundry.distributed.job import PREEMPTION_SIGNALS, RANK_ERRORS_VARIABLE, SignalNote, rank_errors_message
+from foundry.distributed.job import (
+    PREEMPTION_SIGNALS,
+    RANK_ERRORS_VARIABLE,
+    SignalNote,
+    rank_errors_folder_prefix,
+    rank_errors_message,
+)
 from foundry.errors import EXIT_PREEMPTED, ConfigError
 
 FORWARDED_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -229,7 +235,7 @@ def _quiet_torchrun(nproc: int) -> Iterator[None]:
 @contextlib.contextmanager
 def _rank_errors_folder() -> Iterator[Path]:
     """A folder the ranks write their errors into (``foundry.distributed.job``), named in their environment."""
-    with tempfile.TemporaryDirectory(prefix="foundry-rank-errors-") as folder:
+    with tempfile.TemporaryDirectory(prefix=rank_errors_folder_prefix(os.getpid())) as folder:
         before = os.environ.get(RANK_ERRORS_VARIABLE)
         os.environ[RANK_ERRORS_VARIABLE] = folder  # torchrun starts the ranks with this process's environment
         try:

@@ -9,27 +9,40 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 from helpers import repo_pythonpath
 
-from foundry.distributed.job import RANK_ERRORS_VARIABLE, hand_to_launcher, rank_errors_message
+from foundry.distributed.job import (
+    RANK_ERRORS_VARIABLE,
+    hand_to_launcher,
+    rank_errors_folder_prefix,
+    rank_errors_message,
+)
 from foundry.errors import ConfigError, LostRankError
 
 
-def test_ranks_that_meet_one_error_hand_it_to_the_launcher_which_says_it_once(tmp_path, monkeypatch):
-    monkeypatch.setenv(RANK_ERRORS_VARIABLE, str(tmp_path))
+@pytest.fixture
+def launcher_folder(tmp_path, monkeypatch):
+    """The folder this process's launcher (its parent, as for torchrun's ranks) reads its errors from."""
+    folder = tmp_path / f"{rank_errors_folder_prefix(os.getppid())}x"
+    folder.mkdir()
+    monkeypatch.setenv(RANK_ERRORS_VARIABLE, str(folder))
+    return folder
+
+
+def test_ranks_that_meet_one_error_hand_it_to_the_launcher_which_says_it_once(launcher_folder, monkeypatch):
     for rank in (0, 1):
         monkeypatch.setenv("RANK", str(rank))
         assert hand_to_launcher(ConfigError("'model.moe_top_k' is 9; set it to 2."))
-    assert rank_errors_message(tmp_path) == "error: 'model.moe_top_k' is 9; set it to 2."
+    assert rank_errors_message(launcher_folder) == "error: 'model.moe_top_k' is 9; set it to 2."
 
 
-def test_different_errors_are_said_once_each_a_lost_peers_echo_first_and_the_cause_last(tmp_path, monkeypatch):
-    monkeypatch.setenv(RANK_ERRORS_VARIABLE, str(tmp_path))
+def test_different_errors_are_said_once_each_a_lost_peers_echo_first_and_the_cause_last(launcher_folder, monkeypatch):
     errors = {0: LostRankError("rank 2 died."), 1: LostRankError("rank 2 died."), 2: ConfigError("No dataset at 'x'.")}
     for rank, error in errors.items():
         monkeypatch.setenv("RANK", str(rank))
         hand_to_launcher(error)
-    assert rank_errors_message(tmp_path).splitlines() == [
+    assert rank_errors_message(launcher_folder).splitlines() == [
         "error (ranks 0, 1): rank 2 died.",
         "error (rank 2): No dataset at 'x'.",
     ]
@@ -39,6 +52,15 @@ def test_a_process_without_a_launcher_prints_its_error_itself(tmp_path, monkeypa
     monkeypatch.delenv(RANK_ERRORS_VARIABLE, raising=False)
     assert not hand_to_launcher(ConfigError("x"))
     assert rank_errors_message(tmp_path) is None
+
+
+def test_a_command_a_rank_runs_in_its_turn_prints_its_error_itself(tmp_path, monkeypatch):
+    """It inherits the rank's environment, but its parent is the rank, not the launcher."""
+    folder = tmp_path / f"{rank_errors_folder_prefix(os.getpid())}x"  # this process's ranks' folder
+    folder.mkdir()
+    monkeypatch.setenv(RANK_ERRORS_VARIABLE, str(folder))
+    assert not hand_to_launcher(ConfigError("x"))
+    assert rank_errors_message(folder) is None
 
 
 def _signals_itself(code: str, **env: str) -> subprocess.CompletedProcess:
