@@ -25,6 +25,7 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from foundry.distributed.job import hand_to_launcher
 from foundry.errors import EXIT_CHECK_FAILED, EXIT_PREEMPTED, FoundryError
 
 if TYPE_CHECKING:
@@ -66,40 +67,48 @@ def run_train(args: argparse.Namespace) -> int:
     """
     from foundry.config import load_train_config
     from foundry.config.component_keys import check_component_keys
+    from foundry.distributed.job import launched_by_torchrun, preemption_signals_noted
     from foundry.yaml_config import to_yaml
 
-    cfg, resolved = load_train_config(args.config, args.overrides)  # every key is checked before any work (no torch)
-    check_component_keys(cfg)  # the built-in components' keys too, read from their source (no torch)
-    from foundry.distributed.process_group import launched_by_torchrun
-
-    if args.print_config:
+    # A preemption signal is noted from here to the exit, never fatal: the exit code stays 5 for any sequence of them.
+    with preemption_signals_noted(restore=not args.exits_after):
+        cfg, resolved = load_train_config(args.config, args.overrides)  # every key checked before any work (no torch)
+        check_component_keys(cfg)  # the built-in components' keys too, read from their source (no torch)
         from foundry.config.build import check_config
 
-        check_config(cfg)  # what would stop the run before it builds anything stops the printout too
-        print(to_yaml(cfg), end="")
-        return 0
-    if (args.nproc is not None or args.nnodes > 1) and not launched_by_torchrun():
-        return _launch_ranks(args, cfg)
-    _configure_logging(cfg.python_log_level)
-    return _train(cfg, resolved)
+        launching = (args.nproc is not None or args.nnodes > 1) and not launched_by_torchrun()
+        if args.print_config:
+            # what would stop the run before it builds anything stops the printout too
+            check_config(cfg, (args.nproc or 1) * args.nnodes if launching else None)
+            print(to_yaml(cfg), end="")
+            return 0
+        if launching:
+            check_config(cfg, (args.nproc or 1) * args.nnodes)  # a config error said once, before any rank starts
+            return _launch_ranks(args, cfg)
+        _configure_logging(cfg.python_log_level)
+        return _train(cfg, resolved)
 
 
 def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
     from foundry import distributed
     from foundry.callbacks.hand_over import HANDED_OVER_EXIT_CODE, handed_over
     from foundry.callbacks.reference_curve import stopped_outside_band
+    from foundry.checkpoint.kill_points import kill_point
     from foundry.checkpoint.preemption import preemption_of
-    from foundry.config.build import build_trainer
+    from foundry.config.build import build_trainer, check_settings
 
+    check_settings(cfg, distributed.get_world_size())  # before the process group starts (torchrun's WORLD_SIZE)
     if distributed.launched_by_torchrun():
         distributed.init_process_group(cfg.dist_timeout)
     try:
         with distributed.explain_lost_ranks():  # a dead peer's raw gloo/NCCL error becomes one that names it
             # Ranks that each made a default name (foundry-<time>) must share rank 0's: it names the save folder.
             cfg.run_name = resolved["run_name"] = distributed.broadcast_object(cfg.run_name)
+            kill_point("train.started")
             trainer = build_trainer(cfg, resolved)
             main_process = trainer.state.is_main_process
             trainer.fit()
+            kill_point("train.fit_returned")
     finally:
         distributed.destroy_process_group()
     if preemption_of(trainer.engine.callbacks):
@@ -280,10 +289,16 @@ GROUP_HELP = {"data": "prepare datasets", "convert": "move weights to and from H
 
 # ------------------------------------------------------------------------------------- parser
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``foundry`` command; returns the exit code (2 with a one-paragraph message on a FoundryError)."""
+    """Run the ``foundry`` command; returns the exit code (2 with a one-paragraph message on a FoundryError).
+
+    Without ``argv`` this is the process's own command (the ``foundry`` script, ``python -m foundry``, a rank under
+    torchrun), which exits right after: ``foundry train`` then keeps noting preemption signals until the exit.
+    """
+    exits_after = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(selected_command(argv))
     args, extra = parser.parse_known_args(argv)
+    args.exits_after = exits_after
     if extra:  # overrides may follow options: `foundry train cfg.yaml --print-config a=1`
         if not hasattr(args, "overrides") or any(token.startswith("-") for token in extra):
             args.help_parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -296,7 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FoundryError as error:
         if args.debug:
             raise
-        print(f"error: {error}", file=sys.stderr)
+        if not hand_to_launcher(error):  # a rank of `foundry train --nproc`: its launcher says it once, last
+            print(f"error: {error}", file=sys.stderr)
         return error.exit_code
     except KeyboardInterrupt:
         return 130

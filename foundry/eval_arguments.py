@@ -26,6 +26,12 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
         help="LoRA checkpoints evaluated in turn on the --model base",
     )
     parser.add_argument(
+        "--tokenizer",
+        metavar="DIR|NAME",
+        help="the tokenizer of every --model/--compare/--adapters model (a local tokenizer directory or a Hub name, "
+        "as the train YAML's tokenizer.name), instead of the one each stores; needed where a run stored none",
+    )
+    parser.add_argument(
         "--tasks",
         metavar="YAML|NAME",
         help="a YAML holding icl_tasks:, or LLM Foundry's list: light, v0.3, ... (replaces the config's)",

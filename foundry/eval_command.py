@@ -53,6 +53,7 @@ class EvalConfig:
     run_name: str | None = None
     attn_implementation: str | None = None  # Hugging Face directories; None: sdpa where implemented, else eager
     trust_remote_code: bool = False  # Hugging Face directories that ship their own modeling code may run it
+    tokenizer: str | None = None  # --model/--compare models' tokenizer (directory or Hub name); None: their own
 
 
 def load_eval_config(args: argparse.Namespace) -> EvalConfig:
@@ -70,6 +71,7 @@ def load_eval_config(args: argparse.Namespace) -> EvalConfig:
         "device": args.device,
         "attn_implementation": args.attn_impl,
         "trust_remote_code": args.trust_remote_code,
+        "tokenizer": args.tokenizer,
     }
     cfg = dataclasses.replace(cfg, **{key: value for key, value in flags.items() if value is not None})
     if cfg.icl_tasks is None:
@@ -123,7 +125,10 @@ def evaluate_source(source: Any, tasks: list, gauntlet: Any, cfg: EvalConfig, de
         loaded = build_model_entry(*source)
     else:
         loaded = load_model(
-            source, attn_implementation=cfg.attn_implementation, trust_remote_code=cfg.trust_remote_code
+            source,
+            attn_implementation=cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+            tokenizer=cfg.tokenizer,
         )
     evaluator = build_evaluator(loaded, tasks, cfg)  # foundry.eval.runner
     model = loaded.model.to(device)

@@ -186,6 +186,8 @@ class Trainer:
             raise ConfigError("Trainer.fit() needs a train_dataloader.")
         checkpoints = f"; checkpoints in {self.save_folder}" if self.save_folder else ""
         self.logger.log_text(f"foundry: run '{state.run_name}': metrics in {self.run_folder}{checkpoints}")
+        if self._batches.summary:  # how the ranks split the batches, when it is news (context parallelism)
+            self.logger.log_text(f"foundry: {self._batches.summary}")
         try:
             self.engine.run_event(Event.FIT_START)
             if self.eval_first and state.timestamp.batch == 0:

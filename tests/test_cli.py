@@ -248,3 +248,57 @@ def test_a_config_typo_is_reported_without_importing_torch(typo: str) -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["2", "False"]
     assert "Did you mean" in result.stderr
+
+
+QUICKSTART_MOE = QUICKSTART.with_name("quickstart-moe.yaml")
+MPT_MOE = "model.ffn_config={ffn_type: mb_dmoe, moe_num_experts: 4, moe_top_k: 5}"
+
+
+@pytest.mark.parametrize(
+    ("yaml_path", "override", "named"),
+    [
+        (QUICKSTART_MOE, "model.moe_top_k=9", "'model.moe_top_k' is 9"),
+        (QUICKSTART_MOE, "model.moe_top_k=0", "'model.moe_top_k' is 0"),
+        (QUICKSTART_MOE, "model.moe_num_experts=0", "'model.moe_num_experts' is 0"),
+        (QUICKSTART, MPT_MOE, "'model.ffn_config.moe_top_k' is 5"),  # MPT's experts are written nested
+    ],
+    ids=["llama-top-k-9", "llama-top-k-0", "llama-experts-0", "mpt-nested-top-k"],
+)
+def test_moe_values_are_refused_by_the_key_written_before_the_process_group_data_or_model(
+    yaml_path: Path, override: str, named: str, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    from foundry import distributed
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the config's own check comes first")
+
+    monkeypatch.setattr(builders, "build_model", never)
+    monkeypatch.setattr(distributed, "init_process_group", never)
+    code = cli.main(["train", str(yaml_path), f"variables.data_local={tmp_path / 'absent'}", override])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {named}") and "'model.ffn_config'" not in err  # a key never written
+
+
+def test_an_expert_parallel_degree_that_does_not_divide_the_experts_names_the_key_and_the_count(capsys) -> None:
+    code = cli.main(
+        ["train", str(QUICKSTART_MOE), "--print-config", "--nproc", "3", "parallelism.expert_parallel_degree=3"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "'parallelism.expert_parallel_degree' is 3" in err and "8 experts" in err and "(2, 4, 8)" in err
+
+
+def test_expert_parallelism_on_one_rank_says_how_to_launch_ranks(tmp_path: Path, capsys) -> None:
+    overrides = [f"variables.data_local={tmp_path / 'absent'}", "parallelism.expert_parallel_degree=2"]
+    assert cli.main(["train", str(QUICKSTART_MOE), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "has 1 rank;" in err and "launch 2 ranks (`foundry train --nproc 2`), or set it to 1" in err
+    assert "or to 1, or" not in err and "set it to 1, or to 1" not in err
+
+
+def test_context_parallelism_of_an_alibi_model_is_refused_at_config_time_suggesting_rope(capsys) -> None:
+    overrides = ["--print-config", "--nproc", "2", "parallelism.context_parallel_degree=2"]
+    assert cli.main(["train", str(QUICKSTART), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert "model.attn_config.alibi is set" in err
+    assert "{alibi: false, rope: true}" in err and "yamls/quickstart-llama.yaml" in err

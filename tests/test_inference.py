@@ -87,5 +87,5 @@ def test_load_model_takes_the_tokenizer_a_checkpoint_lacks(saved, tokenizerless)
 def test_evaluating_a_checkpoint_without_a_tokenizer_names_the_way_to_give_one(tokenizerless) -> None:
     from foundry.eval.loading import load_model, require_tokenizer
 
-    with pytest.raises(foundry.ConfigError, match=r"has no tokenizer.*--tokenizer"):
+    with pytest.raises(foundry.ConfigError, match=r"has no tokenizer.*`foundry eval --tokenizer DIR_OR_NAME"):
         require_tokenizer(load_model(tokenizerless), "be evaluated on text")

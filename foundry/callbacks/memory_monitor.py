@@ -1,8 +1,12 @@
-"""Accelerator memory after each batch, from the CUDA caching allocator's counters (no host sync)."""
+"""Accelerator memory after each batch, from the CUDA caching allocator's counters (no host sync); on a CPU, the
+process's host memory."""
 
 from __future__ import annotations
 
-import warnings
+import os
+import resource
+import sys
+from pathlib import Path
 
 import torch
 
@@ -33,8 +37,9 @@ class MemoryMonitor(Callback):
 
     ``alloc_retries`` growing means the allocator had to free its cache to satisfy a request:
     the run is close to out of memory and slowed by it; a large ``inactive_mem`` means fragmentation
-    (try ``expandable_segments: true``). On CPU nothing is logged (one warning). For where the memory
-    goes allocation by allocation, use ``memory_snapshot``.
+    (try ``expandable_segments: true``). On a CPU, where the model lives in host memory, it logs this
+    process's resident memory instead (``memory/host_rss_mem`` and ``memory/host_peak_rss_mem``, GiB).
+    For where the memory goes allocation by allocation, use ``memory_snapshot``.
 
     Args:
         memory_keys: Map from a ``torch.cuda.memory_stats()`` key to the name it is logged under;
@@ -43,12 +48,11 @@ class MemoryMonitor(Callback):
 
     def __init__(self, memory_keys: dict[str, str] | None = None) -> None:
         self.memory_keys = dict(DEFAULT_MEMORY_KEYS if memory_keys is None else memory_keys)
-        self._warned_no_gpu = False
         self._keys_checked = False
 
     def batch_end(self, state: State, logger: Logger) -> None:
         if state.device.type != "cuda":
-            self._warn_no_gpu(state)
+            logger.log_metrics(host_memory_gib())
             return
         stats = torch.cuda.memory_stats(state.device)
         if stats and not self._keys_checked:
@@ -59,15 +63,6 @@ class MemoryMonitor(Callback):
             metrics[f"memory/{name}"] = value / BYTES_PER_GIB if "bytes" in stat_key else value
         logger.log_metrics(metrics)
 
-    def _warn_no_gpu(self, state: State) -> None:
-        if not self._warned_no_gpu:
-            self._warned_no_gpu = True
-            warnings.warn(
-                f"memory_monitor needs a CUDA device and this run is on '{state.device}'; "
-                "it logs nothing. Remove it from callbacks to silence this warning.",
-                stacklevel=2,
-            )
-
     def _check_keys(self, stats: dict[str, int]) -> None:
         self._keys_checked = True
         for stat_key in self.memory_keys:
@@ -77,3 +72,16 @@ class MemoryMonitor(Callback):
                     f"does not report.{did_you_mean(stat_key, stats)} "
                     "See torch.cuda.memory_stats for the valid keys."
                 )
+
+
+def host_memory_gib() -> dict[str, float]:
+    """This process's resident memory in GiB: now (Linux's /proc/self/statm) and its peak (getrusage)."""
+    metrics = {}
+    try:
+        resident_pages = int(Path("/proc/self/statm").read_text().split()[1])
+        metrics["memory/host_rss_mem"] = resident_pages * os.sysconf("SC_PAGE_SIZE") / BYTES_PER_GIB
+    except (OSError, ValueError, IndexError):  # no /proc (macOS): the peak alone
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    metrics["memory/host_peak_rss_mem"] = peak * (1 if sys.platform == "darwin" else 1024) / BYTES_PER_GIB
+    return metrics

@@ -5,7 +5,8 @@
 ``n``-th time (default: the first) it reaches ``<point>``. Unset, a point costs one environment lookup.
 ``FOUNDRY_KILL_WITH`` sends another signal instead: ``SIGTERM`` (to the process itself) or
 ``SIGTERM:parent`` (to the process that started it: ``foundry train --nproc``'s launcher), which is
-how tests preempt a run at a known batch.
+how tests preempt a run at a known batch. Several points, comma-separated, each send it once: a
+scheduler's second SIGTERM after the run stopped for the first is ``train.batch_end@2,train.fit_returned``.
 
 The points, in the order a save reaches them (``foundry.checkpoint.save``)::
 
@@ -18,9 +19,13 @@ The points, in the order a save reaches them (``foundry.checkpoint.save``)::
     publish.latest_written  `latest` updated, older checkpoints not yet pruned
     prune.renamed           an old checkpoint renamed to .tmp-delete-*, not yet deleted
 
-At the end of each training batch, before the ranks agree whether to stop (``foundry.checkpoint.preemption``)::
+In ``foundry train``: once the process group is joined (nothing built yet), at the end of each training batch,
+before the ranks agree whether to stop (``foundry.checkpoint.preemption``), and once ``fit()`` has returned (its
+signal handlers given back)::
 
+    train.started
     train.batch_end
+    train.fit_returned
 
 With an object-store save_folder, in the upload thread (``foundry.checkpoint.remote``)::
 
@@ -44,17 +49,19 @@ _reached: Counter[str] = Counter()
 def kill_point(name: str) -> None:
     """SIGKILL this process here (or send ``FOUNDRY_KILL_WITH``) if ``FOUNDRY_KILL_AT`` names this point, this
     visit and this rank."""
-    target = os.environ.get(ENV_VARIABLE)
-    if not target:
+    targets = os.environ.get(ENV_VARIABLE)
+    if not targets:
         return
-    point, _, rank = target.partition(":rank")
-    point, _, visit = point.partition("@")
-    if point != name or (rank and rank != os.environ.get("RANK", "0")):
+    for target in targets.split(","):
+        point, _, rank = target.partition(":rank")
+        point, _, visit = point.partition("@")
+        if point != name or (rank and rank != os.environ.get("RANK", "0")):
+            continue
+        _reached[name] += 1
+        if _reached[name] == int(visit or 1):
+            signal_name, _, receiver = os.environ.get(SIGNAL_VARIABLE, "SIGKILL").partition(":")
+            os.kill(os.getppid() if receiver == "parent" else os.getpid(), signal.Signals[signal_name])
         return
-    _reached[name] += 1
-    if _reached[name] == int(visit or 1):
-        signal_name, _, target = os.environ.get(SIGNAL_VARIABLE, "SIGKILL").partition(":")
-        os.kill(os.getppid() if target == "parent" else os.getpid(), signal.Signals[signal_name])
 
 
 def reset() -> None:

@@ -8,6 +8,8 @@ same batch; fit's end then writes the checkpoint through the same path as a peri
 included) and skips the final evaluation. ``foundry train`` prints one line and exits with
 ``EXIT_PREEMPTED`` (5). If SIGKILL comes first, the last complete checkpoint stays intact: saves are
 crash-consistent. ``foundry train --nproc`` forwards the signal to its ranks (``foundry.distributed.launch``).
+``foundry train`` notes the signals from its start to its exit: one that comes before fit() stops the run after
+its first batch, and one after fit() (a scheduler's second SIGTERM) changes nothing, so the exit code stays 5.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from foundry.checkpoint.kill_points import kill_point
 from foundry.core.callback import Callback
 from foundry.core.logger import Logger
 from foundry.core.state import State
-from foundry.distributed.launch import PREEMPTION_SIGNALS
+from foundry.distributed.job import PREEMPTION_SIGNALS, SignalNote
 
 
 class Preemption(Callback):
@@ -42,7 +44,9 @@ class Preemption(Callback):
         self._received, self.signal_name, self.stopped_at = 0, None, None
         if threading.current_thread() is threading.main_thread():  # Python runs handlers in the main thread only
             for number in PREEMPTION_SIGNALS:
-                self._previous_handlers[number] = signal.signal(number, self._note_signal)
+                previous = self._previous_handlers[number] = signal.signal(number, self._note_signal)
+                if isinstance(previous, SignalNote) and previous.received:  # `foundry train` noted it before fit
+                    self._received, previous.received = previous.received, 0
         self._several_ranks = state.world_size > 1
         if self._several_ranks and self._group is None and "gloo" not in str(dist.get_backend()):
             self._group = dist.new_group(backend="gloo")  # a caller's NCCL-only group has no CPU collectives
@@ -76,6 +80,9 @@ class Preemption(Callback):
 
     def close(self) -> None:
         for number, handler in self._previous_handlers.items():
+            if isinstance(handler, SignalNote) and self._received:
+                handler.armed = True  # preempted: a later signal (the scheduler's second) changes nothing
+                handler.received = self._received
             signal.signal(number, handler)
         self._previous_handlers.clear()
 

@@ -9,6 +9,7 @@ invents a default.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -22,12 +23,14 @@ from foundry.core import seed_everything
 from foundry.data import load_tokenizer
 from foundry.data.config import LoaderConfig, TokenizerConfig
 from foundry.distributed import env
+from foundry.distributed.config import ParallelismConfig, check_parallelism, with_fsdp_aliases
+from foundry.distributed.context_parallel import refuse_unsupported_attention
 from foundry.errors import ConfigError
-from foundry.models.build import build_model
+from foundry.models.build import build_model, checked_model_config
 from foundry.models.lora_checkpoint import has_pretrained_base
 from foundry.optim.optimizers import check_hyperparameters
 from foundry.registry import bound_component, build_components, component_factory
-from foundry.schema import config_to_dict
+from foundry.schema import config_to_dict, parse_dataclass
 from foundry.trainer import Trainer
 
 
@@ -39,7 +42,7 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
         cfg: the typed config (``foundry.config.load_train_config``).
         resolved: the resolved YAML, stored in checkpoints and sent to loggers (default: ``cfg`` as a dict).
     """
-    checkpointer = check_config(cfg)
+    checkpointer = check_config(cfg, env.get_world_size())
     device_batch_size = device_train_batch_size(cfg.global_train_batch_size, env.get_world_size())
     if cfg.device:
         torch_device(cfg.device)
@@ -74,12 +77,19 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
     )
 
 
-def check_config(cfg: TrainConfig) -> Checkpointer:
-    """The checks of ``build_trainer`` before it builds anything: values that cannot work, every component's name
-    and arguments, and the checkpoint section, whose ``Checkpointer`` (save_folder and load_path checked) is
-    returned for the Trainer. ``foundry train --print-config`` runs them too."""
+def check_config(cfg: TrainConfig, world_size: int | None = None) -> Checkpointer:
+    """The checks of ``build_trainer`` before it builds anything: ``check_settings``, and the checkpoint section,
+    whose ``Checkpointer`` (save_folder and load_path checked) is returned for the Trainer. ``foundry train`` runs
+    them before it launches ranks, and ``--print-config`` too."""
+    check_settings(cfg, world_size)
+    return Checkpointer(cfg, cfg.run_name)
+
+
+def check_settings(cfg: TrainConfig, world_size: int | None = None) -> None:
+    """Values that cannot work, read from the config alone (no file, no network, no process group): every
+    component's name and arguments, the model section's values, and the parallel degrees against the model and
+    ``world_size`` (the job's ranks; None: not known, those checks wait for the mesh)."""
     _check_hand_over(cfg)
-    checkpointer = Checkpointer(cfg, cfg.run_name)
     _check_adapters_only_base(cfg)
     _check_sections(cfg)
     _check_packing(cfg)
@@ -95,7 +105,20 @@ def check_config(cfg: TrainConfig) -> Checkpointer:
     if cfg.optimizer:
         optimizer = component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",))
         check_hyperparameters(optimizer.keywords)
-    return checkpointer
+    _check_model_and_parallelism(cfg, world_size)
+
+
+def _check_model_and_parallelism(cfg: TrainConfig, world_size: int | None) -> None:
+    """The model section's values (without building the model) and the parallel degrees that depend on it."""
+    model_config = checked_model_config(cfg.model)
+    parallelism = parse_dataclass(ParallelismConfig, cfg.parallelism, "parallelism")
+    if cfg.fsdp_config is not None:
+        with warnings.catch_warnings():  # the deprecated spelling warns once, where the model is placed
+            warnings.simplefilter("ignore", FutureWarning)
+            parallelism = with_fsdp_aliases(parallelism, cfg.fsdp_config)
+    check_parallelism(parallelism, world_size, getattr(model_config, "num_experts", None))
+    if parallelism.context_parallel_degree > 1 and model_config is not None:
+        refuse_unsupported_attention(model_config.attn_config)
 
 
 def check_datasets(cfg: TrainConfig) -> None:

@@ -14,6 +14,7 @@ from torch import nn
 from foundry.checkpoint import load_checkpoint, resolve_checkpoint_path, save_checkpoint
 from foundry.checkpoint.hooks import checkpoint_hooks
 from foundry.checkpoint.meta import model_section, read_meta, tokenizer_section
+from foundry.core.paths import is_object_store_url
 from foundry.core.state import State
 from foundry.core.time import Time
 from foundry.errors import CheckpointError, ConfigError
@@ -155,3 +156,32 @@ def write_atomically(out_dir: Path, write: Callable[[Path], None]) -> None:
         tmp_dir.rename(out_dir)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+# What the commands that read models from disk read (`foundry eval --model`, `foundry.load_model`).
+MODELS_ON_DISK = (
+    "Models are read from disk, never downloaded: a foundry checkpoint, a save_folder, or a Hugging Face model "
+    "directory."
+)
+
+
+def check_model_path(path: str | Path) -> None:
+    """A ``ConfigError`` saying what ``path`` is and what to pass instead, unless something is there (or it is
+    an object-store URL, fetched when loaded)."""
+    given = str(path)
+    if not is_object_store_url(given) and not Path(given).expanduser().exists():
+        raise ConfigError(nothing_at(given))
+
+
+def nothing_at(given: str, reads: str = MODELS_ON_DISK, then: str = "pass {folder}") -> str:
+    """Why a model path that does not exist cannot load, and what to pass instead: ``reads`` says what the command
+    reads; ``then`` what to do with the folder a Hub id is downloaded to (``{folder}``)."""
+    what = f"No model at '{given}': there is no such file or folder (looked in {Path(given).resolve().parent})."
+    if given.startswith(("/", ".", "~")) or given.count("/") > 1:
+        return f"{what} {reads} Check the path."
+    folder = f"models/{given}"
+    return (
+        f"{what} '{given}' reads as a Hugging Face Hub id, not a local folder. {reads} On a machine with internet, "
+        f"save it once with `hf download {given} --local-dir {folder}` (`huggingface-cli download` on older "
+        f"huggingface_hub; or transformers' save_pretrained) and {then.format(folder=folder)}."
+    )

@@ -20,6 +20,7 @@ from foundry.convert.checkpoint_io import (
     check_out_dir,
     load_checkpoint_model,
     meta_model,
+    nothing_at,
     read_folder_weights,
     resolve_checkpoint,
     save_weights_checkpoint,
@@ -141,7 +142,7 @@ def run_from_hf(args: argparse.Namespace) -> int:
 def from_hf_model(hf_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
     """(foundry model holding the checkpoint's weights in fp32, its ``model:`` section)."""
     if not (hf_dir / "config.json").is_file():
-        raise ConfigError(f"{hf_dir} is not a Hugging Face model directory (it has no config.json).")
+        raise ConfigError(_not_a_hf_directory(hf_dir))
     raw_config = json.loads((hf_dir / "config.json").read_text())
     if is_llm_foundry_mpt_export(raw_config):
         return load_llm_foundry_export(hf_dir)
@@ -182,6 +183,28 @@ def from_hf_model(hf_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
         ) from None
     state = adapter.from_hf_state_dict(hf_model.state_dict(), hf_config)
     return _imported_model(raw_config, adapter, section, state, hf_dir)
+
+
+def _not_a_hf_directory(hf_dir: Path) -> str:
+    """What ``hf_dir`` is, since it has no config.json, and what to pass instead."""
+    if not hf_dir.exists():
+        reads = "foundry convert from-hf reads a Hugging Face model directory on disk (config.json and the weights)."
+        return nothing_at(str(hf_dir), reads, then="run `foundry convert from-hf {folder} OUT`")
+    if hf_dir.is_dir() and (latest_checkpoint(hf_dir) is not None or (hf_dir / "meta.json").is_file()):
+        return (
+            f"{hf_dir} is a foundry checkpoint (or a save_folder), not a Hugging Face directory: it needs no "
+            f"conversion. Train from it with `load_path: {hf_dir}`, or evaluate it with `foundry eval --model`."
+        )
+    holds = ""
+    if hf_dir.is_dir():
+        files = sorted(path.name for path in hf_dir.iterdir())
+        holds = f" (it holds {', '.join(files[:8])}{', ...' if len(files) > 8 else ''})" if files else " (it is empty)"
+    return (
+        f"{hf_dir} has no config.json, so it is not a Hugging Face model directory{holds}. "
+        "Pass the folder that holds config.json and the weights (*.safetensors): in the Hub's cache that is "
+        "models--ORG--NAME/snapshots/<revision>/; or download the model to a folder of its own with `hf download "
+        "ORG/NAME --local-dir DIR` and pass DIR."
+    )
 
 
 def _imported_model(

@@ -25,7 +25,7 @@ _EXPORTS = {
     "get_world_size": "foundry.distributed.env",
     "init_process_group": "foundry.distributed.process_group",
     "is_distributed": "foundry.distributed.env",
-    "launched_by_torchrun": "foundry.distributed.process_group",
+    "launched_by_torchrun": "foundry.distributed.job",
     "lost_rank_error": "foundry.distributed.process_group",
     "new_gloo_group": "foundry.distributed.process_group",
     "parallelize": "foundry.distributed.fsdp",

@@ -171,3 +171,54 @@ def with_fsdp_aliases(parallelism: ParallelismConfig, fsdp_config: FSDPConfig) -
             "parallelism.expert_parallel_degree."
         )
     return dataclasses.replace(parallelism, expert_parallel_degree=alias)
+
+
+def check_parallelism(parallelism: ParallelismConfig, world_size: int | None, num_experts: int | None = None) -> None:
+    """The degrees against the job's ranks and the model's experts per MoE layer, read from the config alone, so
+    that ``foundry train`` refuses them before any rank starts.
+
+    ``world_size``: the job's ranks (None: not known yet, as for ``--print-config`` without ``--nproc``);
+    ``num_experts``: None for a dense model, or one whose section foundry cannot read without building it.
+    """
+    ep, cp = parallelism.expert_parallel_degree, parallelism.context_parallel_degree
+    if ep > 1 and cp > 1:
+        raise ConfigError(
+            f"'parallelism.expert_parallel_degree' is {ep} and 'parallelism.context_parallel_degree' is {cp}; foundry "
+            "does not combine expert and context parallelism. Set one of the two keys to 1."
+        )
+    if world_size is not None and world_size % cp:
+        raise ConfigError(
+            f"'parallelism.context_parallel_degree' is {cp}, which does not divide the {_ranks(world_size)} of this "
+            f"job. Launch a multiple of {cp} ranks (`foundry train --nproc {cp}`) or lower the degree."
+        )
+    if ep > 1 and world_size is not None and ep != world_size:
+        fix = (
+            f"launch {ep} ranks (`foundry train --nproc {ep}`), or set it to 1"
+            if world_size == 1
+            else f"set it to {world_size}, or to 1"
+        )
+        raise ConfigError(
+            f"'parallelism.expert_parallel_degree' is {ep} but the run has {_ranks(world_size)}; expert parallelism "
+            f"splits the experts over every rank: {fix} (FSDP shards the experts)."
+        )
+    if num_experts is not None:
+        check_experts_divide(ep, num_experts)
+
+
+def check_experts_divide(expert_parallel_degree: int, num_experts: int) -> None:
+    """Each of the ranks holds the same number of each MoE layer's experts."""
+    if num_experts % expert_parallel_degree == 0:
+        return
+    divisors = [str(d) for d in range(2, num_experts + 1) if num_experts % d == 0][:4]
+    fix = "Set"
+    if divisors:
+        fix = f"Choose a degree that divides {num_experts} ({', '.join(divisors)}), with as many ranks, or set"
+    raise ConfigError(
+        f"'parallelism.expert_parallel_degree' is {expert_parallel_degree}, which does not divide the model's "
+        f"{num_experts} experts per MoE layer (its moe_num_experts): each rank holds an equal share of them. {fix} it "
+        "to 1 (FSDP shards the experts)."
+    )
+
+
+def _ranks(count: int) -> str:
+    return f"{count} rank{'' if count == 1 else 's'}"

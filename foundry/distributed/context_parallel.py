@@ -50,6 +50,12 @@ from foundry.errors import ConfigError
 from foundry.targets import SHIFTED_LABELS_KEY, shifted_targets
 
 _KEY = "parallelism.context_parallel_degree"
+# ALiBi is an MPT's position signal (unless learned_pos_emb): turned off alone, it would leave the model none.
+_ALIBI_FIX = (
+    "Give the model rotary positions instead, which context parallelism splits with the tokens: "
+    "model.attn_config: {alibi: false, rope: true}, or a Llama-family model (model.name: llama_causal_lm, as "
+    f"yamls/quickstart-llama.yaml); or set {_KEY}: 1."
+)
 # torch 2.14 renamed the autograd-aware all-gather (its backward reduce-scatters the gradient)
 _all_gather_autograd = getattr(functional, "all_gather_single_autograd", None) or functional.all_gather_tensor_autograd
 # Per-token tensors a split batch carries: each is split along the sequence like input_ids.
@@ -98,6 +104,11 @@ class ContextParallel:
         self.rank, self.size = cp_mesh.get_local_rank(), cp_mesh.size()
         self.group = cp_mesh.get_group()
         self.active = False
+
+    @property
+    def summary(self) -> str:
+        """One line for the run's start: how each sequence is split."""
+        return f"context parallelism on: each sequence split over {self.size} ranks ({_KEY}: {self.size})"
 
     def shard(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """This rank's pieces of every sample the cp group loaded (see the module docstring)."""
@@ -327,8 +338,7 @@ def _refuse_masks(inputs: Any) -> None:
     """Context parallelism runs plain causal attention only; any other mask would be applied to the wrong keys."""
     if getattr(inputs, "bias", None) is not None or getattr(inputs, "score_mod", None) is not None:
         raise ConfigError(
-            f"{_KEY} runs plain causal attention, but this model adds ALiBi (model.attn_config.alibi). Train it "
-            "without context parallelism, or use RoPE (model.attn_config.rope: true, alibi: false)."
+            f"{_KEY} runs plain causal attention, but this model adds ALiBi (model.attn_config.alibi). {_ALIBI_FIX}"
         )
     if getattr(inputs, "allowed", None) is not None or getattr(inputs, "block_mask", None) is not None:
         raise ConfigError(
@@ -351,12 +361,12 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, attention: str
             "sequences over. Use model.name: mpt_causal_lm or llama_causal_lm, or set the degree to 1."
         )
     for layer in layers:
-        _refuse_unsupported(layer.config)
+        refuse_unsupported_attention(layer.config)
         layer.attn_fn = context_parallel.attention(layer.attn_fn, layer.runs_flash_attention4)
     return context_parallel
 
 
-def _refuse_unsupported(config: Any) -> None:
+def refuse_unsupported_attention(config: Any) -> None:
     """The attention options that need a mask beyond causal: refused when the model is built, by key."""
     for key, on in (
         ("alibi", getattr(config, "alibi", False)),
@@ -364,15 +374,17 @@ def _refuse_unsupported(config: Any) -> None:
         ("sliding_window_size", getattr(config, "sliding_window_size", -1) >= 0),
     ):
         if on:
+            fix = _ALIBI_FIX if key == "alibi" else f"Turn model.attn_config.{key} off, or set {_KEY}: 1."
             raise ConfigError(
                 f"model.attn_config.{key} is set, but {_KEY} > 1 runs plain causal attention only (each rank's "
-                "queries against the gathered keys), so that mask would be wrong. Turn model.attn_config."
-                f"{key} off, or train without context parallelism."
+                f"queries against the gathered keys), so that mask would be wrong. {fix}"
             )
 
 
 class WholeSequences:
     """Batches as loaded: every rank holds whole sequences (no context parallelism)."""
+
+    summary: str | None = None  # nothing to say at the run's start
 
     def shard(self, batch: Any) -> Any:
         return batch

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from foundry.distributed.config import check_experts_divide
 from foundry.distributed.env import get_world_size
 from foundry.errors import ConfigError
 
@@ -98,11 +99,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> int:
     layers = expert_modules(model)
     ep = ep_mesh.size()
     for experts in layers:
-        if experts.num_experts % ep:
-            raise ConfigError(
-                f"Expert parallelism over {ep} ranks splits each MoE layer's {experts.num_experts} experts evenly; "
-                "choose an expert-parallel degree that divides the number of experts."
-            )
+        check_experts_divide(ep, experts.num_experts)
         for name, parameter in list(experts.named_parameters(recurse=False)):
             # This rank's experts, sliced where the weights are (a full copy never reaches the device), then moved
             local = parameter.data.chunk(ep)[ep_mesh.get_local_rank()]

@@ -9,7 +9,13 @@ Preemption: torchrun's agent runs in a thread of this process, so the launcher k
 handlers. On SIGTERM or SIGUSR1 (what Slurm and Kubernetes send before SIGKILL) it forwards the signal
 to its ranks, which checkpoint after the batch in progress and exit 5 (``foundry.checkpoint.preemption``);
 it waits for them up to ``grace_period_s`` and then kills them (the last complete checkpoint stays).
-SIGINT, SIGHUP and SIGQUIT are forwarded as they are. No traceback is printed either way.
+SIGINT, SIGHUP and SIGQUIT are forwarded as they are. No traceback is printed either way. A second preemption
+signal changes nothing: ``foundry train`` notes them from its start to its exit (``foundry.distributed.job``), so
+the exit code stays 5 whenever it comes.
+
+Errors are said once and last: the ranks hand their ``FoundryError`` to the launcher
+(``foundry.distributed.job``), which prints each distinct message once after torchrun has exited;
+torchrun's own lines about the ranks it stopped are left out, as this module reports the outcome itself.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -28,9 +35,15 @@ import torch
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+from foundry.distributed.job import (
+    PREEMPTION_SIGNALS,
+    RANK_ERRORS_VARIABLE,
+    SignalNote,
+    rank_errors_folder_prefix,
+    rank_errors_message,
+)
 from foundry.errors import EXIT_PREEMPTED, ConfigError
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a rank checkpoints and stops (exit 5)
 FORWARDED_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 DEFAULT_GRACE_PERIOD_S = 100.0  # below Slurm's --signal=B:TERM@120, so the launcher's line comes before SIGKILL
 EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C), as a shell reports it
@@ -67,16 +80,28 @@ def launch(
             failure.append(error)
 
     agent = threading.Thread(target=run_agent, name="torchrun-agent", daemon=True)
-    with _quiet_child_thread_warning(), forwarding_signals(grace_period_s) as forwarded:
-        agent.start()
+    with _rank_errors_folder() as errors, _quiet_torchrun(nproc), forwarding_signals(grace_period_s) as forwarded:
+        started = forwarded.signal is None  # else a preemption signal came before the launch: start no rank
+        if started:
+            agent.start()
         while agent.is_alive():
             agent.join(timeout=0.5)  # wakes up for the signal handlers, which run in this thread
+        rank_errors = rank_errors_message(errors)
     error = failure[0] if failure else None
     if error is not None and not isinstance(error, ChildFailedError):
         raise error
-    if error is None:  # every rank finished (a signal that came during the last batch changes nothing)
+    if error is None and started:  # every rank finished (a signal that came during the last batch changes nothing)
         return 0
-    exit_codes = [f.exitcode for f in error.failures.values()]
+    exit_code = _exit_code(error, forwarded, nproc * nnodes)
+    if rank_errors is not None:
+        print(rank_errors, file=sys.stderr)  # the last lines: torchrun's, and the ranks' own, came before
+    return exit_code
+
+
+def _exit_code(error: ChildFailedError | None, forwarded: ForwardedSignal, world_size: int) -> int:
+    """The launcher's exit code for ranks that did not all finish; says what the ranks could not say themselves."""
+    failures = error.failures if error is not None else {}
+    exit_codes = [f.exitcode for f in failures.values()]
     if forwarded.signal in PREEMPTION_SIGNALS:
         return preempted_exit_code(forwarded, exit_codes)
     if forwarded.signal is not None:
@@ -84,11 +109,11 @@ def launch(
     # A rank killed by a signal could say nothing itself; torchrun then stopped the others with SIGTERM.
     killed = sorted(
         (failure.timestamp, rank, failure.signal_name())
-        for rank, failure in error.failures.items()
+        for rank, failure in failures.items()
         if failure.exitcode < 0 and failure.signal_name() != "SIGTERM"
     )
     if killed:
-        print(killed_rank_message(killed[0][1], nproc * nnodes, killed[0][2]), file=sys.stderr)
+        print(killed_rank_message(killed[0][1], world_size, killed[0][2]), file=sys.stderr)
     return ranks_exit_code(exit_codes)
 
 
@@ -122,10 +147,16 @@ def forwarding_signals(grace_period_s: float) -> Iterator[ForwardedSignal]:
             deadline[0].start()
 
     previous = {number: signal.signal(number, forward) for number in FORWARDED_SIGNALS}
+    for number in PREEMPTION_SIGNALS:  # one that `foundry train` noted before the launch counts as forwarded
+        noted = previous[number]
+        if isinstance(noted, SignalNote) and noted.received:
+            forwarded.signal = forwarded.signal or signal.Signals(noted.received)
     try:
         yield forwarded
     finally:
         for number, handler in previous.items():
+            if isinstance(handler, SignalNote) and forwarded.signal in PREEMPTION_SIGNALS:
+                handler.received = forwarded.signal  # preempted: `foundry train` ignores later ones to its exit
             signal.signal(number, handler)
         for timer in deadline:
             timer.cancel()
@@ -171,21 +202,49 @@ def _rank_pids() -> list[int]:
     return pids
 
 
-class _ChildThreadWarning(logging.Filter):
+# What torchrun logs about its ranks that this launcher reports itself, or that is no news to a user.
+_TORCHRUN_NOISE = (
+    "child thread",  # it runs in a thread and registers no signal handlers: on purpose, this launcher handles them
+    "failed (exitcode",  # a rank failed: the rank said why, and the launcher's exit code and last line say it again
+    "closing signal",  # it stops the other ranks after one failed
+    "Closing process",
+)
+
+
+class _TorchrunNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return "child thread" not in record.getMessage()  # on purpose: this launcher handles the signals
+        message = record.getMessage()
+        return not any(noise in message for noise in _TORCHRUN_NOISE)
 
 
 @contextlib.contextmanager
-def _quiet_child_thread_warning() -> Iterator[None]:
-    """Without torchrun's warning that it runs in a thread and so registers no signal handlers."""
+def _quiet_torchrun(nproc: int) -> Iterator[None]:
+    """Without torchrun's lines in ``_TORCHRUN_NOISE``, nor its banner about OMP_NUM_THREADS: with several ranks
+    per machine each gets 1 thread unless OMP_NUM_THREADS says otherwise, set here as torchrun would set it."""
+    if nproc > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
-    quiet = _ChildThreadWarning()
+    quiet = _TorchrunNoise()
     logger.addFilter(quiet)
     try:
         yield
     finally:
         logger.removeFilter(quiet)
+
+
+@contextlib.contextmanager
+def _rank_errors_folder() -> Iterator[Path]:
+    """A folder the ranks write their errors into (``foundry.distributed.job``), named in their environment."""
+    with tempfile.TemporaryDirectory(prefix=rank_errors_folder_prefix(os.getpid())) as folder:
+        before = os.environ.get(RANK_ERRORS_VARIABLE)
+        os.environ[RANK_ERRORS_VARIABLE] = folder  # torchrun starts the ranks with this process's environment
+        try:
+            yield Path(folder)
+        finally:
+            if before is None:
+                os.environ.pop(RANK_ERRORS_VARIABLE, None)
+            else:
+                os.environ[RANK_ERRORS_VARIABLE] = before
 
 
 def check_local_ranks(nproc: int, device: str | None) -> None:

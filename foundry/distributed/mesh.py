@@ -20,7 +20,7 @@ import dataclasses
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from foundry.distributed.config import ParallelismConfig
+from foundry.distributed.config import ParallelismConfig, check_parallelism
 from foundry.distributed.env import get_local_world_size, get_world_size
 from foundry.errors import ConfigError
 
@@ -79,12 +79,7 @@ def parallel_dims(layout: str, parallelism: ParallelismConfig) -> ParallelDims:
     rank the whole model; context-parallel ranks always share the shards (they sit inside a node).
     """
     world_size, cp = get_world_size(), parallelism.context_parallel_degree
-    _check_expert_parallel(parallelism, world_size)
-    if world_size % cp:
-        raise ConfigError(
-            f"'parallelism.context_parallel_degree' is {cp}, which does not divide the {world_size} ranks of this "
-            f"job. Launch a multiple of {cp} ranks (`foundry train --nproc {cp}`) or lower the degree."
-        )
+    check_parallelism(parallelism, world_size)
     data_parallel = world_size // cp
     if layout == "replicate":
         return ParallelDims(dp_replicate=data_parallel, cp=cp, ep=parallelism.expert_parallel_degree)
@@ -103,20 +98,3 @@ def parallel_dims(layout: str, parallelism: ParallelismConfig) -> ParallelDims:
             ep=parallelism.expert_parallel_degree,
         )
     return ParallelDims(dp_shard=data_parallel, cp=cp, ep=parallelism.expert_parallel_degree)
-
-
-def _check_expert_parallel(parallelism: ParallelismConfig, world_size: int) -> None:
-    """Expert parallelism splits the experts over every rank, and does not combine with context parallelism."""
-    ep, cp = parallelism.expert_parallel_degree, parallelism.context_parallel_degree
-    if ep == 1:
-        return
-    if cp > 1:
-        raise ConfigError(
-            f"'parallelism.expert_parallel_degree' is {ep} and 'parallelism.context_parallel_degree' is {cp}; foundry "
-            "does not combine expert and context parallelism. Set one of the two keys to 1."
-        )
-    if ep != world_size:
-        raise ConfigError(
-            f"'parallelism.expert_parallel_degree' is {ep} but the run has {world_size} ranks; expert parallelism "
-            f"splits the experts over every rank: set it to {world_size}, or to 1 (FSDP shards the experts)."
-        )

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from foundry.distributed.env import all_gather_object, default_device, get_rank, get_world_size, is_distributed
+from foundry.distributed.job import launched_by_torchrun
 from foundry.errors import ConfigError, LostRankError
 
 # (host, pid) of every rank of the job, in rank order: how a survivor tells which peer died.
@@ -32,11 +33,6 @@ _PEER_GONE = (
     "NCCL communicator was aborted",
     "remote process exited",
 )
-
-
-def launched_by_torchrun() -> bool:
-    """Whether this process is one rank of a launched job (torchrun's rendezvous variables are set)."""
-    return "MASTER_ADDR" in os.environ and "RANK" in os.environ
 
 
 def init_process_group(timeout_s: float = 600.0) -> None:

@@ -57,9 +57,13 @@ def evaluate_adapters(
         raise ConfigError(f"{adapter_paths[0]} is not a LoRA run (its model section has no peft_config).")
     model, base_tokenizer = _base_model(Path(bases[0]), section)
     model = model.to(device).eval()
-    tokenizer_section = base_tokenizer or adapter_config.get("tokenizer")
+    given = {"name": str(cfg.tokenizer)} if cfg.tokenizer else None
+    tokenizer_section = given or base_tokenizer or adapter_config.get("tokenizer")
     if tokenizer_section is None:
-        raise ConfigError(f"Neither {bases[0]} nor {adapter_paths[0]} names a tokenizer in its config.")
+        raise ConfigError(
+            f"Neither {bases[0]} nor {adapter_paths[0]} names a tokenizer in its config. Pass the one they were "
+            "trained with: --tokenizer DIR_OR_NAME."
+        )
     evaluator = build_evaluator(
         LoadedModel("base", model, _tokenizer(tokenizer_section), _max_seq_len(model)), tasks, cfg
     )

@@ -18,7 +18,12 @@ from typing import Any
 
 from torch import nn
 
-from foundry.convert.checkpoint_io import load_checkpoint_model, resolve_checkpoint, resolve_checkpoint_path
+from foundry.convert.checkpoint_io import (
+    check_model_path,
+    load_checkpoint_model,
+    resolve_checkpoint,
+    resolve_checkpoint_path,
+)
 from foundry.convert.commands import from_hf_model
 from foundry.convert.foundry_mpt import is_foundry_export
 from foundry.convert.llmfoundry_mpt import is_llm_foundry_mpt_export, load_export_tokenizer, load_llm_foundry_export
@@ -85,35 +90,11 @@ def require_tokenizer(loaded: LoadedModel, purpose: str) -> Any:
     if loaded.tokenizer is None:
         raise ConfigError(
             f"{loaded.name} has no tokenizer (its run's config names no tokenizer.name: it trained on pre-tokenized "
-            f"batches), so it cannot {purpose}. Pass the tokenizer it was trained with: "
-            "foundry.load_model(path, tokenizer=DIR_OR_NAME), or export it with `foundry convert to-hf CKPT OUT "
-            "--tokenizer DIR_OR_NAME` and evaluate OUT."
+            f"batches), so it cannot {purpose}. Pass the tokenizer it was trained with: `foundry eval --tokenizer "
+            "DIR_OR_NAME ...` (a tokenizer directory or Hub name, as the train YAML's tokenizer.name takes); in "
+            "Python, foundry.load_model(path, tokenizer=DIR_OR_NAME)."
         )
     return loaded.tokenizer
-
-
-def check_model_path(path: str | Path) -> None:
-    """A ``ConfigError`` saying what ``path`` is and what to pass instead, unless something is there (or it is
-    an object-store URL, fetched when loaded)."""
-    given = str(path)
-    if not is_object_store_url(given) and not Path(given).expanduser().exists():
-        raise ConfigError(_nothing_at(given))
-
-
-def _nothing_at(given: str) -> str:
-    """Why a model path that does not exist cannot load, and what to pass instead."""
-    what = f"No model at '{given}': there is no such file or folder (looked in {Path(given).resolve().parent})."
-    models = (
-        "Models are read from disk, never downloaded: a foundry checkpoint, a save_folder, or a Hugging Face model "
-        "directory."
-    )
-    if given.startswith(("/", ".", "~")) or given.count("/") > 1:
-        return f"{what} {models} Check the path."
-    return (
-        f"{what} '{given}' reads as a Hugging Face Hub id, not a local folder. {models} On a machine with internet, "
-        f"save it once with `hf download {given} --local-dir models/{given}` (or transformers' save_pretrained) "
-        f"and pass models/{given}."
-    )
 
 
 def is_hf_directory(path: Path) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,3 +22,20 @@ def build_model(section: Mapping[str, Any], tokenizer: Any = None) -> nn.Module:
             f"ids have no embedding. Set model.vocab_size to at least {len(tokenizer)} (a multiple of 64 is fastest)."
         )
     return model
+
+
+def checked_model_config(section: Mapping[str, Any]) -> Any:
+    """The config a model section describes, its values checked without building the model (no weights, no
+    download), or None where the registered model cannot check its keys alone (``hf_causal_lm`` reads its
+    Hugging Face config when built) or the name is none of them (the build says so, with what else is wrong, as
+    for LLM Foundry's encoder-decoder YAMLs). A model class offers this with a ``checked_config(keys)`` classmethod.
+    """
+    if section.get("name") not in registry.models:
+        return None
+    constructor = registry.component_factory(registry.models, section, "model").func  # its keys checked, by key
+    checked_config = getattr(constructor, "checked_config", None)
+    if checked_config is None:
+        return None
+    with warnings.catch_warnings():  # the model warns once, when it is built
+        warnings.simplefilter("ignore")
+        return checked_config({key: value for key, value in section.items() if key != "name"})

@@ -112,6 +112,26 @@ def activation(act: ActFnConfig) -> Callable[[torch.Tensor], torch.Tensor]:
 MOE_FFN_TYPES = ("mb_moe", "mb_dmoe")
 
 
+def check_moe_keys(num_experts: int, top_k: int, normalize_expert_weights: float | None, prefix: str) -> None:
+    """A mixture of experts' routing keys, named as the YAML spells them: ``prefix`` + ``moe_num_experts`` etc.
+    (``model.`` for a Llama, ``model.ffn_config.`` for an MPT)."""
+    if num_experts < 1:
+        raise ConfigError(
+            f"'{prefix}moe_num_experts' is {num_experts}; a mixture of experts needs at least 1 expert per layer "
+            "(8 or 16 are common)."
+        )
+    if not 1 <= top_k <= num_experts:
+        raise ConfigError(
+            f"'{prefix}moe_top_k' is {top_k}, but each token goes to between 1 and '{prefix}moe_num_experts' "
+            f"({num_experts}) experts. Set moe_top_k to a number in 1..{num_experts} (2 is common)."
+        )
+    if normalize_expert_weights is not None and normalize_expert_weights <= 0:
+        raise ConfigError(
+            f"'{prefix}moe_normalize_expert_weights' is {normalize_expert_weights}: the top-k weights are divided by "
+            "their p-norm, and p must be positive (1: weights sum to 1), or null for none."
+        )
+
+
 @dataclasses.dataclass
 class FFNConfig:
     """``model.ffn_config``: LLM Foundry's feed-forward types, dense and mixture of experts.
@@ -152,6 +172,8 @@ class FFNConfig:
                 f"'model.ffn_config.moe_world_size' is {self.moe_world_size}; foundry sets expert parallelism in "
                 "the distributed section (docs/MODELS.md, Mixture of experts). Remove the key or set it to 1."
             )
+        if self.is_moe:
+            check_moe_keys(self.moe_num_experts, self.moe_top_k, self.moe_normalize_expert_weights, "model.ffn_config.")
         if self.moe_weight_parallelism or self.return_bias:
             raise ConfigError(
                 "'model.ffn_config.moe_weight_parallelism' and 'return_bias' are MegaBlocks options foundry does not "

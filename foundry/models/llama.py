@@ -20,7 +20,7 @@ from foundry import registry
 from foundry.errors import ConfigError
 from foundry.models.attention import AttnConfig, AttnImpl, RopeHFConfig, check_rope_scaling
 from foundry.models.init import InitConfig
-from foundry.models.layers import ActFnConfig, FFNConfig
+from foundry.models.layers import ActFnConfig, FFNConfig, check_moe_keys
 from foundry.models.lora import LoraConfig
 from foundry.models.mpt import LossFn, MPTCausalLM, MPTConfig
 from foundry.schema import parse_dataclass
@@ -116,6 +116,8 @@ class LlamaConfig:
                 f"'{_KEY}.d_model' ({self.d_model}) must be divisible by '{_KEY}.n_heads' ({self.n_heads}): "
                 "each head gets d_model / n_heads dimensions."
             )
+        if self.moe_num_experts is not None:
+            check_moe_keys(self.moe_num_experts, self.moe_top_k, self.moe_normalize_expert_weights, f"{_KEY}.")
 
     def _take_attn_config(self) -> None:
         """Move ``attn_config``'s keys to their Llama spelling; a key set both ways must agree."""
@@ -223,6 +225,12 @@ class LlamaCausalLM(MPTCausalLM):
         llama_config = parse_dataclass(LlamaConfig, config if config is not None else config_keys, _KEY)
         super().__init__(llama_config.to_mpt_config())
         self.llama_config = llama_config
+
+    @classmethod
+    def checked_config(cls, keys: Mapping[str, Any]) -> MPTConfig:
+        """The network ``keys`` (a YAML's model section without ``name``) describe, as MPT keys, checked without
+        building it (``foundry.models.build.checked_model_config``)."""
+        return parse_dataclass(LlamaConfig, keys, _KEY).to_mpt_config()
 
     def constructor_config(self) -> LlamaConfig:
         return self.llama_config

@@ -26,10 +26,9 @@ import warnings
 import torch
 from torch import nn
 
-from foundry.errors import ConfigError
 from foundry.models.experts import GroupedExperts
 from foundry.models.init import InitFn
-from foundry.models.layers import GLU, MLP, ActFnConfig, FFNConfig
+from foundry.models.layers import GLU, MLP, ActFnConfig, FFNConfig, check_moe_keys
 
 _KEY = "model.ffn_config"
 
@@ -53,16 +52,7 @@ class MoEConfig:
     key: str = _KEY  # where these keys live in the YAML, for error messages
 
     def __post_init__(self) -> None:
-        if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
-            raise ConfigError(
-                f"'{self.key}' routes each token to {self.top_k} of {self.num_experts} experts; the number of "
-                "experts must be at least 1 and top_k between 1 and the number of experts."
-            )
-        if self.normalize_expert_weights is not None and self.normalize_expert_weights <= 0:
-            raise ConfigError(
-                f"'{self.key}' normalizes the top-k weights to a p-norm of p = {self.normalize_expert_weights}; "
-                "p must be positive (1: weights sum to 1), or null for none."
-            )
+        check_moe_keys(self.num_experts, self.top_k, self.normalize_expert_weights, f"{self.key}.")
 
 
 def moe_config_from_ffn(ffn_config: FFNConfig, hidden_size: int, bias: bool) -> MoEConfig:

@@ -140,6 +140,11 @@ class MPTConfig:
         return self.d_model // self.n_heads
 
     @property
+    def num_experts(self) -> int | None:
+        """Experts per MoE layer; None for a dense model."""
+        return self.ffn_config.moe_num_experts if self.ffn_config.is_moe else None
+
+    @property
     def resolved_logit_scale(self) -> float | None:
         """PaLM's 1/sqrt(d_model) for 'inv_sqrt_d_model', else the number (or None)."""
         if self.logit_scale == "inv_sqrt_d_model":
@@ -349,6 +354,12 @@ class MPTCausalLM(CausalLM):
         if device.type != "meta":
             self.to_empty(device=device)
             self.init_weights()
+
+    @classmethod
+    def checked_config(cls, keys: Mapping[str, Any]) -> MPTConfig:
+        """The ``MPTConfig`` of ``keys`` (a YAML's model section without ``name``), checked without building the
+        model: ``foundry train`` refuses a wrong value before any rank starts (``foundry.models.build``)."""
+        return parse_dataclass(MPTConfig, keys, _KEY)
 
     def init_weights(self) -> None:
         """(Re)initialise every parameter in place with ``config.init_config``'s scheme."""

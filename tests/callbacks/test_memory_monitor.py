@@ -1,4 +1,4 @@
-"""MemoryMonitor: GiB from the allocator's counters on CUDA; nothing (and one warning) on CPU."""
+"""MemoryMonitor: GiB from the allocator's counters on CUDA; the process's host memory on CPU, without a warning."""
 
 from __future__ import annotations
 
@@ -27,14 +27,13 @@ def fake_cuda(state, monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: dict(_STATS))
 
 
-def test_cpu_logs_nothing_and_warns_once(recorder, train_batch):
-    monitor = MemoryMonitor()
-    with pytest.warns(UserWarning, match="needs a CUDA device"):
-        train_batch(monitor)
+def test_cpu_logs_the_processs_host_memory_without_a_warning(recorder, train_batch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        train_batch(monitor)
-    assert recorder.calls == []
+        train_batch(MemoryMonitor())
+    (metrics,) = [call[0] for call in recorder.calls]
+    assert set(metrics) == {"memory/host_rss_mem", "memory/host_peak_rss_mem"}
+    assert all(0 < gib < 1024 for gib in metrics.values())
 
 
 @pytest.mark.usefixtures("fake_cuda")

@@ -172,6 +172,30 @@ def test_from_hf_refuses_a_checkpoint_that_needs_its_own_code_without_running_it
         from_hf(tmp_path / "hf", tmp_path / "ckpt")
 
 
+def test_from_hf_of_a_hub_id_says_to_download_it_first_and_pass_the_folder(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)  # no folder of that name here
+    assert main(["convert", "from-hf", "meta-llama/Llama-3.2-1B", "out"]) == 2
+    err = capsys.readouterr().err
+    assert "'meta-llama/Llama-3.2-1B' reads as a Hugging Face Hub id" in err
+    assert "from-hf reads a Hugging Face model directory on disk" in err
+    assert "hf download meta-llama/Llama-3.2-1B --local-dir models/meta-llama/Llama-3.2-1B" in err
+    assert "`foundry convert from-hf models/meta-llama/Llama-3.2-1B OUT`" in err and "config.json)" not in err
+
+
+def test_from_hf_of_a_folder_without_config_json_lists_what_it_holds_and_where_a_model_is(tmp_path, capsys) -> None:
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "model.safetensors").write_bytes(b"")
+    assert main(["convert", "from-hf", str(tmp_path / "weights"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'weights'} has no config.json" in err and "(it holds model.safetensors)" in err
+    assert "snapshots/<revision>/" in err and "Hub id" not in err
+
+
+def test_from_hf_of_a_foundry_checkpoint_says_it_needs_no_conversion(trained, tmp_path, capsys) -> None:
+    assert main(["convert", "from-hf", str(trained[0]), str(tmp_path / "out")]) == 2
+    assert "is a foundry checkpoint (or a save_folder)" in capsys.readouterr().err
+
+
 def test_export_configs_carry_the_tokenizers_special_token_ids(exported, tokenizer_dir) -> None:
     from transformers import AutoTokenizer
 

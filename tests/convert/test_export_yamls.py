@@ -34,6 +34,7 @@ SHIPPED = [
     *sorted(path.relative_to(REPO_ROOT) for path in (REPO_ROOT / "yamls" / "pretrain").glob("*.yaml")),
     *sorted(path.relative_to(REPO_ROOT) for path in (REPO_ROOT / "yamls" / "finetune").glob("*.yaml")),
     Path("yamls/quickstart.yaml"),
+    Path("yamls/quickstart-llama.yaml"),
 ]
 VOCAB = 320  # covers the 300-token test tokenizer
 TINY = {"d_model": 64, "n_heads": 4, "n_layers": 2, "max_seq_len": 32, "vocab_size": VOCAB, "init_device": "cpu"}
@@ -147,7 +148,7 @@ def yaml_class(path: Path) -> str:
     """The class a YAML's model exports as: docs/HF_INTEROP.md's table, by example."""
     if hf_stand_in(path) is not None:
         return {"llama": "LlamaForCausalLM", "mpt": "MptForCausalLM"}[hf_stand_in(path)]
-    if path.name.startswith("llama"):
+    if path.name.startswith(("llama", "quickstart-llama")):
         return "LlamaForCausalLM"
     if path.name.startswith("moe"):
         return "OlmoeForCausalLM"  # OLMoE's shape

@@ -156,3 +156,75 @@ def test_sigterm_to_the_launcher_of_two_ranks_checkpoints_the_batch_reached_and_
     # machine may finish a batch or two more (batches take 75 ms on an H100 host), but never the whole run (6).
     assert 2 <= reached < 6, output[-3000:]
     assert f"preempted by SIGTERM at batch {reached}; checkpoint" in launched.stdout
+
+
+def _foundry_train(arguments: list[str], *options: str, env: dict[str, str] | None = None) -> tuple[int, list[str]]:
+    """``python -m foundry train`` (its own process, as a user runs it) with ``options`` after the YAML; the exit
+    code and the non-empty lines of stdout and stderr (the ranks', torchrun's and the launcher's)."""
+    cpu_ranks = {**os.environ, "PYTHONPATH": repo_pythonpath(), "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    command = [sys.executable, "-m", "foundry", arguments[0], arguments[1], *options, *arguments[2:]]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=cpu_ranks)
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    return done.returncode, lines
+
+
+def test_a_config_error_under_nproc_is_said_once_and_last_before_any_rank_starts(tmp_path, data):
+    arguments = _args(tmp_path, data, "parallelism.expert_parallel_degree=3")
+    code, lines = _foundry_train(arguments, "--nproc", "2")
+    assert code == 2, lines[-20:]
+    assert lines == [lines[-1]] and lines[-1].startswith("error: 'parallelism.expert_parallel_degree' is 3")
+
+
+@pytest.mark.slow  # two ranks start and fail (about 15 s on 2 cores)
+def test_an_error_every_rank_meets_is_said_once_and_last(tmp_path, data):
+    code, lines = _foundry_train(_args(tmp_path, data, f"variables.data_local={tmp_path / 'absent'}"), "--nproc", "2")
+    assert code == 2, lines[-20:]
+    errors = [line for line in lines if "No dataset at" in line]
+    assert len(errors) == 1 and lines[-1] == errors[0] and errors[0].startswith("error: "), lines[-20:]
+    assert not any("failed (exitcode" in line or "OMP_NUM_THREADS" in line for line in lines), lines[-20:]
+
+
+SECOND_SIGTERM = {
+    kill_points.SIGNAL_VARIABLE: "SIGTERM",
+    kill_points.ENV_VARIABLE: "train.batch_end@2,train.fit_returned",
+}
+
+
+def test_a_second_sigterm_after_the_run_checkpointed_still_exits_5(tmp_path, data):
+    """The second comes once fit() has given its handlers back: it used to find the default handler (exit 143)."""
+    code, lines = _foundry_train(_args(tmp_path, data), env=SECOND_SIGTERM)
+    assert code == EXIT_PREEMPTED, lines[-20:]
+    assert lines[-1].endswith(f"preempted by SIGTERM at batch 2; checkpoint {tmp_path / 'ckpt' / 'ep0-ba2'}; "
+                              "relaunch with autoresume: true"), lines[-20:]  # fmt: skip
+
+
+def test_a_sigterm_before_training_started_trains_one_batch_checkpoints_it_and_exits_5(tmp_path, data):
+    before = {kill_points.SIGNAL_VARIABLE: "SIGTERM", kill_points.ENV_VARIABLE: "train.started"}
+    code, lines = _foundry_train(_args(tmp_path, data), env=before)
+    assert code == EXIT_PREEMPTED, lines[-20:]
+    assert lines[-1].endswith(f"preempted by SIGTERM at batch 1; checkpoint {tmp_path / 'ckpt' / 'ep0-ba1'}; "
+                              "relaunch with autoresume: true"), lines[-20:]  # fmt: skip
+
+
+@pytest.mark.slow  # two ranks (about 20 s on 2 cores)
+def test_a_second_sigterm_to_the_launcher_of_two_ranks_still_exits_5_naming_the_checkpoint(tmp_path, data):
+    """Rank 0 sends the launcher SIGTERM after batch 2 and again once fit() returned; the launcher forwards both."""
+    twice = {kill_points.SIGNAL_VARIABLE: "SIGTERM:parent"}
+    twice[kill_points.ENV_VARIABLE] = "train.batch_end@2:rank0,train.fit_returned:rank0"
+    code, lines = _foundry_train(_args(tmp_path, data), "--nproc", "2", "--grace-period-s", "60", env=twice)
+    assert code == EXIT_PREEMPTED, lines[-20:]
+    reached = latest_checkpoint(tmp_path / "ckpt").name
+    assert f"; checkpoint {tmp_path / 'ckpt' / reached}; relaunch with autoresume: true" in lines[-1], lines[-20:]
+    assert not any("nothing new to checkpoint" in line for line in lines), lines[-20:]
+
+
+@pytest.mark.slow  # two ranks train (about 30 s on 2 cores)
+def test_the_quickstart_llama_trains_on_two_cpu_ranks_with_context_parallelism_and_says_so_once(tmp_path, data):
+    arguments = _args(tmp_path, data, "model.ffn_hidden_size=64", "max_duration=3ba", "autoresume=false")
+    arguments[1] = str(REPO_ROOT / "yamls" / "quickstart-llama.yaml")
+    code, lines = _foundry_train(arguments, "--nproc", "2", "parallelism.context_parallel_degree=2")
+    assert code == 0, lines[-20:]
+    said = [line for line in lines if "context parallelism on" in line]
+    assert said == ["foundry: context parallelism on: each sequence split over 2 ranks "
+                    "(parallelism.context_parallel_degree: 2)"], lines[-20:]  # fmt: skip
+    assert lines[-1].startswith("foundry: run 'quickstart-llama' finished"), lines[-20:]

@@ -39,6 +39,23 @@ def test_eval_of_a_save_folder_prints_a_table_and_writes_files(tiny_checkpoint, 
     assert (out / "results.csv").read_text().startswith("task,metric,")
 
 
+def test_eval_of_a_checkpoint_without_a_tokenizer_suggests_tokenizer_and_takes_it(
+    bpe_tokenizer_dir, tasks_yaml, tmp_path, capsys
+) -> None:
+    from foundry.convert.checkpoint_io import save_weights_checkpoint
+    from foundry.models.build import build_model
+
+    section = {"name": "mpt_causal_lm", "d_model": 32, "n_heads": 2, "n_layers": 2, "vocab_size": 320}
+    save_weights_checkpoint(build_model(section), tmp_path / "ckpt", {"model": section}, overwrite=True)  # no tokenizer
+    argv = ["eval", "--model", str(tmp_path / "ckpt"), "--tasks", str(tasks_yaml), "--precision", "fp32"]
+    assert main(argv) == 2
+    assert (
+        "has no tokenizer" in (err := capsys.readouterr().err) and "`foundry eval --tokenizer DIR_OR_NAME ...`" in err
+    )
+    assert main([*argv, "--tokenizer", str(bpe_tokenizer_dir)]) == 0
+    assert f"| mc/1-shot | {MC_ACCURACY} |" in capsys.readouterr().out
+
+
 def test_compare_shows_deltas_and_draws_a_chart(tiny_checkpoint, tasks_yaml, tmp_path, capsys) -> None:
     out = tmp_path / "cmp"
     checkpoint = next(tiny_checkpoint.glob("ep*-ba*"))

@@ -232,7 +232,7 @@ def test_uniform_expert_assignment_spreads_tokens_evenly() -> None:
 
 
 def test_bad_top_k_names_the_keys() -> None:
-    with pytest.raises(ConfigError, match="top_k between 1 and the number of experts"):
+    with pytest.raises(ConfigError, match="'model.ffn_config.moe_top_k' is 5"):
         MoEConfig(num_experts=4, top_k=5, hidden_size=8)
 
 
