@@ -6,11 +6,13 @@ does, without inductor's C++/Triton code generation, which takes minutes on a 2-
 
 from __future__ import annotations
 
+import gc
 import warnings
 from dataclasses import dataclass
 
 import pytest
 import torch
+from helpers import builds_graphs
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import lookup_backend
 
@@ -34,13 +36,6 @@ def _eager_compiler(graph, example_inputs):
 
 BROKEN_FORWARD = _broken_compiler
 BROKEN_BACKWARD = aot_autograd(fw_compiler=_eager_compiler, bw_compiler=_broken_compiler)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 class Recorder(LoggerDestination):
@@ -132,7 +127,7 @@ def test_model_without_blocks_is_a_config_error(tiny_lm):
 
 def test_whole_model_compile_trains_to_the_same_losses(compiled_model, eager_losses):
     model = compiled_model.trainer.state.model
-    assert compiled_model.losses == pytest.approx(eager_losses, rel=1e-5)
+    assert compiled_model.graphs and compiled_model.losses == pytest.approx(eager_losses, rel=1e-5)
     assert "forward" in vars(model)
     assert not any("forward" in vars(block) for block in model.transformer.blocks)
 
@@ -155,7 +150,8 @@ def test_whole_model_compile_runs_eval_forwards_eagerly(compiled_model):
 def test_whole_model_compile_runs_the_fused_loss_outside_the_graph(train):
     fused = {"loss_fn": "fused_crossentropy"}
     _, eager = train(model_keys=fused)
-    _, compiled = train([TorchCompile(backend="aot_eager", scope="model")], model_keys=fused)
+    with builds_graphs():
+        _, compiled = train([TorchCompile(backend="aot_eager", scope="model")], model_keys=fused)
     assert compiled == pytest.approx(eager, rel=1e-5)
 
 
@@ -213,11 +209,11 @@ def test_a_compiler_error_inside_a_checkpointed_block_stops_with_the_keys_to_cha
         torch._dynamo.graph_break()
         return (y.cos() * y).sum()
 
-    torch._dynamo.reset()
     compiled = CompiledForwards().wrap(block, {"backend": second_graph_fails})
     x = torch.randn(4, requires_grad=True)
     with pytest.raises(ConfigError, match="inside an activation-checkpointed block.*compile_config: false"):
         checkpoint(compiled, x, use_reentrant=False)
+    gc.collect()  # torch 2.11 pops the failed checkpoint's saved-tensors hook only then (helpers.ProcessState)
     assert len(graphs) == 2  # the first part had compiled and run
     checkpoint(compiled, x, use_reentrant=False).backward()  # later calls run eager: no second failure
     torch.testing.assert_close(x.grad, torch.func.grad(block)(x.detach()))
