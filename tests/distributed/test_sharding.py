@@ -12,7 +12,7 @@ NUM_BATCHES = 5
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "NO_SHARD"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not rerun when a shuffled order leaves this module and comes back
 def one_rank(ranks, tmp_path_factory) -> dict:
     """The reference: the plain module (no fsdp_config) in one process."""
     return ranks.run(1, train, NUM_BATCHES, str(tmp_path_factory.mktemp("one_rank")))[0]
