@@ -8,7 +8,7 @@ TORCH_PINS ?= torch==2.14.1 torchvision==0.29.1
 # PyTorch's own index, `make quickstart TORCH_INDEX=https://download.pytorch.org/whl/cpu` installs the CPU build.
 TORCH_INDEX ?=
 
-.PHONY: quickstart test test-slow test-gpu fault-injection lint install install-test clean
+.PHONY: quickstart test test-slow test-shuffled test-gpu fault-injection lint install install-test clean
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,8 @@ quickstart: install $(QUICKSTART_DATA)/train/index.json
 	$(BIN)/foundry train yamls/quickstart.yaml
 
 # `make test` is the change loop: every test but those marked slow (they kill and relaunch `foundry train`
-# processes or train full-size configs). `make test-slow` runs those; CI runs both (.ci/run).
+# processes or train full-size configs), in file order. `make test-slow` runs those; CI runs both, then
+# `make test-shuffled` (.ci/run).
 # PYTEST_ARGS adds pytest options, e.g. PYTEST_ARGS='-x tests/checkpoint' (later paths narrow it).
 PYTEST_ARGS ?=
 test: install-test
@@ -44,6 +45,13 @@ test: install-test
 
 test-slow: install-test
 	$(BIN)/python -m pytest tests -m slow $(PYTEST_ARGS)
+
+# `make test` in one shuffled order of the whole suite (pytest-random-order): a test that passes only after, or
+# only before, another fails here. The order is new each run and printed as its seed; SEED=N repeats one.
+SEED ?=
+test-shuffled: install-test
+	$(BIN)/python -m pytest tests -m "not slow" -p random_order --random-order-bucket=global \
+		$(if $(SEED),--random-order-seed=$(SEED)) $(PYTEST_ARGS)
 
 # The whole suite on a GPU machine whose Python already has a CUDA torch (no .venv, nothing installed):
 # kernel tests then run compiled on the GPU, and it stops at once if torch sees no GPU. Where pytest-xdist

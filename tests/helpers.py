@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
-from collections.abc import Sequence
+import pickle
+import signal
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch._dynamo
+import torch._functorch.config
+import torch._inductor.config
+import torch.distributed as dist
 
 from foundry.models.base import CausalLM
 
@@ -183,3 +191,108 @@ class RendezvousStore:
 def instruction_rows(row: dict) -> dict:
     """A ``preprocessing_fn`` (LLM Foundry's ``module:function`` form): Dolly-style columns to prompt/response."""
     return {"prompt": row["instruction"], "response": row["output"]}
+
+
+# ------------------------------------------------------------------------------ process state between tests
+# torch's process-wide switches a test may flip: (read, write).
+_TORCH_SWITCHES: dict[str, tuple[Callable[[], Any], Callable[[Any], Any]]] = {
+    "default dtype": (torch.get_default_dtype, torch.set_default_dtype),
+    "default device": (
+        torch.get_default_device,
+        lambda device: torch.set_default_device(None if device == torch.device("cpu") else device),
+    ),
+    "grad mode": (torch.is_grad_enabled, torch.set_grad_enabled),
+    "deterministic algorithms": (
+        lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+        lambda flags: torch.use_deterministic_algorithms(flags[0], warn_only=flags[1]),
+    ),
+    "float32 matmul precision": (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+    "anomaly detection": (torch.is_anomaly_enabled, torch.set_anomaly_enabled),
+    "threads": (torch.get_num_threads, torch.set_num_threads),
+}
+_CONFIGS = {
+    "torch._dynamo.config": torch._dynamo.config,
+    "torch._inductor.config": torch._inductor.config,
+    "torch._functorch.config": torch._functorch.config,
+}
+_HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # what fit() handles (foundry.checkpoint.preemption)
+_PYTEST_OWN = "PYTEST_CURRENT_TEST"  # the environment variable pytest itself sets and clears around each test
+
+
+class ProcessState:
+    """What one test (or one job of a reused rank) may change in its process, to be put back before the next.
+
+    Made before the test; ``restore()`` after it gives back the environment, torch's switches, the compiler
+    configs and the preemption signal handlers as they were, and resets dynamo: a graph it cached, a recompile
+    limit a test used up, would otherwise reach the next test (which could then run eagerly and pass unnoticed).
+    It returns what could only be undone by force, each as a sentence: a saved-tensors hook, a torch function or
+    dispatch mode left active, or a process group left joined, which break every later backward or collective.
+    """
+
+    def __init__(self) -> None:
+        self.environment = {name: value for name, value in os.environ.items() if name != _PYTEST_OWN}
+        self.switches = {name: read() for name, (read, _) in _TORCH_SWITCHES.items()}
+        self.configs = {name: config.save_config() for name, config in _CONFIGS.items()}
+        self.handlers = {number: signal.getsignal(number) for number in _HANDLED_SIGNALS}
+        self.function_modes = torch._C._len_torch_function_stack()
+        self.dispatch_modes = torch._C._len_torch_dispatch_stack()
+        self.joined = dist.is_available() and dist.is_initialized()
+
+    def restore(self) -> list[str]:
+        from foundry import deprecation
+        from foundry.checkpoint import kill_points
+
+        for name in os.environ.keys() - self.environment.keys() - {_PYTEST_OWN}:
+            del os.environ[name]
+        os.environ.update(self.environment)
+        for name, (read, write) in _TORCH_SWITCHES.items():
+            if read() != self.switches[name]:
+                write(self.switches[name])
+        for name, config in _CONFIGS.items():
+            if config.save_config() != self.configs[name]:  # the keys changed only: setting others may warn
+                before, now = pickle.loads(self.configs[name]), pickle.loads(config.save_config())
+                config.load_config({key: value for key, value in before.items() if now.get(key) != value})
+        for number, handler in self.handlers.items():
+            if signal.getsignal(number) is not handler:
+                signal.signal(number, handler)
+        torch._dynamo.reset()
+        kill_points.reset()  # foundry's once-per-process counters: each test starts from none
+        deprecation.reset()
+        return self._undo_by_force()
+
+    def _undo_by_force(self) -> list[str]:
+        left = []
+        if _top_saved_tensors_hooks() is not None:
+            # torch 2.11 (not 2.14) leaves non-reentrant checkpointing's hook pushed when the checkpointed function
+            # raises, until the exception's reference cycle is collected (closing checkpoint's generator pops it);
+            # meanwhile every forward saves into that dead checkpoint and backward recomputes the wrong function.
+            gc.collect()
+        while (hooks := _top_saved_tensors_hooks()) is not None:
+            left.append(f"a saved-tensors hook ({getattr(hooks[0], '__qualname__', hooks[0])}) still pushed")
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        while torch._C._len_torch_function_stack() > self.function_modes:
+            left.append(f"a torch function mode ({type(torch._C._pop_torch_function_stack()).__name__}) still active")
+        while torch._C._len_torch_dispatch_stack() > self.dispatch_modes:
+            left.append(f"a dispatch mode ({type(torch._C._pop_torch_dispatch_stack()).__name__}) still active")
+        if not self.joined and dist.is_available() and dist.is_initialized():
+            left.append("a process group still joined")
+            dist.destroy_process_group()
+        return left
+
+
+def _top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)
+
+
+@contextlib.contextmanager
+def builds_graphs(at_least: int = 1) -> Iterator[None]:
+    """Fail unless torch.compile builds ``at_least`` graphs inside the block, starting from a fresh dynamo.
+
+    For compiled-vs-eager comparisons: a compiled side that silently ran eagerly (a used-up recompile limit, a
+    fallback after a compiler error, a graph break around everything) would compare eager with eager and pass.
+    """
+    torch._dynamo.reset()
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    yield
+    built = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+    assert built >= at_least, f"torch.compile built {built} graphs here, expected at least {at_least}"

@@ -234,10 +234,13 @@ class Adapter:
         state: dict[str, torch.Tensor] = {}
         per_expert: dict[str, dict[int, torch.Tensor]] = {}
         width = getattr(hf_config, self.family.expert_width_key)
+        num_experts = getattr(hf_config, self.family.num_experts_key)
         for name, tensor in hf_state.items():
             layer, suffix = _HF_BLOCK.match(name).groups()
             block = f"transformer.blocks.{layer}."
             moe_suffix = suffix.removeprefix(f"{prefix}.")
+            if moe_suffix in ("experts.gate_up_proj", "experts.down_proj") and tensor.shape[0] != num_experts:
+                raise self._incomplete(f"hold {tensor.shape[0]} experts in '{name}'", num_experts)
             if suffix in qk_norms:
                 state[block + qk_norms[suffix]] = tensor
             elif moe_suffix == "gate.weight":
@@ -251,14 +254,19 @@ class Adapter:
                 per_expert.setdefault(target, {})[int(expert.group(1))] = tensor
             else:
                 raise ConfigError(f"{self.family.architecture} import does not know the parameter '{name}'.")
-        num_experts = getattr(hf_config, self.family.num_experts_key)
         for target, experts in per_expert.items():
             missing = sorted(set(range(num_experts)) - set(experts))
             if missing or len(experts) != num_experts:
-                raise ConfigError(
-                    f"The {self.family.architecture} weights lack experts {missing or sorted(experts)[num_experts:]} "
-                    f"for '{target}' ({self.family.num_experts_key} is {num_experts} in config.json). The folder is "
-                    "incomplete or its config.json belongs to another model: download or export it again."
+                raise self._incomplete(
+                    f"lack experts {missing or sorted(experts)[num_experts:]} for '{target}'", num_experts
                 )
             state[target] = torch.stack([experts[e] for e in range(num_experts)])
         return {name: tensor.contiguous() for name, tensor in state.items()}
+
+    def _incomplete(self, what: str, num_experts: int) -> ConfigError:
+        """The import's refusal of weights that do not hold the experts config.json names (``what`` they do)."""
+        return ConfigError(
+            f"The {self.family.architecture} weights {what} ({self.family.num_experts_key} is {num_experts} in "
+            "config.json). The folder is incomplete or its config.json belongs to another model: download or export "
+            "it again."
+        )

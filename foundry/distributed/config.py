@@ -10,6 +10,7 @@ import warnings
 from dataclasses import field
 from typing import Literal
 
+from foundry.deprecation import FoundryDeprecationWarning
 from foundry.errors import ConfigError
 from foundry.schema import doc, field_defaults
 
@@ -161,7 +162,7 @@ def with_fsdp_aliases(parallelism: ParallelismConfig, fsdp_config: FSDPConfig) -
     warnings.warn(
         f"fsdp_config.expert_parallel_degree is deprecated: write 'parallelism: {{expert_parallel_degree: {alias}}}' "
         "instead (same meaning; one mesh holds every parallel degree).",
-        FutureWarning,
+        FoundryDeprecationWarning,
         stacklevel=3,
     )
     if parallelism.expert_parallel_degree not in (1, alias):

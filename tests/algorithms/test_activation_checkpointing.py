@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from foundry import deprecation
 from foundry.algorithms import ActivationCheckpointing
 from foundry.distributed.activation_checkpoint import apply_activation_checkpointing
 from foundry.distributed.fsdp import fsdp_blocks
 from foundry.errors import ConfigError
+
+
+def deprecated_algorithm(**keys: Any) -> ActivationCheckpointing:
+    """The algorithm, still supported under its deprecated name: it warns."""
+    with pytest.warns(FutureWarning, match="algorithms.activation_checkpointing is deprecated"):
+        return ActivationCheckpointing(**keys)
 
 
 def _wrapped(trainer) -> list[str]:
@@ -19,30 +26,29 @@ def _wrapped(trainer) -> list[str]:
 
 def test_checkpointed_blocks_train_to_the_same_losses(train):
     _, plain = train()
-    trainer, checkpointed = train([ActivationCheckpointing()])
+    trainer, checkpointed = train([deprecated_algorithm()])
     assert checkpointed == pytest.approx(plain, rel=1e-6)
     assert _wrapped(trainer) == ["transformer.blocks.0", "transformer.blocks.1"]
 
 
 def test_per_module_type_wraps_only_attention(train):
-    trainer, _ = train([ActivationCheckpointing(target=["attention"])], num_batches=1)
+    trainer, _ = train([deprecated_algorithm(target=["attention"])], num_batches=1)
     assert _wrapped(trainer) == ["transformer.blocks.0.attn", "transformer.blocks.1.attn"]
 
 
 def test_per_block_selection_wraps_the_chosen_blocks(train):
-    trainer, _ = train([ActivationCheckpointing(target={"mptblock": "last-1"})], num_batches=1)
+    trainer, _ = train([deprecated_algorithm(target={"mptblock": "last-1"})], num_batches=1)
     assert _wrapped(trainer) == ["transformer.blocks.1"]
 
 
 def test_checkpointing_twice_is_a_config_error(train):
     """What fsdp_config.activation_checkpointing does after the algorithm ran (without a process group here)."""
-    trainer, _ = train([ActivationCheckpointing()], num_batches=1)
+    trainer, _ = train([deprecated_algorithm()], num_batches=1)
     model = trainer.state.model
     with pytest.raises(ConfigError, match="both on"):
         apply_activation_checkpointing(model, fsdp_blocks(model), target=None, reentrant=False)
 
 
-def test_the_algorithm_is_the_deprecated_spelling_of_fsdp_configs_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(deprecation, "_WARNED", set())
+def test_the_algorithm_is_the_deprecated_spelling_of_fsdp_configs_switch() -> None:
     with pytest.warns(FutureWarning, match="algorithms.activation_checkpointing is deprecated.*fsdp_config"):
         ActivationCheckpointing()

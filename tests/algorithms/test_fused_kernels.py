@@ -9,7 +9,6 @@ import pytest
 import torch
 from helpers import TINY_LLAMA, TINY_MPT, token_batches
 
-from foundry import deprecation
 from foundry.algorithms.fused_kernels import FusedKernels, FusedNorm
 from foundry.core.callback import Callback
 from foundry.errors import ConfigError
@@ -153,8 +152,7 @@ def test_fsdp2_sees_the_fused_loss_as_a_forward_output() -> None:
     assert torch.utils._pytree.tree_unflatten(leaves, spec).loss is loss
 
 
-def test_the_old_cross_entropy_switch_still_fuses_and_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(deprecation, "_WARNED", set())
+def test_the_old_cross_entropy_switch_still_fuses_and_warns_once() -> None:
     model = MPTCausalLM(MPT_ALL_KERNELS)
     with pytest.warns(FutureWarning, match="fused_kernels.cross_entropy is deprecated.*model.loss_fn"):
         algorithm = FusedKernels(cross_entropy=True)

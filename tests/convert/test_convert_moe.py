@@ -13,7 +13,7 @@ import torch
 import transformers
 
 from foundry.checkpoint import latest_checkpoint
-from foundry.convert import choose_export
+from foundry.convert import choose_export, llama_moe
 from foundry.convert.commands import from_hf_model
 from foundry.convert.hf_export import to_hf_model
 from foundry.errors import ConfigError
@@ -189,14 +189,42 @@ def test_convert_commands_round_trip_a_checkpoint_bit_exact(tmp_path: Path, toke
     assert all(torch.equal(back.state_dict()[name], tensor) for name, tensor in original.items())
 
 
-def test_an_import_missing_an_expert_is_refused_naming_it() -> None:
+def mixtral_state_in_layout(monkeypatch: pytest.MonkeyPatch, stacked: bool) -> tuple[Any, dict, Any, Any]:
+    """The tiny Mixtral exported as transformers 5 names it (experts stacked) or as transformers 4 does (each expert
+    apart), whichever transformers is installed: the adapter, the Hugging Face state and config, the model."""
+    monkeypatch.setattr(llama_moe, "STACKED_EXPERTS", stacked)
     model = foundry_model("mixtral")
-    hf_model = to_hf_model(model, "llama_causal_lm")
-    hf_state = hf_model.state_dict()
-    dropped = {name for name in hf_state if ".experts.2." in name and ".layers.0." in name}
-    if not dropped:
-        pytest.skip("this transformers stores Mixtral's experts stacked (no per-expert weights to lose)")
     adapter = choose_export(model, "llama_causal_lm").adapter
-    incomplete = {name: tensor for name, tensor in hf_state.items() if name not in dropped}
-    with pytest.raises(ConfigError, match=r"lack experts \[2\]"):
-        adapter.from_hf_state_dict(incomplete, hf_model.config)
+    return adapter, adapter.to_hf_state_dict(model.state_dict(), model), adapter.to_hf_config(model), model
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per_expert", "stacked"])
+def test_both_expert_layouts_import_back_bit_exact(monkeypatch: pytest.MonkeyPatch, stacked: bool) -> None:
+    adapter, hf_state, hf_config, model = mixtral_state_in_layout(monkeypatch, stacked)
+    assert ("model.layers.0.mlp.experts.gate_up_proj" in hf_state) == stacked
+    assert ("model.layers.0.block_sparse_moe.experts.2.w1.weight" in hf_state) == (not stacked)
+    back = adapter.from_hf_state_dict(hf_state, hf_config)
+    assert back.keys() == model.state_dict().keys()
+    assert all(torch.equal(back[name], tensor) for name, tensor in model.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("stacked", "refusal"),
+    [
+        (False, r"lack experts \[2\] for 'transformer\.blocks\.0\.ffn\.experts\.gate_proj'"),
+        (True, r"hold 3 experts in 'model\.layers\.0\.mlp\.experts\.gate_up_proj'"),
+    ],
+    ids=["per_expert", "stacked"],
+)
+def test_an_import_missing_an_expert_is_refused_naming_it(
+    monkeypatch: pytest.MonkeyPatch, stacked: bool, refusal: str
+) -> None:
+    """transformers 4 can lose one expert's matrices; transformers 5's stacked tensor can be an expert short."""
+    adapter, hf_state, hf_config, _ = mixtral_state_in_layout(monkeypatch, stacked)
+    if stacked:
+        name = "model.layers.0.mlp.experts.gate_up_proj"
+        hf_state[name] = hf_state[name][[0, 1, 3]]
+    else:
+        del hf_state["model.layers.0.block_sparse_moe.experts.2.w1.weight"]
+    with pytest.raises(ConfigError, match=f"{refusal} \\(num_local_experts is 4 in config.json\\)"):
+        adapter.from_hf_state_dict(hf_state, hf_config)

@@ -202,7 +202,7 @@ def _one_thread() -> Any:
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not rebuilt when a shuffled order leaves this module and comes back
 def exports(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> dict[str, dict[str, Any]]:
     """Each case's export; YAMLs whose tiny models are the same model (mpt-125m ... mpt-7b) share one."""
     by_model: dict[str, dict[str, Any]] = {}
@@ -221,7 +221,7 @@ def exports(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path) -> di
     return cases
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reloaded(exports: dict[str, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """What transformers, in a Python that never imported foundry, makes of every export."""
     folder = tmp_path_factory.mktemp("reload")

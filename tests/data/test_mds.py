@@ -57,7 +57,7 @@ print(json.dumps(report))
 """
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not rerun when a shuffled order leaves this module and comes back
 def report(tiny_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """What the subprocess without streaming and wandb could and could not do."""
     folder = tmp_path_factory.mktemp("without_streaming")

@@ -4,7 +4,8 @@ Two worker processes start once per test session (importing torch takes seconds)
 each call runs ``fn(*args, **kwargs)`` on the first ``world_size`` workers inside a fresh process group
 (joined through ``foundry.distributed.init_process_group``, as torchrun's ranks do) and returns
 the per-rank results. ``fn`` must be a module-level function of a test file; workers import that
-file by path.
+file by path. A job runs in the calling test's environment and leaves nothing to the next: the environment,
+torch's switches and dynamo's caches are put back as the worker had them (``helpers.ProcessState``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import RendezvousStore
+from helpers import ProcessState, RendezvousStore
 
 NUM_WORKERS = 2
 JOB_TIMEOUT_S = 120.0
@@ -45,10 +46,15 @@ class Ranks:
     ) -> list:
         """``fn(*args, **kwargs)`` on ranks ``0..world_size-1``; returns their results in rank order.
 
-        ``env`` adds environment variables for the job (e.g. ``LOCAL_WORLD_SIZE=1``: one rank per node).
+        The job sees the calling test's environment, as a subprocess would, and ``env`` on top (e.g.
+        ``LOCAL_WORLD_SIZE=1``: one rank per node).
         """
         rendezvous = RendezvousStore()  # one per job: its keys start empty
-        job_env = {**rendezvous.env, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), **(env or {})}
+        job_env = {
+            **os.environ, **rendezvous.env, "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+            "CUDA_VISIBLE_DEVICES": "",  # gloo ranks on the CPU, also on a machine with fewer GPUs than ranks
+            **(env or {}),
+        }  # fmt: skip
         for rank in range(world_size):
             rank_env = {**job_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             self.jobs[rank].put((fn.__code__.co_filename, fn.__name__, args, kwargs, rank_env))
@@ -78,16 +84,20 @@ class Ranks:
 
 def _worker_loop(jobs: Any, results: Any) -> None:
     torch.set_num_threads(1)  # as torchrun does: ranks sharing few cores must not oversubscribe them
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo ranks on the CPU, also on a machine with fewer GPUs than ranks
     modules: dict[str, ModuleType] = {}
     while (job := jobs.get()) is not None:
         path, name, args, kwargs, env = job
+        state = ProcessState()  # put back after the job, with a fresh dynamo
+        os.environ.clear()  # the job's environment alone, not what the test that started this worker had
         os.environ.update(env)
         try:
             fn = getattr(_import(path, modules), name)
-            results.put((int(env["RANK"]), True, _run_in_group(fn, args, kwargs)))
+            ok, value = True, _run_in_group(fn, args, kwargs)
         except BaseException:
-            results.put((int(env["RANK"]), False, traceback.format_exc()))
+            ok, value = False, traceback.format_exc()
+        if left := state.restore():
+            ok, value = False, f"{name} left behind {'; '.join(left)}" + ("" if ok else f"\n{value}")
+        results.put((int(env["RANK"]), ok, value))
 
 
 def _run_in_group(fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:

@@ -6,10 +6,11 @@ so any world size trains on the same data and should reach the same losses and w
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
-from helpers import token_batches
+from helpers import builds_graphs, token_batches
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from foundry.core import LoggerDestination
@@ -76,6 +77,16 @@ def train(max_batches: int, folder: str, fsdp_config: dict[str, Any] | None = No
     trainer = build_trainer(max_batches, folder, fsdp_config, **kwargs)
     trainer.fit()
     return summary(trainer)
+
+
+def train_compiled(
+    max_batches: int, folder: str, fsdp_config: dict[str, Any] | None = None, **kwargs: Any
+) -> dict | None:
+    """``train`` with a compile setting in ``kwargs`` (``compile_config`` or a ``TorchCompile`` algorithm), failing
+    unless dynamo built graphs and nothing fell back to eager: a compiled run that ran eagerly proves nothing."""
+    with warnings.catch_warnings(), builds_graphs():
+        warnings.filterwarnings("error", message="torch.compile failed")
+        return train(max_batches, folder, fsdp_config, **kwargs)
 
 
 def summary(trainer: Trainer) -> dict[str, Any] | None:

@@ -13,7 +13,7 @@ from flash_attention4_reference import reference_fwd, reference_interface
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from distributed.jobs import build_trainer, rank_batches, train
+from distributed.jobs import build_trainer, rank_batches, train, train_compiled
 from foundry.algorithms.gradient_clipping import GradientClipping
 from foundry.callbacks.hand_over import HandOver
 from foundry.callbacks.speed_monitor import model_flops_per_batch
@@ -376,23 +376,13 @@ def test_cp2_llama_with_rope_and_grouped_query_attention_trains_like_one_rank(ra
     assert_same_run(result[0], reference)
 
 
-def train_compiled(max_batches: int, folder: str, **kwargs) -> dict | None:
-    """``train`` with regional compile (aot_eager); a compile fall-back to eager fails the run."""
-    import warnings
-
-    torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="torch.compile failed")
-        return train(max_batches, folder, compile_config={"backend": "aot_eager"}, **kwargs)
-
-
 @pytest.mark.slow  # compiling on two CPU ranks
 def test_cp2_split_attention_compiles_into_the_blocks_and_trains_like_one_rank(ranks, tmp_path):
     reference = ranks.run(1, train, NUM_BATCHES, str(tmp_path / "one"), model_keys=LLAMA)[0]
     parallelism = {**CP2, "context_parallel_attention": "split"}
     result = ranks.run(
         2, train_compiled, NUM_BATCHES, str(tmp_path / "cp"), fsdp_config=FULL_SHARD, model_keys=LLAMA,
-        parallelism=parallelism,
+        parallelism=parallelism, compile_config={"backend": "aot_eager"},
     )  # fmt: skip
     assert_same_run(result[0], reference)
 

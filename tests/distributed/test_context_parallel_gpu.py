@@ -13,6 +13,7 @@ and backward on each route at the Llama-3.1-8B shape with 65,536 tokens over the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -105,6 +106,7 @@ def test_a_chunk_gradient_sliced_from_the_whole_gives_each_sdpa_kernel_its_exact
 def chunk_then_next_gradients(backend, grad: torch.Tensor, inputs: list[torch.Tensor], dtype, compiled: bool):
     """dq, dk, dv of the first chunk's attention concatenated with the next chunk's output, as CP's ranks do: the
     chunk's gradient is sliced from ``grad`` inside the (compiled) graph, so inductor lays it out, not the caller."""
+    from helpers import builds_graphs
     from torch.nn.attention import sdpa_kernel
 
     from foundry.distributed.context_parallel import _sdpa_prefix_attention
@@ -114,8 +116,7 @@ def chunk_then_next_gradients(backend, grad: torch.Tensor, inputs: list[torch.Te
 
     leaves = [x.to("cuda", dtype).requires_grad_() for x in inputs]
     following = torch.zeros_like(leaves[0])
-    torch._dynamo.reset()
-    with sdpa_kernel(backend):
+    with sdpa_kernel(backend), builds_graphs() if compiled else contextlib.nullcontext():
         run = torch.compile(attend_then_next) if compiled else attend_then_next
         run(*leaves, following).backward(grad.to("cuda", dtype))
     return [x.grad.double() for x in leaves]
@@ -207,6 +208,8 @@ def require_route(route: str, shape: tuple[int, ...]) -> None:
 
 
 def compare(shape: tuple[int, ...], compiled: bool, route: str) -> dict[str, dict[str, float]]:
+    from helpers import builds_graphs
+
     batch, heads, kv_heads, seq, head_dim = shape
     require_route(route, shape)
     device, rank = torch.device("cuda", torch.cuda.current_device()), int(os.environ["RANK"])
@@ -225,7 +228,8 @@ def compare(shape: tuple[int, ...], compiled: bool, route: str) -> dict[str, dic
         if split:
             split_attention = context_parallel.split_sequence_attention
             attend = torch.compile(split_attention) if compiled else split_attention
-            out = attend(q, k, v, scale, 0.0, route == "fa4")
+            with builds_graphs() if compiled else contextlib.nullcontext():
+                out = attend(q, k, v, scale, 0.0, route == "fa4")
             (out.float() * shard_sequence(weights, rank, 2, dim=2)).sum().backward()
         else:
             out = attention(q, k, v, scale)
@@ -315,4 +319,5 @@ def main(out_folder: str, routes: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers
     main(sys.argv[1], sys.argv[2:])

@@ -79,19 +79,13 @@ def test_ep2_trains_as_fsdp_alone_with_clipping_and_the_load_balancing_loss(rank
 
 def train_checkpointed(folder: str, parallelism: dict, compiled: bool) -> dict | None:
     """moe-1b-7b.yaml's way on 2 ranks: every block checkpointed, with regional compile (aot_eager) or eager."""
-    import warnings
+    from distributed.jobs import train, train_compiled
 
-    from distributed.jobs import build_trainer, summary
-
-    torch._dynamo.reset()
     fsdp_config = {**FSDP, "activation_checkpointing": True}
-    compile_config = {"backend": "aot_eager"} if compiled else False
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="torch.compile failed")  # no silent fall-back to eager
-        trainer = build_trainer(3, folder, fsdp_config, model_keys=moe_keys(0.01),
-                                compile_config=compile_config, **parallelism)  # fmt: skip
-        trainer.fit()
-    return summary(trainer)
+    if not compiled:
+        return train(3, folder, fsdp_config, model_keys=moe_keys(0.01), compile_config=False, **parallelism)
+    return train_compiled(3, folder, fsdp_config, model_keys=moe_keys(0.01), compile_config={"backend": "aot_eager"},
+                          **parallelism)  # fmt: skip
 
 
 @pytest.mark.slow  # compiling the expert-parallel blocks on two CPU ranks: about 20 s

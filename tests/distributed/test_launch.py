@@ -3,6 +3,8 @@ relaunch continues."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -123,18 +125,25 @@ def test_hand_over_from_two_ranks_to_one_continues_the_run(tmp_path, data, capsy
         assert handed_over[step] == pytest.approx(loss, abs=1e-4), step
 
 
-def test_sigterm_to_one_rank_of_foundry_train_checkpoints_the_batch_reached_and_exits_5(
-    tmp_path, data, capsys, monkeypatch
-):
-    monkeypatch.setenv(kill_points.ENV_VARIABLE, "train.batch_end@3")  # the run sends itself SIGTERM after batch 3
-    monkeypatch.setenv(kill_points.SIGNAL_VARIABLE, "SIGTERM")
-    kill_points.reset()
-    assert main(_args(tmp_path, data, "save_interval=2ba")) == EXIT_PREEMPTED
-    output = capsys.readouterr()
-    assert f"preempted by SIGTERM at batch 3; checkpoint {tmp_path / 'ckpt' / 'ep0-ba3'}" in output.out
-    assert "Traceback" not in output.out + output.err
+def foundry_train(arguments: list[str]) -> tuple[int, str, str, bool]:
+    """``foundry train`` in this rank's process: its exit code, what it printed, whether fit() gave the SIGTERM
+    handler back."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(arguments)
+    return code, out.getvalue(), err.getvalue(), signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_sigterm_to_one_rank_of_foundry_train_checkpoints_the_batch_reached_and_exits_5(ranks, tmp_path, data):
+    """The run sends itself SIGTERM after batch 3, as a rank of the ``ranks`` pool: never to pytest's process."""
+    preempt = {kill_points.ENV_VARIABLE: "train.batch_end@3", kill_points.SIGNAL_VARIABLE: "SIGTERM"}
+    arguments = _args(tmp_path, data, "save_interval=2ba")
+    code, out, err, handler_restored = ranks.run(1, foundry_train, arguments, env=preempt)[0]
+    assert code == EXIT_PREEMPTED, err[-3000:]
+    assert f"preempted by SIGTERM at batch 3; checkpoint {tmp_path / 'ckpt' / 'ep0-ba3'}" in out
+    assert "Traceback" not in out + err
     assert latest_checkpoint(tmp_path / "ckpt").name == "ep0-ba3"
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # fit() gave the handlers back
+    assert handler_restored
 
 
 @pytest.mark.slow  # the one-rank case above covers the run; this adds the launcher's forwarding to two ranks

@@ -1,5 +1,6 @@
 """SIGTERM or SIGUSR1 during fit(): every rank stops after the same batch, which is checkpointed; the relaunch
-continues bit-identically. The signal reaches one rank only, as when one process gets it first."""
+continues bit-identically. The signal reaches one rank only, as when one process gets it first. Every run here is
+a rank of the ``ranks`` pool, a child process: no test signals pytest's own process."""
 
 from __future__ import annotations
 
@@ -54,10 +55,15 @@ def test_sigterm_on_one_of_two_ranks_stops_both_after_that_batch_and_the_relaunc
         assert torch.equal(preempted["relaunched"]["weights"][name], weight), name
 
 
-def test_sigusr1_on_one_rank_checkpoints_without_the_final_eval_and_the_relaunch_is_bit_identical(tmp_path):
-    uninterrupted = train(6, str(tmp_path / "a"))
-    eval_loader = build_trainer(1, str(tmp_path)).state.train_dataloader
-    preempted = preempted_then_relaunched(str(tmp_path / "b"), 3, "SIGUSR1", eval_dataloader=eval_loader)
+def sigusr1_then_relaunched(folder: str) -> tuple[dict | None, dict | None]:
+    """Uninterrupted, then preempted by SIGUSR1 after batch 3 with an eval loader, then relaunched (one rank)."""
+    uninterrupted = train(6, f"{folder}/a")
+    eval_loader = build_trainer(1, folder).state.train_dataloader
+    return uninterrupted, preempted_then_relaunched(f"{folder}/b", 3, "SIGUSR1", eval_dataloader=eval_loader)
+
+
+def test_sigusr1_on_one_rank_checkpoints_without_the_final_eval_and_the_relaunch_is_bit_identical(ranks, tmp_path):
+    uninterrupted, preempted = ranks.run(1, sigusr1_then_relaunched, str(tmp_path))[0]  # the rank gets the signal
     assert preempted["stop_reason"] == "preempted by SIGUSR1 at batch 3"
     assert preempted["latest"] == "ep0-ba3"
     assert preempted["eval_metrics"] == {}  # the grace period goes to the checkpoint, not to an evaluation
@@ -65,9 +71,13 @@ def test_sigusr1_on_one_rank_checkpoints_without_the_final_eval_and_the_relaunch
         assert torch.equal(preempted["relaunched"]["weights"][name], weight), name
 
 
-def test_a_run_without_save_folder_stops_and_says_nothing_was_saved(tmp_path):
-    trainer = build_trainer(6, str(tmp_path), callbacks=[SignalAt(2, "SIGTERM")])
+def preempted_without_save_folder(folder: str) -> tuple[str | None, int | None, str | None]:
+    trainer = build_trainer(6, folder, callbacks=[SignalAt(2, "SIGTERM")])
     trainer.fit()
-    assert trainer.state.stop_reason == "preempted by SIGTERM at batch 2"
-    assert preemption_of(trainer.engine.callbacks).stopped_at == 2
-    assert trainer.state.last_checkpoint_path is None
+    stopped_at = preemption_of(trainer.engine.callbacks).stopped_at
+    return trainer.state.stop_reason, stopped_at, trainer.state.last_checkpoint_path
+
+
+def test_a_run_without_save_folder_stops_and_says_nothing_was_saved(ranks, tmp_path):
+    stop_reason, stopped_at, checkpoint = ranks.run(1, preempted_without_save_folder, str(tmp_path))[0]
+    assert (stop_reason, stopped_at, checkpoint) == ("preempted by SIGTERM at batch 2", 2, None)

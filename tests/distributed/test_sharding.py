@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed.jobs import collective_counts, initial_weights, train
+from distributed.jobs import collective_counts, initial_weights, train, train_compiled
 from foundry.algorithms import TorchCompile
 
 NUM_BATCHES = 5
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2", "NO_SHARD"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not rerun when a shuffled order leaves this module and comes back
 def one_rank(ranks, tmp_path_factory) -> dict:
     """The reference: the plain module (no fsdp_config) in one process."""
     return ranks.run(1, train, NUM_BATCHES, str(tmp_path_factory.mktemp("one_rank")))[0]
@@ -99,14 +99,14 @@ def test_microbatch_schedules_change_the_collectives(ranks, tmp_path):
 @pytest.mark.parametrize("scope", ["blocks", "model"])
 def test_compiled_model_under_fsdp_keeps_the_losses(ranks, one_rank, scope, tmp_path):
     compile_ = TorchCompile(backend="aot_eager", scope=scope)
-    assert_same_run(ranks.run(2, train, NUM_BATCHES, str(tmp_path), {}, algorithms=[compile_])[0], one_rank)
+    assert_same_run(ranks.run(2, train_compiled, NUM_BATCHES, str(tmp_path), {}, algorithms=[compile_])[0], one_rank)
 
 
 def test_compiled_model_with_the_fused_loss_under_full_shard_keeps_the_losses(ranks, one_rank, tmp_path):
     """What compile_config and loss_fn: auto give a sharded GPU run: block compile and the fused loss, on 2 ranks."""
     compile_ = TorchCompile(backend="aot_eager", scope="blocks", compile_loss=True)
     fused = {"loss_fn": "fused_crossentropy"}
-    result = ranks.run(2, train, NUM_BATCHES, str(tmp_path), {}, algorithms=[compile_], model_keys=fused)[0]
+    result = ranks.run(2, train_compiled, NUM_BATCHES, str(tmp_path), {}, algorithms=[compile_], model_keys=fused)[0]
     assert_same_run(result, one_rank)
 
 

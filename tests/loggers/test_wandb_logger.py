@@ -187,7 +187,7 @@ def _records(path: Path):
 @pytest.fixture(scope="module")
 def offline_run(tmp_path_factory):
     """A 4-batch fit logged to an offline W&B run; returns (its folder, the trainer's metrics.jsonl rows)."""
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     root = tmp_path_factory.mktemp("wandb")
     with pytest.MonkeyPatch.context() as patch:
         for name, value in {
@@ -217,6 +217,7 @@ def offline_run(tmp_path_factory):
             },
         )
         trainer.fit()
+        wandb.teardown()  # wandb keeps the first run's settings (WANDB_DIR) for the process: the next run starts anew
     (run_dir,) = (root / "dir" / "wandb").glob("offline-run-*")
     rows = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
     return run_dir, rows

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from flash_attention4_reference import reference_bwd, reference_fwd, reference_interface
+from helpers import builds_graphs
 
 from foundry.errors import ConfigError
 from foundry.models import attention as attention_module
@@ -74,7 +75,8 @@ def test_a_compiled_function_keeps_the_ops_in_one_graph(reference_kernels: None)
     """fullgraph=True fails on any graph break: the ops must be opaque to dynamo, with fake shapes."""
     scale = 0.3
     compiled = torch.compile(lambda q, k, v: flash_attention4.flash_attention4(q, k, v, scale) * 2, fullgraph=True)
-    out, grad = _loss_and_grad(compiled, *_qkv())
+    with builds_graphs():
+        out, grad = _loss_and_grad(compiled, *_qkv())
     expected_out, expected_grad = _loss_and_grad(
         lambda q, k, v: torch_attention(q, k, v, AttentionInputs(), scale, 0.0) * 2, *_qkv()
     )
@@ -259,7 +261,7 @@ def test_the_probe_runs_while_torch_compile_traces_the_model(monkeypatch: pytest
         reason = flash_attention4.unsupported_reason("cuda", 0, torch.bfloat16, HEAD_DIM, HEADS, KV_HEADS)
         return x * 3 if reason else x * 2
 
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # as inside a model's forward
+    with builds_graphs(), torch.autocast("cpu", dtype=torch.bfloat16):  # as inside a model's forward
         assert torch.equal(torch.compile(choose, fullgraph=True)(torch.ones(2)), torch.full((2,), 2.0))
 
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
-from helpers import TINY_DECODERS, IdsTokenizer, build_tiny_decoder
+from helpers import TINY_DECODERS, IdsTokenizer, build_tiny_decoder, builds_graphs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from foundry.algorithms.torch_compile import compile_forward
@@ -118,7 +118,7 @@ def test_a_decode_step_that_syncs_with_the_host_warns_and_decodes_eagerly() -> N
     compiled = build_tiny_decoder("mpt_rope_hf").cuda()
     for block in compiled.transformer.blocks:
         compile_forward(block, {})
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), builds_graphs():
         warnings.filterwarnings("error", "Decoding stays eager")
         assert _generate_on_gpu(compiled, True) == _generate_on_gpu(build_tiny_decoder("mpt_rope_hf").cuda(), False)
 
@@ -131,4 +131,5 @@ def test_regionally_compiled_blocks_decode_the_same_tokens_from_a_cuda_graph() -
     expected = _generate_on_gpu(model, False)
     for block in model.transformer.blocks:
         compile_forward(block, {})
-    assert _generate_on_gpu(model, True) == expected
+    with builds_graphs():
+        assert _generate_on_gpu(model, True) == expected
