@@ -16,6 +16,7 @@ from llm_foundry_compat import YAMLS, Compat, markdown_table
 from foundry.cli import main
 from foundry.config import load_train_config
 from foundry.config.build import build_trainer
+from foundry.distributed import destroy_process_group
 from foundry.errors import FoundryError
 from foundry.yaml_config import load_yaml, resolve_interpolations
 
@@ -144,8 +145,11 @@ def paths_and_sizes(path: Path, stand_ins: Path) -> list[str]:
 
 def train(path: Path, overrides: list[str]) -> Any:
     cfg, resolved = load_train_config(path, overrides)
-    trainer = build_trainer(cfg, resolved)
-    trainer.fit()
+    try:
+        trainer = build_trainer(cfg, resolved)
+        trainer.fit()
+    finally:
+        destroy_process_group()  # as `foundry train` does: an fsdp_config joins a process group of one
     return trainer
 
 
