@@ -256,7 +256,7 @@ class ProcessState:
             if signal.getsignal(number) is not handler:
                 signal.signal(number, handler)
         torch._dynamo.reset()
-        kill_points.reset()  # foundry's once-per-process counters: each test starts from none
+        kill_points.reset()  # foundry's once-per-process state: each test starts from none
         deprecation.reset()
         return self._undo_by_force()
 
@@ -285,8 +285,8 @@ def _top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] 
 
 
 @contextlib.contextmanager
-def builds_graphs(at_least: int = 1) -> Iterator[None]:
-    """Fail unless torch.compile builds ``at_least`` graphs inside the block, starting from a fresh dynamo.
+def builds_graphs() -> Iterator[None]:
+    """Fail unless torch.compile builds a graph inside the block, starting from a fresh dynamo.
 
     For compiled-vs-eager comparisons: a compiled side that silently ran eagerly (a used-up recompile limit, a
     fallback after a compiler error, a graph break around everything) would compare eager with eager and pass.
@@ -295,4 +295,4 @@ def builds_graphs(at_least: int = 1) -> Iterator[None]:
     before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     yield
     built = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
-    assert built >= at_least, f"torch.compile built {built} graphs here, expected at least {at_least}"
+    assert built > 0, "torch.compile built 0 graphs here: the compiled code ran eagerly"
