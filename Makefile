@@ -47,11 +47,13 @@ test-slow: install-test
 	$(BIN)/python -m pytest tests -m slow $(PYTEST_ARGS)
 
 # `make test` in one shuffled order of the whole suite (pytest-random-order): a test that passes only after, or
-# only before, another fails here. The order is new each run and printed as its seed; SEED=N repeats one.
+# only before, another fails here. The order is new each run and its seed printed first; SEED=N repeats one.
 SEED ?=
 test-shuffled: install-test
+	seed=$(SEED); seed=$${seed:-$$($(BIN)/python -c 'import random; print(random.randrange(10**6))')}; \
+	echo "test-shuffled: seed $$seed (make test-shuffled SEED=$$seed repeats this order)"; \
 	$(BIN)/python -m pytest tests -m "not slow" -p random_order --random-order-bucket=global \
-		$(if $(SEED),--random-order-seed=$(SEED)) $(PYTEST_ARGS)
+		--random-order-seed=$$seed $(PYTEST_ARGS)
 
 # The whole suite on a GPU machine whose Python already has a CUDA torch (no .venv, nothing installed):
 # kernel tests then run compiled on the GPU, and it stops at once if torch sees no GPU. Where pytest-xdist
