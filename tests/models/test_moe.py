@@ -265,6 +265,7 @@ def test_compiled_moe_layer_has_eager_gradients(dtype: torch.dtype, backend: str
     grad = torch.randn_like(x)
     results = []
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     for module, fn in ((eager, eager), (compiled_moe, torch.compile(compiled_moe, backend=backend, fullgraph=True))):
         inputs = x.clone().requires_grad_(True)
         fn(inputs).backward(grad)
