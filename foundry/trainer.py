@@ -39,10 +39,12 @@ from foundry.core import (
     seed_everything,
 )
 from foundry.core.cuda_allocator import apply_allocator_settings
+from foundry.core.parallel_dims import ParallelDims
 from foundry.core.precision import autocast, check_precision, compute_dtype, grad_scaler
 from foundry.core.time import positive_time
 from foundry.distributed.config import FSDPConfig, ParallelismConfig
-from foundry.distributed.fsdp import GradientAccumulation, place_model
+from foundry.distributed.fsdp import GradientAccumulation
+from foundry.distributed.placement import job_layout, place_model
 from foundry.errors import ConfigError, TrainingError
 from foundry.eval.config import EvalConfig
 from foundry.eval.during_training import build_icl_evaluation
@@ -123,12 +125,13 @@ class Trainer:
         apply_allocator_settings(run.expandable_segments)
         fsdp_config = distributed.prepare_sharding(fsdp_config, optimizers)
         parallelism = parse_dataclass(ParallelismConfig, parallelism, "parallelism")
+        parallelism, dims = job_layout(fsdp_config, parallelism)  # the job's layout, kept on the State
         device = torch.device(run.device) if run.device is not None else distributed.default_device()
         self._find_microbatch_size = run.device_train_microbatch_size == "auto"
         model = model if isinstance(model, FoundryModel) else ModuleModel(model)
         self.run_folder = Path(run.run_folder_path())
         tokenizer = tokenizer if tokenizer is not None else _loader_tokenizer(train_dataloader)
-        self.state = _new_state(run, model, device, max_duration, train_dataloader, eval_dataloader, tokenizer)
+        self.state = _new_state(run, model, device, max_duration, train_dataloader, eval_dataloader, tokenizer, dims)
         sharded = self.state.world_size > 1 or (fsdp_config is not None and distributed.shards(fsdp_config, device))
         algorithms = [*algorithms, *compile_algorithm(run.compile_config, algorithms, device, sharded)]
         defaults = default_loggers(
@@ -163,8 +166,10 @@ class Trainer:
         run: RunConfig,
     ) -> None:
         """Move (and shard) the model onto its device, and choose how gradients accumulate and are scaled."""
-        placement = place_model(model, device, fsdp_config, self.state.precision, parallelism)
+        dims = self.state.parallel_dims
+        placement = place_model(model, device, fsdp_config, self.state.precision, parallelism, dims)
         self._accumulation, self._batches = placement.accumulation, placement.batches
+        self.state.mesh = placement.mesh
         if self._accumulation is None and isinstance(model, FSDPModule):  # sharded by the caller: FSDP2's own schedule
             fsdp2_schedule = FSDPConfig(reduce_every_microbatch=False, reshard_between_microbatches=True)
             self._accumulation = GradientAccumulation(model, [], fsdp2_schedule)
@@ -172,6 +177,11 @@ class Trainer:
         fuse = run.fuse_weight_grad_accumulation and not isinstance(model, FSDPModule)
         self._weight_grad_sums: WeightGradSums | None = accumulate_weight_grads_in_place(model) if fuse else None
         self._grad_scaler = grad_scaler(run.precision, sharded=isinstance(model, FSDPModule))
+
+    @property
+    def _loss_group(self) -> Any:
+        """The ranks a batch's loss and metrics are summed over (None: every rank)."""
+        return self.state.mesh.loss_group if self.state.mesh is not None else None
 
     @property
     def save_folder(self) -> str | None:
@@ -261,13 +271,15 @@ class Trainer:
         # Sum of loss units over all microbatches on all ranks: each microbatch's mean loss is scaled
         # by its share, so gradients equal those of one big batch however it is split.
         local_weight = torch.as_tensor(sum(weights), dtype=torch.float32, device=state.device)
-        total_weight = distributed.all_reduce_sum(local_weight.clone())
+        total_weight = distributed.all_reduce_sum(local_weight.clone(), self._loss_group)
+        # FSDP averages gradients over the ranks that hold a share of the loss: each scaled up by as many
+        loss_ranks = state.parallel_dims.loss_ranks
         share_of_global_loss = torch.zeros((), device=state.device)
         for index, (microbatch, weight) in enumerate(zip(microbatches, weights)):
             if self._accumulation is not None:  # a sharded model: when to reduce gradients and reshard
                 self._accumulation.before_microbatch(last=index == len(microbatches) - 1)
-            share_of_global_loss += self._train_microbatch(microbatch, weight * state.world_size / total_weight)
-        share_of_global_loss /= state.world_size
+            share_of_global_loss += self._train_microbatch(microbatch, weight * loss_ranks / total_weight)
+        share_of_global_loss /= loss_ranks
         state.loss = share_of_global_loss * total_weight / local_weight  # this rank's mean loss
         state.skip_optimizer_step, state.grad_norm = False, None
         if self._grad_scaler:  # algorithms (clipping) see the true gradients, not fp16-scaled ones
@@ -280,8 +292,9 @@ class Trainer:
         for scheduler in state.schedulers:  # before the timestamp counts this batch, as Composer: batch k+1 at LR(k)
             scheduler.step()
         previous = state.timestamp
-        state.batch_num_samples = batch_num_samples(state.batch) * state.world_size
-        state.batch_num_tokens = batch_num_tokens(state.batch) * state.world_size
+        sample_ranks = state.parallel_dims.sample_ranks  # each loaded a batch of its own
+        state.batch_num_samples = batch_num_samples(state.batch) * sample_ranks
+        state.batch_num_tokens = batch_num_tokens(state.batch) * sample_ranks
         state.timestamp = previous.after_batch(
             state.batch_num_samples, state.batch_num_tokens, time.perf_counter() - batch_start_s
         )
@@ -344,9 +357,9 @@ class Trainer:
         shares = [share_of_global_loss, *([correct] if correct is not None else [])]
         if names:
             shares.append(torch.stack([self._loss_term_shares[name] for name in names]))
-        summed = distributed.all_reduce_sums(shares)
+        summed = distributed.all_reduce_sums(shares, self._loss_group)
         global_loss, correct = summed[0], summed[1] if correct is not None else None
-        means = summed[-1] / self.state.world_size if names else []
+        means = summed[-1] / self.state.parallel_dims.loss_ranks if names else []
         return global_loss, correct, {f"loss/train/{name}": mean for name, mean in zip(names, means)}
 
     def _choose_microbatch_size(self) -> None:
@@ -409,10 +422,10 @@ class Trainer:
                 if correct is not None:
                     correct_sum = correct if correct_sum is None else correct_sum + correct
                 engine.run_event(Event.EVAL_BATCH_END)
-            distributed.all_reduce_sum(loss_sum)
-            distributed.all_reduce_sum(weight_sum)
+            distributed.all_reduce_sum(loss_sum, self._loss_group)
+            distributed.all_reduce_sum(weight_sum, self._loss_group)
             if correct_sum is not None:
-                distributed.all_reduce_sum(correct_sum)
+                distributed.all_reduce_sum(correct_sum, self._loss_group)
             if weight_sum.item() == 0:
                 raise TrainingError(f"Eval loader '{label}' yielded no batches; check its split and batch size.")
             mean_loss = loss_sum / weight_sum
@@ -463,6 +476,7 @@ def _new_state(
     train_dataloader: Iterable | None,
     eval_dataloader: Iterable | Mapping[str, Iterable] | None,
     tokenizer: Any,
+    parallel_dims: ParallelDims,
 ) -> State:
     """The run's state before its first batch, on this rank."""
     return State(
@@ -477,6 +491,7 @@ def _new_state(
         rank=distributed.get_rank(),
         local_rank=distributed.get_local_rank(),
         world_size=distributed.get_world_size(),
+        parallel_dims=parallel_dims,
         seed=run.seed,
         device_train_microbatch_size=None
         if run.device_train_microbatch_size == "auto"

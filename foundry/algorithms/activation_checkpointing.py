@@ -26,7 +26,7 @@ from foundry.core.state import State
 from foundry.deprecation import warn_deprecated
 from foundry.distributed.activation_checkpoint import apply_activation_checkpointing
 from foundry.distributed.config import FSDP_DEFAULTS
-from foundry.distributed.fsdp import fsdp_blocks
+from foundry.distributed.protocol import blocks_of
 from foundry.errors import ConfigError
 
 
@@ -69,5 +69,5 @@ class ActivationCheckpointing(Algorithm):
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         apply_activation_checkpointing(
-            state.model, fsdp_blocks(state.model), self.target, self.reentrant, self.keep_attention
+            state.model, blocks_of(state.model), self.target, self.reentrant, self.keep_attention
         )

@@ -41,7 +41,7 @@ from foundry.core.algorithm import Algorithm
 from foundry.core.event import Event
 from foundry.core.logger import Logger
 from foundry.core.state import State
-from foundry.distributed.fsdp import fsdp_blocks
+from foundry.distributed.protocol import blocks_of
 from foundry.errors import ConfigError
 
 Recipe = Literal["tensorwise", "rowwise"]
@@ -115,7 +115,7 @@ class Float8Training(Algorithm):
 
 def float8_module_names(model: nn.Module, keep_first_and_last_blocks: bool, exclude: list[str]) -> list[str]:
     """Names of the plain ``nn.Linear`` layers of the blocks that float8 can run, in model order."""
-    blocks = fsdp_blocks(model)
+    blocks = blocks_of(model)
     if keep_first_and_last_blocks:
         blocks = blocks[1:-1]
     in_blocks = {id(module) for block in blocks for module in block.modules()}

@@ -46,7 +46,7 @@ from foundry.core.algorithm import Algorithm
 from foundry.core.event import Event
 from foundry.core.logger import Logger
 from foundry.core.state import State
-from foundry.distributed.fsdp import fsdp_blocks
+from foundry.distributed.protocol import blocks_of
 from foundry.errors import ConfigError
 from foundry.schema import check_call_kwargs
 
@@ -122,12 +122,12 @@ class TorchCompile(Algorithm):
         )
 
     def _compile_blocks(self, model: torch.nn.Module) -> None:
-        blocks = fsdp_blocks(model)
+        blocks = blocks_of(model)
         if not blocks:
             raise ConfigError(
-                f"algorithms.torch_compile found no transformer blocks in {type(model).__name__} (it looks "
-                "for model.transformer.blocks or Hugging Face's _no_split_modules). Define fsdp_wrap_modules() "
-                "on the model to name them, or set scope: model."
+                f"algorithms.torch_compile found no transformer blocks in {type(model).__name__}: it compiles the "
+                "blocks a model declares (parallel_blocks(), foundry.distributed.protocol.ParallelModel) or those "
+                "Hugging Face's _no_split_modules name. Declare them on the model, or set scope: model."
             )
         for block in blocks:
             compile_forward(block, self.compile_kwargs, self.compiled)
@@ -197,7 +197,7 @@ def compile_forward(
 def is_compiled(model: torch.nn.Module) -> bool:
     """Whether training forwards of ``model`` run compiled: the whole model or its blocks, by this algorithm or
     by ``torch.compile`` (an ``OptimizedModule``)."""
-    modules = [model, *fsdp_blocks(model)]
+    modules = [model, *blocks_of(model)]
     return any(getattr(module, "foundry_compiled", False) or hasattr(module, "_orig_mod") for module in modules)
 
 

@@ -24,8 +24,9 @@ from foundry.data import load_tokenizer
 from foundry.data.config import LoaderConfig, TokenizerConfig
 from foundry.distributed import env
 from foundry.distributed.config import ParallelismConfig, check_parallelism, with_fsdp_aliases
-from foundry.distributed.context_parallel import refuse_unsupported_attention
+from foundry.distributed.context_parallel import refuse_mask_key
 from foundry.errors import ConfigError
+from foundry.models.attention import mask_beyond_causal
 from foundry.models.build import build_model, checked_model_config
 from foundry.models.lora_checkpoint import has_pretrained_base
 from foundry.optim.optimizers import check_hyperparameters
@@ -117,8 +118,9 @@ def _check_model_and_parallelism(cfg: TrainConfig, world_size: int | None) -> No
             warnings.simplefilter("ignore", FutureWarning)
             parallelism = with_fsdp_aliases(parallelism, cfg.fsdp_config)
     check_parallelism(parallelism, world_size, getattr(model_config, "num_experts", None))
-    if parallelism.context_parallel_degree > 1 and model_config is not None:
-        refuse_unsupported_attention(model_config.attn_config)
+    attn_config = getattr(model_config, "attn_config", None)  # foundry's families; hf_causal_lm has none
+    if parallelism.context_parallel_degree > 1 and attn_config is not None and (key := mask_beyond_causal(attn_config)):
+        refuse_mask_key(key)
 
 
 def check_datasets(cfg: TrainConfig) -> None:

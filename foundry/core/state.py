@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from foundry.core.parallel_dims import ParallelDims
 from foundry.core.time import Time, Timestamp, TimeUnit
 
 
@@ -33,6 +34,10 @@ class State:
     rank: int = 0
     local_rank: int = 0
     world_size: int = 1
+    # How the ranks divide the work (degrees of each axis), and the mesh built from it once the model is placed
+    # (None on one rank): loaders, loss and metric reductions and throughput ask these, not the world.
+    parallel_dims: ParallelDims = dataclasses.field(default_factory=ParallelDims)
+    mesh: Any = None  # foundry.distributed.mesh.JobMesh
     seed: int = 17
     device_train_microbatch_size: int | None = None
     train_dataloader_len: int | None = None  # batches per epoch, when the loader knows it

@@ -1,7 +1,8 @@
 """Everything about running on several devices: process groups, FSDP2 sharding, launching ranks.
 
 ``env``: rank, world size and the loop's collectives. ``process_group``: join/leave the job.
-``fsdp``: ``parallelize`` applies FSDP2 and activation checkpointing in one place. ``launch``: run N local
+``placement``: ``parallelize`` applies every parallelism in one place and order; ``mesh`` lays the ranks out;
+``protocol``: what a model declares for them. ``launch``: run N local
 ranks through torchrun (``foundry train --nproc N``).
 """
 
@@ -28,10 +29,10 @@ _EXPORTS = {
     "launched_by_torchrun": "foundry.distributed.job",
     "lost_rank_error": "foundry.distributed.process_group",
     "new_gloo_group": "foundry.distributed.process_group",
-    "parallelize": "foundry.distributed.fsdp",
-    "prepare_sharding": "foundry.distributed.fsdp",
+    "parallelize": "foundry.distributed.placement",
+    "prepare_sharding": "foundry.distributed.placement",
     "set_gradient_sync": "foundry.distributed.fsdp",
-    "shards": "foundry.distributed.fsdp",
+    "shards": "foundry.distributed.placement",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

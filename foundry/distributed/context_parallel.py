@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from foundry.distributed.protocol import attention_layers_of
 from foundry.distributed.split_attention import end_aligned_attention, in_layout, split_kernel
 from foundry.errors import ConfigError
 from foundry.targets import SHIFTED_LABELS_KEY, shifted_targets
@@ -354,31 +355,27 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, attention: str
 
     ``attention``: ``parallelism.context_parallel_attention`` (``auto``, ``end_aligned`` or ``split``)."""
     context_parallel = ContextParallel(cp_mesh, attention)
-    layers = [module for module in model.modules() if callable(getattr(module, "attn_fn", None))]
+    layers = attention_layers_of(model)
     if not layers:
         raise ConfigError(
-            f"{_KEY} is {cp_mesh.size()}, but {type(model).__name__} has no foundry attention layers to split "
-            "sequences over. Use model.name: mpt_causal_lm or llama_causal_lm, or set the degree to 1."
+            f"{_KEY} is {cp_mesh.size()}, but {type(model).__name__} declares no attention layers to split "
+            "sequences over (attention_layers() of foundry.distributed.protocol.ParallelModel). Use model.name: "
+            "mpt_causal_lm or llama_causal_lm, or set the degree to 1."
         )
     for layer in layers:
-        refuse_unsupported_attention(layer.config)
+        if (key := layer.mask_beyond_causal()) is not None:
+            refuse_mask_key(key)
         layer.attn_fn = context_parallel.attention(layer.attn_fn, layer.runs_flash_attention4)
     return context_parallel
 
 
-def refuse_unsupported_attention(config: Any) -> None:
-    """The attention options that need a mask beyond causal: refused when the model is built, by key."""
-    for key, on in (
-        ("alibi", getattr(config, "alibi", False)),
-        ("attn_uses_sequence_id", getattr(config, "attn_uses_sequence_id", False)),
-        ("sliding_window_size", getattr(config, "sliding_window_size", -1) >= 0),
-    ):
-        if on:
-            fix = _ALIBI_FIX if key == "alibi" else f"Turn model.attn_config.{key} off, or set {_KEY}: 1."
-            raise ConfigError(
-                f"model.attn_config.{key} is set, but {_KEY} > 1 runs plain causal attention only (each rank's "
-                f"queries against the gathered keys), so that mask would be wrong. {fix}"
-            )
+def refuse_mask_key(key: str) -> None:
+    """Refuse the ``attn_config`` key that needs a mask beyond causal (when the config is read, and again per layer)."""
+    fix = _ALIBI_FIX if key == "alibi" else f"Turn model.attn_config.{key} off, or set {_KEY}: 1."
+    raise ConfigError(
+        f"model.attn_config.{key} is set, but {_KEY} > 1 runs plain causal attention only (each rank's "
+        f"queries against the gathered keys), so that mask would be wrong. {fix}"
+    )
 
 
 class WholeSequences:

@@ -30,15 +30,15 @@ def get_local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", get_world_size()))
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum ``tensor`` over ranks in place (a no-op in one process); stays on device, no host sync."""
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks of ``group`` (None: all) in place (a no-op in one process); no host sync."""
     if is_distributed() and get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 
-def all_reduce_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each of ``tensors`` (one device) summed over ranks, in one all-reduce instead of one each; no host sync.
+def all_reduce_sums(tensors: list[torch.Tensor], group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Each of ``tensors`` (one device) summed over ``group``'s ranks (None: all), in one all-reduce; no host sync.
 
     They travel as one float64 vector and come back in their own dtypes and shapes: integer counts stay
     exact up to 2**53, and each float32 sum is rounded to float32 once (on two ranks, bit for bit what a
@@ -46,7 +46,7 @@ def all_reduce_sums(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """
     if not tensors or not (is_distributed() and get_world_size() > 1):
         return list(tensors)
-    summed = all_reduce_sum(torch.cat([tensor.detach().reshape(-1).double() for tensor in tensors]))
+    summed = all_reduce_sum(torch.cat([tensor.detach().reshape(-1).double() for tensor in tensors]), group)
     pieces = summed.split([tensor.numel() for tensor in tensors])
     return [piece.reshape(tensor.shape).to(tensor.dtype) for piece, tensor in zip(pieces, tensors)]
 

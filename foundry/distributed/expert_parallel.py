@@ -1,9 +1,9 @@
 """Expert parallelism: each rank of an ``ep`` mesh axis holds ``num_experts / ep`` of every MoE layer's experts.
 
-``apply_expert_parallel(model, ep_mesh)`` shards each MoE layer's stacked expert weights along the
+``apply_expert_parallel(layers, ep_mesh)`` shards each MoE layer's stacked expert weights along the
 expert dimension (DTensors ``Shard(0)`` on ``ep_mesh``, so distributed checkpoints hold the global
-tensors and reload at any other expert-parallel degree) and swaps the experts' ``route`` for an
-exchange between the ranks:
+tensors and reload at any other expert-parallel degree) and gives each layer an ``exchange`` between the
+ranks, through which its ``route`` sends rows:
 
 1. each rank sorts its (token, expert) assignments by expert, so the rows bound for each rank are
    contiguous, and the ranks exchange how many rows go where (a small all-to-all);
@@ -20,6 +20,8 @@ metrics and loss terms count this rank's tokens, as data parallelism does.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
@@ -28,25 +30,27 @@ from torch.distributed.tensor import DTensor, Shard
 
 from foundry.distributed.config import check_experts_divide
 from foundry.distributed.env import get_world_size
+from foundry.distributed.protocol import ExpertLayer, expert_layers_of
 from foundry.errors import ConfigError
 
-_PARALLEL_CLASSES: dict[type, type] = {}  # an experts class -> its expert-parallel subclass
 
+class AllToAllExchange:
+    """An expert layer's ``exchange`` (``foundry.distributed.protocol.ExpertExchange``) under expert parallelism:
+    its weights hold this rank's experts, and its tokens travel by all-to-all over ``ep_mesh``. The layer's own
+    ``sort_by_expert``, ``dispatch``, ``undo_sort``, ``combine`` and ``slot_weights`` lay the rows out."""
 
-class ExpertParallelRouting:
-    """Mixed into an experts module (``foundry.models.experts.GroupedExperts``): its weights hold this rank's
-    experts, and its tokens travel by all-to-all. The module's own ``sort_by_expert``, ``dispatch``,
-    ``undo_sort``, ``combine`` and ``slot_weights`` lay the rows out (distributed code does not import the models)."""
-
-    ep_mesh: DeviceMesh
+    def __init__(self, ep_mesh: DeviceMesh) -> None:
+        self.ep_mesh = ep_mesh
 
     def route(
-        self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+        self, experts: ExpertLayer, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        sort_by_expert, dispatch, undo_sort, combine = self.sort_by_expert, self.dispatch, self.undo_sort, self.combine
-        slot_weights = self.slot_weights
+        sort_by_expert, dispatch, undo_sort, combine = (
+            experts.sort_by_expert, experts.dispatch, experts.undo_sort, experts.combine
+        )  # fmt: skip
+        slot_weights = experts.slot_weights
         group, ep = self.ep_mesh.get_group(), self.ep_mesh.size()
-        layout = sort_by_expert(expert_ids, self.num_experts)  # rows grouped by expert, so by destination rank
+        layout = sort_by_expert(expert_ids, experts.num_experts)  # rows grouped by expert, so by destination rank
         tokens_per_expert = layout.tokens_per_expert
         # received[source, local expert]: rows each rank sends for each of this rank's experts
         received = funcol.all_to_all_single(tokens_per_expert, None, None, group=group)
@@ -62,9 +66,9 @@ class ExpertParallelRouting:
         # rows arrive by source rank, then by local expert: regroup them by local expert for the GEMMs
         local_ids = torch.arange(local_experts, device=x.device).repeat(ep)
         local_ids = local_ids.repeat_interleave(received.flatten(), output_size=rows.shape[0])  # size known: no sync
-        local_layout = sort_by_expert(local_ids[:, None], local_experts, self.row_alignment(rows))
+        local_layout = sort_by_expert(local_ids[:, None], local_experts, experts.row_alignment(rows))
         local_weights = dispatch(row_weights.unsqueeze(1), local_layout).squeeze(1)
-        outputs = undo_sort(self(dispatch(rows, local_layout), local_layout, local_weights), local_layout)
+        outputs = undo_sort(experts(dispatch(rows, local_layout), local_layout, local_weights), local_layout)
         returned = funcol.all_to_all_single_autograd(outputs, send_splits, receive_splits, group)
         return combine(returned, layout), tokens_per_expert
 
@@ -79,24 +83,24 @@ def shard_experts(model: nn.Module, ep_mesh: DeviceMesh | None) -> set[nn.Parame
     if ep_mesh is None:
         return set()
     world_size = get_world_size()  # the ep axis spans every rank (foundry.distributed.mesh checks it)
-    if not apply_expert_parallel(model, ep_mesh):
+    layers = expert_layers_of(model)
+    if not apply_expert_parallel(layers, ep_mesh):
         raise ConfigError(
             f"parallelism.expert_parallel_degree is {ep_mesh.size()} but the model has no mixture-of-experts layers; "
             "remove the key."
         )
-    params = {param for experts in expert_modules(model) for param in experts.parameters()}
+    params = {param for experts in layers for param in experts.parameters()}
     for param in params:
         param.register_hook(lambda grad: grad / world_size)
     return params
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> int:
-    """Shard every MoE layer of ``model`` over the 1-D ``ep_mesh``; returns how many layers were sharded.
+def apply_expert_parallel(layers: Sequence[ExpertLayer], ep_mesh: DeviceMesh) -> int:
+    """Shard every expert layer of ``layers`` over the 1-D ``ep_mesh``; returns how many layers were sharded.
 
     The expert weights must hold the same values on every rank of ``ep_mesh`` (a seeded CPU build, or
     weights loaded afterwards through a distributed checkpoint).
     """
-    layers = expert_modules(model)
     ep = ep_mesh.size()
     for experts in layers:
         check_experts_divide(ep, experts.num_experts)
@@ -107,14 +111,5 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> int:
             shape, stride = parameter.shape, parameter.stride()
             sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=parameter.requires_grad))
-        cls = type(experts)
-        if cls not in _PARALLEL_CLASSES:
-            _PARALLEL_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelRouting, cls), {})
-        experts.__class__ = _PARALLEL_CLASSES[cls]
-        experts.ep_mesh = ep_mesh
+        experts.exchange = AllToAllExchange(ep_mesh)
     return len(layers)
-
-
-def expert_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules of ``model`` that hold stacked experts and route tokens to them (``route``, ``num_experts``)."""
-    return [module for module in model.modules() if hasattr(module, "route") and hasattr(module, "num_experts")]

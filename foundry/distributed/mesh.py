@@ -18,36 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from foundry.core.parallel_dims import ParallelDims
 from foundry.distributed.config import ParallelismConfig, check_parallelism
 from foundry.distributed.env import get_local_world_size, get_world_size
 from foundry.errors import ConfigError
 
-AXES = ("dp_replicate", "dp_shard", "cp")
-
-
-@dataclasses.dataclass(frozen=True)
-class ParallelDims:
-    """The degree of each axis of ``AXES``; their product is the world size."""
-
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    ep: int = 1  # over the data-parallel ranks, not a factor of the world size
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp
-
-    def build_mesh(self, device_type: str) -> JobMesh:
-        """The world's mesh with every axis of ``AXES`` (size-1 ones included) and the flattened ones."""
-        world = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp), mesh_dim_names=AXES)
-        # torch asks callers to keep the flattened meshes rather than slice them from the world's again
-        dp_shard_cp = world["dp_shard", "cp"]._flatten("dp_shard_cp")
-        dp = world["dp_replicate", "dp_shard"]._flatten("dp")
-        ep = world["dp_replicate", "dp_shard"]._flatten("ep") if self.ep > 1 else None
-        return JobMesh(world, dp_shard_cp=dp_shard_cp, dp=dp, ep=ep)
+AXES = ("dp_replicate", "dp_shard", "cp")  # ParallelDims' degrees, outermost first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,11 +35,17 @@ class JobMesh:
 
     world: DeviceMesh
     dp_shard_cp: DeviceMesh  # what FSDP2 shards over
-    dp: DeviceMesh  # the ranks that load different samples
+    dp: DeviceMesh  # data-parallel ranks: once context parallelism pools its ranks' samples, each holds its own
     ep: DeviceMesh | None = None  # the ranks each MoE layer's experts split over; None: no expert parallelism
 
     def __getitem__(self, name: str) -> DeviceMesh:
         return self.world[name] if name in AXES else getattr(self, name)
+
+    @property
+    def loss_group(self) -> ProcessGroup | None:
+        """The group a batch's loss, weights and metrics are summed over: every axis of ``AXES`` holds a share
+        (different samples, or different tokens of them). None: that is the whole world, the default group."""
+        return None if self.world.size() == get_world_size() else self.world._flatten("loss").get_group()
 
     @property
     def fsdp(self) -> DeviceMesh:
@@ -70,6 +55,16 @@ class JobMesh:
         if self.world["cp"].size() == 1:
             return self.world["dp_replicate", "dp_shard"]
         return self.world["dp_replicate", "dp_shard_cp"]  # HSDP across nodes with cp inside each
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> JobMesh:
+    """The world's mesh with every axis of ``AXES`` (size-1 ones included) and the flattened ones."""
+    world = init_device_mesh(device_type, (dims.dp_replicate, dims.dp_shard, dims.cp), mesh_dim_names=AXES)
+    # torch asks callers to keep the flattened meshes rather than slice them from the world's again
+    dp_shard_cp = world["dp_shard", "cp"]._flatten("dp_shard_cp")
+    dp = world["dp_replicate", "dp_shard"]._flatten("dp")
+    ep = world["dp_replicate", "dp_shard"]._flatten("ep") if dims.ep > 1 else None
+    return JobMesh(world, dp_shard_cp=dp_shard_cp, dp=dp, ep=ep)
 
 
 def parallel_dims(layout: str, parallelism: ParallelismConfig) -> ParallelDims:
@@ -90,6 +85,13 @@ def parallel_dims(layout: str, parallelism: ParallelismConfig) -> ParallelDims:
                 f"fsdp_config.sharding_strategy HYBRID_SHARD shards within a node, but the {world_size} ranks do not "
                 f"split into nodes of LOCAL_WORLD_SIZE={ranks_per_node} (each a multiple of "
                 f"parallelism.context_parallel_degree={cp}). Launch the same number of ranks per node."
+            )
+        if world_size > 1 and world_size == ranks_per_node:
+            raise ConfigError(
+                f"fsdp_config.sharding_strategy HYBRID_SHARD shards within a node and replicates across nodes, but all "
+                f"{world_size} ranks are on one node (LOCAL_WORLD_SIZE={ranks_per_node}), where it would be FULL_SHARD "
+                "(_HYBRID_SHARD_ZERO2: SHARD_GRAD_OP). Set sharding_strategy: FULL_SHARD (or SHARD_GRAD_OP), or launch "
+                "on several nodes (foundry train --nnodes N)."
             )
         return ParallelDims(
             dp_replicate=world_size // ranks_per_node,

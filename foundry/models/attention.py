@@ -491,6 +491,18 @@ ATTENTION_IMPLS: dict[str, AttentionFn] = {
 # ----------------------------------------------------------------------------- module
 
 
+def mask_beyond_causal(config: AttnConfig) -> str | None:
+    """Which of ``config``'s keys needs a mask beyond causal (ALiBi's bias counts), or None."""
+    for key, on in (
+        ("alibi", config.alibi),
+        ("attn_uses_sequence_id", config.attn_uses_sequence_id),
+        ("sliding_window_size", config.sliding_window_size >= 0),
+    ):
+        if on:
+            return key
+    return None
+
+
 class Attention(nn.Module):
     """Causal self-attention with a fused Wqkv projection (LLM Foundry's GroupedQueryAttention).
 
@@ -560,6 +572,10 @@ class Attention(nn.Module):
             _require_flash_attention4(q, k, dropout_p == 0)
             return True
         return kernel is fused_sdpa_attention and dropout_p == 0 and not _flash_attention4_unsupported(q, k)
+
+    def mask_beyond_causal(self) -> str | None:
+        """The ``attn_config`` key that gives this layer a mask beyond causal, or None (context parallelism asks)."""
+        return mask_beyond_causal(self.config)
 
     def _qk_norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         """qk_ln normalises all heads together, qk_gn each head; x is (batch, seq, heads, head_dim)."""

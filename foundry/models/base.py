@@ -17,6 +17,7 @@ from torch import nn
 from foundry import registry
 from foundry.batches import batch_num_samples
 from foundry.checkpoint.hooks import CheckpointHooks
+from foundry.distributed.protocol import AttentionLayer, ExpertLayer, ParallelModel, no_split_blocks
 from foundry.schema import config_to_dict
 from foundry.targets import IGNORE_INDEX, shifted_targets
 
@@ -83,6 +84,17 @@ class FoundryModel(nn.Module):
     def constructor_config(self) -> Any:
         """The config dataclass this model's class was built from (``self.config`` unless it converts it)."""
         return getattr(self, "config", None)
+
+    # foundry.distributed.protocol.ParallelModel: what sharding, context and expert parallelism act on. A family
+    # names its blocks, attention and expert layers; this default finds blocks by ``_no_split_modules`` only.
+    def parallel_blocks(self) -> list[nn.Module]:
+        return no_split_blocks(self)
+
+    def attention_layers(self) -> list[AttentionLayer]:
+        return []
+
+    def expert_layers(self) -> list[ExpertLayer]:
+        return []
 
     @property
     def checkpoint_hooks(self) -> CheckpointHooks:
@@ -172,3 +184,16 @@ class ModuleModel(FoundryModel):
                 "subclass foundry.models.FoundryModel to return outputs and compute the loss separately."
             )
         return loss
+
+    def parallel_blocks(self) -> list[nn.Module]:
+        return self._declared("parallel_blocks", no_split_blocks(self.module))
+
+    def attention_layers(self) -> list[AttentionLayer]:
+        return self._declared("attention_layers", [])
+
+    def expert_layers(self) -> list[ExpertLayer]:
+        return self._declared("expert_layers", [])
+
+    def _declared(self, name: str, otherwise: list[Any]) -> list[Any]:
+        """The wrapped module's own list when it implements ``ParallelModel``."""
+        return list(getattr(self.module, name)()) if isinstance(self.module, ParallelModel) else otherwise

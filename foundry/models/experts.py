@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from foundry.core.precision import autocast_dtype
+from foundry.distributed.protocol import ExpertExchange
 from foundry.models.init import InitFn
 from foundry.models.layers import ActFnConfig, activation
 
@@ -204,6 +205,8 @@ class GroupedExperts(nn.Module):
         self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden, d_model)) if glu else None
         self.down_proj = nn.Parameter(torch.empty(num_experts, d_model, hidden))
         self.use_grouped_mm: bool | None = None
+        # How rows reach experts on other ranks: None runs them all here; expert parallelism sets an exchange.
+        self.exchange: ExpertExchange | None = None
 
     # The row layout, as methods: expert parallelism (foundry.distributed) routes with them.
     sort_by_expert = staticmethod(sort_by_expert)
@@ -244,9 +247,11 @@ class GroupedExperts(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token (tokens, d_model) through its experts (tokens, top_k), outputs summed with ``weights``.
 
-        Returns the (tokens, d_model) outputs and the assignments per expert (experts,). Expert
-        parallelism (``foundry.distributed.expert_parallel``) replaces this with an exchange between ranks.
+        Returns the (tokens, d_model) outputs and the assignments per expert (experts,). Under expert
+        parallelism (``foundry.distributed.expert_parallel``) the rows travel through ``exchange``.
         """
+        if self.exchange is not None:
+            return self.exchange.route(self, x, expert_ids, weights)
         layout = sort_by_expert(expert_ids, self.num_experts, self.row_alignment(x))
         rows = self(dispatch(x, layout), layout, slot_weights(weights, layout))
         return combine(rows, layout), layout.tokens_per_expert

@@ -28,6 +28,7 @@ from foundry.kernels.linear_cross_entropy import linear_cross_entropy
 from foundry.models import flops
 from foundry.models.attention import Attention, AttentionInputs, AttnConfig, AttnImpl, build_attention_inputs
 from foundry.models.base import CausalLM, LossOutput, shifted_targets
+from foundry.models.experts import GroupedExperts
 from foundry.models.init import InitConfig, InitName, init_weights_
 from foundry.models.kv_cache import KVCache, LayerKVCache
 from foundry.models.layers import FFNConfig, NormType, build_ffn, build_norm, ffn_hidden_size
@@ -370,6 +371,16 @@ class MPTCausalLM(CausalLM):
     def checkpoint_hooks(self) -> CheckpointHooks:
         """With a ``peft_config``: LoRA's checkpoints (maybe adapters only, their base loaded first)."""
         return lora_checkpoint_hooks(self)
+
+    # foundry.distributed.protocol.ParallelModel
+    def parallel_blocks(self) -> list[nn.Module]:
+        return list(self.transformer.blocks)
+
+    def attention_layers(self) -> list[Attention]:
+        return [module for module in self.modules() if isinstance(module, Attention)]
+
+    def expert_layers(self) -> list[GroupedExperts]:
+        return [module.experts for module in self.modules() if isinstance(module, MoE)]
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -9,7 +9,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from foundry.algorithms import ActivationCheckpointing
 from foundry.distributed.activation_checkpoint import apply_activation_checkpointing
-from foundry.distributed.fsdp import fsdp_blocks
+from foundry.distributed.protocol import blocks_of
 from foundry.errors import ConfigError
 
 
@@ -46,7 +46,7 @@ def test_checkpointing_twice_is_a_config_error(train):
     trainer, _ = train([deprecated_algorithm()], num_batches=1)
     model = trainer.state.model
     with pytest.raises(ConfigError, match="both on"):
-        apply_activation_checkpointing(model, fsdp_blocks(model), target=None, reentrant=False)
+        apply_activation_checkpointing(model, blocks_of(model), target=None, reentrant=False)
 
 
 def test_the_algorithm_is_the_deprecated_spelling_of_fsdp_configs_switch() -> None:

@@ -28,7 +28,7 @@ from foundry.distributed.context_parallel import (
     shard_sequence,
     unshard_sequence,
 )
-from foundry.distributed.mesh import parallel_dims
+from foundry.distributed.mesh import build_mesh, parallel_dims
 from foundry.errors import ConfigError
 from foundry.models import LlamaCausalLM, MPTCausalLM, flash_attention4
 from foundry.optim.schedulers import CosineWithWarmupScheduler
@@ -81,7 +81,7 @@ def test_the_degree_must_divide_the_world(monkeypatch):
 # ------------------------------------------------------------------------------ on ranks
 def mesh_axes(cp: int) -> dict:
     dims = parallel_dims("shard", ParallelismConfig(context_parallel_degree=cp))
-    mesh = dims.build_mesh("cpu")
+    mesh = build_mesh(dims, "cpu")
     names = ("dp_replicate", "dp_shard", "cp", "dp", "dp_shard_cp")
     return {"sizes": {name: mesh[name].size() for name in names}, "fsdp": mesh.fsdp.mesh_dim_names}
 
@@ -96,7 +96,7 @@ def test_the_mesh_shards_parameters_over_data_and_context_ranks(ranks):
 def split_batch_on_rank() -> dict:
     """Rank r loads its own 1 sample of 8 tokens; returns the pieces it trains on."""
     rank = get_rank()
-    mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
+    mesh = build_mesh(parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)), "cpu")
     batch = {"input_ids": torch.arange(8)[None] + 100 * rank}
     return {key: value.tolist() for key, value in ContextParallel(mesh["cp"]).shard(batch).items()}
 
@@ -115,7 +115,7 @@ def test_cp_ranks_split_every_sample_of_their_group_with_whole_sequence_position
 def split_counting_collectives() -> dict:
     """Rank r's pieces of a batch with every per-token key, and the collectives ``shard`` issued for it."""
     rank = get_rank()
-    mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
+    mesh = build_mesh(parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)), "cpu")
     batch = {
         "input_ids": torch.arange(8)[None] + 100 * rank,
         "attention_mask": torch.ones(1, 8, dtype=torch.bool),
@@ -161,7 +161,7 @@ def test_shard_gathers_every_per_token_key_in_one_collective_and_checks_shapes_o
 def split_unequal_batches(differ_in: str) -> str:
     """Rank 1 loads two samples (``shape``) or an attention mask (``keys``) where rank 0 loads one, without."""
     rank = get_rank()
-    mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
+    mesh = build_mesh(parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)), "cpu")
     batch = {"input_ids": torch.zeros(1 + (rank if differ_in == "shape" else 0), 8, dtype=torch.long)}
     if differ_in == "keys" and rank == 1:
         batch["attention_mask"] = torch.ones(1, 8)
@@ -185,7 +185,7 @@ def test_cp_ranks_that_loaded_unequal_batches_are_all_told_which(ranks, differ_i
 def attention_against_full(kv_heads: int, flash_attention4: bool = False, attention: str = "end_aligned") -> dict:
     """Split-sequence attention (forward and the gradients of q, k, v) next to full causal attention, and how many
     times the split repeated a tensor's heads (``repeat_interleave``)."""
-    mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
+    mesh = build_mesh(parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)), "cpu")
     context_parallel = ContextParallel(mesh["cp"], attention)
     generator = torch.Generator().manual_seed(0)  # the same whole q, k, v on both ranks
     q = torch.randn(2, 4, 16, 8, generator=generator, requires_grad=True)
@@ -313,7 +313,7 @@ def cp_logits(attn_impl: str, flash_attention4_runs: bool) -> dict:
         patch.setattr(flash_attention4, "unsupported_reason", lambda *shape: reason)
         torch.manual_seed(0)
         model = LlamaCausalLM(**keys, attn_impl=attn_impl)
-        mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
+        mesh = build_mesh(parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)), "cpu")
         context_parallel = apply_context_parallel(model, mesh["cp"])
         whole = {"input_ids": torch.arange(32).view(2, 16) % LLAMA["vocab_size"]}
         batch = context_parallel.shard({"input_ids": whole["input_ids"][get_rank()][None]})
@@ -481,7 +481,7 @@ def test_a_cp2_checkpoint_resumes_on_one_rank_and_the_reverse(ranks, one_rank, s
 
 def refusal(attn_config: dict) -> str:
     model = MPTCausalLM(d_model=16, n_heads=2, n_layers=1, vocab_size=32, max_seq_len=8, attn_config=attn_config)
-    mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
+    mesh = build_mesh(parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)), "cpu")
     with pytest.raises(ConfigError) as error:
         apply_context_parallel(model, mesh["cp"])
     return str(error.value)
@@ -501,7 +501,7 @@ def test_masks_beyond_causal_are_refused_by_key(ranks, attn_config, key):
 
 def padded_forward() -> str:
     model = MPTCausalLM(d_model=16, n_heads=2, n_layers=1, vocab_size=32, max_seq_len=8)
-    mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cpu")
+    mesh = build_mesh(parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)), "cpu")
     context_parallel = apply_context_parallel(model, mesh["cp"])
     batch = context_parallel.shard(
         {"input_ids": torch.ones(1, 8, dtype=torch.long), "attention_mask": torch.ones(1, 8)}

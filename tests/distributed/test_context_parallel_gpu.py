@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from foundry.distributed import destroy_process_group, init_process_group
 from foundry.distributed.config import ParallelismConfig
 from foundry.distributed.context_parallel import ContextParallel, shard_sequence
-from foundry.distributed.mesh import parallel_dims
+from foundry.distributed.mesh import build_mesh, parallel_dims
 from foundry.models import flash_attention4
 
 # (batch, heads, kv_heads, seq, head_dim): Llama-8B's grouped-query heads; MPT's multi-head 64-wide heads
@@ -213,7 +213,7 @@ def compare(shape: tuple[int, ...], compiled: bool, route: str) -> dict[str, dic
     batch, heads, kv_heads, seq, head_dim = shape
     require_route(route, shape)
     device, rank = torch.device("cuda", torch.cuda.current_device()), int(os.environ["RANK"])
-    mesh = parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cuda")
+    mesh = build_mesh(parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)), "cuda")
     context_parallel = ContextParallel(mesh["cp"], cp_attention(route))
     generator = torch.Generator().manual_seed(0)  # the same whole inputs on both ranks
     inputs = [torch.randn(batch, n, seq, head_dim, generator=generator) for n in (heads, kv_heads, kv_heads)]
@@ -254,7 +254,7 @@ def time_route(route: str, shape: tuple[int, ...] = TIMED_SHAPE, iterations: int
     require_route(route, shape)
     device = torch.device("cuda", torch.cuda.current_device())
     context_parallel = ContextParallel(
-        parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)).build_mesh("cuda")["cp"],
+        build_mesh(parallel_dims("shard", ParallelismConfig(context_parallel_degree=2)), "cuda")["cp"],
         cp_attention(route),
     )
     local = seq // 2

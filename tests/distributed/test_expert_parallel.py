@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from foundry.distributed.expert_parallel import ExpertParallelRouting, apply_expert_parallel
+from foundry.distributed.expert_parallel import AllToAllExchange, apply_expert_parallel
 from foundry.models.init import InitConfig, init_weights_
 from foundry.models.layers import ActFnConfig
 from foundry.models.moe import MoE, MoEConfig
@@ -29,8 +29,8 @@ def exchange_matches_one_rank() -> bool:
     rank = dist.get_rank()
     reference = tiny_moe()
     sharded = copy.deepcopy(reference)
-    assert apply_expert_parallel(sharded, init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))) == 1
-    assert isinstance(sharded.experts, ExpertParallelRouting)
+    assert apply_expert_parallel([sharded.experts], init_device_mesh("cpu", (2,), mesh_dim_names=("ep",))) == 1
+    assert isinstance(sharded.experts.exchange, AllToAllExchange)
     torch.manual_seed(10 + rank)  # each rank routes its own tokens, unevenly (rank 1 has more)
     x = torch.randn(1, 5 + 3 * rank, D_MODEL)
     x_ref = x.clone().requires_grad_(True)

@@ -16,7 +16,7 @@ from foundry.algorithms.torch_compile import TorchCompile
 from foundry.core.event import Event
 from foundry.distributed.activation_checkpoint import attention_kernel_ops
 from foundry.distributed.config import FSDPConfig
-from foundry.distributed.fsdp import parallelize
+from foundry.distributed.placement import parallelize
 from foundry.errors import ConfigError
 from foundry.models.build import build_model
 from foundry.schema import parse_dataclass

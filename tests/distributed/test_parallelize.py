@@ -12,12 +12,12 @@ from foundry.distributed.activation_checkpoint import block_ids, checkpoint_plan
 from foundry.distributed.config import FSDPConfig
 from foundry.distributed.fsdp import (
     GradientAccumulation,
-    fsdp_blocks,
     mixed_precision_policy,
     model_is_small_for,
-    prepare_sharding,
 )
+from foundry.distributed.placement import prepare_sharding
 from foundry.distributed.process_group import init_process_group
+from foundry.distributed.protocol import blocks_of
 from foundry.errors import ConfigError
 from foundry.models import MPTCausalLM
 
@@ -58,16 +58,16 @@ def test_auto_schedule_holds_whole_copies_only_for_small_models(monkeypatch, sma
 
 def test_mpt_blocks_are_sharded_one_by_one():
     model = MPTCausalLM(**TINY)
-    assert fsdp_blocks(model) == list(model.transformer.blocks)
+    assert blocks_of(model) == list(model.transformer.blocks)
 
 
-def test_a_model_names_its_blocks_with_fsdp_wrap_modules():
+def test_a_model_names_its_blocks_with_parallel_blocks():
     class TwoStages(TinyLM):
-        def fsdp_wrap_modules(self) -> list[nn.Module]:
+        def parallel_blocks(self) -> list[nn.Module]:
             return [self.embed]
 
     model = TwoStages()
-    assert fsdp_blocks(model) == [model.embed]
+    assert blocks_of(model) == [model.embed]
 
 
 def test_hugging_face_blocks_come_from_no_split_modules():
@@ -83,7 +83,7 @@ def test_hugging_face_blocks_come_from_no_split_modules():
             self.head = nn.Linear(2, 2)
 
     model = HFLike()
-    assert fsdp_blocks(model) == list(model.layers)
+    assert blocks_of(model) == list(model.layers)
 
 
 @pytest.mark.parametrize(

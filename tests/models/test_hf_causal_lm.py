@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import token_batches
 
-from foundry.distributed.fsdp import init_on_cpu
+from foundry.distributed.placement import init_on_cpu
 from foundry.errors import ConfigError
 from foundry.models import HFCausalLM, HFCausalLMConfig
 from foundry.models.build import build_model

@@ -1,0 +1,105 @@
+"""What ``foundry.distributed`` asks of a model: its blocks, its attention layers and its expert layers.
+
+A model family declares these three lists (torchtitan's families declare their parallelize plan the same
+way); sharding, activation checkpointing, compiling per block, context parallelism and expert parallelism plan
+from them and never look inside a model for attribute names. ``foundry.models.FoundryModel`` implements
+``ParallelModel`` (MPT, Llama and their MoE variants fill all three lists, ``hf_causal_lm`` its blocks). A model
+foundry does not own (a plain ``nn.Module`` handed to the Trainer, a bare Hugging Face model) gets its blocks
+from ``_no_split_modules``, transformers' own declaration of the same thing, and no attention or expert layers.
+
+distributed/ imports nothing from ``foundry.models``: the models implement these protocols, not the reverse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+# (q, k, v, inputs, scale, dropout_p) -> attention output; ``inputs`` carries the layer's masks and positions
+AttentionKernel = Callable[..., torch.Tensor]
+
+
+@runtime_checkable
+class AttentionLayer(Protocol):
+    """An attention layer whose kernel context parallelism may wrap (keys and values gathered over ranks)."""
+
+    attn_fn: AttentionKernel
+
+    def runs_flash_attention4(self, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bool:
+        """Whether ``attn_fn`` takes these inputs through FlashAttention-4 (its own causal alignment)."""
+        ...
+
+    def mask_beyond_causal(self) -> str | None:
+        """The config key (e.g. ``alibi``) that gives this layer a mask beyond causal, or None for plain causal."""
+        ...
+
+
+class ExpertExchange(Protocol):
+    """How an expert layer's tokens reach experts held on other ranks (set by expert parallelism)."""
+
+    def route(
+        self, experts: ExpertLayer, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``experts.route``'s result, its rows exchanged with the ranks holding their experts."""
+        ...
+
+
+@runtime_checkable
+class ExpertLayer(Protocol):
+    """An ``nn.Module`` of stacked experts (dimension 0 of each direct parameter is the expert) and its row layout.
+
+    ``exchange`` None runs every expert locally; expert parallelism shards the stacked weights and sets it.
+    The layout methods are those of ``foundry.models.experts``: distributed code routes rows with them.
+    """
+
+    num_experts: int
+    exchange: ExpertExchange | None
+
+    def sort_by_expert(self, expert_ids: torch.Tensor, num_experts: int, alignment: int = 1) -> Any: ...
+    def dispatch(self, x: torch.Tensor, layout: Any) -> torch.Tensor: ...
+    def undo_sort(self, rows: torch.Tensor, layout: Any) -> torch.Tensor: ...
+    def combine(self, rows: torch.Tensor, layout: Any) -> torch.Tensor: ...
+    def slot_weights(self, weights: torch.Tensor, layout: Any) -> torch.Tensor: ...
+    def row_alignment(self, x: torch.Tensor) -> int: ...
+    def __call__(self, rows: torch.Tensor, layout: Any, row_weights: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class ParallelModel(Protocol):
+    """A model that names what each parallelism acts on."""
+
+    def parallel_blocks(self) -> Sequence[nn.Module]:
+        """The repeated blocks, in order: each is sharded, checkpointed and compiled as one unit."""
+        ...
+
+    def attention_layers(self) -> Sequence[AttentionLayer]:
+        """Every attention layer whose kernel context parallelism may split; empty: none can be split."""
+        ...
+
+    def expert_layers(self) -> Sequence[ExpertLayer]:
+        """Every mixture-of-experts layer's experts; empty for a dense model."""
+        ...
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The blocks ``model`` declares, or, for a model foundry does not own, those its ``_no_split_modules`` name."""
+    if isinstance(model, ParallelModel):
+        return list(model.parallel_blocks())
+    return no_split_blocks(model)
+
+
+def no_split_blocks(model: nn.Module) -> list[nn.Module]:
+    """The modules whose class a Hugging Face model lists in ``_no_split_modules`` (its decoder layers)."""
+    no_split = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or ()}
+    return [module for module in model.modules() if type(module).__name__ in no_split]
+
+
+def attention_layers_of(model: nn.Module) -> list[AttentionLayer]:
+    return list(model.attention_layers()) if isinstance(model, ParallelModel) else []
+
+
+def expert_layers_of(model: nn.Module) -> list[ExpertLayer]:
+    return list(model.expert_layers()) if isinstance(model, ParallelModel) else []
