@@ -18,6 +18,8 @@ import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+import pytest
+
 FOUNDRY = Path(__file__).resolve().parents[1] / "foundry"
 
 # {module: the foundry modules it may import inside a function (None: any)}, each with its reason.
@@ -246,3 +248,37 @@ def test_importing_the_trainer_loads_neither_transformers_nor_torchmetrics() -> 
     probe = "import sys, foundry.trainer; print(sorted({'transformers', 'torchmetrics'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def test_distributed_imports_nothing_from_the_models() -> None:
+    # distributed/ plans from what a model declares (foundry.distributed.protocol), never from its classes.
+    files, _ = graphs()
+    imports = {
+        (name, target)
+        for name, targets in files.items()
+        if package_of(name) == "foundry.distributed"
+        for target in targets
+        if package_of(target) == "foundry.models"
+    }
+    assert imports == set()
+
+
+@pytest.mark.parametrize("name", ["mpt_causal_lm", "llama_causal_lm", "llama_moe"])
+def test_the_model_families_declare_what_each_parallelism_acts_on(name: str) -> None:
+    from foundry.distributed.protocol import AttentionLayer, ExpertLayer, ParallelModel
+    from foundry.models.build import build_model
+
+    keys = {"d_model": 16, "n_heads": 2, "n_layers": 2, "max_seq_len": 8, "vocab_size": 32, "init_device": "meta"}
+    keys |= {"kv_n_heads": 2} if name != "mpt_causal_lm" else {}
+    moe = name == "llama_moe"
+    if moe:
+        name, keys = "llama_causal_lm", {**keys, "moe_num_experts": 4, "moe_top_k": 2, "ffn_hidden_size": 8}
+    model = build_model({"name": name, **keys})
+    assert isinstance(model, ParallelModel)
+    assert list(model.parallel_blocks()) == list(model.transformer.blocks)
+    attention = model.attention_layers()
+    assert len(attention) == 2 and all(isinstance(layer, AttentionLayer) for layer in attention)
+    assert all(layer.mask_beyond_causal() is None for layer in attention)
+    experts = model.expert_layers()
+    assert len(experts) == (2 if moe else 0)
+    assert all(isinstance(layer, ExpertLayer) and layer.exchange is None for layer in experts)
