@@ -58,14 +58,16 @@ test-shuffled: install-test
 # The whole suite on a GPU machine whose Python already has a CUDA torch (no .venv, nothing installed):
 # kernel tests then run compiled on the GPU, and it stops at once if torch sees no GPU. Where pytest-xdist
 # imports, it runs in GPU_WORKERS processes (the tiny tests share the GPUs; inductor compiles with one
-# thread each so the workers do not oversubscribe the cores): 433 s with 20 on a 32-core, 2-GPU host.
+# thread each, and each worker's CPU ops get cores / workers threads, so the workers do not oversubscribe
+# the cores: each torch would otherwise start one thread per core): 433 s with 20 on a 32-core, 2-GPU host.
 GPU_PYTHON ?= python3
 GPU_WORKERS ?= 16
 test-gpu:
 	$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'test-gpu: torch sees no GPU')"
-	if $(GPU_PYTHON) -c "import xdist" 2>/dev/null; then workers="-n $(GPU_WORKERS)"; fi; \
-	TORCHINDUCTOR_COMPILE_THREADS=1 PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} \
-	$(GPU_PYTHON) -m pytest tests $$workers $(PYTEST_ARGS)
+	threads=$$(nproc); if $(GPU_PYTHON) -c "import xdist" 2>/dev/null; then \
+		workers="-n $(GPU_WORKERS)"; threads=$$(( threads / $(GPU_WORKERS) > 0 ? threads / $(GPU_WORKERS) : 1 )); fi; \
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$$threads} TORCHINDUCTOR_COMPILE_THREADS=1 \
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m pytest tests $$workers $(PYTEST_ARGS)
 
 # kill -9 trials and the damaged-file matrix behind docs/CHECKPOINTS.md's Reliability section (about 40 min on 2 cores).
 fault-injection: install-test
