@@ -3,6 +3,8 @@ that one all-reduce each gives."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 import foundry.distributed
@@ -21,8 +23,8 @@ class TrainMetrics(LoggerDestination):
         self.by_step.setdefault(step, {}).update(metrics)
 
 
-def _one_all_reduce_each(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [all_reduce_sum(tensor.clone()) for tensor in tensors]
+def _one_all_reduce_each(tensors: list[torch.Tensor], group: Any = None) -> list[torch.Tensor]:
+    return [all_reduce_sum(tensor.clone(), group) for tensor in tensors]
 
 
 def logged_train_metrics(folder: str, one_all_reduce_each: bool) -> dict | None:
