@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -237,3 +238,23 @@ def test_the_quickstart_llama_trains_on_two_cpu_ranks_with_context_parallelism_a
     assert said == ["foundry: context parallelism on: each sequence split over 2 ranks "
                     "(parallelism.context_parallel_degree: 2)"], lines[-20:]  # fmt: skip
     assert lines[-1].startswith("foundry: run 'quickstart-llama' finished"), lines[-20:]
+
+
+@pytest.mark.slow  # two 2-rank jobs share 2 cores (about 40 s)
+def test_two_jobs_of_two_ranks_started_together_on_one_host_both_train(tmp_path, data):
+    """Each job has its own MDS folder; started in the same instant, their ranks elect streaming's shared memory at
+    once, and none may take the other job's (foundry/data/shm_prefix.py)."""
+    cpu_ranks = {**os.environ, "PYTHONPATH": repo_pythonpath(), "CUDA_VISIBLE_DEVICES": ""}
+    commands = []
+    for name in ("a", "b"):
+        shutil.copytree(data, tmp_path / name / "data")
+        arguments = _args(tmp_path / name, tmp_path / name / "data", "max_duration=2ba", "autoresume=false")
+        commands.append([sys.executable, "-m", "foundry", *arguments[:2], "--nproc", "2", *arguments[2:]])
+    jobs = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cpu_ranks)
+        for command in commands
+    ]
+    outputs = [job.communicate(timeout=300)[0] for job in jobs]
+    for name, job, output in zip("ab", jobs, outputs, strict=True):
+        assert job.returncode == 0, output[-3000:]
+        assert sorted(_losses(tmp_path / name)) == [1, 2], output[-3000:]
