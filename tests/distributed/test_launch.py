@@ -194,6 +194,30 @@ def test_an_error_every_rank_meets_is_said_once_and_last(tmp_path, data):
     assert not any("failed (exitcode" in line or "OMP_NUM_THREADS" in line for line in lines), lines[-20:]
 
 
+# Rank 1 fails in data loading with the error a rank met on GPUs when another job took its shared memory.
+RANK_1_FAILS_IN_DATA_LOADING = """
+import os
+if os.environ.get("RANK") == "1":
+    from foundry.data import shm_prefix
+
+    def _attach(prefix, streams_local):
+        raise RuntimeError("Internal error: shared memory registered does not match local leader")
+
+    shm_prefix._attach = _attach
+"""
+
+
+@pytest.mark.slow  # two ranks start and fail (about 20 s on 2 cores)
+def test_a_rank_that_fails_is_named_as_the_cause_not_its_peers_lost_contact(tmp_path, data):
+    (tmp_path / "sitecustomize.py").write_text(RANK_1_FAILS_IN_DATA_LOADING)
+    pythonpath = f"{tmp_path}{os.pathsep}{repo_pythonpath()}"
+    code, lines = _foundry_train(_args(tmp_path, data), "--nproc", "2", env={"PYTHONPATH": pythonpath})
+    assert code == 1, lines[-20:]
+    cause = "RuntimeError: Internal error: shared memory registered does not match local leader (traceback above)"
+    assert lines[-1] in (f"error: {cause}", f"error (rank 1): {cause}"), lines[-20:]
+    assert not any("out of host memory" in line for line in lines), lines[-20:]
+
+
 SECOND_SIGTERM = {
     kill_points.SIGNAL_VARIABLE: "SIGTERM",
     kill_points.ENV_VARIABLE: "train.batch_end@2,train.fit_returned",
