@@ -13,15 +13,21 @@ atomic create only (never across a collective), it takes the first prefix of whi
 exists, so a stale one from a killed job is skipped, and creates ``{prefix}_locals`` (O_EXCL). The job's ranks then
 learn their own leader's prefix through the job's process group (one ``all_gather_object``), so a rank can attach
 only to its own leader's segment; a leader's failure reaches every rank instead of leaving them in a collective.
-The lock sits in /dev/shm, which every job on the host sees whatever its TMPDIR. ``elected_shm_prefixes()`` swaps
+Streaming refuses a second running dataset that downloads into the same local folder; a leader holds a lock on an
+owner file of its prefix while it lives, so a killed job's segments, whose lock the kernel dropped, do not count
+as running and its relaunch is not refused.
+
+The election lock and the owner files sit in /dev/shm, which every job on the host sees whatever its TMPDIR. ``elected_shm_prefixes()`` swaps
 ``elect_shm_prefix`` in for streaming's function while foundry builds a dataset.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import inspect
 import itertools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from tempfile import gettempdir
@@ -81,11 +87,12 @@ def elect_shm_prefix(
     if failures:
         if segment is not None:
             segment.cleanup()
+            release_ownership(prefix)
         raise DataError(
             "The first rank of a machine could not register the dataset's shared memory, "
-            f"so no rank can read it ({'; '.join(failures)}). Give each running job its own 'local' folder; after a "
-            "crash, run python -c 'import streaming; streaming.base.util.clean_stale_shared_memory()' once on the "
-            "machine when no other job runs."
+            f"so no rank can read it ({'; '.join(failures)}). Give each running job its own 'local' folder. If no "
+            "other job uses that folder, a dataset built outside foundry left its memory behind: run python -c "
+            "'import streaming; streaming.base.util.clean_stale_shared_memory()' once, when no job runs."
         )
     if world.is_local_leader:
         return prefix, segment
@@ -110,6 +117,11 @@ def _register(streams_local: list[str], streams_remote: list[str | None]) -> tup
             except FileExistsError:  # a process outside foundry's election took it since the scan
                 continue
             segment.buf[: len(data)] = data
+            try:
+                _hold_ownership(prefix)
+            except OSError:
+                segment.cleanup()
+                raise
             return prefix, segment
 
 
@@ -155,7 +167,7 @@ def _check_local_folders(prefix: int, streams_local: list[str], streams_remote: 
         their_locals, _ = _unpack_locals(bytes(segment.buf))
     finally:
         segment.cleanup()
-    if reused := sorted(downloaded.intersection(their_locals)):
+    if (reused := sorted(downloaded.intersection(their_locals))) and not _abandoned(prefix):
         raise ValueError(
             f"local folder {', '.join(reused)} is in use by another running dataset (shared-memory prefix {prefix}), "
             "and both download into it from a remote"
@@ -178,3 +190,42 @@ def _attach(prefix: int, streams_local: list[str]) -> Any:
             "ranks the same 'local', 'remote' and 'split' settings."
         )
     return segment
+
+
+# A leader holds a shared flock on its prefix's owner file while its dataset lives; the kernel drops it when the
+# process dies however it dies, so a prefix whose owner file can be locked exclusively was left by a killed job.
+_owner_files: dict[int, int] = {}  # prefix -> open descriptor of its owner file, in this process
+
+
+def _owner_file(prefix: int) -> Path:
+    return ELECTION_LOCK.parent / f"foundry-streaming-{prefix:06}.owner"
+
+
+def _hold_ownership(prefix: int) -> None:
+    descriptor = os.open(_owner_file(prefix), os.O_RDWR | os.O_CREAT, 0o666)
+    fcntl.flock(descriptor, fcntl.LOCK_SH)
+    _owner_files[prefix] = descriptor
+
+
+def release_ownership(prefix: int) -> None:
+    """Give up ``prefix`` (its dataset's shared memory is freed): its owner file goes."""
+    descriptor = _owner_files.pop(prefix, None)
+    if descriptor is not None:
+        with contextlib.suppress(FileNotFoundError):
+            _owner_file(prefix).unlink()
+        os.close(descriptor)
+
+
+def _abandoned(prefix: int) -> bool:
+    """Whether ``prefix`` was registered by a foundry process that is gone (no file: not foundry's, so alive)."""
+    try:
+        descriptor = os.open(_owner_file(prefix), os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(descriptor)
+    return True

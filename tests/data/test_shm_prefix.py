@@ -1,8 +1,13 @@
 """The shared-memory prefix election: jobs that start together take different prefixes, a rank attaches only to its
-own leader's segment, a killed job's leftovers are skipped, and streaming's local-folder rule still holds."""
+own leader's segment, a killed job's leftovers are skipped, and streaming's local-folder rule holds for running jobs
+only."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -11,7 +16,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from streaming.base.constant import BARRIER_FILELOCK, NEXT_EPOCH
+from helpers import repo_pythonpath
+from streaming.base.constant import BARRIER_FILELOCK, LOCALS, NEXT_EPOCH
 from streaming.base.shared import SharedMemory
 from streaming.base.shared.prefix import _get_path, _unpack_locals
 
@@ -25,17 +31,18 @@ SECOND_RANK = SimpleNamespace(is_local_leader=False, rank=1, rank_of_node=1)
 
 @pytest.fixture
 def elect() -> Iterator[Callable[..., tuple[int, Any]]]:
-    """``elect_shm_prefix`` whose segments are freed when the test ends."""
-    segments = []
+    """``elect_shm_prefix`` whose segments are freed, and prefixes given up, when the test ends."""
+    elected = []
 
     def run(*args: Any) -> tuple[int, Any]:
         prefix, segment = elect_shm_prefix(*args)
-        segments.append(segment)
+        elected.append((prefix, segment))
         return prefix, segment
 
     yield run
-    for segment in segments:
+    for prefix, segment in elected:
         segment.cleanup()
+        shm_prefix.release_ownership(prefix)
 
 
 def first_free_prefix() -> int:
@@ -95,6 +102,33 @@ def test_two_datasets_downloading_into_one_local_folder_fail_on_every_rank(elect
     with pytest.raises(DataError, match=f"local folder {tmp_path} is in use by another running dataset"):
         elect([str(tmp_path)], ["s3://bucket/data"], LEADER)
     elect([str(tmp_path)], [None], LEADER)  # reading a folder in place shares it
+
+
+KILLED_JOB = """
+import os, signal, sys
+from multiprocessing import resource_tracker
+from types import SimpleNamespace
+from foundry.data.shm_prefix import elect_shm_prefix
+
+prefix, _ = elect_shm_prefix([sys.argv[1]], ["s3://bucket/data"], SimpleNamespace(is_local_leader=True))
+print(prefix, flush=True)
+# Killed with its whole process group, as a scheduler kills a job: Python's resource tracker cannot free the memory.
+os.kill(resource_tracker._resource_tracker._pid, signal.SIGKILL)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_job_does_not_keep_its_relaunch_from_its_local_folder(elect, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
+    killed = subprocess.run([sys.executable, "-c", KILLED_JOB, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    left_behind = int(killed.stdout)
+    try:
+        prefix, _ = elect([str(tmp_path)], ["s3://bucket/data"], LEADER)
+    finally:
+        (Path("/dev/shm") / _get_path(left_behind, LOCALS)).unlink()
+        shm_prefix._owner_file(left_behind).unlink()
+    assert prefix != left_behind
 
 
 def test_streaming_is_given_its_function_back(monkeypatch) -> None:
