@@ -17,8 +17,8 @@ Streaming refuses a second running dataset that downloads into the same local fo
 owner file of its prefix while it lives, so a killed job's segments, whose lock the kernel dropped, do not count
 as running and its relaunch is not refused.
 
-The election lock and the owner files sit in /dev/shm, which every job on the host sees whatever its TMPDIR. ``elected_shm_prefixes()`` swaps
-``elect_shm_prefix`` in for streaming's function while foundry builds a dataset.
+The election lock and the owner files sit in /dev/shm, which every job on the host sees whatever its TMPDIR.
+``elected_shm_prefixes()`` swaps ``elect_shm_prefix`` in for streaming's function while foundry builds a dataset.
 """
 
 from __future__ import annotations
