@@ -23,6 +23,7 @@ The election lock and the owner files sit in /dev/shm, which every job on the ho
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import inspect
@@ -205,6 +206,7 @@ def _hold_ownership(prefix: int) -> None:
     descriptor = os.open(_owner_file(prefix), os.O_RDWR | os.O_CREAT, 0o666)
     fcntl.flock(descriptor, fcntl.LOCK_SH)
     _owner_files[prefix] = descriptor
+    atexit.register(release_ownership, prefix)  # as streaming frees the segments at exit: no file left behind
 
 
 def release_ownership(prefix: int) -> None:
