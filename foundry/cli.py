@@ -316,6 +316,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return error.exit_code
     except KeyboardInterrupt:
         return 130
+    except Exception as error:  # a bug or a library's internal error: the launcher names it as the cause
+        hand_to_launcher(error)
+        raise
 
 
 def selected_command(argv: Sequence[str]) -> str | None:

@@ -9,6 +9,7 @@ from typing import Any
 from foundry.data.config import FinetuningDatasetConfig
 from foundry.data.jsonl import read_jsonl
 from foundry.data.mds import build_checked_streams, import_streaming, release_shared_memory
+from foundry.data.shm_prefix import elected_shm_prefixes
 from foundry.errors import ConfigError, DataError
 
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -68,9 +69,10 @@ def _read_mds(config: FinetuningDatasetConfig, key_path: str) -> Iterator[tuple[
     streams = build_checked_streams(config, key_path)
     streaming_keys = ("download_retry", "download_timeout", "validate_hash", "keep_zip", "predownload", "cache_limit")
     kwargs = {key: getattr(config, key) for key in streaming_keys if getattr(config, key) is not None}
-    dataset = dataset_class(
-        streams=streams, local=None if streams else config.local, remote=config.remote, split=config.split, **kwargs
-    )
+    with elected_shm_prefixes():  # jobs on one host keep apart (foundry/data/shm_prefix.py)
+        dataset = dataset_class(
+            streams=streams, local=None if streams else config.local, remote=config.remote, split=config.split, **kwargs
+        )
     try:
         for index in range(dataset.num_samples):
             yield f"{config.local or 'streams'} (split '{config.split}') sample {index}", dict(dataset[index])

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from foundry.data.shm_prefix import release_ownership
 from foundry.errors import ConfigError, DataError
 from foundry.optional import import_optional
 from foundry.schema import check_call_kwargs
@@ -193,6 +194,8 @@ def release_shared_memory(dataset: StreamingDataset) -> None:
         if path:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(path)
+    if (prefix := getattr(dataset, "_shm_prefix_int", None)) is not None:
+        release_ownership(prefix)
 
 
 _SCALARS = ("_next_epoch", "_cache_usage")

@@ -18,8 +18,8 @@ tokenized here on the fly and right-padded). From Python::
 
 Every StreamingDataset takes a few named shared-memory blocks and two lock files in the temp
 folder, released at process exit. Processes that build many datasets (tests, notebooks) call
-``dataset.close()``. After a crash, stale blocks can make streaming refuse a reused ``local`` that
-has a ``remote``; ``streaming.base.util.clean_stale_shared_memory()`` at job start clears them.
+``dataset.close()``. Which names a dataset takes is elected per job (``foundry.data.shm_prefix``), so jobs
+on one host keep apart and a killed job's leftovers are skipped.
 """
 
 from __future__ import annotations

@@ -6,32 +6,20 @@ checked that streaming is installed, so ``import foundry.data`` works without it
 
 from __future__ import annotations
 
-import contextlib
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from filelock import FileLock
 from streaming import StreamingDataset
 from streaming.base.dataloader import StreamingDataLoader
 from transformers import PreTrainedTokenizerBase
 
 from foundry.batches import SAMPLE_INDEX_KEY
 from foundry.data.mds import rebuild_hint, release_shared_memory, shard_damage, shard_of_sample
-from foundry.distributed.env import get_local_rank
+from foundry.data.shm_prefix import elected_shm_prefixes
 from foundry.errors import DataError
-
-# streaming names a dataset's shared memory after the first prefix no running dataset holds: two runs that start
-# at once pick the same one, and the second dies creating it (FileExistsError: '/000181_locals'). The first rank
-# of each machine registers under this lock, so they take turns; the other ranks only attach to their leader's.
-_REGISTRATION_LOCK = Path(tempfile.gettempdir()) / "foundry-streaming-shared-memory.lock"
-
-
-def _registering_shared_memory() -> contextlib.AbstractContextManager:
-    return FileLock(_REGISTRATION_LOCK) if get_local_rank() == 0 else contextlib.nullcontext()
 
 
 class StreamingTextDataset(StreamingDataset):
@@ -54,7 +42,7 @@ class StreamingTextDataset(StreamingDataset):
         sample_indices: bool = False,
         **streaming_kwargs: Any,
     ) -> None:
-        with _registering_shared_memory():
+        with elected_shm_prefixes():  # jobs on one host keep apart (foundry/data/shm_prefix.py)
             super().__init__(**streaming_kwargs)
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len

@@ -89,14 +89,19 @@ def rank_errors_folder_prefix(launcher_pid: int) -> str:
     return f"foundry-rank-errors-{launcher_pid}-"
 
 
-def hand_to_launcher(error: FoundryError) -> bool:
+def hand_to_launcher(error: Exception) -> bool:
     """Write ``error`` where this rank's launcher reads it; False when this process is no rank of a launcher
-    (then it prints its error), as a command that a rank runs in its turn is not."""
+    (then it prints its error), as a command that a rank runs in its turn is not.
+
+    An error outside foundry's family (a bug, a library's internal error) goes with its type; the rank prints its
+    traceback too. Handed over, it stays the cause the launcher names, whatever its peers then say.
+    """
     folder = os.environ.get(RANK_ERRORS_VARIABLE)
     if not folder or not Path(folder).name.startswith(rank_errors_folder_prefix(os.getppid())):
         return False
     rank = int(os.environ.get("RANK", 0))
-    report = {"rank": rank, "message": str(error), "lost_rank": isinstance(error, LostRankError)}
+    message = str(error) if isinstance(error, FoundryError) else f"{type(error).__name__}: {error} (traceback above)"
+    report = {"rank": rank, "message": message, "lost_rank": isinstance(error, LostRankError)}
     try:
         (Path(folder) / f"rank-{rank}.json").write_text(json.dumps(report))
     except OSError:
@@ -106,7 +111,10 @@ def hand_to_launcher(error: FoundryError) -> bool:
 
 def rank_errors_message(folder: Path) -> str | None:
     """The ranks' errors in ``folder``, each distinct message once: ``error: ...`` when they all said the same,
-    else one ``error (ranks 0, 1): ...`` line each, a lost peer's echo first and the cause last. None: no error."""
+    else one ``error (ranks 0, 1): ...`` line each, the cause last. None: no error.
+
+    A peer's "lost contact" echo guesses why the other rank went away (killed, out of memory); when that rank
+    said its own error, the echo is cut to who stopped, so the guess does not stand beside the cause."""
     by_message: dict[str, list[int]] = {}
     lost_rank: set[str] = set()
     for path in sorted(folder.glob("rank-*.json")):
@@ -121,9 +129,16 @@ def rank_errors_message(folder: Path) -> str | None:
         return None
     if len(by_message) == 1:
         return f"error: {next(iter(by_message))}"
-    ordered = sorted(by_message.items(), key=lambda item: (item[0] not in lost_rank, min(item[1])))
     lines = []
-    for message, ranks in ordered:
-        ranks_text = ", ".join(map(str, sorted(ranks)))
-        lines.append(f"error (rank{'s' if len(ranks) > 1 else ''} {ranks_text}): {message}")
+    causes = {message: ranks for message, ranks in by_message.items() if message not in lost_rank}
+    if causes and lost_rank:
+        echoes = [rank for message in lost_rank for rank in by_message[message]]
+        lines.append(f"{_ranks_text(echoes)} stopped: lost contact with a rank that failed (below)")
+        by_message = causes
+    for message, ranks in sorted(by_message.items(), key=lambda item: min(item[1])):
+        lines.append(f"error ({_ranks_text(ranks)}): {message}")
     return "\n".join(lines)
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"

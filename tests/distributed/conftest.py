@@ -47,7 +47,7 @@ class Ranks:
         """``fn(*args, **kwargs)`` on ranks ``0..world_size-1``; returns their results in rank order.
 
         The job sees the calling test's environment, as a subprocess would, and ``env`` on top (e.g.
-        ``LOCAL_WORLD_SIZE=1``: one rank per node).
+        ``LOCAL_WORLD_SIZE=1``: one rank per node, each its node's ``LOCAL_RANK`` 0).
         """
         rendezvous = RendezvousStore()  # one per job: its keys start empty
         job_env = {
@@ -55,8 +55,9 @@ class Ranks:
             "CUDA_VISIBLE_DEVICES": "",  # gloo ranks on the CPU, also on a machine with fewer GPUs than ranks
             **(env or {}),
         }  # fmt: skip
+        ranks_per_node = int(job_env["LOCAL_WORLD_SIZE"])
         for rank in range(world_size):
-            rank_env = {**job_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            rank_env = {**job_env, "RANK": str(rank), "LOCAL_RANK": str(rank % ranks_per_node)}  # as torchrun numbers
             self.jobs[rank].put((fn.__code__.co_filename, fn.__name__, args, kwargs, rank_env))
         results: dict[int, Any] = {}
         errors = []

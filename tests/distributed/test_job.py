@@ -37,14 +37,28 @@ def test_ranks_that_meet_one_error_hand_it_to_the_launcher_which_says_it_once(la
     assert rank_errors_message(launcher_folder) == "error: 'model.moe_top_k' is 9; set it to 2."
 
 
-def test_different_errors_are_said_once_each_a_lost_peers_echo_first_and_the_cause_last(launcher_folder, monkeypatch):
-    errors = {0: LostRankError("rank 2 died."), 1: LostRankError("rank 2 died."), 2: ConfigError("No dataset at 'x'.")}
+def test_different_errors_are_said_once_each_a_lost_peers_echo_cut_to_who_stopped_and_the_cause_last(
+    launcher_folder, monkeypatch
+):
+    errors = {0: LostRankError("rank 2 died (killed?)."), 1: LostRankError("rank 2 died (killed?)."),
+              2: ConfigError("No dataset at 'x'."), 3: ValueError("bad shard")}  # fmt: skip
     for rank, error in errors.items():
         monkeypatch.setenv("RANK", str(rank))
         hand_to_launcher(error)
     assert rank_errors_message(launcher_folder).splitlines() == [
-        "error (ranks 0, 1): rank 2 died.",
+        "ranks 0, 1 stopped: lost contact with a rank that failed (below)",
         "error (rank 2): No dataset at 'x'.",
+        "error (rank 3): ValueError: bad shard (traceback above)",
+    ]
+
+
+def test_lost_peers_echoes_are_said_in_full_when_no_rank_said_why(launcher_folder, monkeypatch):
+    for rank, error in {0: LostRankError("rank 2 died."), 1: LostRankError("rank 3 died.")}.items():
+        monkeypatch.setenv("RANK", str(rank))
+        hand_to_launcher(error)
+    assert rank_errors_message(launcher_folder).splitlines() == [
+        "error (rank 0): rank 2 died.",
+        "error (rank 1): rank 3 died.",
     ]
 
 

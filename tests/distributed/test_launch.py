@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -193,6 +194,30 @@ def test_an_error_every_rank_meets_is_said_once_and_last(tmp_path, data):
     assert not any("failed (exitcode" in line or "OMP_NUM_THREADS" in line for line in lines), lines[-20:]
 
 
+# Rank 1 fails in data loading with the error a rank met on GPUs when another job took its shared memory.
+RANK_1_FAILS_IN_DATA_LOADING = """
+import os
+if os.environ.get("RANK") == "1":
+    from foundry.data import shm_prefix
+
+    def _attach(prefix, streams_local):
+        raise RuntimeError("Internal error: shared memory registered does not match local leader")
+
+    shm_prefix._attach = _attach
+"""
+
+
+@pytest.mark.slow  # two ranks start and fail (about 20 s on 2 cores)
+def test_a_rank_that_fails_is_named_as_the_cause_not_its_peers_lost_contact(tmp_path, data):
+    (tmp_path / "sitecustomize.py").write_text(RANK_1_FAILS_IN_DATA_LOADING)
+    pythonpath = f"{tmp_path}{os.pathsep}{repo_pythonpath()}"
+    code, lines = _foundry_train(_args(tmp_path, data), "--nproc", "2", env={"PYTHONPATH": pythonpath})
+    assert code == 1, lines[-20:]
+    cause = "RuntimeError: Internal error: shared memory registered does not match local leader (traceback above)"
+    assert lines[-1] in (f"error: {cause}", f"error (rank 1): {cause}"), lines[-20:]
+    assert not any("out of host memory" in line for line in lines), lines[-20:]
+
+
 SECOND_SIGTERM = {
     kill_points.SIGNAL_VARIABLE: "SIGTERM",
     kill_points.ENV_VARIABLE: "train.batch_end@2,train.fit_returned",
@@ -237,3 +262,23 @@ def test_the_quickstart_llama_trains_on_two_cpu_ranks_with_context_parallelism_a
     assert said == ["foundry: context parallelism on: each sequence split over 2 ranks "
                     "(parallelism.context_parallel_degree: 2)"], lines[-20:]  # fmt: skip
     assert lines[-1].startswith("foundry: run 'quickstart-llama' finished"), lines[-20:]
+
+
+@pytest.mark.slow  # two 2-rank jobs share 2 cores (about 40 s)
+def test_two_jobs_of_two_ranks_started_together_on_one_host_both_train(tmp_path, data):
+    """Each job has its own MDS folder; started in the same instant, their ranks elect streaming's shared memory at
+    once, and none may take the other job's (foundry/data/shm_prefix.py)."""
+    cpu_ranks = {**os.environ, "PYTHONPATH": repo_pythonpath(), "CUDA_VISIBLE_DEVICES": ""}
+    commands = []
+    for name in ("a", "b"):
+        shutil.copytree(data, tmp_path / name / "data")
+        arguments = _args(tmp_path / name, tmp_path / name / "data", "max_duration=2ba", "autoresume=false")
+        commands.append([sys.executable, "-m", "foundry", *arguments[:2], "--nproc", "2", *arguments[2:]])
+    jobs = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cpu_ranks)
+        for command in commands
+    ]
+    outputs = [job.communicate(timeout=300)[0] for job in jobs]
+    for name, job, output in zip("ab", jobs, outputs, strict=True):
+        assert job.returncode == 0, output[-3000:]
+        assert sorted(_losses(tmp_path / name)) == [1, 2], output[-3000:]
