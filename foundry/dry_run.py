@@ -91,7 +91,9 @@ class DryRunPlan:
     def table(self) -> str:
         nodes = self.world_size // self.ranks_per_node
         mesh = " × ".join(f"{axis} {degree}" for axis, degree in self.mesh.items())
-        schedule = "kept gathered and reduced once a step" if self.kept_gathered else "resharded every microbatch"
+        schedule = "are kept gathered, reduced once a step" if self.kept_gathered else "are resharded every microbatch"
+        if self.fsdp_units == 0:
+            schedule = "none: one GPU"
         lines = [
             f"dry run: {self.world_size} ranks ({nodes} node{'s' * (nodes > 1)} of {self.ranks_per_node}) on torch's "
             "fake process group; the model on the meta device",
@@ -99,7 +101,7 @@ class DryRunPlan:
             f"model: {self.parameters / 1e9:.2f}B parameters in {self.fsdp_units} FSDP units; "
             f"{self.checkpointed_blocks} of {self.blocks} blocks checkpointed",
             f"step: {self.microbatches_per_step} microbatch{'es' * (self.microbatches_per_step > 1)} of "
-            f"{self.tokens_per_microbatch:,} tokens a GPU; between them FSDP's units are {schedule}",
+            f"{self.tokens_per_microbatch:,} tokens a GPU; FSDP's units {schedule}",
             "",
             f"{'per GPU':<28}{'GiB':>10}",
         ]
