@@ -144,7 +144,7 @@ def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
 
 def _dry_run(cfg: TrainConfig, args: argparse.Namespace) -> int:
     """The layout of ``--world-size`` GPUs, ``--nproc`` a node (default 8), planned here on torch's fake backend."""
-    from foundry.dry_run import dry_run
+    from foundry.config.dry_run import dry_run
 
     world_size = args.world_size or (args.nproc or 1) * args.nnodes
     plan = dry_run(cfg, world_size, args.nproc or 8, args.gpu_memory_gib)

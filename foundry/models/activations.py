@@ -11,8 +11,8 @@ measured with ``torch.autograd.graph.saved_tensors_hooks`` on blocks of the same
 - an MoE layer: each of ``top_k`` routed rows (``d_model``), its expert's GLU or MLP (as above, ``ffn`` the
   expert's width), and its output before the weighted sum (``d_model``).
 
-A compiled block fuses the norms' intermediates and keeps less (MPT-1B: 0.91 of this count, docs/DISTRIBUTED.md
-"Dry run"), so the eager count is an upper bound for ``compile_config: auto``.
+A compiled block fuses the norms' intermediates and keeps less, so for ``compile_config: auto`` the eager count
+is an upper bound (docs/DISTRIBUTED.md "Dry run" compares it with measured peaks).
 """
 
 from __future__ import annotations
