@@ -98,7 +98,7 @@ class DryRunPlan:
             f"dry run: {self.world_size} ranks ({nodes} node{'s' * (nodes > 1)} of {self.ranks_per_node}) on torch's "
             "fake process group; the model on the meta device",
             f"mesh: {mesh}",
-            f"model: {self.parameters / 1e9:.2f}B parameters in {self.fsdp_units} FSDP units; "
+            f"model: {_count(self.parameters)} parameters in {self.fsdp_units} FSDP units; "
             f"{self.checkpointed_blocks} of {self.blocks} blocks checkpointed",
             f"step: {self.microbatches_per_step} microbatch{'es' * (self.microbatches_per_step > 1)} of "
             f"{self.tokens_per_microbatch:,} tokens a GPU; FSDP's units {schedule}",
@@ -153,6 +153,10 @@ def dry_run(cfg: TrainConfig, world_size: int, ranks_per_node: int = 8, device_m
         memory_bytes=memory,
         collectives=collectives,
     )
+
+
+def _count(parameters: int) -> str:
+    return f"{parameters / 1e9:.2f}B" if parameters >= 1e9 else f"{parameters / 1e6:.1f}M"
 
 
 @contextlib.contextmanager

@@ -97,6 +97,23 @@ def test_eight_rank_plan_holds_fsdp2s_rounded_up_shards():
     assert plan.mesh == {"dp_replicate": 1, "dp_shard": 8, "cp": 1, "ep": 1}
 
 
+def test_one_gpu_plan_holds_the_whole_model_and_sends_nothing():
+    plan = dry_run(tiny_config(), world_size=1)
+    assert plan.collectives == [] and plan.fsdp_units == 0
+    assert plan.memory_bytes["parameters (fp32 shards)"] == 4 * plan.parameters
+
+
+def test_expert_parallel_plan_splits_the_experts_and_sends_routed_rows():
+    overrides = ["fsdp_config={}", "parallelism.expert_parallel_degree=2", "precision=fp32"]
+    cfg = load_train_config(YAMLS / "quickstart-moe.yaml", overrides)[0]
+    plan = dry_run(cfg, world_size=2)
+    model = build_model({**cfg.model, "init_device": "meta"})
+    # each rank holds half of every layer's experts (EP) and half the rows of every other parameter (FSDP2)
+    elements = sum(math.ceil(p.shape[0] / 2) * p[0].numel() for p in model.parameters())
+    assert plan.memory_bytes["parameters (fp32 shards)"] == 4 * elements
+    assert (plan.collectives[-1].op, plan.collectives[-1].what) == ("all-to-all", "routed rows (dispatch, combine)")
+
+
 def test_collectives_follow_the_fsdp_units():
     cfg = tiny_config("device_train_microbatch_size=1", "fsdp_config.reshard_between_microbatches=true")
     plan = dry_run(cfg, world_size=2)  # 4 samples a GPU: 4 microbatches, resharded and reduced every one
