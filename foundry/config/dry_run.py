@@ -47,6 +47,7 @@ from foundry.models.activations import ActivationPlan, BlockShape, activation_by
 from foundry.models.build import build_model
 
 GIB = 1 << 30
+PLANNED_MODELS = ("mpt_causal_lm", "llama_causal_lm")
 # state tensors the size of each parameter, by optimizer name (Adam's two moments, Lion's one)
 OPTIMIZER_STATES = {"decoupled_adamw": 2, "adamw": 2, "decoupled_lionw": 1, "sgd": 0}
 
@@ -121,7 +122,7 @@ def dry_run(cfg: TrainConfig, world_size: int, ranks_per_node: int = 8, device_m
     _check_world(world_size, ranks_per_node)
     check_settings(cfg, world_size)  # the parallel degrees against the world size and the model
     device_batch = device_train_batch_size(cfg.global_train_batch_size, world_size)
-    model = build_model({**cfg.model, "init_device": "meta"})
+    model = _meta_model(cfg.model)
     fsdp_config = cfg.fsdp_config or (FSDPConfig(sharding_strategy="NO_SHARD") if world_size > 1 else None)
     parallelism = with_fsdp_aliases(cfg.parallelism, fsdp_config) if fsdp_config else cfg.parallelism
     checkpointed = _checkpointed_blocks(model, fsdp_config)
@@ -182,6 +183,17 @@ class _Step:
     microbatches: int
     tokens: int  # a GPU's, in one microbatch
     kept_gathered: bool
+
+
+def _meta_model(section: dict[str, Any]) -> nn.Module:
+    """The model on the meta device; only foundry's families, whose shapes the activation count reads."""
+    name = section.get("name")
+    if name not in PLANNED_MODELS:
+        raise ConfigError(
+            f"'model.name' is {name!r}; the dry run plans {' and '.join(PLANNED_MODELS)} models, whose block shapes "
+            "it reads. For a Hugging Face model, write its widths as a llama_causal_lm section (docs/MODELS.md)."
+        )
+    return build_model({**section, "init_device": "meta"})
 
 
 def _check_world(world_size: int, ranks_per_node: int) -> None:

@@ -144,6 +144,7 @@ def test_hybrid_shard_plan_replicates_across_nodes():
         (["parallelism.context_parallel_degree=2"], 3, "'parallelism.context_parallel_degree' is 2"),
         ([], 3, "global_train_batch_size (8) is not divisible"),
         ([], 12, "--world-size 12 is not a whole number of nodes of --nproc 8"),
+        (["model={name: hf_causal_lm, pretrained_model_name_or_path: gpt2}"], 2, "'model.name' is 'hf_causal_lm'"),
     ],
 )
 def test_a_world_size_the_mesh_cannot_divide_is_refused(overrides, world_size, key):
