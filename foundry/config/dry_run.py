@@ -117,7 +117,11 @@ class DryRunPlan:
 
 
 def dry_run(cfg: TrainConfig, world_size: int, ranks_per_node: int = 8, device_memory_gib: float = 80.0) -> DryRunPlan:
-    """Plan ``cfg`` on ``world_size`` GPUs, ``ranks_per_node`` a node, each of ``device_memory_gib``."""
+    """Plan ``cfg`` on ``world_size`` GPUs, ``ranks_per_node`` a node, each of ``device_memory_gib``.
+
+    Raises:
+        ConfigError: a world size the mesh or the global batch cannot divide, or a model it cannot plan.
+    """
     ranks_per_node = min(ranks_per_node, world_size)
     _check_world(world_size, ranks_per_node)
     check_settings(cfg, world_size)  # the parallel degrees against the world size and the model
@@ -126,10 +130,11 @@ def dry_run(cfg: TrainConfig, world_size: int, ranks_per_node: int = 8, device_m
     fsdp_config = cfg.fsdp_config or (FSDPConfig(sharding_strategy="NO_SHARD") if world_size > 1 else None)
     parallelism = with_fsdp_aliases(cfg.parallelism, fsdp_config) if fsdp_config else cfg.parallelism
     checkpointed = _checkpointed_blocks(model, fsdp_config)
+    precision = "amp_bf16" if str(cfg.precision) == "auto" else str(cfg.precision)  # auto, on a GPU
     with fake_process_group(world_size, ranks_per_node):
         dims = parallel_dims(STRATEGIES[fsdp_config.sharding_strategy][0] if fsdp_config else "shard", parallelism)
         if world_size > 1:
-            place_model(model, torch.device("meta"), fsdp_config, str(cfg.precision), parallelism)
+            place_model(model, torch.device("meta"), fsdp_config, precision, parallelism)
         microbatch = cfg.device_train_microbatch_size
         microbatch = device_batch if microbatch in (None, "auto") else min(microbatch, device_batch)
         step = _Step(
@@ -137,7 +142,6 @@ def dry_run(cfg: TrainConfig, world_size: int, ranks_per_node: int = 8, device_m
             tokens=microbatch * (cfg.max_seq_len or model.config.max_seq_len) // dims.cp,
             kept_gathered=_kept_gathered(model, fsdp_config, device_memory_gib),
         )
-        precision = "amp_bf16" if str(cfg.precision) == "auto" else str(cfg.precision)  # auto, on a GPU
         memory = _memory(model, cfg, fsdp_config, precision, step, checkpointed, dims.cp)
         collectives = _collectives(model, fsdp_config, precision, step, checkpointed, dims)
     return DryRunPlan(
@@ -248,7 +252,7 @@ def _memory(
     states = OPTIMIZER_STATES.get(cfg.optimizer.get("name", ""), 2)
     low = compute_dtype(precision)
     element_bytes = low.itemsize if low is not None else 4
-    policy = mixed_precision_policy(fsdp_config.mixed_precision if fsdp_config else "DEFAULT", precision)
+    policy = mixed_precision_policy(fsdp_config.mixed_precision if fsdp_config else "FULL", precision)  # no FSDP: fp32
     residual_bytes = (policy.param_dtype or torch.float32).itemsize
     sizes, gradients = _fsdp_unit_sizes(model), shards
     if not sizes:  # one GPU: each linear's weight cast once a step is kept for the step (fuse_weight_grad_accumulation)
