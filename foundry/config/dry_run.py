@@ -39,9 +39,10 @@ from foundry.config import TrainConfig
 from foundry.config.build import check_settings, device_train_batch_size
 from foundry.core.precision import compute_dtype
 from foundry.distributed.activation_checkpoint import checkpoint_plan
-from foundry.distributed.config import FSDPConfig, with_fsdp_aliases
-from foundry.distributed.fsdp import STRATEGIES, fsdp_blocks, mixed_precision_policy, model_is_small_for, place_model
-from foundry.distributed.mesh import parallel_dims
+from foundry.distributed.config import FSDPConfig
+from foundry.distributed.fsdp import STRATEGIES, mixed_precision_policy, model_is_small_for
+from foundry.distributed.placement import job_layout, place_model
+from foundry.distributed.protocol import blocks_of
 from foundry.errors import ConfigError
 from foundry.models.activations import ActivationPlan, BlockShape, activation_bytes
 from foundry.models.build import build_model
@@ -128,13 +129,12 @@ def dry_run(cfg: TrainConfig, world_size: int, ranks_per_node: int = 8, device_m
     device_batch = device_train_batch_size(cfg.global_train_batch_size, world_size)
     model = _meta_model(cfg.model)
     fsdp_config = cfg.fsdp_config or (FSDPConfig(sharding_strategy="NO_SHARD") if world_size > 1 else None)
-    parallelism = with_fsdp_aliases(cfg.parallelism, fsdp_config) if fsdp_config else cfg.parallelism
     checkpointed = _checkpointed_blocks(model, fsdp_config)
     precision = "amp_bf16" if str(cfg.precision) == "auto" else str(cfg.precision)  # auto, on a GPU
     with fake_process_group(world_size, ranks_per_node):
-        dims = parallel_dims(STRATEGIES[fsdp_config.sharding_strategy][0] if fsdp_config else "shard", parallelism)
+        parallelism, dims = job_layout(fsdp_config, cfg.parallelism)
         if world_size > 1:
-            place_model(model, torch.device("meta"), fsdp_config, precision, parallelism)
+            place_model(model, torch.device("meta"), fsdp_config, precision, parallelism, dims)
         microbatch = cfg.device_train_microbatch_size
         microbatch = device_batch if microbatch in (None, "auto") else min(microbatch, device_batch)
         step = _Step(
@@ -151,7 +151,7 @@ def dry_run(cfg: TrainConfig, world_size: int, ranks_per_node: int = 8, device_m
         parameters=sum(parameter.numel() for parameter in model.parameters()),
         fsdp_units=sum(isinstance(module, FSDPModule) for module in model.modules()),
         checkpointed_blocks=checkpointed,
-        blocks=len(fsdp_blocks(model)),
+        blocks=len(blocks_of(model)),
         microbatches_per_step=step.microbatches,
         tokens_per_microbatch=step.tokens,
         kept_gathered=step.kept_gathered and world_size > 1,
@@ -215,7 +215,7 @@ def _checkpointed_blocks(model: nn.Module, fsdp_config: FSDPConfig | None) -> in
     """Blocks checkpointed whole (a block of which only some modules are checkpointed counts as not)."""
     if fsdp_config is None or not fsdp_config.activation_checkpointing:
         return 0
-    blocks = fsdp_blocks(model)
+    blocks = blocks_of(model)
     plan = checkpoint_plan(blocks, getattr(model.config, "activation_checkpointing_target", None))
     return sum(modules == [block] for block, modules in zip(blocks, plan))
 

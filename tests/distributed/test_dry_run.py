@@ -14,7 +14,7 @@ from foundry import cli
 from foundry.config import load_train_config
 from foundry.config.dry_run import dry_run
 from foundry.distributed.config import FSDPConfig
-from foundry.distributed.fsdp import place_model
+from foundry.distributed.placement import place_model
 from foundry.errors import ConfigError
 from foundry.models.build import build_model
 from foundry.optim.optimizers import DecoupledAdamW
