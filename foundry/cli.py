@@ -46,7 +46,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key.path=value", help="set any key; the value is YAML")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     launch = parser.add_argument_group("launch (through torchrun; see docs/DISTRIBUTED.md)")
-    launch.add_argument("--nproc", type=int, metavar="N", help="run N ranks on this machine (one per GPU)")
+    launch.add_argument(
+        "--nproc", type=int, metavar="N", help="run N ranks on this machine (one per GPU); with --dry-run: GPUs a node"
+    )
     launch.add_argument("--nnodes", type=int, default=1, metavar="N", help="machines in the job (default 1)")
     launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="where the machines' ranks meet (nnodes > 1)")
     launch.add_argument(
@@ -56,6 +58,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="after SIGTERM/SIGUSR1, seconds the ranks may take to checkpoint before they are killed (default 100)",
     )
+    dry = parser.add_argument_group("dry run (plan a layout on this CPU, without GPUs; see docs/DISTRIBUTED.md)")
+    dry.add_argument(
+        "--dry-run", action="store_true", help="print per-GPU memory and a step's collectives for the layout, and exit"
+    )
+    dry.add_argument(
+        "--world-size", type=int, metavar="N", help="GPUs of the planned job (default: --nproc x --nnodes)"
+    )
+    dry.add_argument("--gpu-memory-gib", type=float, default=80.0, metavar="G", help="each GPU's memory (default 80)")
+    dry.add_argument("--json", action="store_true", help="with --dry-run: print the plan as JSON")
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -76,6 +87,8 @@ def run_train(args: argparse.Namespace) -> int:
         check_component_keys(cfg)  # the built-in components' keys too, read from their source (no torch)
         from foundry.config.build import check_config
 
+        if args.dry_run:
+            return _dry_run(cfg, args)
         launching = (args.nproc is not None or args.nnodes > 1) and not launched_by_torchrun()
         if args.print_config:
             # what would stop the run before it builds anything stops the printout too
@@ -126,6 +139,16 @@ def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
         return EXIT_CHECK_FAILED
     if main_process:
         print(f"foundry: run '{cfg.run_name}' finished; metrics in {trainer.run_folder / 'metrics.jsonl'}")
+    return 0
+
+
+def _dry_run(cfg: TrainConfig, args: argparse.Namespace) -> int:
+    """The layout of ``--world-size`` GPUs, ``--nproc`` a node (default 8), planned here on torch's fake backend."""
+    from foundry.config.dry_run import dry_run
+
+    world_size = args.world_size or (args.nproc or 1) * args.nnodes
+    plan = dry_run(cfg, world_size, args.nproc or 8, args.gpu_memory_gib)
+    print(plan.to_json() if args.json else plan.table())
     return 0
 
 

@@ -114,10 +114,12 @@ def parallelize(
     if not shards(config, device):  # one rank: parallel_dims refused any degree above 1
         _place_unsharded(model, config, device, precision)
         return Placement()
-    mesh = build_mesh(dims, device.type)
+    # The meta device: a dry run (foundry/config/dry_run.py) on torch's fake process group, never given weights.
+    dry_run = device.type == "meta"
+    mesh = build_mesh(dims, "cpu" if dry_run else device.type)
     cp_attention = parallelism.context_parallel_attention
     batches = apply_context_parallel(model, mesh["cp"], cp_attention) if dims.cp > 1 else WholeSequences()
-    rank0_weights = _rank0_weights(model, config.sync_module_states, device)
+    rank0_weights = None if dry_run else _rank0_weights(model, config.sync_module_states, device)
     expert_params = shard_experts(model, mesh.ep)  # FSDP leaves them be
     blocks = _wrap_blocks(model, config, device)
     offload = config.cpu_offload and device.type == "cuda"
