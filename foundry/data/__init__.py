@@ -24,7 +24,7 @@ _EXPORTS = {
     "convert_to_mds": "foundry.data.convert",
     "import_streaming": "foundry.data.mds",
     "load_tokenizer": "foundry.data.tokenizer",
-    "release_shared_memory": "foundry.data.mds",
+    "release_shared_memory": "foundry.data.shm_prefix",
     "train_bpe_tokenizer": "foundry.data.tokenizer",
 }
 _STREAMING_CLASSES = ("StreamingTextDataset", "TextDataLoader")  # in text_dataset, which imports streaming

@@ -8,8 +8,8 @@ from typing import Any
 
 from foundry.data.config import FinetuningDatasetConfig
 from foundry.data.jsonl import read_jsonl
-from foundry.data.mds import build_checked_streams, import_streaming, release_shared_memory
-from foundry.data.shm_prefix import elected_shm_prefixes
+from foundry.data.mds import build_checked_streams, import_streaming
+from foundry.data.shm_prefix import elected_shm_prefixes, release_shared_memory
 from foundry.errors import ConfigError, DataError
 
 JSON_SUFFIXES = (".jsonl", ".json")

@@ -7,16 +7,12 @@ and fail with the install command; jsonl finetuning data, evaluation and custom 
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from foundry.data.shm_prefix import release_ownership
 from foundry.errors import ConfigError, DataError
 from foundry.optional import import_optional
 from foundry.schema import check_call_kwargs
@@ -171,32 +167,3 @@ def shard_damage(path: Path, info: Any) -> str | None:
                 return f"its {algorithm} checksum differs from the one index.json records (its contents were altered)"
             break
     return None
-
-
-def release_shared_memory(dataset: StreamingDataset) -> None:
-    """Free a StreamingDataset's shared-memory blocks and temp-folder lock files (it must be idle).
-
-    Streaming frees them only at process exit; this reaches into its private attributes, each
-    looked up defensively so that a streaming version without one skips it.
-    """
-    holders = [
-        getattr(dataset, "_locals_shm", None),
-        getattr(getattr(getattr(dataset, "_shared_barrier", None), "_arr", None), "shm", None),
-        *(getattr(getattr(getattr(dataset, name, None), "arr", None), "shm", None) for name in _SCALARS),
-        *(getattr(getattr(dataset, name, None), "shm", None) for name in _ARRAYS),
-        getattr(dataset, "_resume_shm", None),
-    ]
-    for shared_memory in filter(None, holders):
-        shared_memory.cleanup()
-        atexit.unregister(shared_memory.cleanup)
-    barrier_lock = getattr(getattr(dataset, "_shared_barrier", None), "filelock_path", None)
-    for path in (getattr(dataset, "_cache_filelock_path", None), barrier_lock):
-        if path:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(path)
-    if (prefix := getattr(dataset, "_shm_prefix_int", None)) is not None:
-        release_ownership(prefix)
-
-
-_SCALARS = ("_next_epoch", "_cache_usage")
-_ARRAYS = ("_shard_states", "_shard_access_times")

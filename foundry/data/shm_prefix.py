@@ -231,3 +231,32 @@ def _abandoned(prefix: int) -> bool:
     finally:
         os.close(descriptor)
     return True
+
+
+def release_shared_memory(dataset: Any) -> None:
+    """Free a StreamingDataset's shared-memory blocks, temp-folder lock files and foundry's claim on its prefix.
+
+    Streaming frees them only at process exit; this reaches into its private attributes, each
+    looked up defensively so that a streaming version without one skips it.
+    """
+    holders = [
+        getattr(dataset, "_locals_shm", None),
+        getattr(getattr(getattr(dataset, "_shared_barrier", None), "_arr", None), "shm", None),
+        *(getattr(getattr(getattr(dataset, name, None), "arr", None), "shm", None) for name in _SCALARS),
+        *(getattr(getattr(dataset, name, None), "shm", None) for name in _ARRAYS),
+        getattr(dataset, "_resume_shm", None),
+    ]
+    for shared_memory in filter(None, holders):
+        shared_memory.cleanup()
+        atexit.unregister(shared_memory.cleanup)
+    barrier_lock = getattr(getattr(dataset, "_shared_barrier", None), "filelock_path", None)
+    for path in (getattr(dataset, "_cache_filelock_path", None), barrier_lock):
+        if path:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+    if (prefix := getattr(dataset, "_shm_prefix_int", None)) is not None:
+        release_ownership(prefix)
+
+
+_SCALARS = ("_next_epoch", "_cache_usage")
+_ARRAYS = ("_shard_states", "_shard_access_times")

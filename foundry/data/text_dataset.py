@@ -17,8 +17,8 @@ from streaming.base.dataloader import StreamingDataLoader
 from transformers import PreTrainedTokenizerBase
 
 from foundry.batches import SAMPLE_INDEX_KEY
-from foundry.data.mds import rebuild_hint, release_shared_memory, shard_damage, shard_of_sample
-from foundry.data.shm_prefix import elected_shm_prefixes
+from foundry.data.mds import rebuild_hint, shard_damage, shard_of_sample
+from foundry.data.shm_prefix import elected_shm_prefixes, release_shared_memory
 from foundry.errors import DataError
 
 
