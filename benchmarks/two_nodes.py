@@ -1,20 +1,21 @@
-"""Two machines rehearsed on one 4-GPU host: per-GPU MFU of 2 launchers × 2 GPUs against 1 × 4, a node lost.
+"""Two machines rehearsed on one host: per-GPU MFU of 2 launchers × N GPUs against 1 × 2N, and a node lost.
 
-    python benchmarks/two_nodes.py --corpus a.txt --tokenizer DIR --out OUT [--rows 1x4 2x2 2x2-hsdp kill]
+    python benchmarks/two_nodes.py --corpus a.txt --tokenizer DIR --out OUT [--gpus-per-node 2]
+        [--rows one two two-hsdp kill]
 
 Every row is ``foundry train yamls/pretrain/mpt-1b.yaml`` as shipped (only paths, the run's length and the
 rows' own keys changed) on MDS data, ``batches`` long with the first left out of the averages:
 
-- ``1x4``: one launcher, ``--nproc 4``;
-- ``2x2``: two launchers on 127.0.0.1, GPUs 0,1 and 2,3 (``CUDA_VISIBLE_DEVICES``), ``--nnodes 2 --nproc 2
-  --node-rank 0|1 --rdzv-endpoint 127.0.0.1:PORT``: what two machines run, NCCL over the host instead of a
-  network; the same FULL_SHARD over 4 ranks;
-- ``2x2-hsdp``: the same with ``fsdp_config.sharding_strategy=HYBRID_SHARD`` (shard within a launcher's 2
+- ``one``: one launcher, ``--nproc 2N`` (N = ``--gpus-per-node``: 2 on a 4-GPU host);
+- ``two``: two launchers on 127.0.0.1, each on its own N GPUs (``CUDA_VISIBLE_DEVICES``), ``--nnodes 2
+  --nproc N --node-rank 0|1 --rdzv-endpoint 127.0.0.1:PORT``: what two machines run, NCCL over the host
+  instead of a network; the same FULL_SHARD over 2N ranks;
+- ``two-hsdp``: the same with ``fsdp_config.sharding_strategy=HYBRID_SHARD`` (shard within a launcher's N
   GPUs, replicate across the two);
-- ``kill``: the 2x2 run checkpointing every 2 batches; once the first checkpoint is complete (``latest``),
+- ``kill``: the ``two`` run checkpointing every 2 batches; once the first checkpoint is complete (``latest``),
   launcher 1 and its ranks are SIGKILLed, as a machine lost: the row times how long launcher 0 takes to exit
-  and keeps its last lines; then one launcher on GPUs 0,1 (``--nproc 2``, ``autoresume``) resumes from that
-  checkpoint (4 ranks' shards on 2) and trains one more batch.
+  and keeps its last lines; then one launcher on node 0's GPUs (``--nproc N``, ``autoresume``) resumes from
+  that checkpoint (2N ranks' shards on N) and trains one more batch.
 
 The MFU is the speed monitor's run average (``throughput/run/device/mfu``), as benchmarks/default_path.py reads it.
 """
@@ -36,7 +37,7 @@ from bench_utils import REPO_ROOT, markdown_table, save_json
 from default_path import build_data
 
 YAML = REPO_ROOT / "yamls" / "pretrain" / "mpt-1b.yaml"
-ROWS = ("1x4", "2x2", "2x2-hsdp", "kill")
+ROWS = ("one", "two", "two-hsdp", "kill")
 
 
 def free_port() -> int:
@@ -66,13 +67,18 @@ def launcher(gpus: str, flags: list[str], keys: list[str], log: Path) -> subproc
     )
 
 
-def two_launchers(keys: list[str], out: Path, name: str) -> list[subprocess.Popen]:
+def node_gpus(node: int, per_node: int) -> str:
+    return ",".join(str(gpu) for gpu in range(node * per_node, (node + 1) * per_node))
+
+
+def two_launchers(keys: list[str], per_node: int, out: Path, name: str) -> list[subprocess.Popen]:
     endpoint = f"127.0.0.1:{free_port()}"
+    node_flags = ["--nnodes", "2", "--nproc", str(per_node), "--rdzv-endpoint", endpoint]
+    logs = [out / f"{name}-node{node}.log" for node in range(2)]
     return [
-        launcher(gpus, ["--nnodes", "2", "--nproc", "2", "--node-rank", str(node), "--rdzv-endpoint", endpoint],
-                 keys, out / f"{name}-node{node}.log")
-        for node, gpus in enumerate(("0,1", "2,3"))
-    ]  # fmt: skip
+        launcher(node_gpus(node, per_node), [*node_flags, "--node-rank", str(node)], keys, logs[node])
+        for node in range(2)
+    ]
 
 
 def averages(run_folder: Path) -> dict[str, Any]:
@@ -90,13 +96,14 @@ def averages(run_folder: Path) -> dict[str, Any]:
 def speed_row(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     run_folder = Path(args.work) / name
     keys = overrides(args, run_folder, args.batches)
-    if name == "2x2-hsdp":
+    if name == "two-hsdp":
         keys.append("fsdp_config.sharding_strategy=HYBRID_SHARD")
     started = time.perf_counter()
-    if name == "1x4":
-        processes = [launcher("0,1,2,3", ["--nproc", "4"], keys, out / f"{name}.log")]
+    per_node = args.gpus_per_node
+    if name == "one":
+        processes = [launcher(node_gpus(0, 2 * per_node), ["--nproc", str(2 * per_node)], keys, out / f"{name}.log")]
     else:
-        processes = two_launchers(keys, out, name)
+        processes = two_launchers(keys, per_node, out, name)
     codes = [process.wait() for process in processes]
     row: dict[str, Any] = {"row": name, "exit": codes, "wall_s": round(time.perf_counter() - started, 1)}
     return row | (averages(run_folder) if codes == [0] * len(codes) else {})
@@ -105,7 +112,7 @@ def speed_row(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
 def kill_row(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     run_folder, save_folder = Path(args.work) / "kill", Path(args.work) / "kill-checkpoints"
     keys = overrides(args, run_folder, 6, f"save_folder={save_folder}", "save_interval=2ba", "autoresume=true")
-    processes = two_launchers(keys, out, "kill")
+    processes = two_launchers(keys, args.gpus_per_node, out, "kill")
     latest = save_folder / "latest"
     while not latest.exists() and all(process.poll() is None for process in processes):
         time.sleep(0.5)
@@ -126,7 +133,8 @@ def kill_row(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     }
     resume_keys = overrides(args, run_folder, 3, f"save_folder={save_folder}", "save_interval=2ba", "autoresume=true")
     started = time.perf_counter()
-    resumed = launcher("0,1", ["--nproc", "2"], resume_keys, out / "kill-resume.log")
+    per_node = args.gpus_per_node
+    resumed = launcher(node_gpus(0, per_node), ["--nproc", str(per_node)], resume_keys, out / "kill-resume.log")
     row["resume_exit"] = resumed.wait()
     row["resume_wall_s"] = round(time.perf_counter() - started, 1)
     log = (out / "kill-resume.log").read_text()
@@ -141,6 +149,7 @@ def main() -> int:
     parser.add_argument("--data", default=None, help="MDS data already converted (2048-token samples)")
     parser.add_argument("--tokenizer", required=True)
     parser.add_argument("--samples", type=int, default=3000)
+    parser.add_argument("--gpus-per-node", type=int, default=2, help="GPUs each simulated node takes")
     parser.add_argument("--batches", type=int, default=3, help="batches a speed row trains (the first is warm-up)")
     parser.add_argument("--kill-wait-s", type=float, default=120.0)
     parser.add_argument("--work", default="/tmp/foundry-two-nodes")
@@ -155,10 +164,10 @@ def main() -> int:
         results.append(kill_row(args, out) if name == "kill" else speed_row(name, args, out))
         print(results[-1], flush=True)
         save_json(out, "two_nodes", results)
-    one = next((row.get("mfu") for row in results if row["row"] == "1x4"), None)
+    one = next((row.get("mfu") for row in results if row["row"] == "one"), None)
     for row in results:
         if one and row.get("mfu"):
-            row["per_gpu_vs_1x4"] = round(row["mfu"] / one, 4)
+            row["per_gpu_vs_one"] = round(row["mfu"] / one, 4)
     save_json(out, "two_nodes", results)
     print(markdown_table([{k: v for k, v in row.items() if k != "survivor_last_lines"} for row in results]))
     return 0
