@@ -2,7 +2,8 @@
 
 ``env``: rank, world size and the loop's collectives. ``process_group``: join/leave the job.
 ``fsdp``: ``parallelize`` applies FSDP2 and activation checkpointing in one place. ``launch``: run N local
-ranks through torchrun (``foundry train --nproc N``).
+ranks through torchrun (``foundry train --nproc N``); ``rendezvous``: where several machines meet;
+``agreement``: every rank trains the same config.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ _EXPORTS = {
     "all_reduce_sums": "foundry.distributed.env",
     "barrier": "foundry.distributed.env",
     "broadcast_object": "foundry.distributed.env",
+    "check_same_config": "foundry.distributed.agreement",
     "default_device": "foundry.distributed.env",
     "destroy_process_group": "foundry.distributed.process_group",
     "explain_lost_ranks": "foundry.distributed.process_group",
