@@ -28,10 +28,10 @@ def check_same_config(resolved: Mapping[str, Any]) -> None:
     per_key = all_gather_object({key: _digest(value) for key, value in flat.items()})
     keys = list(dict.fromkeys(key for digests in per_key for key in digests))  # rank 0's order, then others'
     key = next(key for key in keys if len({digests.get(key) for digests in per_key}) > 1)
-    values = all_gather_object(flat.get(key, "(not set)"))
+    values = all_gather_object(json.dumps(flat[key], default=str)[:80] if key in flat else "not set")
     by_value: dict[str, list[int]] = {}
     for rank, value in enumerate(values):
-        by_value.setdefault(json.dumps(value)[:80], []).append(rank)
+        by_value.setdefault(value, []).append(rank)
     nodes = rank_nodes()
     sides = "; ".join(f"{_where(ranks, nodes)}: {value}" for value, ranks in by_value.items())
     raise ConfigError(

@@ -42,7 +42,7 @@ from foundry.distributed.job import (
     rank_errors_folder_prefix,
     rank_errors_message,
 )
-from foundry.distributed.rendezvous import START_TIMEOUT_VARIABLE, Nodes, rendezvous_arguments, rendezvous_failure
+from foundry.distributed.rendezvous import Nodes, rendezvous_arguments, rendezvous_failure
 from foundry.errors import EXIT_PREEMPTED, ConfigError
 
 FORWARDED_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -77,11 +77,10 @@ def launch(command: Sequence[str], nodes: Nodes, grace_period_s: float = DEFAULT
             failure.append(error)
 
     agent = threading.Thread(target=run_agent, name="torchrun-agent", daemon=True)
-    start_timeout = {START_TIMEOUT_VARIABLE: str(nodes.timeout_s)}
     with (
         _rank_errors_folder() as errors,
         _quiet_torchrun(nproc),
-        _environment(start_timeout),
+        _environment(nodes.rank_environment()),
         forwarding_signals(grace_period_s) as forwarded,
     ):
         started = forwarded.signal is None  # else a preemption signal came before the launch: start no rank

@@ -26,10 +26,11 @@ import torch.distributed as dist
 
 from foundry.distributed.env import all_gather_object, default_device, get_rank, get_world_size, is_distributed
 from foundry.distributed.job import launched_by_torchrun
-from foundry.distributed.rendezvous import DEFAULT_RDZV_TIMEOUT_S, START_TIMEOUT_VARIABLE
+from foundry.distributed.rendezvous import DEFAULT_RDZV_TIMEOUT_S, NODE_RANK_VARIABLE, START_TIMEOUT_VARIABLE
 from foundry.errors import ConfigError, LostRankError, TrainingError
 
-# (host, pid, node rank) of every rank of the job, in rank order: how a survivor tells which peer died.
+# (host, pid, node rank) of every rank of the job, in rank order: how a survivor tells which peer died. The node
+# rank is the launcher's --node-rank where it was given, else torchrun's number for the machine.
 _rank_processes: list[tuple[str, int, int]] = []
 # What gloo and NCCL say when the other end of a connection is gone.
 _PEER_GONE = (
@@ -63,7 +64,7 @@ def init_process_group(timeout_s: float = 600.0) -> None:
         except Exception as error:
             raise _start_error(error, start_timeout_s) from error
         meet_every_rank(start_timeout_s)
-        node = int(os.environ.get("GROUP_RANK", 0))  # torchrun's number for this machine
+        node = int(os.environ.get(NODE_RANK_VARIABLE) or os.environ.get("GROUP_RANK", 0))  # else torchrun's number
         _rank_processes[:] = all_gather_object((socket.gethostname(), os.getpid(), node))
         _set_timeout(timeout)
         return

@@ -30,6 +30,7 @@ from foundry.errors import ConfigError, TrainingError
 DEFAULT_RDZV_TIMEOUT_S = 300.0
 BACKEND = "foundry-c10d"  # torchrun's c10d rendezvous, whose timeout says how many nodes arrived
 START_TIMEOUT_VARIABLE = "FOUNDRY_START_TIMEOUT_S"  # tells the ranks how long their process group may take to start
+NODE_RANK_VARIABLE = "FOUNDRY_NODE_RANK"  # the ranks' --node-rank, which their messages name (torchrun numbers its own)
 
 # Each option's variables, first set wins (after the command line). Kubeflow's TrainJob and PyTorchJob set PET_*,
 # which torchrun reads too; Slurm sets SLURM_* in each task of `srun`.
@@ -57,6 +58,11 @@ class Nodes:
     @property
     def world_size(self) -> int:
         return (self.nproc or 1) * self.nnodes
+
+    def rank_environment(self) -> dict[str, str]:
+        """What this machine's ranks learn from their launcher: the start timeout and the node rank it was given."""
+        given_rank = {} if self.node_rank is None else {NODE_RANK_VARIABLE: str(self.node_rank)}
+        return {START_TIMEOUT_VARIABLE: str(self.timeout_s), **given_rank}
 
 
 def job_nodes(options: Mapping[str, object], default_rdzv_id: str, env: Mapping[str, str] = os.environ) -> Nodes:

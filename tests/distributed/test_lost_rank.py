@@ -56,7 +56,8 @@ def test_the_surviving_rank_names_the_dead_one_and_how_to_resume():
     outputs = [rank.communicate(timeout=120) for rank in ranks]
     survivor_out, survivor_err = outputs[0]
     assert ranks[1].returncode == -9
-    assert "Rank 0 of 2 lost contact with the other ranks: rank 1 (node 0, on this machine) died" in survivor_out, survivor_err
+    lost = "Rank 0 of 2 lost contact with the other ranks: rank 1 (node 0, on this machine) died"
+    assert lost in survivor_out, survivor_err
     assert "Relaunch the same command: with autoresume: true" in survivor_out
     assert "Connection" in survivor_out  # the collective's own words, for the curious
 
