@@ -1,7 +1,9 @@
 """``foundry train --nproc N``: run N ranks on this machine (joining other machines' ranks) through torchrun.
 
 The command re-runs itself as ``torchrun --nproc-per-node N ... -m foundry.cli train CFG ...``; each
-rank then joins the process group from torchrun's environment. It exits with the ranks' common exit
+rank then joins the process group from torchrun's environment. With ``--nnodes`` the machines first meet at the
+rendezvous endpoint (``foundry.distributed.rendezvous``); a rendezvous that times out, or whose store is lost, ends
+in a ``TrainingError`` that says so, after what the ranks said. It exits with the ranks' common exit
 code (3 when the run handed over, 5 when it was preempted, 2 for a config error), where plain torchrun
 would exit 1.
 
