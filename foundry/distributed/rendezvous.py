@@ -25,7 +25,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-from foundry.errors import ConfigError, TrainingError
+from foundry.errors import ConfigError, LostRankError, TrainingError
 
 DEFAULT_RDZV_TIMEOUT_S = 300.0
 BACKEND = "foundry-c10d"  # torchrun's c10d rendezvous, whose timeout says how many nodes arrived
@@ -157,7 +157,8 @@ def rendezvous_arguments(nodes: Nodes) -> list[str]:
     if nodes.endpoint is None:
         return ["--standalone"]  # one machine: torchrun picks a free local port
     register_backend()
-    conf = [f"join_timeout={int(max(1, round(nodes.timeout_s)))}"]
+    timeout_s = int(max(1, round(nodes.timeout_s)))
+    conf = [f"join_timeout={timeout_s}", f"read_timeout={timeout_s}"]  # read: a node waits as long for the store
     if nodes.node_rank is not None:  # node 0 hosts the store; the others only connect (no guess from hostnames)
         conf.append(f"is_host={int(nodes.node_rank == 0)}")
     return [
@@ -210,12 +211,12 @@ def rendezvous_failure(error: BaseException, nodes: Nodes) -> TrainingError | No
             "(--rdzv-timeout-s). Start `foundry train` on every node with the same --nnodes, --rdzv-endpoint and "
             f"--rdzv-id, and check that each reaches {nodes.endpoint} (hostname, port, firewall)."
         )
-    if isinstance(error, RendezvousConnectionError):
-        return TrainingError(
-            f"rendezvous: lost the connection to the rendezvous store at {where}: the launcher of the node that "
-            "hosts it (node rank 0, on the endpoint's machine) stopped or cannot be reached. If training had "
-            "started, relaunch every node: with autoresume: true the run continues from the last checkpoint in "
-            "save_folder."
+    if isinstance(error, RendezvousConnectionError):  # nothing to fix in the config: exit 1, as for a lost rank
+        return LostRankError(
+            f"rendezvous: no connection to the rendezvous store at {where}: the launcher that hosts it (node rank 0, "
+            "or the machine whose hostname is the endpoint's) has not started, stopped, or cannot be reached. If "
+            "training had started, relaunch every node: with autoresume: true the run continues from the last "
+            "checkpoint in save_folder."
         )
     if isinstance(error, RendezvousError):
         return TrainingError(f"rendezvous at {where} failed: {error}")

@@ -63,7 +63,7 @@ def test_several_nodes_meet_at_the_endpoint_with_the_timeout_and_node_0_hosting_
         "--rdzv-backend=foundry-c10d",
         "--rdzv-endpoint=node0:29500",
         "--rdzv-id=run-7",
-        "--rdzv-conf=join_timeout=30,is_host=1",
+        "--rdzv-conf=join_timeout=30,read_timeout=30,is_host=1",
         "-m",
         "foundry.cli",
         "train",
