@@ -92,7 +92,6 @@ def run_train(args: argparse.Namespace) -> int:
             print(to_yaml(cfg), end="")
             return 0
         if launching:
-            check_config(cfg, nodes.world_size)  # a config error said once, before any rank starts
             return _launch_ranks(args, cfg, nodes)
         _configure_logging(cfg.python_log_level)
         return _train(cfg, resolved)
@@ -159,9 +158,11 @@ def _job_nodes(args: argparse.Namespace, run_name: str) -> Nodes:
 
 def _launch_ranks(args: argparse.Namespace, cfg: TrainConfig, nodes: Nodes) -> int:
     """``foundry train`` again, as ``--nproc`` ranks under torchrun, all with this run name."""
+    from foundry.config.build import check_config
     from foundry.distributed.launch import check_local_ranks, launch
 
-    check_local_ranks(nodes.nproc or 1, cfg.device)
+    check_local_ranks(nodes.nproc or 1, cfg.device)  # this machine first: its GPUs or cores
+    check_config(cfg, nodes.world_size)  # a config error said once, before any rank starts
     os.environ["RUN_NAME"] = cfg.run_name  # the ranks' default run name, when the YAML sets none
     command = ["train", args.config, *args.overrides, *(["--debug"] if args.debug else [])]
     return launch(command, nodes, args.grace_period_s)
