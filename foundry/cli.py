@@ -75,9 +75,11 @@ def run_train(args: argparse.Namespace) -> int:
     """
     from foundry.config import load_train_config
     from foundry.config.component_keys import check_component_keys
-    from foundry.distributed.job import launched_by_torchrun, preemption_signals_noted
+    from foundry.distributed.job import launched_by_torchrun, preemption_signals_noted, stop_with_launcher
     from foundry.yaml_config import to_yaml
 
+    if launched_by_torchrun():
+        stop_with_launcher()  # a rank of `foundry train --nproc`: a launcher killed takes its ranks along
     # A preemption signal is noted from here to the exit, never fatal: the exit code stays 5 for any sequence of them.
     with preemption_signals_noted(restore=not args.exits_after):
         cfg, resolved = load_train_config(args.config, args.overrides)  # every key checked before any work (no torch)

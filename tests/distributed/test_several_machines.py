@@ -133,11 +133,12 @@ def test_a_lost_node_stops_the_other_naming_its_ranks_and_one_node_resumes(tmp_p
     while not (tmp_path / "ckpt" / "latest").exists() and time.monotonic() < deadline and survivor.poll() is None:
         time.sleep(0.5)
     assert (tmp_path / "ckpt" / "latest").exists(), survivor.stdout.read()[-3000:]
-    for pid in [*_children(lost.pid), lost.pid]:  # the machine goes: its launcher and its ranks
-        os.kill(pid, signal.SIGKILL)
+    lost_ranks = _children(lost.pid)
+    os.kill(lost.pid, signal.SIGKILL)  # its ranks die with it (the kernel's parent-death signal)
     killed = time.monotonic()
     code, output = finish([survivor])[0]
     assert time.monotonic() - killed < 60
+    assert lost_ranks and not any(_running(pid) for pid in lost_ranks)
     assert code == 1 and "Traceback" not in output, output[-3000:]
     died = re.search(rf"lost contact with the other ranks: rank \d \(node {lost_node}, on this machine\) died", output)
     assert died, output[-3000:]
@@ -152,7 +153,7 @@ def test_a_lost_node_stops_the_other_naming_its_ranks_and_one_node_resumes(tmp_p
 
 
 def _children(pid: int) -> list[int]:
-    """The pids of ``pid``'s children (its ranks), read from /proc (Linux)."""
+    """The pids of ``pid``'s children (a launcher's ranks), read from /proc (Linux)."""
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -161,3 +162,11 @@ def _children(pid: int) -> list[int]:
         except (OSError, ValueError, IndexError):
             continue
     return found
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs: neither gone nor a zombie that nobody reaped yet (Linux)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
