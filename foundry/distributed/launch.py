@@ -44,8 +44,8 @@ from foundry.distributed.job import (
     rank_errors_folder_prefix,
     rank_errors_message,
 )
-from foundry.distributed.rendezvous import Nodes, rendezvous_arguments, rendezvous_failure
-from foundry.errors import EXIT_PREEMPTED, ConfigError
+from foundry.distributed.rendezvous import Nodes, NodeWatch, rendezvous_arguments, rendezvous_failure
+from foundry.errors import EXIT_PREEMPTED, ConfigError, LostRankError
 
 FORWARDED_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 DEFAULT_GRACE_PERIOD_S = 100.0  # below Slurm's --signal=B:TERM@120, so the launcher's line comes before SIGKILL
@@ -88,14 +88,18 @@ def launch(command: Sequence[str], nodes: Nodes, grace_period_s: float = DEFAULT
         started = forwarded.signal is None  # else a preemption signal came before the launch: start no rank
         if started:
             agent.start()
-        while agent.is_alive():
-            agent.join(timeout=0.5)  # wakes up for the signal handlers, which run in this thread
+        with _watching_nodes(nodes) as lost_node:
+            while agent.is_alive():
+                agent.join(timeout=0.5)  # wakes up for the signal handlers, which run in this thread
         rank_errors = rank_errors_message(errors)
     error = failure[0] if failure else None
+    launcher_error = LostRankError(lost_node[0]) if lost_node else None
     if error is not None and not isinstance(error, ChildFailedError):
+        launcher_error = launcher_error or rendezvous_failure(error, nodes) or error
+    if launcher_error is not None:
         if rank_errors is not None:
             print(rank_errors, file=sys.stderr)  # what the ranks met first (a lost peer), before the launcher's own
-        raise rendezvous_failure(error, nodes) or error
+        raise launcher_error
     if error is None and started:  # every rank finished (a signal that came during the last batch changes nothing)
         return 0
     exit_code = _exit_code(error, forwarded, nodes.world_size)
@@ -121,6 +125,30 @@ def _exit_code(error: ChildFailedError | None, forwarded: ForwardedSignal, world
     if killed:
         print(killed_rank_message(killed[0][1], world_size, killed[0][2]), file=sys.stderr)
     return ranks_exit_code(exit_codes)
+
+
+@contextlib.contextmanager
+def _watching_nodes(nodes: Nodes, interval_s: float = 5.0) -> Iterator[list[str]]:
+    """While inside, a thread looks at the other nodes every ``interval_s`` (``NodeWatch``); once one is lost, it
+    kills this node's ranks (waiting in a collective for the lost one's) and the list yields its description."""
+    lost: list[str] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        nodes_watch = NodeWatch(nodes)
+        while not done.wait(interval_s):
+            found = nodes_watch.lost_node()
+            if found is not None:
+                lost.append(found)
+                _signal_ranks(signal.SIGKILL)
+                return
+
+    if nodes.nnodes > 1:
+        threading.Thread(target=watch, name="foundry-node-watch", daemon=True).start()
+    try:
+        yield lost
+    finally:
+        done.set()
 
 
 class ForwardedSignal:

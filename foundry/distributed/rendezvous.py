@@ -3,17 +3,22 @@ variables that set the same, checked before torchrun starts; a rendezvous that g
 saying how many nodes came.
 
 Each machine's launcher joins torchrun's c10d rendezvous at the endpoint (node rank 0 hosts its store; without
-``--node-rank``, the machine whose hostname is the endpoint's). Once all ``nnodes`` arrived, each starts its ranks.
-Unset options are read from the variables launchers set, as torchrun does: Kubeflow's ``PET_*``, then Slurm's.
+``--node-rank``, the machine whose hostname is the endpoint's). Once all ``nnodes`` arrived, each starts its ranks,
+and ``NodeWatch`` notices a node that stops answering while they train. Unset options are read from the variables
+launchers set, as torchrun does: Kubeflow's ``PET_*``, then Slurm's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
+import pickle
 import socket
+import time
 from collections.abc import Mapping
 
+from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
@@ -22,7 +27,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousParameters,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, create_backend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
 from foundry.errors import ConfigError, LostRankError, TrainingError
@@ -221,3 +226,56 @@ def rendezvous_failure(error: BaseException, nodes: Nodes) -> TrainingError | No
     if isinstance(error, RendezvousError):
         return TrainingError(f"rendezvous at {where} failed: {error}")
     return None
+
+
+class NodeWatch:
+    """Notices a node whose launcher stopped answering the rendezvous while the job runs.
+
+    A machine that vanishes without closing its connections (power, network, a hung host) leaves the others' next
+    collective waiting ``dist_timeout`` (10 minutes by default). Its launcher's heartbeat in the rendezvous state
+    (every 5 s) stops, though: a node whose heartbeat has not changed for ``silence_s`` (on this machine's clock,
+    so clocks that differ between machines do not matter) is lost, unless the rendezvous was closed (a job that
+    ended: torchrun's launchers wait for each other before they close it).
+    """
+
+    def __init__(self, nodes: Nodes, silence_s: float = 30.0) -> None:
+        self.nodes, self.silence_s = nodes, silence_s
+        self._backend: C10dRendezvousBackend | None = None
+        self._heard: dict[object, tuple[object, float]] = {}  # node -> (its last heartbeat, when it last changed)
+        self._ranks: dict[object, int] = {}  # node -> torchrun's number for it
+
+    def lost_node(self) -> str | None:
+        """The lost node, described for a message, or None (also while the state cannot be read)."""
+        try:
+            state = self._state()
+        except Exception:  # the agent says it when the store itself is gone
+            return None
+        if state is None or state.closed or not state.complete:
+            return None
+        now = time.monotonic()
+        self._ranks.update(state.participants)
+        for node in self._ranks:
+            heartbeat, previous = state.last_heartbeats.get(node), self._heard.get(node)
+            if previous is None or (heartbeat is not None and heartbeat != previous[0]):
+                self._heard[node] = (heartbeat, now)
+            elif now - previous[1] > self.silence_s:  # silent, or dropped as dead by the rendezvous and silent since
+                return self._describe(node, now - previous[1])
+        return None
+
+    def _state(self) -> object | None:
+        if self._backend is None:
+            host, _, port = self.nodes.endpoint.rpartition(":")
+            store = TCPStore(host.strip("[]"), int(port), is_master=False, timeout=datetime.timedelta(seconds=10))
+            self._backend = C10dRendezvousBackend(store, self.nodes.rdzv_id)
+        found = self._backend.get_state()
+        return None if found is None else pickle.loads(found[0])  # torch's own state, written by its launchers
+
+    def _describe(self, node: object, silent_s: float) -> str:
+        number, nproc = self._ranks[node], self.nodes.nproc or 1
+        ranks = f"ranks {number * nproc}-{number * nproc + nproc - 1}" if nproc > 1 else f"rank {number}"
+        return (
+            f"node lost: the launcher on {getattr(node, 'addr', node)} (torchrun's node {number}, {ranks}) stopped "
+            f"answering the rendezvous at {self.nodes.endpoint} {silent_s:.0f} s ago: its machine failed, hangs or "
+            "lost the network. This node's ranks were stopped. Relaunch every node (on fewer machines if one is "
+            "gone): with autoresume: true the run continues from the last checkpoint in save_folder."
+        )

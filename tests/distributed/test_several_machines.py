@@ -152,6 +152,28 @@ def test_a_lost_node_stops_the_other_naming_its_ranks_and_one_node_resumes(tmp_p
     assert f"[batch {reached + 1}/{reached + 2}]" in output, output[-3000:]
 
 
+@pytest.mark.slow  # two launchers train, one hangs; the other waits for its silence (about 60 s on 2 cores)
+def test_a_node_that_hangs_is_named_by_the_others_launcher_within_a_minute(tmp_path, data):
+    """SIGSTOP keeps the hung node's connections open, so the collectives would wait ``dist_timeout`` (10 min)."""
+    survivor, hung = start_nodes(1, [overrides(tmp_path, data, "max_duration=2000ba")] * 2)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (tmp_path / "ckpt" / "latest").exists() and time.monotonic() < deadline and survivor.poll() is None:
+        time.sleep(0.5)
+    machine = [hung.pid, *_children(hung.pid)]
+    for pid in machine:
+        os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        code, output = finish([survivor])[0]
+        assert time.monotonic() - stopped < 60
+    finally:
+        os.kill(hung.pid, signal.SIGKILL)  # its ranks die with it
+        hung.wait(TIMEOUT_S)
+    assert code == 1 and "Traceback" not in output, output[-3000:]
+    assert re.search(r"error: node lost: the launcher on \S+ \(torchrun's node \d, rank \d\) stopped answering the "
+                     r"rendezvous at 127\.0\.0\.1:\d+ \d+ s ago", output), output[-3000:]  # fmt: skip
+
+
 def _children(pid: int) -> list[int]:
     """The pids of ``pid``'s children (a launcher's ranks), read from /proc (Linux)."""
     found = []
