@@ -2,8 +2,9 @@
 
 The command re-runs itself as ``torchrun --nproc-per-node N ... -m foundry.cli train CFG ...``; each
 rank then joins the process group from torchrun's environment. With ``--nnodes`` the machines first meet at the
-rendezvous endpoint (``foundry.distributed.rendezvous``); a rendezvous that times out, or whose store is lost, ends
-in a ``TrainingError`` that says so, after what the ranks said. It exits with the ranks' common exit
+rendezvous endpoint (``foundry.distributed.rendezvous``); a rendezvous that times out, a store that is lost, or
+another node that stops answering while the ranks train (this node's ranks are then stopped) ends in a
+``TrainingError`` that says so, after what the ranks said. It exits with the ranks' common exit
 code (3 when the run handed over, 5 when it was preempted, 2 for a config error), where plain torchrun
 would exit 1.
 
@@ -66,7 +67,8 @@ def launch(command: Sequence[str], nodes: Nodes, grace_period_s: float = DEFAULT
         preemption signal, 130 after SIGINT.
 
     Raises:
-        TrainingError: the machines did not meet (the rendezvous timed out), or lost their rendezvous store.
+        TrainingError: the machines did not meet (the rendezvous timed out); LostRankError: they lost their
+            rendezvous store, or another node stopped answering.
     """
     nproc = nodes.nproc or 1
     arguments = torchrun.get_args_parser().parse_args(torchrun_arguments(command, nodes))

@@ -1,11 +1,19 @@
-"""The job's machines: flags, the launchers' variables, and the inputs refused before any node waits."""
+"""The job's machines: flags, the launchers' variables, the inputs refused before any node waits, and a node
+that stops answering."""
 
 from __future__ import annotations
 
+import datetime
+import pickle
+import time
+
 import pytest
+from helpers import FakeClock, RendezvousStore
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from foundry.distributed.launch import torchrun_arguments
-from foundry.distributed.rendezvous import Nodes, job_nodes
+from foundry.distributed.rendezvous import Nodes, NodeWatch, job_nodes
 from foundry.errors import ConfigError
 
 NOT_GIVEN = {"nproc": None, "nnodes": None, "node_rank": None, "rdzv_endpoint": None, "rdzv_id": None}
@@ -69,3 +77,34 @@ def test_several_nodes_meet_at_the_endpoint_with_the_timeout_and_node_0_hosting_
         "train",
         "cfg.yaml",
     ]
+
+
+def test_a_node_whose_heartbeat_stops_is_lost_once_silent_for_the_limit_unless_the_job_ended(monkeypatch):
+    rendezvous = RendezvousStore()  # stands for the store at the endpoint, holding torch's rendezvous state
+    backend = C10dRendezvousBackend(rendezvous.store, "run-7")
+    talking, silent = _NodeDesc("host-a", 11, 0), _NodeDesc("host-b", 22, 0)
+    state = _RendezvousState()
+    state.complete, state.participants = True, {talking: 0, silent: 1}
+
+    def write() -> None:
+        current = backend.get_state()
+        backend.set_state(pickle.dumps(state), current[1] if current else None)
+
+    def beat(second: int, *nodes: _NodeDesc) -> None:
+        state.last_heartbeats.update({node: datetime.datetime(2026, 1, 1, 0, 0, second) for node in nodes})
+        write()
+
+    clock = FakeClock()
+    monkeypatch.setattr(time, "monotonic", clock)
+    watch = NodeWatch(Nodes(nnodes=2, nproc=2, endpoint=f"127.0.0.1:{rendezvous.store.port}", rdzv_id="run-7"))
+    beat(0, talking, silent)
+    assert watch.lost_node() is None
+    clock.now, _ = 29.0, beat(29, talking)
+    assert watch.lost_node() is None  # silent for 29 s: not yet
+    clock.now, _ = 31.0, beat(31, talking)
+    lost = watch.lost_node()
+    assert lost is not None and lost.startswith("node lost: the launcher on host-b (torchrun's node 1, ranks 2-3) ")
+    assert "stopped answering the rendezvous at 127.0.0.1:" in lost and " 31 s ago" in lost
+    state.closed = True  # the job ended: the launchers stopped their heartbeats on purpose
+    write()
+    assert watch.lost_node() is None
