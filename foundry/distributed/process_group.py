@@ -114,7 +114,8 @@ def _set_timeout(timeout: datetime.timedelta) -> None:
 
 
 def rank_nodes() -> list[int]:
-    """The node (torchrun's number for a machine) of each rank, in rank order; empty before the group started."""
+    """The node of each rank (its launcher's --node-rank, else torchrun's number), in rank order; empty before the
+    group started."""
     return [node for _, _, node in _rank_processes]
 
 

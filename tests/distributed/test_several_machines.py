@@ -103,7 +103,7 @@ def test_nodes_started_with_different_configs_are_refused_naming_the_key(tmp_pat
     assert not (tmp_path / "ckpt").exists()  # refused before anything was written
 
 
-@pytest.mark.slow  # three launchers start and train (about 40 s on 2 cores)
+@pytest.mark.slow  # three launchers start and train (about 25 s on 2 cores)
 def test_two_launchers_of_one_rank_train_as_one_launcher_of_two_bit_for_bit(tmp_path, data):
     together = finish(start_nodes(1, [overrides(tmp_path / "nodes", data)] * 2))
     alone = finish([start(["--nproc", "2"], overrides(tmp_path / "one", data))])
@@ -113,7 +113,7 @@ def test_two_launchers_of_one_rank_train_as_one_launcher_of_two_bit_for_bit(tmp_
     assert sorted(losses(tmp_path / "one")) == [1, 2, 3, 4]
 
 
-@pytest.mark.slow  # six launchers start; four ranks share 2 cores (about 90 s)
+@pytest.mark.slow  # six launchers start; four ranks share 2 cores (about 45 s)
 def test_two_launchers_of_two_ranks_train_as_four_launchers_of_one_bit_for_bit(tmp_path, data):
     for code, output in finish(start_nodes(2, [overrides(tmp_path / "two", data)] * 2)):
         assert code == 0, output[-3000:]
@@ -123,7 +123,7 @@ def test_two_launchers_of_two_ranks_train_as_four_launchers_of_one_bit_for_bit(t
     assert sorted(losses(tmp_path / "two")) == [1, 2, 3, 4]
 
 
-@pytest.mark.slow  # two launchers train until a checkpoint, then one relaunch (about 40 s on 2 cores)
+@pytest.mark.slow  # two launchers train until a checkpoint, then one relaunch (about 30 s on 2 cores)
 @pytest.mark.parametrize("lost_node", [1, 0], ids=["a-node", "the-node-hosting-the-rendezvous"])
 def test_a_lost_node_stops_the_other_naming_its_ranks_and_one_node_resumes(tmp_path, data, lost_node):
     settings = overrides(tmp_path, data, "max_duration=2000ba")
@@ -152,7 +152,7 @@ def test_a_lost_node_stops_the_other_naming_its_ranks_and_one_node_resumes(tmp_p
     assert f"[batch {reached + 1}/{reached + 2}]" in output, output[-3000:]
 
 
-@pytest.mark.slow  # two launchers train, one hangs; the other waits for its silence (about 60 s on 2 cores)
+@pytest.mark.slow  # two launchers train, one hangs; the other waits for its silence (about 45 s on 2 cores)
 def test_a_node_that_hangs_is_named_by_the_others_launcher_within_a_minute(tmp_path, data):
     """SIGSTOP keeps the hung node's connections open, so the collectives would wait ``dist_timeout`` (10 min)."""
     survivor, hung = start_nodes(1, [overrides(tmp_path, data, "max_duration=2000ba")] * 2)
