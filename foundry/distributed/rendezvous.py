@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import os
 import pickle
 import socket
@@ -174,6 +175,7 @@ def rendezvous_arguments(nodes: Nodes) -> list[str]:
     ]
 
 
+@functools.cache  # once a process: registering a second creator under one name raises
 def register_backend() -> None:
     """Register ``BACKEND`` with torchrun: its c10d rendezvous, whose timeout names the nodes that arrived."""
 
@@ -192,8 +194,7 @@ def register_backend() -> None:
         handler.get_backend = lambda: BACKEND  # torch checks that the handler is the one asked for
         return handler
 
-    if not rendezvous_handler_registry._registry.get(BACKEND):  # registering twice raises
-        rendezvous_handler_registry.register(BACKEND, create)
+    rendezvous_handler_registry.register(BACKEND, create)
 
 
 def _nodes_arrived(handler: object) -> int | str:
