@@ -30,6 +30,7 @@ from foundry.errors import EXIT_CHECK_FAILED, EXIT_PREEMPTED, FoundryError
 
 if TYPE_CHECKING:
     from foundry.config import TrainConfig
+    from foundry.distributed.rendezvous import Nodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +50,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     launch.add_argument(
         "--nproc", type=int, metavar="N", help="run N ranks on this machine (one per GPU); with --dry-run: GPUs a node"
     )
-    launch.add_argument("--nnodes", type=int, default=1, metavar="N", help="machines in the job (default 1)")
-    launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="where the machines' ranks meet (nnodes > 1)")
+    launch.add_argument("--nnodes", type=int, metavar="N", help="machines in the job (default 1)")
+    launch.add_argument(
+        "--node-rank", type=int, metavar="R", help="this machine's rank, 0 to N-1 (0 hosts the rendezvous)"
+    )
+    launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="where the machines' launchers meet (nnodes > 1)")
+    launch.add_argument(
+        "--rdzv-timeout-s", type=float, metavar="S", help="seconds the machines may take to meet (default 300)"
+    )
+    launch.add_argument("--rdzv-id", metavar="ID", help="the job's name at the endpoint (default: the run name)")
     launch.add_argument(
         "--grace-period-s",
         type=float,
@@ -78,9 +86,11 @@ def run_train(args: argparse.Namespace) -> int:
     """
     from foundry.config import load_train_config
     from foundry.config.component_keys import check_component_keys
-    from foundry.distributed.job import launched_by_torchrun, preemption_signals_noted
+    from foundry.distributed.job import launched_by_torchrun, preemption_signals_noted, stop_with_launcher
     from foundry.yaml_config import to_yaml
 
+    if launched_by_torchrun():
+        stop_with_launcher()  # a rank of `foundry train --nproc`: a launcher killed takes its ranks along
     # A preemption signal is noted from here to the exit, never fatal: the exit code stays 5 for any sequence of them.
     with preemption_signals_noted(restore=not args.exits_after):
         cfg, resolved = load_train_config(args.config, args.overrides)  # every key checked before any work (no torch)
@@ -89,15 +99,15 @@ def run_train(args: argparse.Namespace) -> int:
 
         if args.dry_run:
             return _dry_run(cfg, args)
-        launching = (args.nproc is not None or args.nnodes > 1) and not launched_by_torchrun()
+        nodes = None if launched_by_torchrun() else _job_nodes(args, cfg.run_name)  # a rank: its launcher read them
+        launching = nodes is not None and (nodes.nproc is not None or nodes.nnodes > 1)
         if args.print_config:
             # what would stop the run before it builds anything stops the printout too
-            check_config(cfg, (args.nproc or 1) * args.nnodes if launching else None)
+            check_config(cfg, nodes.world_size if launching else None)
             print(to_yaml(cfg), end="")
             return 0
         if launching:
-            check_config(cfg, (args.nproc or 1) * args.nnodes)  # a config error said once, before any rank starts
-            return _launch_ranks(args, cfg)
+            return _launch_ranks(args, cfg, nodes)
         _configure_logging(cfg.python_log_level)
         return _train(cfg, resolved)
 
@@ -117,6 +127,7 @@ def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
         with distributed.explain_lost_ranks():  # a dead peer's raw gloo/NCCL error becomes one that names it
             # Ranks that each made a default name (foundry-<time>) must share rank 0's: it names the save folder.
             cfg.run_name = resolved["run_name"] = distributed.broadcast_object(cfg.run_name)
+            distributed.check_same_config(resolved)  # a node started with another config is refused here
             kill_point("train.started")
             trainer = build_trainer(cfg, resolved)
             main_process = trainer.state.is_main_process
@@ -146,7 +157,7 @@ def _dry_run(cfg: TrainConfig, args: argparse.Namespace) -> int:
     """The layout of ``--world-size`` GPUs, ``--nproc`` a node (default 8), planned here on torch's fake backend."""
     from foundry.config.dry_run import dry_run
 
-    world_size = args.world_size or (args.nproc or 1) * args.nnodes
+    world_size = args.world_size or (args.nproc or 1) * (args.nnodes or 1)
     plan = dry_run(cfg, world_size, args.nproc or 8, args.gpu_memory_gib)
     print(plan.to_json() if args.json else plan.table())
     return 0
@@ -159,14 +170,27 @@ def preempted_line(run_name: str, stop_reason: str, checkpoint: str | None) -> s
     return f"foundry: run '{run_name}' {stop_reason}; checkpoint {checkpoint}; relaunch with autoresume: true"
 
 
-def _launch_ranks(args: argparse.Namespace, cfg: TrainConfig) -> int:
+def _job_nodes(args: argparse.Namespace, run_name: str) -> Nodes:
+    """The job's machines from the launch options, else the variables torchrun, Kubeflow and Slurm set."""
+    from foundry.core.run_name import is_generated_run_name
+    from foundry.distributed.rendezvous import job_nodes
+
+    options = ("nproc", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_timeout_s", "rdzv_id")
+    # A name foundry made up differs per machine, so it cannot name the job at the endpoint.
+    rdzv_id = "foundry" if is_generated_run_name(run_name) else run_name
+    return job_nodes({option: getattr(args, option) for option in options}, rdzv_id)
+
+
+def _launch_ranks(args: argparse.Namespace, cfg: TrainConfig, nodes: Nodes) -> int:
     """``foundry train`` again, as ``--nproc`` ranks under torchrun, all with this run name."""
+    from foundry.config.build import check_config
     from foundry.distributed.launch import check_local_ranks, launch
 
-    check_local_ranks(args.nproc or 1, cfg.device)
+    check_local_ranks(nodes.nproc or 1, cfg.device)  # this machine first: its GPUs or cores
+    check_config(cfg, nodes.world_size)  # a config error said once, before any rank starts
     os.environ["RUN_NAME"] = cfg.run_name  # the ranks' default run name, when the YAML sets none
     command = ["train", args.config, *args.overrides, *(["--debug"] if args.debug else [])]
-    return launch(command, args.nproc or 1, args.nnodes, args.rdzv_endpoint, args.grace_period_s)
+    return launch(command, nodes, args.grace_period_s)
 
 
 def train_epilog() -> str:

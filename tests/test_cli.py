@@ -302,3 +302,9 @@ def test_context_parallelism_of_an_alibi_model_is_refused_at_config_time_suggest
     err = capsys.readouterr().err
     assert "model.attn_config.alibi is set" in err
     assert "{alibi: false, rope: true}" in err and "yamls/quickstart-llama.yaml" in err
+
+
+def test_a_world_size_the_global_batch_does_not_divide_is_refused_before_the_nodes_meet(config_path: Path, capsys):
+    launch = ["--nproc", "1", "--nnodes", "3", "--rdzv-endpoint", "127.0.0.1:29500"]
+    assert cli.main(["train", str(config_path), *launch, "global_train_batch_size=4"]) == 2
+    assert "global_train_batch_size (4) is not divisible by the number of processes (3)" in capsys.readouterr().err

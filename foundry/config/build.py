@@ -107,6 +107,8 @@ def check_settings(cfg: TrainConfig, world_size: int | None = None) -> None:
         optimizer = component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",))
         check_hyperparameters(optimizer.keywords)
     _check_model_and_parallelism(cfg, world_size)
+    if world_size is not None:
+        device_train_batch_size(cfg.global_train_batch_size, world_size)  # each rank loads an equal share
 
 
 def _check_model_and_parallelism(cfg: TrainConfig, world_size: int | None) -> None:

@@ -2,8 +2,8 @@
 
 ``env``: rank, world size and the loop's collectives. ``process_group``: join/leave the job.
 ``placement``: ``parallelize`` applies every parallelism in one place and order; ``mesh`` lays the ranks out;
-``protocol``: what a model declares for them. ``launch``: run N local
-ranks through torchrun (``foundry train --nproc N``).
+``protocol``: what a model declares for them. ``launch``: run N local ranks through torchrun (``foundry train
+--nproc N``); ``rendezvous``: where several machines meet; ``agreement``: every rank trains the same config.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ _EXPORTS = {
     "all_reduce_sums": "foundry.distributed.env",
     "barrier": "foundry.distributed.env",
     "broadcast_object": "foundry.distributed.env",
+    "check_same_config": "foundry.distributed.agreement",
     "default_device": "foundry.distributed.env",
     "destroy_process_group": "foundry.distributed.process_group",
     "explain_lost_ranks": "foundry.distributed.process_group",

@@ -1,5 +1,5 @@
 """What a process of ``foundry train`` knows of its job before torch loads: whether torchrun started it, the
-preemption signals it notes, and where it hands its error to its launcher.
+preemption signals it notes, where it hands its error to its launcher, and that it dies with its launcher.
 
 Signals: ``foundry train`` notes SIGTERM and SIGUSR1 from its start to its exit (``preemption_signals_noted``);
 the Trainer's ``Preemption`` callback (``foundry.checkpoint.preemption``) and the launcher's forwarding
@@ -16,9 +16,11 @@ by plain ``torchrun`` prints its error itself.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,3 +144,21 @@ def rank_errors_message(folder: Path) -> str | None:
 
 def _ranks_text(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, sorted(ranks)))}"
+
+
+def stop_with_launcher() -> None:
+    """Have the kernel SIGKILL this rank when its launcher dies (Linux; a no-op for ranks of plain torchrun).
+
+    A launcher killed on its own (SIGKILL, the OOM killer) would leave its ranks training on with the other
+    machines' and nothing watching them; dying with it, they are a lost node, which the others name and stop for.
+    """
+    launcher = os.getppid()
+    folder = os.environ.get(RANK_ERRORS_VARIABLE)
+    if not sys.platform.startswith("linux") or not folder:
+        return
+    if not Path(folder).name.startswith(rank_errors_folder_prefix(launcher)):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != launcher:  # it died before the kernel was told
+        os.kill(os.getpid(), signal.SIGKILL)

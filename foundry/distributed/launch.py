@@ -1,7 +1,10 @@
 """``foundry train --nproc N``: run N ranks on this machine (joining other machines' ranks) through torchrun.
 
 The command re-runs itself as ``torchrun --nproc-per-node N ... -m foundry.cli train CFG ...``; each
-rank then joins the process group from torchrun's environment. It exits with the ranks' common exit
+rank then joins the process group from torchrun's environment. With ``--nnodes`` the machines first meet at the
+rendezvous endpoint (``foundry.distributed.rendezvous``); a rendezvous that times out, a store that is lost, or
+another node that stops answering while the ranks train (this node's ranks are then stopped) ends in a
+``TrainingError`` that says so, after what the ranks said. It exits with the ranks' common exit
 code (3 when the run handed over, 5 when it was preempted, 2 for a config error), where plain torchrun
 would exit 1.
 
@@ -42,35 +45,33 @@ from foundry.distributed.job import (
     rank_errors_folder_prefix,
     rank_errors_message,
 )
-from foundry.errors import EXIT_PREEMPTED, ConfigError
+from foundry.distributed.rendezvous import Nodes, NodeWatch, rendezvous_arguments, rendezvous_failure
+from foundry.errors import EXIT_PREEMPTED, ConfigError, LostRankError
 
 FORWARDED_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 DEFAULT_GRACE_PERIOD_S = 100.0  # below Slurm's --signal=B:TERM@120, so the launcher's line comes before SIGKILL
 EXIT_INTERRUPTED = 130  # SIGINT (Ctrl-C), as a shell reports it
 
 
-def launch(
-    command: Sequence[str],
-    nproc: int,
-    nnodes: int = 1,
-    rdzv_endpoint: str | None = None,
-    grace_period_s: float = DEFAULT_GRACE_PERIOD_S,
-) -> int:
-    """Run ``python -m foundry.cli *command`` as ``nproc`` local ranks of an ``nnodes``-node job.
+def launch(command: Sequence[str], nodes: Nodes, grace_period_s: float = DEFAULT_GRACE_PERIOD_S) -> int:
+    """Run ``python -m foundry.cli *command`` as ``nodes.nproc`` local ranks of a ``nodes.nnodes``-node job.
 
     Args:
         command: the ``foundry`` arguments each rank runs, e.g. ``["train", "cfg.yaml", "max_duration=10ba"]``.
-        nproc: ranks on this machine (usually its GPU count).
-        nnodes: machines in the job; more than one needs ``rdzv_endpoint``.
-        rdzv_endpoint: ``host:port`` that every machine reaches, where the ranks find each other.
+        nodes: the job's machines (``foundry.distributed.rendezvous.job_nodes``); more than one meet at its endpoint.
         grace_period_s: after a preemption signal, how long the ranks may take to checkpoint and exit
             before they are killed.
 
     Returns:
         0, the exit code every failed rank shared (1 when they differ), ``EXIT_PREEMPTED`` (5) after a
         preemption signal, 130 after SIGINT.
+
+    Raises:
+        TrainingError: the machines did not meet (the rendezvous timed out); LostRankError: they lost their
+            rendezvous store, or another node stopped answering.
     """
-    arguments = torchrun.get_args_parser().parse_args(torchrun_arguments(command, nproc, nnodes, rdzv_endpoint))
+    nproc = nodes.nproc or 1
+    arguments = torchrun.get_args_parser().parse_args(torchrun_arguments(command, nodes))
     failure: list[BaseException] = []
 
     def run_agent() -> None:
@@ -80,19 +81,30 @@ def launch(
             failure.append(error)
 
     agent = threading.Thread(target=run_agent, name="torchrun-agent", daemon=True)
-    with _rank_errors_folder() as errors, _quiet_torchrun(nproc), forwarding_signals(grace_period_s) as forwarded:
+    with (
+        _rank_errors_folder() as errors,
+        _quiet_torchrun(nproc),
+        _environment(nodes.rank_environment()),
+        forwarding_signals(grace_period_s) as forwarded,
+    ):
         started = forwarded.signal is None  # else a preemption signal came before the launch: start no rank
         if started:
             agent.start()
-        while agent.is_alive():
-            agent.join(timeout=0.5)  # wakes up for the signal handlers, which run in this thread
+        with _watching_nodes(nodes) as lost_node:
+            while agent.is_alive():
+                agent.join(timeout=0.5)  # wakes up for the signal handlers, which run in this thread
         rank_errors = rank_errors_message(errors)
     error = failure[0] if failure else None
+    launcher_error = LostRankError(lost_node[0]) if lost_node else None
     if error is not None and not isinstance(error, ChildFailedError):
-        raise error
+        launcher_error = launcher_error or rendezvous_failure(error, nodes) or error
+    if launcher_error is not None:
+        if rank_errors is not None:
+            print(rank_errors, file=sys.stderr)  # what the ranks met first (a lost peer), before the launcher's own
+        raise launcher_error
     if error is None and started:  # every rank finished (a signal that came during the last batch changes nothing)
         return 0
-    exit_code = _exit_code(error, forwarded, nproc * nnodes)
+    exit_code = _exit_code(error, forwarded, nodes.world_size)
     if rank_errors is not None:
         print(rank_errors, file=sys.stderr)  # the last lines: torchrun's, and the ranks' own, came before
     return exit_code
@@ -115,6 +127,30 @@ def _exit_code(error: ChildFailedError | None, forwarded: ForwardedSignal, world
     if killed:
         print(killed_rank_message(killed[0][1], world_size, killed[0][2]), file=sys.stderr)
     return ranks_exit_code(exit_codes)
+
+
+@contextlib.contextmanager
+def _watching_nodes(nodes: Nodes, interval_s: float = 5.0) -> Iterator[list[str]]:
+    """While inside, a thread looks at the other nodes every ``interval_s`` (``NodeWatch``); once one is lost, it
+    kills this node's ranks (waiting in a collective for the lost one's) and the list yields its description."""
+    lost: list[str] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        nodes_watch = NodeWatch(nodes)
+        while not done.wait(interval_s):
+            found = nodes_watch.lost_node()
+            if found is not None:
+                lost.append(found)
+                _signal_ranks(signal.SIGKILL)
+                return
+
+    if nodes.nnodes > 1:
+        threading.Thread(target=watch, name="foundry-node-watch", daemon=True).start()
+    try:
+        yield lost
+    finally:
+        done.set()
 
 
 class ForwardedSignal:
@@ -235,16 +271,26 @@ def _quiet_torchrun(nproc: int) -> Iterator[None]:
 @contextlib.contextmanager
 def _rank_errors_folder() -> Iterator[Path]:
     """A folder the ranks write their errors into (``foundry.distributed.job``), named in their environment."""
-    with tempfile.TemporaryDirectory(prefix=rank_errors_folder_prefix(os.getpid())) as folder:
-        before = os.environ.get(RANK_ERRORS_VARIABLE)
-        os.environ[RANK_ERRORS_VARIABLE] = folder  # torchrun starts the ranks with this process's environment
-        try:
-            yield Path(folder)
-        finally:
-            if before is None:
-                os.environ.pop(RANK_ERRORS_VARIABLE, None)
+    with (
+        tempfile.TemporaryDirectory(prefix=rank_errors_folder_prefix(os.getpid())) as folder,
+        _environment({RANK_ERRORS_VARIABLE: folder}),
+    ):
+        yield Path(folder)
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+    """``variables`` set in this process's environment while inside (torchrun starts the ranks with it)."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
             else:
-                os.environ[RANK_ERRORS_VARIABLE] = before
+                os.environ[name] = value
 
 
 def check_local_ranks(nproc: int, device: str | None) -> None:
@@ -278,21 +324,9 @@ def killed_rank_message(rank: int, world_size: int, signal_name: str) -> str:
     )
 
 
-def torchrun_arguments(command: Sequence[str], nproc: int, nnodes: int, rdzv_endpoint: str | None) -> list[str]:
+def torchrun_arguments(command: Sequence[str], nodes: Nodes) -> list[str]:
     """torchrun's command line for ``launch``."""
-    if nproc < 1 or nnodes < 1:
-        raise ConfigError(f"--nproc ({nproc}) and --nnodes ({nnodes}) must be at least 1.")
-    arguments = [f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
-    if rdzv_endpoint:
-        # One endpoint serves one job, so a fixed id is enough (and needs no agreement between machines).
-        arguments += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", "--rdzv-id=foundry"]
-    elif nnodes > 1:
-        raise ConfigError(
-            f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, an address every machine of the job reaches "
-            "(e.g. the first node's hostname and a free port, like 29500)."
-        )
-    else:
-        arguments.append("--standalone")  # one machine: torchrun picks a free local port
+    arguments = [f"--nproc-per-node={nodes.nproc or 1}", f"--nnodes={nodes.nnodes}", *rendezvous_arguments(nodes)]
     return [*arguments, "-m", "foundry.cli", *command]
 
 

@@ -4,6 +4,11 @@ torchrun (and ``foundry train --nproc N``, which runs torchrun) sets ``RANK``, `
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; ``init_process_group`` reads them. A process
 started without them gets a group of one on an in-memory store, so FSDP2 (whose DeviceMesh needs a
 process group) also runs on a single device.
+
+A job's start can hang at two stages after the rendezvous: the process group's start (gloo connects every pair of
+ranks) and its first collective (NCCL connects there). Each gets the start timeout (the launcher's
+``--rdzv-timeout-s``, at most ``dist_timeout``) and a ``TrainingError`` that names the stage and who did not come;
+``dist_timeout`` applies from then on.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,10 +26,12 @@ import torch.distributed as dist
 
 from foundry.distributed.env import all_gather_object, default_device, get_rank, get_world_size, is_distributed
 from foundry.distributed.job import launched_by_torchrun
-from foundry.errors import ConfigError, LostRankError
+from foundry.distributed.rendezvous import DEFAULT_RDZV_TIMEOUT_S, NODE_RANK_VARIABLE, START_TIMEOUT_VARIABLE
+from foundry.errors import ConfigError, LostRankError, TrainingError
 
-# (host, pid) of every rank of the job, in rank order: how a survivor tells which peer died.
-_rank_processes: list[tuple[str, int]] = []
+# (host, pid, node rank) of every rank of the job, in rank order: how a survivor tells which peer died. The node
+# rank is the launcher's --node-rank where it was given, else torchrun's number for the machine.
+_rank_processes: list[tuple[str, int, int]] = []
 # What gloo and NCCL say when the other end of a connection is gone.
 _PEER_GONE = (
     "Connection reset by peer",
@@ -50,8 +58,15 @@ def init_process_group(timeout_s: float = 600.0) -> None:
         backend = "cpu:gloo,cuda:nccl"  # gloo serves collectives on CPU tensors (e.g. CPU offload)
     timeout = datetime.timedelta(seconds=timeout_s)
     if launched_by_torchrun():
-        dist.init_process_group(backend, timeout=timeout)
-        _rank_processes[:] = all_gather_object((socket.gethostname(), os.getpid()))
+        start_timeout_s = min(timeout_s, float(os.environ.get(START_TIMEOUT_VARIABLE, DEFAULT_RDZV_TIMEOUT_S)))
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=start_timeout_s))
+        except Exception as error:
+            raise _start_error(error, start_timeout_s) from error
+        meet_every_rank(start_timeout_s)
+        node = int(os.environ.get(NODE_RANK_VARIABLE) or os.environ.get("GROUP_RANK", 0))  # else torchrun's number
+        _rank_processes[:] = all_gather_object((socket.gethostname(), os.getpid(), node))
+        _set_timeout(timeout)
         return
     if get_world_size() > 1:
         raise ConfigError(
@@ -60,6 +75,48 @@ def init_process_group(timeout_s: float = 600.0) -> None:
             "train cfg.yaml`."
         )
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def _start_error(error: Exception, timeout_s: float) -> TrainingError:
+    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    said = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    return TrainingError(
+        f"process-group start: rank {get_rank()} of {get_world_size()} could not connect to every other rank through "
+        f"the store at {where} within {timeout_s:g} s: a rank did not start, or the machines cannot open connections "
+        f"to each other (firewall, network interface). (torch said: {said[:300]})"
+    )
+
+
+def meet_every_rank(timeout_s: float) -> None:
+    """The job's first collective, given ``timeout_s``: a TrainingError that names the ranks that did not come,
+    where otherwise the first step of training would wait ``dist_timeout``."""
+    if get_world_size() == 1:
+        return
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        dist.monitored_barrier(timeout=timeout, wait_all_ranks=True)  # on the group's gloo (CPU) backend
+    except ValueError:  # a group without a CPU backend (torch 2.11 with cuda:nccl): a barrier, without names
+        dist.barrier()
+    except RuntimeError as error:
+        missing = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", str(error))
+        who = f"rank(s) {missing.group(1).strip()}" if missing else "rank 0, which checks the others,"
+        raise TrainingError(
+            f"first collective: {who} of {get_world_size()} did not arrive within {timeout_s:g} s (the start timeout, "
+            "--rdzv-timeout-s): their processes hang or stopped before it. Their own output says why; relaunch every "
+            "node once they are fixed."
+        ) from error
+
+
+def _set_timeout(timeout: datetime.timedelta) -> None:
+    """``timeout`` for the collectives from here on (``dist.set_timeout`` since torch 2.12, before it private)."""
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
+    set_timeout(timeout)
+
+
+def rank_nodes() -> list[int]:
+    """The node of each rank (its launcher's --node-rank, else torchrun's number), in rank order; empty before the
+    group started."""
+    return [node for _, _, node in _rank_processes]
 
 
 def new_gloo_group() -> dist.ProcessGroup:
@@ -104,12 +161,18 @@ def lost_rank_error(exc: BaseException) -> LostRankError | None:
     if first_line is None:
         return None
     me, host = get_rank(), socket.gethostname()
-    dead = [rank for rank, (where, pid) in enumerate(_rank_processes) if where == host and not _alive(pid)]
-    elsewhere = sorted({where for where, _ in _rank_processes if where != host})
+    dead = [rank for rank, (where, pid, _) in enumerate(_rank_processes) if where == host and not _alive(pid)]
+    elsewhere: dict[tuple[int, str], list[int]] = {}
+    for rank, (where, _, node) in enumerate(_rank_processes):
+        if where != host:
+            elsewhere.setdefault((node, where), []).append(rank)
     if dead:
-        who = f"rank {', '.join(map(str, dead))} (on this machine) died"
+        nodes = sorted({_rank_processes[rank][2] for rank in dead})
+        who = f"{_ranks_text(dead)} (node {', '.join(map(str, nodes))}, on this machine) died"
     elif elsewhere:
-        who = f"a rank on another machine ({', '.join(elsewhere)}) stopped answering"
+        machines = "; ".join(f"node {n} on {name}: {_ranks_text(ranks)}" for (n, name), ranks in elsewhere.items())
+        who = f"the ranks of {'another machine' if len(elsewhere) == 1 else 'one of the other machines'} stopped "
+        who += f"answering ({machines})"
     else:
         who = "another rank stopped answering"
     return LostRankError(
@@ -117,6 +180,15 @@ def lost_rank_error(exc: BaseException) -> LostRankError | None:
         "or its machine failed), and the run cannot go on without it. Relaunch the same command: with autoresume: true "
         f"it continues from the last checkpoint in save_folder. (The collective said: {first_line.strip()[:200]})"
     )
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 0, 1``, ``ranks 8-15`` (a run of consecutive ranks)."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return f"ranks {', '.join(map(str, ranks))}"
 
 
 def _alive(pid: int) -> bool:

@@ -20,7 +20,8 @@ from foundry.checkpoint import kill_points, latest_checkpoint
 from foundry.cli import main
 from foundry.data import convert_to_mds
 from foundry.distributed.launch import ForwardedSignal, preempted_exit_code, ranks_exit_code, torchrun_arguments
-from foundry.errors import EXIT_PREEMPTED, ConfigError
+from foundry.distributed.rendezvous import Nodes
+from foundry.errors import EXIT_PREEMPTED
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = [
@@ -45,7 +46,7 @@ HAND_OVER = ["callbacks={hand_over: {interval: 2ba}}", "fsdp_config={sharding_st
 
 
 def test_single_node_launch_is_standalone_torchrun_of_the_cli():
-    arguments = torchrun_arguments(["train", "cfg.yaml", "a=1"], nproc=4, nnodes=1, rdzv_endpoint=None)
+    arguments = torchrun_arguments(["train", "cfg.yaml", "a=1"], Nodes(nproc=4))
     assert arguments == [
         "--nproc-per-node=4",
         "--nnodes=1",
@@ -56,11 +57,6 @@ def test_single_node_launch_is_standalone_torchrun_of_the_cli():
         "cfg.yaml",
         "a=1",
     ]
-
-
-def test_several_nodes_need_a_rendezvous_endpoint():
-    with pytest.raises(ConfigError, match="rdzv-endpoint"):
-        torchrun_arguments(["train", "cfg.yaml"], nproc=8, nnodes=2, rdzv_endpoint=None)
 
 
 def test_exit_code_is_the_one_the_failed_ranks_share():

@@ -13,6 +13,7 @@ from helpers import RendezvousStore, repo_pythonpath
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from foundry.distributed import launch as launch_module
+from foundry.distributed.rendezvous import Nodes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,7 +56,8 @@ def test_the_surviving_rank_names_the_dead_one_and_how_to_resume():
     outputs = [rank.communicate(timeout=120) for rank in ranks]
     survivor_out, survivor_err = outputs[0]
     assert ranks[1].returncode == -9
-    assert "Rank 0 of 2 lost contact with the other ranks: rank 1 (on this machine) died" in survivor_out, survivor_err
+    lost = "Rank 0 of 2 lost contact with the other ranks: rank 1 (node 0, on this machine) died"
+    assert lost in survivor_out, survivor_err
     assert "Relaunch the same command: with autoresume: true" in survivor_out
     assert "Connection" in survivor_out  # the collective's own words, for the curious
 
@@ -68,7 +70,7 @@ def test_the_launcher_names_the_rank_a_signal_killed(monkeypatch, capsys):
         raise ChildFailedError("foundry.cli", {0: stopped, 1: killed})
 
     monkeypatch.setattr("torch.distributed.run.run", run)
-    assert launch_module.launch(["train", "cfg.yaml"], nproc=2) == 1
+    assert launch_module.launch(["train", "cfg.yaml"], Nodes(nproc=2)) == 1
     message = capsys.readouterr().err
     assert "rank 1 of 2 was killed (SIGKILL) and torchrun stopped the others" in message
     assert "Relaunch the same command" in message
