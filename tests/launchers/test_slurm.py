@@ -117,14 +117,15 @@ def test_every_node_joins_one_rendezvous_with_its_own_node_rank(slurm: dict[str,
     assert requeued(slurm) == []
 
 
-def test_a_preempted_run_is_requeued(slurm: dict[str, str]) -> None:
-    job = start_job(slurm, exit_code="5")
-    assert job.wait(timeout=SCRIPT_TIMEOUT_S) == 5
+@pytest.mark.parametrize("exit_code", [5, 3])
+def test_a_preempted_or_handed_over_run_is_requeued(slurm: dict[str, str], exit_code: int) -> None:
+    job = start_job(slurm, exit_code=str(exit_code))
+    assert job.wait(timeout=SCRIPT_TIMEOUT_S) == exit_code
     assert requeued(slurm) == [JOB_ID]
 
 
-@pytest.mark.parametrize("exit_code", [1, 2, 3])
-def test_a_failed_or_handed_over_run_is_not_requeued(slurm: dict[str, str], exit_code: int) -> None:
+@pytest.mark.parametrize("exit_code", [1, 2])
+def test_a_failed_run_is_not_requeued(slurm: dict[str, str], exit_code: int) -> None:
     job = start_job(slurm, exit_code=str(exit_code))
     assert job.wait(timeout=SCRIPT_TIMEOUT_S) == exit_code
     assert requeued(slurm) == []
