@@ -70,7 +70,7 @@ def slurm(tmp_path: Path) -> dict[str, str]:
     stubs = tmp_path / "bin"
     stubs.mkdir()
     for name, source in {"srun": STUB_SRUN, "scontrol": STUB_SCONTROL, "foundry": STUB_FOUNDRY}.items():
-        (stubs / name).write_text(f"#!{sys.executable}\n{source}")
+        (stubs / name).write_text(f"#!{sys.executable} -IS\n{source}")  # the standard library is all they need
         (stubs / name).chmod(0o755)
     (tmp_path / "records").mkdir()
     return {
@@ -80,14 +80,14 @@ def slurm(tmp_path: Path) -> dict[str, str]:
         "SLURM_JOB_NAME": "foundry",
         "SLURM_JOB_NODELIST": ",".join(NODES),
         "SLURM_NNODES": str(len(NODES)),
-        "SLURM_NODEID": "0",
+        "SLURM_NODEID": "0",  # the batch shell runs on the first node; each srun task gets its own
         "SLURM_GPUS_ON_NODE": "8",
     }
 
 
 def start_job(env: dict[str, str], exit_code: str) -> subprocess.Popen:
     command = ["bash", str(SBATCH), "yamls/pretrain/mpt-7b.yaml", "max_duration=10ba"]
-    return subprocess.Popen(command, env={**env, "STUB_EXIT_CODE": exit_code}, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(command, env={**env, "STUB_EXIT_CODE": exit_code}, stdout=subprocess.DEVNULL)
 
 
 def node_records(env: dict[str, str]) -> list[dict]:
