@@ -19,6 +19,7 @@ from launchers.train_command import parse_train_command
 SBATCH = Path(__file__).resolve().parents[2] / "launchers" / "slurm" / "foundry.sbatch"
 NODES = ["gpu-a", "gpu-b", "gpu-c"]
 JOB_ID = "4242"
+OVERRIDES = ["max_duration=10ba", "optimizer.betas=[0.9, 0.95]"]  # one with a space, which must stay one word
 SCRIPT_TIMEOUT_S = 30
 
 STUB_SRUN = """
@@ -86,7 +87,7 @@ def slurm(tmp_path: Path) -> dict[str, str]:
 
 
 def start_job(env: dict[str, str], exit_code: str) -> subprocess.Popen:
-    command = ["bash", str(SBATCH), "yamls/pretrain/mpt-7b.yaml", "max_duration=10ba"]
+    command = ["bash", str(SBATCH), "yamls/pretrain/mpt-7b.yaml", *OVERRIDES]
     return subprocess.Popen(command, env={**env, "STUB_EXIT_CODE": exit_code}, stdout=subprocess.DEVNULL)
 
 
@@ -111,7 +112,7 @@ def test_every_node_joins_one_rendezvous_with_its_own_node_rank(slurm: dict[str,
         assert command.rdzv_endpoint == f"{NODES[0]}:29500"  # the first node, as `scontrol show hostnames` lists it
         assert command.rdzv_id == JOB_ID
         assert command.config == "yamls/pretrain/mpt-7b.yaml"
-        assert command.overrides == ["max_duration=10ba", "autoresume=true"]
+        assert command.overrides == [*OVERRIDES, "autoresume=true"]
     # a requeued job keeps its id, so its run name and save_folder stay the same
     assert {record["run_name"] for record in records} == {f"foundry-{JOB_ID}"}
     assert requeued(slurm) == []
