@@ -113,14 +113,15 @@ def test_two_launchers_of_one_rank_train_as_one_launcher_of_two_bit_for_bit(tmp_
     assert sorted(losses(tmp_path / "one")) == [1, 2, 3, 4]
 
 
-@pytest.mark.slow  # six launchers start; four ranks share 2 cores (about 45 s)
-def test_two_launchers_of_two_ranks_train_as_four_launchers_of_one_bit_for_bit(tmp_path, data):
-    for code, output in finish(start_nodes(2, [overrides(tmp_path / "two", data)] * 2)):
-        assert code == 0, output[-3000:]
-    for code, output in finish(start_nodes(1, [overrides(tmp_path / "four", data)] * 4)):
-        assert code == 0, output[-3000:]
+@pytest.mark.slow  # eight launchers start; four ranks share 2 cores (about 70 s)
+def test_two_launchers_of_two_ranks_train_as_four_launchers_of_one_and_hybrid_shard_as_full_shard(tmp_path, data):
+    hybrid = "fsdp_config={sharding_strategy: HYBRID_SHARD}"  # shard within each launcher's 2 ranks, replicate across
+    for name, nproc, nodes, more in (("two", 2, 2, ()), ("four", 1, 4, ()), ("hybrid", 2, 2, (hybrid,))):
+        for code, output in finish(start_nodes(nproc, [overrides(tmp_path / name, data, *more)] * nodes)):
+            assert code == 0, output[-3000:]
     assert losses(tmp_path / "two") == losses(tmp_path / "four")
     assert sorted(losses(tmp_path / "two")) == [1, 2, 3, 4]
+    assert losses(tmp_path / "hybrid") == pytest.approx(losses(tmp_path / "two"), abs=1e-6, rel=0)
 
 
 @pytest.mark.slow  # two launchers train until a checkpoint, then one relaunch (about 30 s on 2 cores)
