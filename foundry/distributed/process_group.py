@@ -18,6 +18,7 @@ import datetime
 import os
 import re
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -161,7 +162,7 @@ def lost_rank_error(exc: BaseException) -> LostRankError | None:
     if first_line is None:
         return None
     me, host = get_rank(), socket.gethostname()
-    dead = [rank for rank, (where, pid, _) in enumerate(_rank_processes) if where == host and not _alive(pid)]
+    dead = _dead_ranks_here(host)
     elsewhere: dict[tuple[int, str], list[int]] = {}
     for rank, (where, _, node) in enumerate(_rank_processes):
         if where != host:
@@ -180,6 +181,17 @@ def lost_rank_error(exc: BaseException) -> LostRankError | None:
         "or its machine failed), and the run cannot go on without it. Relaunch the same command: with autoresume: true "
         f"it continues from the last checkpoint in save_folder. (The collective said: {first_line.strip()[:200]})"
     )
+
+
+def _dead_ranks_here(host: str, wait_s: float = 2.0) -> list[int]:
+    """The ranks on this machine whose process is gone. A killed process closes its sockets while it exits, so
+    its peer can hear of it a moment before it is dead: an empty answer is asked again for up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [rank for rank, (where, pid, _) in enumerate(_rank_processes) if where == host and not _alive(pid)]
+        if dead or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.05)
 
 
 def _ranks_text(ranks: list[int]) -> str:
