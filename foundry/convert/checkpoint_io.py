@@ -14,6 +14,7 @@ from torch import nn
 from foundry.checkpoint import load_checkpoint, resolve_checkpoint_path, save_checkpoint
 from foundry.checkpoint.hooks import checkpoint_hooks
 from foundry.checkpoint.meta import model_section, read_meta, tokenizer_section
+from foundry.convert.streaming import layers_of_folder
 from foundry.core.paths import is_object_store_url
 from foundry.core.state import State
 from foundry.core.time import Time
@@ -123,20 +124,8 @@ def save_weights_checkpoint(model: nn.Module, save_folder: Path, config: dict[st
 
 
 def read_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face folder's safetensors files (sharded or not), else of its
-    pytorch_model*.bin files (read with ``weights_only``: tensors, never code)."""
-    from safetensors.torch import load_file
-
-    files = sorted(folder.glob("*.safetensors"))
-    if files:
-        return {name: tensor for path in files for name, tensor in load_file(path).items()}
-    files = sorted(folder.glob("pytorch_model*.bin"))
-    if not files:
-        raise CheckpointError(
-            f"{folder} has a config.json but no weights (*.safetensors or pytorch_model*.bin); copy the whole "
-            "folder that was exported."
-        )
-    return {name: tensor for path in files for name, tensor in torch.load(path, weights_only=True).items()}
+    """Every tensor of a Hugging Face folder's weight files at once (``layers_of_folder`` reads them in turn)."""
+    return {name: tensor for layer in layers_of_folder(folder) for name, tensor in layer.items()}
 
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> Path:

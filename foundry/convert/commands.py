@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import pickle
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from foundry.checkpoint import latest_checkpoint
 from foundry.convert import adapter_for_hf, choose_export, foundry_mpt
@@ -21,15 +22,15 @@ from foundry.convert.checkpoint_io import (
     load_checkpoint_model,
     meta_model,
     nothing_at,
-    read_folder_weights,
     resolve_checkpoint,
     save_weights_checkpoint,
     write_atomically,
 )
-from foundry.convert.hf_export import assign_exported, export_hf_model, exported_section, save_hf_folder
+from foundry.convert.hf_export import export_hf_model, exported_section, fit_state, save_hf_folder
 from foundry.convert.llmfoundry_mpt import is_llm_foundry_mpt_export, load_export_tokenizer, load_llm_foundry_export
+from foundry.convert.streaming import layers_of_folder, stream_into
 from foundry.data import load_tokenizer
-from foundry.errors import CheckpointError, ConfigError
+from foundry.errors import ConfigError
 
 HF_CAUSAL_LM = "hf_causal_lm"  # already a transformers model: exported as it is
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -148,8 +149,7 @@ def from_hf_model(hf_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
         return load_llm_foundry_export(hf_dir)
     if foundry_mpt.is_foundry_export(raw_config):  # foundry's own code: read, never run
         section = foundry_mpt.from_hf_config(raw_config)
-        state = {name: tensor.float() for name, tensor in read_folder_weights(hf_dir).items()}
-        return _imported_model(raw_config, foundry_mpt, section, state, hf_dir)
+        return _imported_model(raw_config, foundry_mpt, section, lambda layer: layer, hf_dir)
     if raw_config.get("auto_map"):
         raise ConfigError(
             f"{hf_dir / 'config.json'} names its own modeling code (auto_map: {raw_config['auto_map']}), which "
@@ -171,18 +171,8 @@ def from_hf_model(hf_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
         ) from None
     adapter = adapter_for_hf(hf_config.model_type)
     section = adapter.from_hf_config(hf_config)
-    try:  # transformers unpickles a .bin with torch.load(weights_only=True): tensors, never code
-        hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, trust_remote_code=False)
-    except (pickle.UnpicklingError, RuntimeError, ValueError, OSError, EOFError) as error:
-        files = ", ".join(sorted(path.name for path in hf_dir.iterdir() if path.suffix in (".bin", ".safetensors")))
-        reason = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
-        raise CheckpointError(
-            f"Cannot read the weights in {hf_dir} ({files or 'no weight files'}): {type(error).__name__}: {reason}. "
-            "The file is damaged, incomplete, or holds objects other than tensors (a pickle that would run code, "
-            "which foundry refuses). Download the model again, preferably its .safetensors files."
-        ) from None
-    state = adapter.from_hf_state_dict(hf_model.state_dict(), hf_config)
-    return _imported_model(raw_config, adapter, section, state, hf_dir)
+    convert = functools.partial(adapter.from_hf_state_dict, hf_config=hf_config)
+    return _imported_model(raw_config, adapter, section, convert, hf_dir)
 
 
 def _not_a_hf_directory(hf_dir: Path) -> str:
@@ -208,14 +198,22 @@ def _not_a_hf_directory(hf_dir: Path) -> str:
 
 
 def _imported_model(
-    raw_config: dict[str, Any], adapter: Any, section: dict[str, Any], state: dict[str, torch.Tensor], hf_dir: Path
+    raw_config: dict[str, Any],
+    adapter: Any,
+    section: dict[str, Any],
+    convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    hf_dir: Path,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """The model foundry exported to ``hf_dir`` when config.json records it (the same family and keys), else
-    the one ``section`` describes."""
+    the one ``section`` describes, filled a layer at a time (``foundry.convert.streaming``): host memory holds the
+    model and one layer of the checkpoint, never a second copy of it."""
     recorded = exported_section(raw_config, adapter, section)
-    if recorded is not None:
-        return assign_exported(recorded, state, f"{hf_dir} to {recorded['name']}"), recorded
-    return assign_weights(meta_model(section), state, f"{hf_dir} to {section['name']}"), section
+    model = meta_model(recorded or section)
+    if recorded is not None:  # its own zero biases the recorded model lacks are left out
+        convert = (lambda adapted: lambda layer: fit_state(adapted(layer), model))(convert)
+    source = f"{hf_dir} to {(recorded or section)['name']}"
+    stream_into(model, layers_of_folder(hf_dir), convert, source)
+    return assign_weights(model, {}, source), recorded or section
 
 
 def _hf_tokenizer(hf_dir: Path) -> Any:

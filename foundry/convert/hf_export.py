@@ -123,8 +123,3 @@ def fit_state(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, tor
             "weights were changed after export. Remove 'foundry_model' from config.json to import it as it is."
         )
     return {name: tensor for name, tensor in state.items() if name in names}
-
-
-def assign_exported(section: dict[str, Any], state: dict[str, torch.Tensor], source: str) -> nn.Module:
-    model = meta_model(section)
-    return assign_weights(model, fit_state(state, model), source)

@@ -1,0 +1,118 @@
+"""A Hugging Face folder's safetensors weights read one file at a time, handed on one layer at a time.
+
+A 335 GB checkpoint does not fit beside its model in a 192 GB host (llm-foundry #463), so nothing here holds
+more than one file's mapping plus the layer being converted: ``layers_of_folder`` yields each layer's tensors
+(``model.layers.7.*``) as soon as its last one is read, and each tensor outside the layers (embeddings, final
+norm, output head) on its own. A layer is the unit an adapter converts: Llama's fused ``Wqkv`` needs q, k and
+v together, an MoE layer all its experts. ``stream_into`` puts each converted layer into a meta-device model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import re
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from foundry.errors import CheckpointError, ConfigError
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")  # the first index in a name is its layer: model.layers.3.mlp.experts.7.w1
+
+
+def layers_of_folder(folder: Path) -> Iterator[dict[str, torch.Tensor]]:
+    """Every tensor of ``folder``'s ``*.safetensors`` files (else its ``pytorch_model*.bin`` files, read with
+    ``weights_only``: tensors, never code), grouped by layer, reading one file at a time."""
+    files = weight_files(folder)
+    left_in_layer: Counter[str] = Counter()
+    for path in files:  # headers only: how many tensors each layer has, wherever they sit
+        with _open_weights(path) as tensors:
+            names = tensors.keys()  # safetensors' reader is no mapping: it has keys() but no __iter__
+            left_in_layer.update(layer for name in names if (layer := _layer_of(name)) is not None)
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for path in files:
+        with _open_weights(path) as tensors:  # the file's mapping is released when it closes
+            names = tensors.keys()
+            for name in names:
+                layer = _layer_of(name)
+                if layer is None:
+                    yield {name: tensors.get_tensor(name)}
+                    continue
+                pending.setdefault(layer, {})[name] = tensors.get_tensor(name)
+                left_in_layer[layer] -= 1
+                if not left_in_layer[layer]:
+                    yield pending.pop(layer)
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """``folder``'s safetensors files, else its PyTorch ones; a ``CheckpointError`` when it has neither."""
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+    if not files:
+        raise CheckpointError(
+            f"{folder} has a config.json but no weights (*.safetensors or pytorch_model*.bin); copy the whole "
+            "folder that was exported."
+        )
+    return files
+
+
+@contextlib.contextmanager
+def _open_weights(path: Path) -> Iterator[Any]:
+    """A reader of one weights file (``keys()``, ``get_tensor(name)``) that maps it rather than reading it whole."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        if path.suffix == ".safetensors":
+            with safe_open(path, framework="pt") as reader:
+                yield reader
+        else:  # transformers' older format: a pickle of tensors, unpickled with weights_only
+            yield _TensorDict(torch.load(path, weights_only=True, mmap=True, map_location="cpu"))
+    except (SafetensorError, pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError) as error:
+        reason = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        raise CheckpointError(
+            f"Cannot read the weights in {path}: {type(error).__name__}: {reason}. The file is damaged, incomplete, "
+            "or holds objects other than tensors (a pickle that would run code, which foundry refuses). Download "
+            "the model again, preferably its .safetensors files."
+        ) from None
+
+
+class _TensorDict(dict):
+    """A ``.bin`` file's tensors behind safetensors' reader interface."""
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self[name]
+
+
+def _layer_of(name: str) -> str | None:
+    match = _LAYER_INDEX.search(name)
+    return match.group(1) if match else None
+
+
+def stream_into(
+    model: nn.Module,
+    layers: Iterator[dict[str, torch.Tensor]],
+    convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    source: str,
+) -> nn.Module:
+    """Put each of ``layers``, renamed by ``convert``, into meta-device ``model`` as fp32 (no further copy).
+
+    Host memory holds the model being filled plus one layer; a name the model lacks is an adapter's bug.
+    """
+    unused: list[str] = []
+    for layer in layers:
+        state = {name: _fp32(tensor) for name, tensor in convert(layer).items()}
+        unused += model.load_state_dict(state, strict=False, assign=True).unexpected_keys
+    if unused:
+        raise ConfigError(
+            f"Converting {source} produced weights the model does not have {unused[:5]}; this is a bug in its "
+            "foundry/convert adapter."
+        )
+    return model
+
+
+def _fp32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.is_floating_point() else tensor
