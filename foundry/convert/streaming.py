@@ -10,6 +10,7 @@ v together, an MoE layer all its experts. ``stream_into`` puts each converted la
 from __future__ import annotations
 
 import contextlib
+import json
 import pickle
 import re
 from collections import Counter
@@ -50,14 +51,35 @@ def layers_of_folder(folder: Path) -> Iterator[dict[str, torch.Tensor]]:
 
 
 def weight_files(folder: Path) -> list[Path]:
-    """``folder``'s safetensors files, else its PyTorch ones; a ``CheckpointError`` when it has neither."""
-    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
-    if not files:
+    """``folder``'s safetensors files, else its PyTorch ones; a ``CheckpointError`` when it has neither.
+
+    Where an index names the files (``model.safetensors.index.json``), only those: another save into the same
+    folder may have left files of an older layout beside them.
+    """
+    for index_name, pattern in (
+        ("model.safetensors.index.json", "*.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model*.bin"),
+    ):
+        index = folder / index_name
+        if index.is_file():
+            return [folder / name for name in sorted(set(_weight_map(index).values()))]
+        files = sorted(folder.glob(pattern))
+        if files:
+            return files
+    raise CheckpointError(
+        f"{folder} has a config.json but no weights (*.safetensors or pytorch_model*.bin); copy the whole "
+        "folder that was exported."
+    )
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        return dict(json.loads(index.read_text())["weight_map"])
+    except (ValueError, KeyError, TypeError) as error:
         raise CheckpointError(
-            f"{folder} has a config.json but no weights (*.safetensors or pytorch_model*.bin); copy the whole "
-            "folder that was exported."
-        )
-    return files
+            f"{index} is not a weights index (JSON with a 'weight_map' of tensor name -> file): {error!r}. Download "
+            "the model again, or remove the index if the folder holds a single weights file."
+        ) from None
 
 
 @contextlib.contextmanager

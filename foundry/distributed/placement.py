@@ -16,10 +16,14 @@ With several ranks, in this order:
    already compiled (``compile_config``, at ``Event.INIT``) keep their compiled forward inside the wrapper;
 5. ``fully_shard`` on each block, then on the root (embeddings, final norm, output head), over the
    mesh's ``dp_shard_cp`` axis (with ``dp_replicate`` outside it for HYBRID_SHARD and NO_SHARD);
-6. weights: when some rank built the model on the meta device (or ``sync_module_states`` is set),
-   rank 0 materialises and initialises the full model in host memory, and its weights reach the
-   other ranks one parameter at a time, each rank keeping its shard; device memory never holds more
-   than a shard plus one parameter. Otherwise every rank already holds the same seeded weights.
+6. weights: when every rank built the model on the meta device and the model initialises a module at a
+   time (``ModuleByModuleInit``: MPT and Llama without LoRA or expert parallelism), each rank allocates its
+   shards, rank 0 initialises one module's parameters at a time in host memory with the run's seed, and each
+   rank keeps its slice of them: no host ever holds more than its shards plus one module. Otherwise, when some
+   rank built it on the meta device (or ``sync_module_states`` is set), rank 0 materialises and initialises
+   the full model in host memory, and its weights reach the other ranks one parameter at a time, each rank
+   keeping its shard. Device memory never holds more than a shard plus one parameter. Without the meta device
+   every rank already holds the same seeded weights.
 
 What each step acts on comes from the model (``foundry.distributed.protocol``); docs/DISTRIBUTED.md tabulates
 how each ``fsdp_config`` key maps to FSDP2.
@@ -30,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -38,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from foundry.core.parallel_dims import ParallelDims
 from foundry.core.precision import cast_embeddings_to_autocast_dtype, compute_dtype
@@ -49,11 +54,12 @@ from foundry.distributed.expert_parallel import shard_experts
 from foundry.distributed.fsdp import STRATEGIES, GradientAccumulation, mixed_precision_policy
 from foundry.distributed.mesh import JobMesh, build_mesh, parallel_dims
 from foundry.distributed.process_group import init_process_group
-from foundry.distributed.protocol import blocks_of
+from foundry.distributed.protocol import blocks_of, module_initialiser_of
 from foundry.errors import ConfigError
 from foundry.schema import parse_dataclass
 
 log = logging.getLogger(__name__)
+ModuleInit = Callable[[nn.Module], None]  # what a model's init_weights() does to each module (ModuleByModuleInit)
 
 
 @dataclasses.dataclass
@@ -119,7 +125,7 @@ def parallelize(
     mesh = build_mesh(dims, "cpu" if dry_run else device.type)
     cp_attention = parallelism.context_parallel_attention
     batches = apply_context_parallel(model, mesh["cp"], cp_attention) if dims.cp > 1 else WholeSequences()
-    rank0_weights = None if dry_run else _rank0_weights(model, config.sync_module_states, device)
+    weights = None if dry_run else _shared_weights(model, config.sync_module_states, device, dims.ep == 1)
     expert_params = shard_experts(model, mesh.ep)  # FSDP leaves them be
     blocks = _wrap_blocks(model, config, device)
     offload = config.cpu_offload and device.type == "cuda"
@@ -139,7 +145,7 @@ def parallelize(
     if config.forward_prefetch:
         for block, next_block in itertools.pairwise(blocks):
             block.set_modules_to_forward_prefetch([next_block])
-    _materialise(model, torch.device("cpu") if offload else device, device, rank0_weights)
+    _materialise(model, torch.device("cpu") if offload else device, device, weights)
     if config.verbose and get_rank() == 0:
         log.info("FSDP2 (%s) on mesh %s: %d blocks, then the root.", config.sharding_strategy, mesh, len(blocks))
     return Placement(GradientAccumulation(model, blocks, config, device), batches, mesh)  # type: ignore[arg-type]
@@ -174,17 +180,24 @@ def _place_unsharded(model: nn.Module, config: FSDPConfig, device: torch.device,
         cast_embeddings_to_autocast_dtype(model)
 
 
-def _rank0_weights(model: nn.Module, sync_module_states: bool, device: torch.device) -> Mapping[str, Any] | None:
-    """Rank 0's full weights (an empty dict elsewhere) when other ranks must receive them, else None.
+def _shared_weights(
+    model: nn.Module, sync_module_states: bool, device: torch.device, may_init_by_module: bool
+) -> Mapping[str, Any] | ModuleInit | None:
+    """Where the sharded weights come from when other ranks must receive them, else None.
 
     They must when any rank built the model on the meta device (``init_device: meta`` or ``mixed``)
-    or ``sync_module_states`` asks. Rank 0 then initialises on the CPU with the run's seed, so the
-    sharded model starts from exactly the weights an unsharded ``init_device: cpu`` run gets.
+    or ``sync_module_states`` asks. When every rank did and the model initialises a module at a time, that
+    (every rank: ``_init_by_module`` runs after sharding). Otherwise rank 0's full weights (an empty dict
+    elsewhere): rank 0 initialises on the CPU with the run's seed, so the sharded model starts from exactly
+    the weights an unsharded ``init_device: cpu`` run gets.
     """
     on_meta = any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()])
-    ranks_on_meta = all_reduce_sum(torch.tensor(float(on_meta), device=device))
-    if not (ranks_on_meta.item() or sync_module_states):
+    ranks_on_meta = int(all_reduce_sum(torch.tensor(float(on_meta), device=device)).item())
+    if not (ranks_on_meta or sync_module_states):
         return None
+    init_module = module_initialiser_of(model)
+    if ranks_on_meta == get_world_size() and may_init_by_module and init_module is not None:
+        return init_module
     if get_rank() != 0:
         return {}
     if on_meta:
@@ -209,21 +222,60 @@ def init_on_cpu(model: nn.Module) -> None:
 
 
 def _materialise(
-    model: nn.Module, param_device: torch.device, buffer_device: torch.device, rank0_weights: Mapping[str, Any] | None
+    model: nn.Module,
+    param_device: torch.device,
+    buffer_device: torch.device,
+    weights: Mapping[str, Any] | ModuleInit | None,
 ) -> None:
-    """Allocate meta shards (and buffers) and fill them from rank 0's weights, if any."""
+    """Allocate meta shards (and buffers) and fill them from ``weights`` (``_shared_weights``), if any."""
     if any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()]):
         model.to_empty(device=param_device)
         if buffer_device != param_device:  # with cpu_offload the shards live on the CPU, buffers on the device
             for module in model.modules():
                 for name, buffer in module._buffers.items():
                     module._buffers[name] = None if buffer is None else buffer.to(buffer_device)
-    if rank0_weights is None:
+    if weights is None:
+        return
+    if callable(weights):
+        _init_by_module(model, weights, param_device)
         return
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, dict(rank0_weights), options=options)
+    set_model_state_dict(model, dict(weights), options=options)
     for buffer in model.buffers():  # non-persistent buffers (e.g. rotary tables) are not in a state dict
         dist.broadcast(buffer, src=0)
+
+
+@torch.no_grad()
+def _init_by_module(model: nn.Module, init_module: ModuleInit, device: torch.device) -> None:
+    """Fill the sharded ``model`` as ``init_on_cpu`` would the whole one, holding one module at a time.
+
+    Rank 0 initialises each module's parameters whole on the CPU, in ``modules()`` order with the run's
+    generator (so the values are those of an unsharded init); each rank keeps its slice of them.
+    """
+    with torch.random.fork_rng(devices=[]):  # every rank's generators stay in step for training
+        for module in model.modules():
+            sharded = {name: param for name, param in module._parameters.items() if param is not None}
+            if not sharded:
+                continue
+            whole = {name: torch.empty(param.shape, dtype=param.dtype) for name, param in sharded.items()}
+            if get_rank() == 0:
+                module._parameters.update({name: nn.Parameter(tensor) for name, tensor in whole.items()})
+                try:
+                    init_module(module)
+                finally:
+                    module._parameters.update(sharded)
+            for name, param in sharded.items():
+                _keep_own_slice(param, whole[name].to(device))
+
+
+def _keep_own_slice(param: torch.Tensor, whole: torch.Tensor) -> None:
+    """Rank 0's ``whole`` value of ``param`` into this rank's shard of it (all of it when unsharded)."""
+    if not isinstance(param, DTensor):
+        dist.broadcast(whole, src=0)
+        param.copy_(whole)
+        return
+    own = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=0)
+    param.to_local().copy_(own.to_local())
 
 
 def prepare_sharding(config: FSDPConfig | Mapping[str, Any] | None, optimizers: Any) -> FSDPConfig | None:

@@ -3,7 +3,8 @@
 A model family declares these three lists (torchtitan's families declare their parallelize plan the same
 way); sharding, activation checkpointing, compiling per block, context parallelism and expert parallelism plan
 from them and never look inside a model for attribute names. ``foundry.models.FoundryModel`` implements
-``ParallelModel`` (MPT, Llama and their MoE variants fill all three lists, ``hf_causal_lm`` its blocks). A model
+``ParallelModel`` (MPT, Llama and their MoE variants fill all three lists, ``hf_causal_lm`` its blocks), and MPT
+and Llama ``ModuleByModuleInit`` (their weights are initialised a module at a time when sharded). A model
 foundry does not own (a plain ``nn.Module`` handed to the Trainer, a bare Hugging Face model) gets its blocks
 from ``_no_split_modules``, transformers' own declaration of the same thing, and no attention or expert layers.
 
@@ -82,6 +83,20 @@ class ParallelModel(Protocol):
     def expert_layers(self) -> Sequence[ExpertLayer]:
         """Every mixture-of-experts layer's experts; empty for a dense model."""
         ...
+
+
+@runtime_checkable
+class ModuleByModuleInit(Protocol):
+    """A model whose ``init_weights()`` initialises each of ``modules()`` in turn, touching only that module's own
+    parameters: a sharded placement then initialises one module at a time, never the whole model on one host."""
+
+    def module_initialiser(self) -> Callable[[nn.Module], None] | None:
+        """What ``init_weights()`` does to each module, or None when it also does more (then rank 0 runs it)."""
+        ...
+
+
+def module_initialiser_of(model: nn.Module) -> Callable[[nn.Module], None] | None:
+    return model.module_initialiser() if isinstance(model, ModuleByModuleInit) else None
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:

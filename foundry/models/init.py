@@ -113,27 +113,32 @@ def embedding_init_fn(config: InitConfig, weight_init: InitFn) -> InitFn:
 @torch.no_grad()
 def init_weights_(model: nn.Module, config: InitConfig, n_layers: int, d_model: int) -> None:
     """Initialise every parameter of ``model`` in place with ``config``'s scheme."""
+    for module in model.modules():
+        init_module_(module, config, n_layers, d_model)
+
+
+@torch.no_grad()
+def init_module_(module: nn.Module, config: InitConfig, n_layers: int, d_model: int) -> None:
+    """Initialise ``module``'s own parameters (not its children's) as ``init_weights_`` does, which calls this on
+    every module in turn: a sharded placement repeats that one module at a time (foundry.distributed.placement)."""
     if config.name == "default_":  # torch's own per-module defaults, nothing else (as LLM Foundry)
-        for module in model.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
         return
     weight_init = weight_init_fn(config, d_model)
-    embedding_init = embedding_init_fn(config, weight_init)
     divisor = residual_divisor(config, n_layers)
-    for module in model.modules():
-        if isinstance(module, nn.Linear):
-            _init_linear(module, weight_init, divisor)
-        elif isinstance(module, nn.Embedding):
-            embedding_init(module.weight)
-        elif isinstance(module, nn.LayerNorm | RMSNorm):
-            nn.init.ones_(module.weight)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
-        elif hasattr(module, "init_weights_with"):  # stacked expert weights (foundry/models/experts.py)
-            module.init_weights_with(weight_init, divisor)
-        elif any(True for _ in module.parameters(recurse=False)):
-            raise TypeError(f"init_weights_ cannot initialise {type(module).__name__}; teach foundry/models/init.py.")
+    if isinstance(module, nn.Linear):
+        _init_linear(module, weight_init, divisor)
+    elif isinstance(module, nn.Embedding):
+        embedding_init_fn(config, weight_init)(module.weight)
+    elif isinstance(module, nn.LayerNorm | RMSNorm):
+        nn.init.ones_(module.weight)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif hasattr(module, "init_weights_with"):  # stacked expert weights (foundry/models/experts.py)
+        module.init_weights_with(weight_init, divisor)
+    elif any(True for _ in module.parameters(recurse=False)):
+        raise TypeError(f"init_weights_ cannot initialise {type(module).__name__}; teach foundry/models/init.py.")
 
 
 def _init_linear(linear: nn.Linear, weight_init: InitFn, divisor: float | None) -> None:

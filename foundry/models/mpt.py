@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -29,10 +29,10 @@ from foundry.models import flops
 from foundry.models.attention import Attention, AttentionInputs, AttnConfig, AttnImpl, build_attention_inputs
 from foundry.models.base import CausalLM, LossOutput, shifted_targets
 from foundry.models.experts import GroupedExperts
-from foundry.models.init import InitConfig, InitName, init_weights_
+from foundry.models.init import InitConfig, InitName, init_module_, init_weights_
 from foundry.models.kv_cache import KVCache, LayerKVCache
 from foundry.models.layers import FFNConfig, NormType, build_ffn, build_norm, ffn_hidden_size
-from foundry.models.lora import LoraConfig, inject_lora, reset_lora_parameters
+from foundry.models.lora import LoraConfig, inject_lora, lora_modules, reset_lora_parameters
 from foundry.models.lora_checkpoint import lora_checkpoint_hooks
 from foundry.models.moe import MoE, moe_config_from_ffn, moe_layers, moe_loss_terms
 from foundry.schema import parse_dataclass
@@ -366,6 +366,16 @@ class MPTCausalLM(CausalLM):
         """(Re)initialise every parameter in place with ``config.init_config``'s scheme."""
         init_weights_(self, self.config.init_config, self.config.n_layers, self.config.d_model)
         reset_lora_parameters(self)
+
+    def module_initialiser(self) -> Callable[[nn.Module], None] | None:
+        """What ``init_weights`` does to each module in turn (``foundry.distributed.protocol.ModuleByModuleInit``);
+        None with LoRA adapters, which are drawn again after the whole model."""
+        if any(True for _ in lora_modules(self)):
+            return None
+        config = self.config
+        return functools.partial(
+            init_module_, config=config.init_config, n_layers=config.n_layers, d_model=config.d_model
+        )
 
     @property
     def checkpoint_hooks(self) -> CheckpointHooks:

@@ -1,0 +1,58 @@
+"""Weights of a meta-device model placed on several ranks, initialised without building it whole anywhere."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from helpers import TINY_LLAMA, TINY_MPT
+
+
+def init_by_module(section: dict[str, Any], strategy: str) -> dict | None:
+    """On each rank: place a meta-device model whose whole-model init fails; rank 0 returns its full weights and
+    the largest number of parameter elements it initialised at once."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from foundry.distributed import get_rank
+    from foundry.distributed.config import FSDPConfig
+    from foundry.distributed.placement import parallelize
+    from foundry.distributed.process_group import init_process_group
+    from foundry.models.build import build_model
+
+    init_process_group()
+    torch.manual_seed(0)
+    model = build_model({**section, "init_device": "meta"})
+    initialise, at_once = model.module_initialiser(), []
+
+    def one_module(module: torch.nn.Module) -> None:
+        at_once.append(sum(param.numel() for param in module.parameters(recurse=False)))
+        initialise(module)
+
+    def whole_model() -> None:
+        raise AssertionError("rank 0 initialised the whole model at once")
+
+    model.init_weights, model.module_initialiser = whole_model, lambda: one_module
+    parallelize(model, FSDPConfig(sharding_strategy=strategy), torch.device("cpu"), "fp32")
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"weights": weights, "most_at_once": max(at_once, default=0)} if get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])  # shards; replicas (DTensor Replicate)
+@pytest.mark.parametrize(
+    "section",
+    [{"name": "mpt_causal_lm", **TINY_MPT}, {"name": "llama_causal_lm", **TINY_LLAMA, "tie_word_embeddings": False}],
+    ids=["mpt-tied", "llama-gqa"],
+)
+def test_meta_init_holds_one_module_at_a_time_and_gives_the_unsharded_weights(ranks, section, strategy):
+    from foundry.models.build import build_model
+
+    placed = ranks.run(2, init_by_module, section, strategy)[0]
+    torch.manual_seed(0)
+    model = build_model({**section, "init_device": "cpu"})
+    unsharded = model.state_dict()
+    assert placed["weights"].keys() == unsharded.keys()
+    for name, weight in unsharded.items():
+        assert torch.equal(placed["weights"][name], weight), name
+    largest_module = max(sum(param.numel() for param in module.parameters(recurse=False)) for module in model.modules())
+    assert placed["most_at_once"] == largest_module < sum(param.numel() for param in model.parameters()) / 4
