@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import secrets
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from foundry.checkpoint import load_checkpoint, resolve_checkpoint_path, save_checkpoint
+from foundry.checkpoint.hf_weights import layers_of_folder
 from foundry.checkpoint.hooks import checkpoint_hooks
 from foundry.checkpoint.meta import model_section, read_meta, tokenizer_section
-from foundry.convert.streaming import layers_of_folder
 from foundry.core.paths import is_object_store_url
 from foundry.core.state import State
 from foundry.core.time import Time
@@ -80,6 +80,32 @@ def assign_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str
             "this is a bug in its foundry/convert adapter."
         )
     return model
+
+
+def stream_into(
+    model: nn.Module,
+    layers: Iterator[dict[str, torch.Tensor]],
+    convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    source: str,
+) -> nn.Module:
+    """Put each of ``layers``, renamed by ``convert``, into meta-device ``model`` as fp32 (no further copy).
+
+    Host memory holds the model being filled plus one layer; a name the model lacks is an adapter's bug.
+    """
+    unused: list[str] = []
+    for layer in layers:
+        state = {name: _fp32(tensor) for name, tensor in convert(layer).items()}
+        unused += model.load_state_dict(state, strict=False, assign=True).unexpected_keys
+    if unused:
+        raise ConfigError(
+            f"Converting {source} produced weights the model does not have {unused[:5]}; this is a bug in its "
+            "foundry/convert adapter."
+        )
+    return model
+
+
+def _fp32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.is_floating_point() else tensor
 
 
 def unloaded_model(model_section: Mapping[str, Any]) -> nn.Module:

@@ -15,6 +15,7 @@ from torch import nn
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from foundry.checkpoint import latest_checkpoint
+from foundry.checkpoint.hf_weights import layers_of_folder
 from foundry.convert import adapter_for_hf, choose_export, foundry_mpt
 from foundry.convert.checkpoint_io import (
     assign_weights,
@@ -24,11 +25,11 @@ from foundry.convert.checkpoint_io import (
     nothing_at,
     resolve_checkpoint,
     save_weights_checkpoint,
+    stream_into,
     write_atomically,
 )
 from foundry.convert.hf_export import export_hf_model, exported_section, fit_state, save_hf_folder
 from foundry.convert.llmfoundry_mpt import is_llm_foundry_mpt_export, load_export_tokenizer, load_llm_foundry_export
-from foundry.convert.streaming import layers_of_folder, stream_into
 from foundry.data import load_tokenizer
 from foundry.errors import ConfigError
 
@@ -205,7 +206,7 @@ def _imported_model(
     hf_dir: Path,
 ) -> tuple[nn.Module, dict[str, Any]]:
     """The model foundry exported to ``hf_dir`` when config.json records it (the same family and keys), else
-    the one ``section`` describes, filled a layer at a time (``foundry.convert.streaming``): host memory holds the
+    the one ``section`` describes, filled a layer at a time (``foundry.checkpoint.hf_weights``): host memory holds the
     model and one layer of the checkpoint, never a second copy of it."""
     recorded = exported_section(raw_config, adapter, section)
     model = meta_model(recorded or section)

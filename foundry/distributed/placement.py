@@ -16,10 +16,12 @@ With several ranks, in this order:
    already compiled (``compile_config``, at ``Event.INIT``) keep their compiled forward inside the wrapper;
 5. ``fully_shard`` on each block, then on the root (embeddings, final norm, output head), over the
    mesh's ``dp_shard_cp`` axis (with ``dp_replicate`` outside it for HYBRID_SHARD and NO_SHARD);
-6. weights: when every rank built the model on the meta device and the model initialises a module at a
-   time (``ModuleByModuleInit``: MPT and Llama without LoRA or expert parallelism), each rank allocates its
-   shards, rank 0 initialises one module's parameters at a time in host memory with the run's seed, and each
-   rank keeps its slice of them: no host ever holds more than its shards plus one module. Otherwise, when some
+6. weights: when every rank built the model on the meta device, each rank allocates its shards and either
+   reads the model's pretrained files a layer at a time, keeping its slices (``StreamedWeights``:
+   ``hf_causal_lm`` from a local folder), or, for a model that initialises a module at a time
+   (``ModuleByModuleInit``: MPT and Llama, without LoRA or expert parallelism), rank 0 initialises one
+   module's parameters at a time in host memory with the run's seed and each rank keeps its slice of them:
+   no host ever holds more than its shards plus one layer or module. Otherwise, when some
    rank built it on the meta device (or ``sync_module_states`` is set), rank 0 materialises and initialises
    the full model in host memory, and its weights reach the other ranks one parameter at a time, each rank
    keeping its shard. Device memory never holds more than a shard plus one parameter. Without the meta device
@@ -32,9 +34,11 @@ how each ``fsdp_config`` key maps to FSDP2.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -54,12 +58,13 @@ from foundry.distributed.expert_parallel import shard_experts
 from foundry.distributed.fsdp import STRATEGIES, GradientAccumulation, mixed_precision_policy
 from foundry.distributed.mesh import JobMesh, build_mesh, parallel_dims
 from foundry.distributed.process_group import init_process_group
-from foundry.distributed.protocol import blocks_of, module_initialiser_of
+from foundry.distributed.protocol import blocks_of, module_initialiser_of, weight_layers_of
 from foundry.errors import ConfigError
 from foundry.schema import parse_dataclass
 
 log = logging.getLogger(__name__)
-ModuleInit = Callable[[nn.Module], None]  # what a model's init_weights() does to each module (ModuleByModuleInit)
+Fill = Callable[[nn.Module, torch.device], None]  # fills a sharded model's weights on every rank (_shared_weights)
+_WRAPPER_PREFIXES = re.compile(r"(_checkpoint_wrapped_module|_orig_mod)\.")  # checkpointing, compile
 
 
 @dataclasses.dataclass
@@ -182,12 +187,12 @@ def _place_unsharded(model: nn.Module, config: FSDPConfig, device: torch.device,
 
 def _shared_weights(
     model: nn.Module, sync_module_states: bool, device: torch.device, may_init_by_module: bool
-) -> Mapping[str, Any] | ModuleInit | None:
+) -> Mapping[str, Any] | Fill | None:
     """Where the sharded weights come from when other ranks must receive them, else None.
 
     They must when any rank built the model on the meta device (``init_device: meta`` or ``mixed``)
-    or ``sync_module_states`` asks. When every rank did and the model initialises a module at a time, that
-    (every rank: ``_init_by_module`` runs after sharding). Otherwise rank 0's full weights (an empty dict
+    or ``sync_module_states`` asks. When every rank did and the model streams its files or initialises a module
+    at a time, what fills the shards after sharding, on every rank. Otherwise rank 0's full weights (an empty dict
     elsewhere): rank 0 initialises on the CPU with the run's seed, so the sharded model starts from exactly
     the weights an unsharded ``init_device: cpu`` run gets.
     """
@@ -195,9 +200,13 @@ def _shared_weights(
     ranks_on_meta = int(all_reduce_sum(torch.tensor(float(on_meta), device=device)).item())
     if not (ranks_on_meta or sync_module_states):
         return None
-    init_module = module_initialiser_of(model)
-    if ranks_on_meta == get_world_size() and may_init_by_module and init_module is not None:
-        return init_module
+    if ranks_on_meta == get_world_size() and may_init_by_module:
+        layers = weight_layers_of(model)
+        if layers is not None:
+            return functools.partial(_load_by_layer, layers=layers)
+        init_module = module_initialiser_of(model)
+        if init_module is not None:
+            return functools.partial(_init_by_module, init_module=init_module)
     if get_rank() != 0:
         return {}
     if on_meta:
@@ -225,7 +234,7 @@ def _materialise(
     model: nn.Module,
     param_device: torch.device,
     buffer_device: torch.device,
-    weights: Mapping[str, Any] | ModuleInit | None,
+    weights: Mapping[str, Any] | Fill | None,
 ) -> None:
     """Allocate meta shards (and buffers) and fill them from ``weights`` (``_shared_weights``), if any."""
     if any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()]):
@@ -237,7 +246,7 @@ def _materialise(
     if weights is None:
         return
     if callable(weights):
-        _init_by_module(model, weights, param_device)
+        weights(model, param_device)
         return
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, dict(weights), options=options)
@@ -246,7 +255,7 @@ def _materialise(
 
 
 @torch.no_grad()
-def _init_by_module(model: nn.Module, init_module: ModuleInit, device: torch.device) -> None:
+def _init_by_module(model: nn.Module, device: torch.device, init_module: Callable[[nn.Module], None]) -> None:
     """Fill the sharded ``model`` as ``init_on_cpu`` would the whole one, holding one module at a time.
 
     Rank 0 initialises each module's parameters whole on the CPU, in ``modules()`` order with the run's
@@ -268,13 +277,38 @@ def _init_by_module(model: nn.Module, init_module: ModuleInit, device: torch.dev
                 _keep_own_slice(param, whole[name].to(device))
 
 
-def _keep_own_slice(param: torch.Tensor, whole: torch.Tensor) -> None:
-    """Rank 0's ``whole`` value of ``param`` into this rank's shard of it (all of it when unsharded)."""
+@torch.no_grad()
+def _load_by_layer(model: nn.Module, device: torch.device, layers: Iterator[dict[str, torch.Tensor]]) -> None:
+    """Fill the sharded ``model`` from files every rank reads a layer at a time, each keeping its slices."""
+    tensors = {
+        _WRAPPER_PREFIXES.sub("", name): tensor
+        for name, tensor in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]
+    }
+    filled, unknown = set(), []
+    for layer in layers:
+        for name, whole in layer.items():
+            if name not in tensors:
+                unknown.append(name)
+                continue
+            _keep_own_slice(tensors[name], whole.to(device), src_data_rank=None)
+            filled.add(id(tensors[name]))
+    missing = [name for name, param in model.named_parameters() if id(param) not in filled]
+    if missing or unknown:
+        raise ConfigError(
+            f"The pretrained weights do not fit this model: none for {missing[:3]}, no parameter for {unknown[:3]}. "
+            "Check that the model section names the folder these weights belong to (pretrained_model_name_or_path)."
+        )
+
+
+def _keep_own_slice(param: torch.Tensor, whole: torch.Tensor, src_data_rank: int | None = 0) -> None:
+    """``whole``, the value of ``param`` on rank ``src_data_rank`` (None: on every rank), into this rank's shard of
+    it (all of it when unsharded)."""
     if not isinstance(param, DTensor):
-        dist.broadcast(whole, src=0)
+        if src_data_rank is not None:
+            dist.broadcast(whole, src=src_data_rank)
         param.copy_(whole)
         return
-    own = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=0)
+    own = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=src_data_rank)
     param.to_local().copy_(own.to_local())
 
 

@@ -4,7 +4,8 @@ A model family declares these three lists (torchtitan's families declare their p
 way); sharding, activation checkpointing, compiling per block, context parallelism and expert parallelism plan
 from them and never look inside a model for attribute names. ``foundry.models.FoundryModel`` implements
 ``ParallelModel`` (MPT, Llama and their MoE variants fill all three lists, ``hf_causal_lm`` its blocks), and MPT
-and Llama ``ModuleByModuleInit`` (their weights are initialised a module at a time when sharded). A model
+and Llama ``ModuleByModuleInit`` (their weights are initialised a module at a time when sharded), ``hf_causal_lm``
+``StreamedWeights`` (its pretrained weights are read a layer at a time when sharded). A model
 foundry does not own (a plain ``nn.Module`` handed to the Trainer, a bare Hugging Face model) gets its blocks
 from ``_no_split_modules``, transformers' own declaration of the same thing, and no attention or expert layers.
 
@@ -13,7 +14,7 @@ distributed/ imports nothing from ``foundry.models``: the models implement these
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -97,6 +98,20 @@ class ModuleByModuleInit(Protocol):
 
 def module_initialiser_of(model: nn.Module) -> Callable[[nn.Module], None] | None:
     return model.module_initialiser() if isinstance(model, ModuleByModuleInit) else None
+
+
+@runtime_checkable
+class StreamedWeights(Protocol):
+    """A model whose initial weights are read from files (a pretrained checkpoint), not drawn: a sharded placement
+    reads them a layer at a time on every rank, each rank keeping its slices."""
+
+    def weight_layers(self) -> Iterator[dict[str, torch.Tensor]] | None:
+        """The whole initial weights by parameter name, a layer at a time; None when they cannot be streamed."""
+        ...
+
+
+def weight_layers_of(model: nn.Module) -> Iterator[dict[str, torch.Tensor]] | None:
+    return model.weight_layers() if isinstance(model, StreamedWeights) else None
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:

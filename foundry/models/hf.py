@@ -13,7 +13,7 @@ import functools
 import importlib.util
 import json
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from foundry import registry
+from foundry.checkpoint.hf_weights import layers_of_folder
 from foundry.checkpoint.hooks import CheckpointHooks
 from foundry.errors import ConfigError, did_you_mean
 from foundry.models import flops
@@ -150,6 +151,15 @@ class HFCausalLM(CausalLM):
                 f"{result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]}."
             )
         self.holds_pretrained_weights = True
+
+    def weight_layers(self) -> Iterator[dict[str, torch.Tensor]] | None:
+        """The pretrained weights a layer at a time by parameter name (``foundry.distributed.protocol.
+        StreamedWeights``: each rank reads the files and keeps its slices); None where they cannot be streamed
+        (random init, a Hub id rather than a folder, LoRA adapters, which are drawn after the base is read)."""
+        folder = Path(self.config.pretrained_model_name_or_path).expanduser()
+        if not self.config.pretrained or self.config.peft_config is not None or not folder.is_dir():
+            return None
+        return ({f"hf_model.{name}": tensor for name, tensor in layer.items()} for layer in layers_of_folder(folder))
 
     @property
     def hf_config(self) -> Any:
@@ -352,7 +362,7 @@ def _build_hf_model(config: HFCausalLMConfig, hf_config: Any) -> nn.Module:
     _check_is_causal_lm(config, hf_config)
     attn_implementation = config.attn_implementation or default_attn_implementation(hf_config)
     try:
-        if config.pretrained:
+        if config.pretrained and init_device(config.init_device).type != "meta":  # on meta: read at placement
             model = AutoModelForCausalLM.from_pretrained(
                 path,
                 config=hf_config,

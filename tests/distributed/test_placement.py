@@ -56,3 +56,45 @@ def test_meta_init_holds_one_module_at_a_time_and_gives_the_unsharded_weights(ra
         assert torch.equal(placed["weights"][name], weight), name
     largest_module = max(sum(param.numel() for param in module.parameters(recurse=False)) for module in model.modules())
     assert placed["most_at_once"] == largest_module < sum(param.numel() for param in model.parameters()) / 4
+
+
+def stream_pretrained(folder: str) -> dict | None:
+    """On each rank: place a meta-device ``hf_causal_lm`` of ``folder`` whose whole-model load fails; rank 0 returns
+    the full weights."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from foundry.distributed import get_rank
+    from foundry.distributed.config import FSDPConfig
+    from foundry.distributed.placement import parallelize
+    from foundry.distributed.process_group import init_process_group
+    from foundry.models.build import build_model
+
+    init_process_group()
+    model = build_model({"name": "hf_causal_lm", "pretrained_model_name_or_path": folder, "init_device": "meta"})
+
+    def whole_model() -> None:
+        raise AssertionError("rank 0 read the whole model at once")
+
+    model.init_weights = model.load_pretrained_weights = whole_model
+    parallelize(model, FSDPConfig(), torch.device("cpu"), "fp32")
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return weights if get_rank() == 0 else None
+
+
+def test_pretrained_hugging_face_weights_stream_into_the_shards(ranks, tmp_path):
+    """Each rank reads a 6-file checkpoint a layer at a time and keeps its slices: the pretrained weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    pretrained = LlamaForCausalLM(config)
+    pretrained.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 4
+    placed = ranks.run(2, stream_pretrained, str(tmp_path))[0]
+    want = {f"hf_model.{name}": tensor for name, tensor in pretrained.state_dict().items()}
+    assert placed.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(placed[name], tensor), name

@@ -1,10 +1,11 @@
-"""A Hugging Face folder's safetensors weights read one file at a time, handed on one layer at a time.
+"""A Hugging Face folder's weights read one file at a time, handed on one layer at a time.
 
 A 335 GB checkpoint does not fit beside its model in a 192 GB host (llm-foundry #463), so nothing here holds
-more than one file's mapping plus the layer being converted: ``layers_of_folder`` yields each layer's tensors
+more than one file's mapping plus one layer: ``layers_of_folder`` yields each layer's tensors
 (``model.layers.7.*``) as soon as its last one is read, and each tensor outside the layers (embeddings, final
-norm, output head) on its own. A layer is the unit an adapter converts: Llama's fused ``Wqkv`` needs q, k and
-v together, an MoE layer all its experts. ``stream_into`` puts each converted layer into a meta-device model.
+norm, output head) on its own. A layer is the unit a conversion needs whole: Llama's fused ``Wqkv`` needs q, k
+and v together, an MoE layer all its experts. ``foundry convert from-hf`` fills a model from it
+(``foundry.convert.checkpoint_io.stream_into``), and so does a sharded ``hf_causal_lm`` rank, keeping its slices.
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ import json
 import pickle
 import re
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from foundry.errors import CheckpointError, ConfigError
+from foundry.errors import CheckpointError
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")  # the first index in a name is its layer: model.layers.3.mlp.experts.7.w1
 
@@ -112,29 +112,3 @@ class _TensorDict(dict):
 def _layer_of(name: str) -> str | None:
     match = _LAYER_INDEX.search(name)
     return match.group(1) if match else None
-
-
-def stream_into(
-    model: nn.Module,
-    layers: Iterator[dict[str, torch.Tensor]],
-    convert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
-    source: str,
-) -> nn.Module:
-    """Put each of ``layers``, renamed by ``convert``, into meta-device ``model`` as fp32 (no further copy).
-
-    Host memory holds the model being filled plus one layer; a name the model lacks is an adapter's bug.
-    """
-    unused: list[str] = []
-    for layer in layers:
-        state = {name: _fp32(tensor) for name, tensor in convert(layer).items()}
-        unused += model.load_state_dict(state, strict=False, assign=True).unexpected_keys
-    if unused:
-        raise ConfigError(
-            f"Converting {source} produced weights the model does not have {unused[:5]}; this is a bug in its "
-            "foundry/convert adapter."
-        )
-    return model
-
-
-def _fp32(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.float() if tensor.is_floating_point() else tensor

@@ -1,4 +1,4 @@
-"""Importing a sharded Hugging Face checkpoint a file and a layer at a time (``foundry.convert.streaming``)."""
+"""Importing a sharded Hugging Face checkpoint a file and a layer at a time (``foundry.checkpoint.hf_weights``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 from helpers import repo_pythonpath
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from foundry.checkpoint.hf_weights import layers_of_folder
 from foundry.convert.commands import from_hf_model
-from foundry.convert.streaming import layers_of_folder
 from foundry.errors import CheckpointError
 
 SHARD_MB = 3  # one layer of the wide checkpoint below is 2.6 MB: about one layer a file
