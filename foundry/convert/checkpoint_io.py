@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from foundry.checkpoint import load_checkpoint, resolve_checkpoint_path, save_checkpoint
-from foundry.checkpoint.hf_weights import layers_of_folder
 from foundry.checkpoint.hooks import checkpoint_hooks
 from foundry.checkpoint.meta import model_section, read_meta, tokenizer_section
 from foundry.core.paths import is_object_store_url
@@ -147,11 +146,6 @@ def save_weights_checkpoint(model: nn.Module, save_folder: Path, config: dict[st
     """A checkpoint at batch 0 holding only ``model``'s weights; ``load_path`` + ``load_weights_only`` read it."""
     state = State(model=model, max_duration=Time.parse("1ba"))
     return save_checkpoint(save_folder, state, config=config, overwrite=overwrite)
-
-
-def read_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face folder's weight files at once (``layers_of_folder`` reads them in turn)."""
-    return {name: tensor for layer in layers_of_folder(folder) for name, tensor in layer.items()}
 
 
 def check_out_dir(out_dir: Path, overwrite: bool) -> Path:

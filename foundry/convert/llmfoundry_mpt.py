@@ -17,9 +17,11 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-from foundry.convert.checkpoint_io import assign_weights, meta_model, read_folder_weights
+from foundry.checkpoint.hf_weights import layers_of_folder
+from foundry.convert.checkpoint_io import assign_weights, meta_model, stream_into
 from foundry.data import load_tokenizer
 from foundry.errors import CheckpointError
 from foundry.models.mpt import MPTConfig
@@ -82,8 +84,14 @@ def load_llm_foundry_export(folder: Path) -> tuple[nn.Module, dict[str, Any]]:
     """(foundry's MPT holding the weights of LLM Foundry's HF folder ``folder`` in fp32, its model section)."""
     config = json.loads((folder / "config.json").read_text())
     section = mpt_section(folder / "config.json", config)
-    state = {name: tensor.float() for name, tensor in read_folder_weights(folder).items() if name != "lm_head.weight"}
-    return assign_weights(meta_model(section), state, f"{folder} to mpt_causal_lm").eval(), section
+    model, source = meta_model(section), f"{folder} to mpt_causal_lm"
+    stream_into(model, layers_of_folder(folder), _without_output_head, source)
+    return assign_weights(model, {}, source).eval(), section
+
+
+def _without_output_head(layer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """LLM Foundry's export writes the tied output head beside the embedding it shares."""
+    return {name: tensor for name, tensor in layer.items() if name != "lm_head.weight"}
 
 
 def load_export_tokenizer(folder: Path) -> Any:
