@@ -81,8 +81,7 @@ def stream_pretrained(folder: str) -> dict | None:
     return weights if get_rank() == 0 else None
 
 
-def test_pretrained_hugging_face_weights_stream_into_the_shards(ranks, tmp_path):
-    """Each rank reads a 6-file checkpoint a layer at a time and keeps its slices: the pretrained weights."""
+def tiny_hf_llama() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -90,7 +89,12 @@ def test_pretrained_hugging_face_weights_stream_into_the_shards(ranks, tmp_path)
         num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
-    pretrained = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config)
+
+
+def test_pretrained_hugging_face_weights_stream_into_the_shards(ranks, tmp_path):
+    """Each rank reads a 6-file checkpoint a layer at a time and keeps its slices: the pretrained weights."""
+    pretrained = tiny_hf_llama()
     pretrained.save_pretrained(tmp_path, max_shard_size="40KB")
     assert len(list(tmp_path.glob("*.safetensors"))) > 4
     placed = ranks.run(2, stream_pretrained, str(tmp_path))[0]
@@ -98,3 +102,15 @@ def test_pretrained_hugging_face_weights_stream_into_the_shards(ranks, tmp_path)
     assert placed.keys() == want.keys()
     for name, tensor in want.items():
         assert torch.equal(placed[name], tensor), name
+
+
+def test_pretrained_weights_that_do_not_fit_are_named(ranks, tmp_path):
+    from safetensors.torch import save_file
+
+    pretrained = tiny_hf_llama()
+    pretrained.config.save_pretrained(tmp_path)
+    state = {name: tensor for name, tensor in pretrained.state_dict().items() if name != "lm_head.weight"}
+    save_file({**state, "model.extra.weight": torch.zeros(2)}, tmp_path / "model.safetensors")
+    unfit = r"none for \['hf_model.lm_head.weight'\], no parameter for \['hf_model.model.extra.weight'\]"
+    with pytest.raises(RuntimeError, match=unfit):
+        ranks.run(2, stream_pretrained, str(tmp_path))
