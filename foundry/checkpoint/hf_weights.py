@@ -14,6 +14,7 @@ import contextlib
 import json
 import pickle
 import re
+import zipfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,7 +93,8 @@ def _open_weights(path: Path) -> Iterator[Any]:
             with safe_open(path, framework="pt") as reader:
                 yield reader
         else:  # transformers' older format: a pickle of tensors, unpickled with weights_only
-            yield _TensorDict(torch.load(path, weights_only=True, mmap=True, map_location="cpu"))
+            mappable = zipfile.is_zipfile(path)  # torch.save's format since 1.6; the older one is read whole
+            yield _TensorDict(torch.load(path, weights_only=True, mmap=mappable, map_location="cpu"))
     except (SafetensorError, pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError) as error:
         reason = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
         raise CheckpointError(

@@ -1,4 +1,4 @@
-"""Importing a sharded Hugging Face checkpoint a file and a layer at a time (``foundry.checkpoint.hf_weights``)."""
+"""``foundry convert from-hf`` of a sharded checkpoint, read a file and a layer at a time."""
 
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ import torch
 from helpers import repo_pythonpath
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from foundry.checkpoint.hf_weights import layers_of_folder
 from foundry.convert.commands import from_hf_model
-from foundry.errors import CheckpointError
 
 SHARD_MB = 3  # one layer of the wide checkpoint below is 2.6 MB: about one layer a file
 
@@ -43,24 +41,6 @@ def test_a_sharded_checkpoint_imports_as_the_unsharded_one(tmp_path: Path) -> No
     assert got.keys() == want.keys()
     for name, tensor in want.items():
         torch.testing.assert_close(got[name], tensor, rtol=0, atol=0, msg=name)
-
-
-def test_each_layer_comes_whole_and_once(tmp_path: Path) -> None:
-    folder = sharded_llama(tmp_path, n_layers=2, width=64)
-    LlamaForCausalLM.from_pretrained(folder).save_pretrained(folder, max_shard_size="10KB")
-    groups = list(layers_of_folder(folder))
-    names = [name for group in groups for name in group]
-    assert len(names) == len(set(names)) == len(LlamaForCausalLM.from_pretrained(folder).state_dict())
-    layer_groups = [sorted(group) for group in groups if any(".layers." in name for name in group)]
-    assert [group[0].split(".")[2] for group in layer_groups] == ["0", "1"]
-    assert all(len(group) == 9 for group in layer_groups)  # q, k, v, o, gate, up, down, two norms
-
-
-def test_a_damaged_file_is_named(tmp_path: Path) -> None:
-    folder = sharded_llama(tmp_path, n_layers=2, width=64)
-    (folder / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
-    with pytest.raises(CheckpointError, match="model.safetensors"):
-        list(layers_of_folder(folder))
 
 
 _MEASURE = """
