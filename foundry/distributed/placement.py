@@ -246,7 +246,7 @@ def _materialise(
     if weights is None:
         return
     if callable(weights):
-        weights(model, param_device)
+        weights(model, buffer_device)  # whole parameters travel on the compute device, also with cpu_offload
         return
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, dict(weights), options=options)
@@ -292,7 +292,7 @@ def _load_by_layer(model: nn.Module, device: torch.device, layers: Iterator[dict
                 continue
             _keep_own_slice(tensors[name], whole.to(device), src_data_rank=None)
             filled.add(id(tensors[name]))
-    missing = [name for name, param in model.named_parameters() if id(param) not in filled]
+    missing = [_WRAPPER_PREFIXES.sub("", name) for name, param in model.named_parameters() if id(param) not in filled]
     if missing or unknown:
         raise ConfigError(
             f"The pretrained weights do not fit this model: none for {missing[:3]}, no parameter for {unknown[:3]}. "

@@ -114,3 +114,15 @@ def test_pretrained_weights_that_do_not_fit_are_named(ranks, tmp_path):
     unfit = r"none for \['hf_model.lm_head.weight'\], no parameter for \['hf_model.model.extra.weight'\]"
     with pytest.raises(RuntimeError, match=unfit):
         ranks.run(2, stream_pretrained, str(tmp_path))
+
+
+def test_a_405b_llama_is_initialised_in_pieces_of_at_most_a_hundredth_of_it():
+    """The shape of Llama 3.1 405B, on the meta device: the most a host holds whole while it is initialised."""
+    from foundry.distributed.protocol import module_initialiser_of
+    from foundry.models.build import build_model
+
+    shape = {"d_model": 16384, "n_layers": 126, "n_heads": 128, "kv_n_heads": 8, "ffn_hidden_size": 53248}
+    model = build_model({"name": "llama_causal_lm", **shape, "vocab_size": 128256, "init_device": "meta"})
+    assert module_initialiser_of(model) is not None
+    pieces = [sum(param.numel() for param in module.parameters(recurse=False)) for module in model.modules()]
+    assert sum(pieces) > 400e9 and max(pieces) < sum(pieces) / 100
