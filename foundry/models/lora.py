@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from foundry.errors import ConfigError, did_you_mean
+from foundry.models.nf4 import dequantize, is_nf4, quantize_weights, torchao_nf4
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 _ADAPTER_KEY = re.compile(r"\.lora_[AB]\.weight$")
@@ -39,6 +40,7 @@ class LoraConfig:
     bias: Literal["none"] = "none"
     use_rslora: bool = False  # scaling alpha / sqrt(r) instead of alpha / r
     save_adapters_only: bool = False  # checkpoints hold the adapters (and their optimizer state), not the base
+    quantize_base: bool = False  # QLoRA: the adapted layers' frozen weights stored in 4-bit NF4 (torchtune's name)
 
     def __post_init__(self) -> None:
         if self.r <= 0:
@@ -50,6 +52,8 @@ class LoraConfig:
                 "'model.peft_config.target_modules' is missing: list the linear layers that get adapters, e.g. "
                 f"[Wqkv, out_proj, up_proj, down_proj], or '{ALL_LINEAR}'."
             )
+        if self.quantize_base:
+            torchao_nf4()  # refused here, at parsing, when torchao is missing
 
     @property
     def scaling(self) -> float:
@@ -86,14 +90,22 @@ class LoRALinear(nn.Linear):
             self.reset_lora_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # An NF4 weight dequantizes to x's dtype inside F.linear, one layer at a time.
         return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     def merged_weight(self) -> torch.Tensor:
         """``W + scaling · B A``: the plain linear layer that computes the same function (without dropout)."""
-        return self.weight + self.scaling * (self.lora_B.weight @ self.lora_A.weight)
+        return dequantize(self.weight) + self.scaling * (self.lora_B.weight @ self.lora_A.weight)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        """An NF4 base weight is saved as its bf16 values, so checkpoints and exports read as the base's."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if is_nf4(self.weight):
+            destination[prefix + "weight"] = dequantize(self.weight).detach()
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, r={self.lora_A.out_features}, scaling={self.scaling:g}"
+        nf4 = ", base=nf4" if is_nf4(self.weight) else ""
+        return f"{super().extra_repr()}{nf4}, r={self.lora_A.out_features}, scaling={self.scaling:g}"
 
 
 def is_adapter_key(name: str) -> bool:
@@ -116,6 +128,8 @@ def inject_lora(model: nn.Module, config: LoraConfig) -> list[str]:
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child_name, LoRALinear(linears[name], config.r, config.scaling, config.lora_dropout))
+    if config.quantize_base:
+        quantize_weights((name, model.get_submodule(name)) for name in targets)
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(is_adapter_key(name))
     return targets
