@@ -47,7 +47,8 @@ def dequantize(tensor: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
         local = tensor._local_tensor.get_original_weight()
-        return DTensor.from_local(local, tensor.device_mesh, tensor.placements, shape=tensor.shape)
+        mesh, placements = tensor.device_mesh, tensor.placements
+        return DTensor.from_local(local, mesh, placements, shape=tensor.shape, stride=tensor.stride())
     return tensor.get_original_weight()
 
 
