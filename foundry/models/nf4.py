@@ -10,6 +10,7 @@ torchao is optional: it is imported here, when ``model.peft_config.quantize_base
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterable, Iterator
 from types import ModuleType
 
@@ -71,8 +72,24 @@ def quantize_weights(linears: Iterable[tuple[str, nn.Linear]]) -> None:
         if is_nf4(linear.weight):
             continue
         check_quantizable(name, linear.weight)
-        codes = nf4.to_nf4(linear.weight.detach().to(BASE_DTYPE), BLOCK_SIZE, SCALER_BLOCK_SIZE)
+        with _one_chunk_on_meta(nf4, linear.weight):
+            codes = nf4.to_nf4(linear.weight.detach().to(BASE_DTYPE), BLOCK_SIZE, SCALER_BLOCK_SIZE)
         linear.weight = nn.Parameter(codes, requires_grad=False)
+
+
+@contextlib.contextmanager
+def _one_chunk_on_meta(nf4: ModuleType, weight: torch.Tensor) -> Iterator[None]:
+    """torchao quantizes in chunks of 2^20 weights to bound memory; a meta tensor has none, and its thousands of
+    chunks took 4 minutes for Llama-405B's shapes, so meta weights are quantized in one chunk."""
+    chunked = sys.modules[nf4.NF4Tensor.__module__]
+    if not weight.is_meta or not hasattr(chunked, "CHUNK_SIZE"):
+        yield
+        return
+    chunk_size, chunked.CHUNK_SIZE = chunked.CHUNK_SIZE, weight.numel()
+    try:
+        yield
+    finally:
+        chunked.CHUNK_SIZE = chunk_size
 
 
 @contextlib.contextmanager
@@ -86,3 +103,21 @@ def dense_weights(model: nn.Module) -> Iterator[None]:
     yield
     quantize_weights(linears)
 
+
+
+def float8_refusal() -> ConfigError:
+    """NF4 and float8 both replace how the base's GEMMs read their weights: one model cannot have both."""
+    return ConfigError(
+        f"'{KEY}: true' (QLoRA) and algorithms.float8 cannot be combined: NF4 base weights are dequantized to bf16 "
+        "for each GEMM, and float8 would cast the other layers' GEMMs, saving little while rounding twice. Remove "
+        "algorithms.float8, or set quantize_base: false for float8 LoRA."
+    )
+
+
+def full_finetuning_refusal(key: str) -> ConfigError:
+    """NF4 weights are frozen codes: only adapters beside them train."""
+    return ConfigError(
+        f"'{key}': 4-bit NF4 weights are frozen codes that no optimizer step can update, so a full finetune cannot "
+        f"store them in NF4. For QLoRA set '{KEY}: true' inside a peft_config (LoRA adapters train in fp32 beside "
+        "the NF4 base); for a full finetune remove the key."
+    )
