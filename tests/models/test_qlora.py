@@ -3,7 +3,10 @@ that transformers loads alone, and the configs refused at start."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,6 +18,8 @@ from foundry.models.lora import adapter_state_dict, is_adapter_key
 from foundry.models.nf4 import BLOCK_SIZE, dequantize, is_nf4, torchao_nf4
 
 pytest.importorskip("torchao")
+
+YAMLS = Path(__file__).resolve().parents[2] / "yamls" / "finetune"
 
 # 256 wide so every adapted weight (and each half of it, for 2 FSDP2 ranks) is whole NF4 scale blocks.
 QLORA_LLAMA: dict[str, Any] = {
@@ -121,3 +126,47 @@ def test_weight_that_is_not_whole_nf4_blocks_is_refused_naming_the_layer():
     section = {**QLORA_LLAMA, "d_model": 64, "multiple_of": 32}
     with pytest.raises(ConfigError, match=r"quantize_base.*Wqkv\.weight is \(128, 64\)"):
         build_model(section)
+
+
+def qlora_70b_config(*overrides: str) -> Any:
+    from foundry.config import load_train_config
+
+    return load_train_config(YAMLS / "llama-70b-qlora.yaml", ["model.init_device=meta", *overrides])[0]
+
+
+def test_the_70b_yaml_stores_its_adapted_weights_in_4_bits():
+    model = build_model(qlora_70b_config().model)
+    nf4_weights = [p for p in model.parameters() if is_nf4(p)]
+    assert len(nf4_weights) == 80 * 5
+    numel = sum(p.numel() for p in nf4_weights)
+    assert numel == 68_451_041_280  # docs/LORA.md's arithmetic: 68.5B weights, 4.13 bits each
+    stored_bytes = sum(p.quantized_data.numel() + p.quantized_scalers.numel() + 4 * p.quantization_factor.numel()
+                       for p in nf4_weights)  # fmt: skip
+    assert stored_bytes == pytest.approx(numel * 4.127 / 8, rel=1e-3)
+
+
+def test_qlora_with_float8_is_refused_at_start_naming_both_keys():
+    from foundry.config.build import check_settings
+
+    cfg = qlora_70b_config()
+    cfg = dataclasses.replace(cfg, algorithms={**cfg.algorithms, "float8": {}})
+    with pytest.raises(ConfigError, match=r"quantize_base: true' \(QLoRA\) and algorithms\.float8"):
+        check_settings(cfg)
+
+
+def test_float8_algorithm_refuses_a_model_with_nf4_weights():
+    from foundry.algorithms.float8 import Float8Training
+    from foundry.core.event import Event
+
+    state = SimpleNamespace(model=qlora_llama(), device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match="algorithms.float8 cannot be combined"):
+        Float8Training().apply(Event.INIT, state, logger=None)
+
+
+def test_nf4_base_for_a_full_finetune_is_refused_at_start_naming_the_key():
+    from foundry.config.build import check_settings
+
+    cfg = qlora_70b_config()
+    section = {key: value for key, value in cfg.model.items() if key != "peft_config"}
+    with pytest.raises(ConfigError, match=r"'model\.quantize_base': 4-bit NF4 weights are frozen"):
+        check_settings(dataclasses.replace(cfg, model={**section, "quantize_base": True}))
