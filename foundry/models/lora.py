@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from foundry.errors import ConfigError, did_you_mean
-from foundry.models.nf4 import dequantize, is_nf4, quantize_weights, torchao_nf4
+from foundry.models.nf4 import dequantize, is_nf4, is_stranded, quantize_weights, torchao_nf4, unset_nf4_like
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 _ADAPTER_KEY = re.compile(r"\.lora_[AB]\.weight$")
@@ -96,6 +96,12 @@ class LoRALinear(nn.Linear):
     def merged_weight(self) -> torch.Tensor:
         """``W + scaling · B A``: the plain linear layer that computes the same function (without dropout)."""
         return dequantize(self.weight) + self.scaling * (self.lora_B.weight @ self.lora_A.weight)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+        super()._apply(fn, recurse)
+        if is_stranded(self.weight):  # to_empty from meta: an unset NF4 weight, whole on the new device
+            self.weight = nn.Parameter(unset_nf4_like(self.weight), requires_grad=False)
+        return self
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         """An NF4 base weight is saved as its bf16 values, so checkpoints and exports read as the base's."""

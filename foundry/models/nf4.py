@@ -92,6 +92,21 @@ def _one_chunk_on_meta(nf4: ModuleType, weight: torch.Tensor) -> Iterator[None]:
         chunked.CHUNK_SIZE = chunk_size
 
 
+def unset_nf4_like(weight: torch.Tensor) -> torch.Tensor:
+    """An NF4 tensor of ``weight``'s shape on its device whose values are all NaN: what ``to_empty`` should give.
+
+    torchao's ``empty_like`` moves only the codes and scales, leaving the code table on the meta device; a
+    NaN weight also tells ``check_weights_loaded`` that no checkpoint filled it yet.
+    """
+    nan = torch.full(weight.shape, float("nan"), dtype=BASE_DTYPE, device=weight.device)
+    return torchao_nf4().to_nf4(nan, BLOCK_SIZE, SCALER_BLOCK_SIZE)
+
+
+def is_stranded(weight: torch.Tensor) -> bool:
+    """Whether an NF4 ``weight`` (not an FSDP2 shard) left part of itself on the meta device."""
+    return is_nf4(weight) and not weight.is_meta and weight.nf4.is_meta
+
+
 @contextlib.contextmanager
 def dense_weights(model: nn.Module) -> Iterator[None]:
     """Within: each NF4 weight of ``model`` is a plain, uninitialised bf16 parameter, for an init scheme to write;

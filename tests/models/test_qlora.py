@@ -170,3 +170,38 @@ def test_nf4_base_for_a_full_finetune_is_refused_at_start_naming_the_key():
     section = {key: value for key, value in cfg.model.items() if key != "peft_config"}
     with pytest.raises(ConfigError, match=r"'model\.quantize_base': 4-bit NF4 weights are frozen"):
         check_settings(dataclasses.replace(cfg, model={**section, "quantize_base": True}))
+
+
+@pytest.mark.slow  # ~23 s on 2 cores: five 256-wide models quantized, two trained batches
+def test_adapters_only_qlora_checkpoint_reloads_and_evaluates_on_its_base(tmp_path):
+    from helpers import token_batches
+
+    from foundry.checkpoint import resolve_checkpoint_path
+    from foundry.convert.checkpoint_io import load_checkpoint_model, save_weights_checkpoint
+    from foundry.eval.adapters import _base_model
+    from foundry.optim import DecoupledAdamW
+    from foundry.peft.adapters import AdapterSet
+    from foundry.trainer import Trainer
+
+    plain = {key: value for key, value in QLORA_LLAMA.items() if key != "peft_config"}
+    torch.manual_seed(0)
+    save_weights_checkpoint(build_model(plain), tmp_path / "base", {"model": plain}, overwrite=False)
+    section = {**QLORA_LLAMA, "peft_config": {**QLORA_LLAMA["peft_config"], "save_adapters_only": True}}
+    trainer = Trainer(
+        build_model(section), token_batches(2, 2, seq_len=16, vocab_size=96), device="cpu", max_duration="2ba",
+        optimizers=lambda params: DecoupledAdamW(params, lr=3e-2), run_folder=str(tmp_path / "run"),
+        save_folder=str(tmp_path / "ckpt"), load_path=str(tmp_path / "base"), load_weights_only=True,
+        log_to_console=False, config={"model": section, "load_path": str(tmp_path / "base")},
+    )  # fmt: skip
+    trainer.fit()
+    input_ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        trained = trainer.state.model.eval()({"input_ids": input_ids})
+        reloaded = load_checkpoint_model(resolve_checkpoint_path(tmp_path / "ckpt"), section).eval()
+        torch.testing.assert_close(reloaded({"input_ids": input_ids}), trained, atol=0, rtol=0)
+        on_base, _ = _base_model(tmp_path / "base", section)  # foundry eval --model base --adapters ckpt
+        adapters = AdapterSet(on_base.eval())
+        adapters.load("qlora", tmp_path / "ckpt")
+        adapters.activate("qlora")
+        torch.testing.assert_close(on_base({"input_ids": input_ids}), trained, atol=0, rtol=0)
+    assert is_nf4(on_base.transformer.blocks[0].attn.Wqkv.weight)
