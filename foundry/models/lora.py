@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from foundry.errors import ConfigError, did_you_mean
-from foundry.models.nf4 import dequantize, is_nf4, is_stranded, quantize_weights, torchao_nf4, unset_nf4_like
+from foundry.models.nf4 import dequantize, is_nf4, place_stranded_parts, quantize_weights, torchao_nf4
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 _ADAPTER_KEY = re.compile(r"\.lora_[AB]\.weight$")
@@ -99,8 +99,7 @@ class LoRALinear(nn.Linear):
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
         super()._apply(fn, recurse)
-        if is_stranded(self.weight):  # to_empty from meta: an unset NF4 weight, whole on the new device
-            self.weight = nn.Parameter(unset_nf4_like(self.weight), requires_grad=False)
+        place_stranded_parts(self.weight)  # QLoRA after to_empty: the whole NF4 weight on the new device
         return self
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:

@@ -92,19 +92,32 @@ def _one_chunk_on_meta(nf4: ModuleType, weight: torch.Tensor) -> Iterator[None]:
         chunked.CHUNK_SIZE = chunk_size
 
 
-def unset_nf4_like(weight: torch.Tensor) -> torch.Tensor:
-    """An NF4 tensor of ``weight``'s shape on its device whose values are all NaN: what ``to_empty`` should give.
+def place_stranded_parts(weight: torch.Tensor) -> None:
+    """After ``to_empty`` from meta: put an NF4 weight's (or shard's) code table and scale mean beside its codes.
 
-    torchao's ``empty_like`` moves only the codes and scales, leaving the code table on the meta device; a
-    NaN weight also tells ``check_weights_loaded`` that no checkpoint filled it yet.
+    torchao's ``empty_like`` moves only the codes and scales, leaving those two on the meta device, where a
+    later ``copy_`` of values would not reach them. They are allocated as NaN, so the weight reads as unset
+    (``check_weights_loaded``) until a checkpoint or rank 0's weights are copied in.
     """
-    nan = torch.full(weight.shape, float("nan"), dtype=BASE_DTYPE, device=weight.device)
-    return torchao_nf4().to_nf4(nan, BLOCK_SIZE, SCALER_BLOCK_SIZE)
+    local = getattr(weight, "_local_tensor", weight)
+    if not is_nf4(local) or local.quantized_data.is_meta or not local.nf4.is_meta:
+        return
+    device = local.quantized_data.device
+    local.nf4 = torch.full(local.nf4.shape, float("nan"), dtype=local.nf4.dtype, device=device)
+    local.scaler_mean = torch.full(local.scaler_mean.shape, float("nan"), dtype=local.scaler_mean.dtype, device=device)
 
 
-def is_stranded(weight: torch.Tensor) -> bool:
-    """Whether an NF4 ``weight`` (not an FSDP2 shard) left part of itself on the meta device."""
-    return is_nf4(weight) and not weight.is_meta and weight.nf4.is_meta
+def count_shard_blocks(model: nn.Module) -> None:
+    """Give each FSDP2 shard of an NF4 weight its own block count (torchao's split keeps the whole weight's).
+
+    torchao's ``copy_`` into an NF4 tensor compares block counts with the quantized source, so without this
+    copying values into a shard (rank 0's weights, a checkpoint) recurses without end. The gathered weight
+    dequantizes from its codes and scales alone, so the count it carries does not matter.
+    """
+    for parameter in model.parameters():
+        local = getattr(parameter, "_local_tensor", None)
+        if local is not None and is_nf4(local):
+            local.n_blocks = local.numel() // local.block_size
 
 
 @contextlib.contextmanager
