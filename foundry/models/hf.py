@@ -28,8 +28,8 @@ from foundry.models.base import CausalLM
 from foundry.models.hf_families import NATIVE_MOE
 from foundry.models.lora import LoraConfig, inject_lora, is_adapter_key, reset_lora_parameters
 from foundry.models.lora_checkpoint import lora_checkpoint_hooks
-from foundry.models.nf4 import dense_weights
 from foundry.models.mpt import init_device
+from foundry.models.nf4 import dense_weights
 from foundry.schema import parse_dataclass
 
 _KEY = "model"

@@ -4,7 +4,8 @@
 replaces each targeted ``nn.Linear`` by a ``LoRALinear`` that keeps the same ``weight`` and ``bias``
 parameters (so base checkpoints load by name) and adds ``lora_A`` (r × in) and ``lora_B`` (out × r),
 initialised as PEFT does (A kaiming-uniform, B zeros: the model starts as the base). Every other
-parameter is frozen, so the optimizer sees only the adapters.
+parameter is frozen, so the optimizer sees only the adapters. With ``quantize_base`` (QLoRA) the adapted
+layers' frozen weights are stored in 4-bit NF4 (``foundry.models.nf4``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
@@ -97,7 +98,7 @@ class LoRALinear(nn.Linear):
         """``W + scaling · B A``: the plain linear layer that computes the same function (without dropout)."""
         return dequantize(self.weight) + self.scaling * (self.lora_B.weight @ self.lora_A.weight)
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> LoRALinear:
         super()._apply(fn, recurse)
         place_stranded_parts(self.weight)  # QLoRA after to_empty: the whole NF4 weight on the new device
         return self

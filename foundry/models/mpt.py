@@ -34,8 +34,8 @@ from foundry.models.kv_cache import KVCache, LayerKVCache
 from foundry.models.layers import FFNConfig, NormType, build_ffn, build_norm, ffn_hidden_size
 from foundry.models.lora import LoraConfig, inject_lora, reset_lora_parameters
 from foundry.models.lora_checkpoint import lora_checkpoint_hooks
-from foundry.models.nf4 import dense_weights
 from foundry.models.moe import MoE, moe_config_from_ffn, moe_layers, moe_loss_terms
+from foundry.models.nf4 import dense_weights
 from foundry.schema import parse_dataclass
 
 _KEY = "model"

@@ -132,7 +132,6 @@ def dense_weights(model: nn.Module) -> Iterator[None]:
     quantize_weights(linears)
 
 
-
 def float8_refusal() -> ConfigError:
     """NF4 and float8 both replace how the base's GEMMs read their weights: one model cannot have both."""
     return ConfigError(

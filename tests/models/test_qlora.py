@@ -110,7 +110,9 @@ def test_peft_adapter_and_merged_export_load_in_transformers_alone(tmp_path):
     merged, _ = merged_model(qlora, QLORA_LLAMA)
     to_hf_model(merged, "llama_causal_lm").save_pretrained(tmp_path / "merged")
 
-    adapted = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    adapted = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter"
+    )
     for hf_model in (adapted.eval(), AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()):
         with torch.no_grad():
             torch.testing.assert_close(hf_model(input_ids=input_ids).logits, ours, atol=1e-5, rtol=1e-5)
