@@ -49,9 +49,8 @@ from foundry.distributed.expert_parallel import shard_experts
 from foundry.distributed.fsdp import STRATEGIES, GradientAccumulation, mixed_precision_policy
 from foundry.distributed.mesh import JobMesh, build_mesh, parallel_dims
 from foundry.distributed.process_group import init_process_group
-from foundry.distributed.protocol import blocks_of
+from foundry.distributed.protocol import blocks_of, finish_sharding
 from foundry.errors import ConfigError
-from foundry.models.nf4 import count_shard_blocks
 from foundry.schema import parse_dataclass
 
 log = logging.getLogger(__name__)
@@ -137,7 +136,7 @@ def parallelize(
     # The root (embeddings, final norm, output head) runs last in forward and first in backward: resharding it
     # in between would put an all-gather of the largest parameters on the critical path, every microbatch.
     fully_shard(model, reshard_after_forward=False, **shard_settings)
-    count_shard_blocks(model)  # QLoRA's NF4 weights: their shards can then be filled
+    finish_sharding(model)  # e.g. QLoRA's NF4 shards, made ready to be filled
     if config.forward_prefetch:
         for block, next_block in itertools.pairwise(blocks):
             block.set_modules_to_forward_prefetch([next_block])

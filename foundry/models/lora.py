@@ -21,7 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from foundry.errors import ConfigError, did_you_mean
-from foundry.models.nf4 import dequantize, is_nf4, place_stranded_parts, quantize_weights, torchao_nf4
+from foundry.models.nf4 import (
+    count_shard_blocks,
+    dequantize,
+    is_nf4,
+    place_stranded_parts,
+    quantize_weights,
+    torchao_nf4,
+)
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 _ADAPTER_KEY = re.compile(r"\.lora_[AB]\.weight$")
@@ -102,6 +109,9 @@ class LoRALinear(nn.Linear):
         super()._apply(fn, recurse)
         place_stranded_parts(self.weight)  # QLoRA after to_empty: the whole NF4 weight on the new device
         return self
+
+    def after_sharding(self) -> None:  # foundry.distributed.protocol.ShardedLayer
+        count_shard_blocks(self.weight)
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         """An NF4 base weight is saved as its bf16 values, so checkpoints and exports read as the base's."""

@@ -107,17 +107,16 @@ def place_stranded_parts(weight: torch.Tensor) -> None:
     local.scaler_mean = torch.full(local.scaler_mean.shape, float("nan"), dtype=local.scaler_mean.dtype, device=device)
 
 
-def count_shard_blocks(model: nn.Module) -> None:
-    """Give each FSDP2 shard of an NF4 weight its own block count (torchao's split keeps the whole weight's).
+def count_shard_blocks(weight: torch.Tensor) -> None:
+    """Give an FSDP2 shard of an NF4 weight its own block count (torchao's split keeps the whole weight's).
 
     torchao's ``copy_`` into an NF4 tensor compares block counts with the quantized source, so without this
     copying values into a shard (rank 0's weights, a checkpoint) recurses without end. The gathered weight
     dequantizes from its codes and scales alone, so the count it carries does not matter.
     """
-    for parameter in model.parameters():
-        local = getattr(parameter, "_local_tensor", None)
-        if local is not None and is_nf4(local):
-            local.n_blocks = local.numel() // local.block_size
+    local = getattr(weight, "_local_tensor", None)
+    if local is not None and is_nf4(local):
+        local.n_blocks = local.numel() // local.block_size
 
 
 @contextlib.contextmanager

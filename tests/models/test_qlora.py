@@ -174,7 +174,7 @@ def test_nf4_base_for_a_full_finetune_is_refused_at_start_naming_the_key():
         check_settings(dataclasses.replace(cfg, model={**section, "quantize_base": True}))
 
 
-@pytest.mark.slow  # ~23 s on 2 cores: five 256-wide models quantized, two trained batches
+@pytest.mark.slow  # 11-23 s on the shared 2 cores: five 256-wide models quantized, two trained batches
 def test_adapters_only_qlora_checkpoint_reloads_and_evaluates_on_its_base(tmp_path):
     from helpers import token_batches
 
