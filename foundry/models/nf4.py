@@ -1,6 +1,6 @@
 """QLoRA's frozen base: linear weights stored as 4-bit NormalFloat (NF4) tensors from torchao.
 
-torchao's ``NF4Tensor`` (the one torchtune's QLoRA uses) keeps two 4-bit codes per byte, one fp8 scale per
+torchao's ``NF4Tensor`` (the one torchtune's QLoRA uses) keeps two 4-bit codes per byte, one 8-bit scale per
 64 weights and one fp32 scale per 256 of those (double quantization): about 4.13 bits a weight. It
 implements FSDP2's ``fsdp_pre_all_gather``/``fsdp_post_all_gather``, so ``fully_shard`` splits the codes by
 rows and each block's all-gather moves them in 4 bits; ``F.linear`` dequantizes to the input's dtype.
