@@ -43,6 +43,7 @@ from foundry.core.logger import Logger
 from foundry.core.state import State
 from foundry.distributed.protocol import blocks_of
 from foundry.errors import ConfigError
+from foundry.models.nf4 import float8_refusal, is_nf4
 
 Recipe = Literal["tensorwise", "rowwise"]
 FLOAT8_GEMM_MULTIPLE = 16
@@ -98,6 +99,8 @@ class Float8Training(Algorithm):
 
             precompute_float8_dynamic_scale_for_fsdp(state.model)  # one all-reduce of the shards' amaxes
             return
+        if any(is_nf4(parameter) for parameter in state.model.parameters()):
+            raise float8_refusal()
         require_float8_hardware(state.device)
         names = float8_module_names(state.model, self.keep_first_and_last_blocks, self.exclude)
         if not names:

@@ -29,6 +29,7 @@ from foundry.errors import ConfigError
 from foundry.models.attention import mask_beyond_causal
 from foundry.models.build import build_model, checked_model_config
 from foundry.models.lora_checkpoint import has_pretrained_base
+from foundry.models.nf4 import float8_refusal, full_finetuning_refusal
 from foundry.optim.optimizers import check_hyperparameters
 from foundry.registry import bound_component, build_components, component_factory
 from foundry.schema import config_to_dict, parse_dataclass
@@ -92,6 +93,7 @@ def check_settings(cfg: TrainConfig, world_size: int | None = None) -> None:
     ``world_size`` (the job's ranks; None: not known, those checks wait for the mesh)."""
     _check_hand_over(cfg)
     _check_adapters_only_base(cfg)
+    _check_quantized_base(cfg)
     _check_sections(cfg)
     _check_packing(cfg)
     for source, sections, key in (
@@ -242,6 +244,15 @@ def _check_hand_over(cfg: TrainConfig) -> None:
             "callbacks.hand_over stops the run to be continued elsewhere, from a checkpoint: set save_folder "
             "(a folder every machine reaches) and autoresume: true."
         )
+
+
+def _check_quantized_base(cfg: TrainConfig) -> None:
+    """NF4 base weights (QLoRA) train only as LoRA's frozen base, and not beside float8."""
+    for key in ("quantize_base", "base_dtype"):
+        if key in cfg.model:
+            raise full_finetuning_refusal(f"model.{key}")
+    if (cfg.model.get("peft_config") or {}).get("quantize_base") and "float8" in cfg.algorithms:
+        raise float8_refusal()
 
 
 def _check_adapters_only_base(cfg: TrainConfig) -> None:

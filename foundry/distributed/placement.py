@@ -58,7 +58,7 @@ from foundry.distributed.expert_parallel import shard_experts
 from foundry.distributed.fsdp import STRATEGIES, GradientAccumulation, mixed_precision_policy
 from foundry.distributed.mesh import JobMesh, build_mesh, parallel_dims
 from foundry.distributed.process_group import init_process_group
-from foundry.distributed.protocol import blocks_of, module_initialiser_of, weight_layers_of
+from foundry.distributed.protocol import blocks_of, finish_sharding, module_initialiser_of, weight_layers_of
 from foundry.errors import ConfigError
 from foundry.schema import parse_dataclass
 
@@ -147,6 +147,7 @@ def parallelize(
     # The root (embeddings, final norm, output head) runs last in forward and first in backward: resharding it
     # in between would put an all-gather of the largest parameters on the critical path, every microbatch.
     fully_shard(model, reshard_after_forward=False, **shard_settings)
+    finish_sharding(model)  # e.g. QLoRA's NF4 shards, made ready to be filled
     if config.forward_prefetch:
         for block, next_block in itertools.pairwise(blocks):
             block.set_modules_to_forward_prefetch([next_block])

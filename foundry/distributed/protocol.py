@@ -39,6 +39,22 @@ class AttentionLayer(Protocol):
         ...
 
 
+@runtime_checkable
+class ShardedLayer(Protocol):
+    """A layer whose parameters need adjusting once ``fully_shard`` has replaced them by shards (QLoRA's NF4)."""
+
+    def after_sharding(self) -> None:
+        """Make this layer's sharded parameters ready to be filled and gathered."""
+        ...
+
+
+def finish_sharding(model: nn.Module) -> None:
+    """Call ``after_sharding`` on each layer of ``model`` that declares it."""
+    for module in model.modules():
+        if isinstance(module, ShardedLayer):
+            module.after_sharding()
+
+
 class ExpertExchange(Protocol):
     """How an expert layer's tokens reach experts held on other ranks (set by expert parallelism)."""
 

@@ -30,6 +30,7 @@ from foundry.models.hf_families import NATIVE_MOE
 from foundry.models.lora import LoraConfig, inject_lora, is_adapter_key, reset_lora_parameters
 from foundry.models.lora_checkpoint import lora_checkpoint_hooks
 from foundry.models.mpt import init_device
+from foundry.models.nf4 import dense_weights
 from foundry.schema import parse_dataclass
 
 _KEY = "model"
@@ -130,9 +131,10 @@ class HFCausalLM(CausalLM):
         if self.config.pretrained:
             self.load_pretrained_weights()
             return
-        for module in self.hf_model.modules():
-            self.hf_model._init_weights(module)
-        self.hf_model.tie_weights()
+        with dense_weights(self):  # QLoRA: the init writes bf16 values, quantized again after
+            for module in self.hf_model.modules():
+                self.hf_model._init_weights(module)
+            self.hf_model.tie_weights()
         reset_lora_parameters(self)
 
     def load_pretrained_weights(self) -> None:

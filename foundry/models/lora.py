@@ -4,7 +4,8 @@
 replaces each targeted ``nn.Linear`` by a ``LoRALinear`` that keeps the same ``weight`` and ``bias``
 parameters (so base checkpoints load by name) and adds ``lora_A`` (r × in) and ``lora_B`` (out × r),
 initialised as PEFT does (A kaiming-uniform, B zeros: the model starts as the base). Every other
-parameter is frozen, so the optimizer sees only the adapters.
+parameter is frozen, so the optimizer sees only the adapters. With ``quantize_base`` (QLoRA) the adapted
+layers' frozen weights are stored in 4-bit NF4 (``foundry.models.nf4``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
@@ -20,6 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from foundry.errors import ConfigError, did_you_mean
+from foundry.models.nf4 import (
+    count_shard_blocks,
+    dequantize,
+    is_nf4,
+    place_stranded_parts,
+    quantize_weights,
+    torchao_nf4,
+)
 
 ALL_LINEAR = "all-linear"  # PEFT's shorthand: every linear layer but the output head
 _ADAPTER_KEY = re.compile(r"\.lora_[AB]\.weight$")
@@ -39,6 +48,7 @@ class LoraConfig:
     bias: Literal["none"] = "none"
     use_rslora: bool = False  # scaling alpha / sqrt(r) instead of alpha / r
     save_adapters_only: bool = False  # checkpoints hold the adapters (and their optimizer state), not the base
+    quantize_base: bool = False  # QLoRA: the adapted layers' frozen weights stored in 4-bit NF4 (torchtune's name)
 
     def __post_init__(self) -> None:
         if self.r <= 0:
@@ -50,6 +60,8 @@ class LoraConfig:
                 "'model.peft_config.target_modules' is missing: list the linear layers that get adapters, e.g. "
                 f"[Wqkv, out_proj, up_proj, down_proj], or '{ALL_LINEAR}'."
             )
+        if self.quantize_base:
+            torchao_nf4()  # refused here, at parsing, when torchao is missing
 
     @property
     def scaling(self) -> float:
@@ -86,14 +98,30 @@ class LoRALinear(nn.Linear):
             self.reset_lora_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # An NF4 weight dequantizes to x's dtype inside F.linear, one layer at a time.
         return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     def merged_weight(self) -> torch.Tensor:
         """``W + scaling · B A``: the plain linear layer that computes the same function (without dropout)."""
-        return self.weight + self.scaling * (self.lora_B.weight @ self.lora_A.weight)
+        return dequantize(self.weight) + self.scaling * (self.lora_B.weight @ self.lora_A.weight)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> LoRALinear:
+        super()._apply(fn, recurse)
+        place_stranded_parts(self.weight)  # QLoRA after to_empty: the whole NF4 weight on the new device
+        return self
+
+    def after_sharding(self) -> None:  # foundry.distributed.protocol.ShardedLayer
+        count_shard_blocks(self.weight)
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        """An NF4 base weight is saved as its bf16 values, so checkpoints and exports read as the base's."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if is_nf4(self.weight):
+            destination[prefix + "weight"] = dequantize(self.weight).detach()
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, r={self.lora_A.out_features}, scaling={self.scaling:g}"
+        nf4 = ", base=nf4" if is_nf4(self.weight) else ""
+        return f"{super().extra_repr()}{nf4}, r={self.lora_A.out_features}, scaling={self.scaling:g}"
 
 
 def is_adapter_key(name: str) -> bool:
@@ -116,6 +144,8 @@ def inject_lora(model: nn.Module, config: LoraConfig) -> list[str]:
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         setattr(parent, child_name, LoRALinear(linears[name], config.r, config.scaling, config.lora_dropout))
+    if config.quantize_base:
+        quantize_weights((name, model.get_submodule(name)) for name in targets)
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(is_adapter_key(name))
     return targets

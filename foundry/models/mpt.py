@@ -35,6 +35,7 @@ from foundry.models.layers import FFNConfig, NormType, build_ffn, build_norm, ff
 from foundry.models.lora import LoraConfig, inject_lora, lora_modules, reset_lora_parameters
 from foundry.models.lora_checkpoint import lora_checkpoint_hooks
 from foundry.models.moe import MoE, moe_config_from_ffn, moe_layers, moe_loss_terms
+from foundry.models.nf4 import dense_weights
 from foundry.schema import parse_dataclass
 
 _KEY = "model"
@@ -364,7 +365,8 @@ class MPTCausalLM(CausalLM):
 
     def init_weights(self) -> None:
         """(Re)initialise every parameter in place with ``config.init_config``'s scheme."""
-        init_weights_(self, self.config.init_config, self.config.n_layers, self.config.d_model)
+        with dense_weights(self):  # QLoRA: the init writes bf16 values, quantized again after
+            init_weights_(self, self.config.init_config, self.config.n_layers, self.config.d_model)
         reset_lora_parameters(self)
 
     def module_initialiser(self) -> Callable[[nn.Module], None] | None:
