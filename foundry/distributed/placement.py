@@ -9,14 +9,17 @@ With several ranks, in this order:
 
 1. the job's mesh (``foundry.distributed.mesh``), built once from ``job_dims`` and returned for the run
    to keep (``State.mesh``): ``sharding_strategy`` lays out the data-parallel ranks,
-   ``parallelism.context_parallel_degree`` the ranks that split sequences;
-2. context parallelism: each attention layer the model declares gathers keys and values over ``cp``;
-3. expert parallelism: each expert layer the model declares keeps its share of the experts;
-4. activation checkpointing (and activation CPU offload) around the blocks the model declares; blocks
+   ``parallelism.context_parallel_degree`` the ranks that split sequences, ``tensor_parallel_degree`` the
+   ranks that split layers;
+2. tensor parallelism: the linears the model's plan names split by column or row over ``tp``
+   (``foundry.distributed.tensor_parallel``);
+3. context parallelism: each attention layer the model declares gathers keys and values over ``cp``;
+4. expert parallelism: each expert layer the model declares keeps its share of the experts;
+5. activation checkpointing (and activation CPU offload) around the blocks the model declares; blocks
    already compiled (``compile_config``, at ``Event.INIT``) keep their compiled forward inside the wrapper;
-5. ``fully_shard`` on each block, then on the root (embeddings, final norm, output head), over the
+6. ``fully_shard`` on each block, then on the root (embeddings, final norm, output head), over the
    mesh's ``dp_shard_cp`` axis (with ``dp_replicate`` outside it for HYBRID_SHARD and NO_SHARD);
-6. weights: when some rank built the model on the meta device (or ``sync_module_states`` is set),
+7. weights: when some rank built the model on the meta device (or ``sync_module_states`` is set),
    rank 0 materialises and initialises the full model in host memory, and its weights reach the
    other ranks one parameter at a time, each rank keeping its shard; device memory never holds more
    than a shard plus one parameter. Otherwise every rank already holds the same seeded weights.
@@ -50,6 +53,7 @@ from foundry.distributed.fsdp import STRATEGIES, GradientAccumulation, mixed_pre
 from foundry.distributed.mesh import JobMesh, build_mesh, parallel_dims
 from foundry.distributed.process_group import init_process_group
 from foundry.distributed.protocol import blocks_of
+from foundry.distributed.tensor_parallel import apply_tensor_parallel
 from foundry.errors import ConfigError
 from foundry.schema import parse_dataclass
 
@@ -101,7 +105,7 @@ def parallelize(
         device: this rank's device; the shards live there (on the CPU with ``cpu_offload``).
         precision: the run's precision; ``mixed_precision`` applies only to the amp precisions.
         parallelism: the mesh's degrees beyond data parallelism (``context_parallel_degree``,
-            ``expert_parallel_degree``).
+            ``expert_parallel_degree``, ``tensor_parallel_degree``).
         dims: the job's degrees when the caller resolved them with ``parallelism`` (``job_layout``).
 
     Returns:
@@ -117,9 +121,11 @@ def parallelize(
     # The meta device: a dry run (foundry/config/dry_run.py) on torch's fake process group, never given weights.
     dry_run = device.type == "meta"
     mesh = build_mesh(dims, "cpu" if dry_run else device.type)
+    rank0_weights = None if dry_run else _rank0_weights(model, config.sync_module_states, device)
+    if dims.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
     cp_attention = parallelism.context_parallel_attention
     batches = apply_context_parallel(model, mesh["cp"], cp_attention) if dims.cp > 1 else WholeSequences()
-    rank0_weights = None if dry_run else _rank0_weights(model, config.sync_module_states, device)
     expert_params = shard_experts(model, mesh.ep)  # FSDP leaves them be
     blocks = _wrap_blocks(model, config, device)
     offload = config.cpu_offload and device.type == "cuda"

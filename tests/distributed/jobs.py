@@ -38,9 +38,9 @@ class LossRecorder(LoggerDestination):
             self.losses[step] = metrics["loss/train/total"]
 
 
-def rank_batches(num_batches: int) -> list[dict[str, torch.Tensor]]:
-    """This rank's slice of each of ``num_batches`` fixed global batches."""
-    rank, world_size = get_rank(), get_world_size()
+def rank_batches(num_batches: int, tensor_parallel_degree: int = 1) -> list[dict[str, torch.Tensor]]:
+    """This rank's slice of each of ``num_batches`` fixed global batches (tensor-parallel ranks share one)."""
+    rank, world_size = get_rank() // tensor_parallel_degree, get_world_size() // tensor_parallel_degree
     per_rank = GLOBAL_BATCH_SIZE // world_size
     batches = token_batches(num_batches, GLOBAL_BATCH_SIZE, seq_len=16, vocab_size=MODEL["vocab_size"], seed=0)
     return [{key: value[rank * per_rank : (rank + 1) * per_rank] for key, value in b.items()} for b in batches]
@@ -58,7 +58,9 @@ def build_trainer(
     torch.manual_seed(SEED)  # as builders.build_trainer seeds before building the model
     return Trainer(
         model=build_model(model_keys) if "name" in (model_keys or {}) else MPTCausalLM(**MODEL, **(model_keys or {})),
-        train_dataloader=rank_batches(max_batches),
+        train_dataloader=rank_batches(
+            max_batches, (trainer_kwargs.get("parallelism") or {}).get("tensor_parallel_degree", 1)
+        ),
         max_duration=f"{max_batches}ba",
         optimizers=lambda params: DecoupledAdamW(params, **{"lr": 3e-3, **(optimizer_keys or {})}),
         fsdp_config=fsdp_config,
