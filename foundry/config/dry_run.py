@@ -126,7 +126,9 @@ def dry_run(cfg: TrainConfig, world_size: int, ranks_per_node: int = 8, device_m
     ranks_per_node = min(ranks_per_node, world_size)
     _check_world(world_size, ranks_per_node)
     check_settings(cfg, world_size)  # the parallel degrees against the world size and the model
-    device_batch = device_train_batch_size(cfg.global_train_batch_size, world_size)
+    device_batch = device_train_batch_size(
+        cfg.global_train_batch_size, world_size, cfg.parallelism.tensor_parallel_degree
+    )
     model = _meta_model(cfg.model)
     fsdp_config = cfg.fsdp_config or (FSDPConfig(sharding_strategy="NO_SHARD") if world_size > 1 else None)
     checkpointed = _checkpointed_blocks(model, fsdp_config)

@@ -8,7 +8,7 @@ refuses, naming the key, a shape or feature the plan cannot split; the config ch
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
@@ -17,14 +17,12 @@ from foundry.distributed.tensor_parallel import FusedColwiseParallel
 from foundry.errors import ConfigError
 from foundry.models.layers import ffn_hidden_size
 
-if TYPE_CHECKING:
-    from foundry.models.mpt import MPTConfig
-
 _KEY = "parallelism.tensor_parallel_degree"
 
 
-def check_tensor_parallel(config: MPTConfig, degree: int) -> None:
-    """Whether ``degree`` ranks can split a model of ``config``: heads and FFN width divide, no feature unsplit."""
+def check_tensor_parallel(config: Any, degree: int) -> None:
+    """Whether ``degree`` ranks can split a model of ``config`` (an ``MPTConfig``, which imports this module):
+    heads and FFN width divide, and no feature the plan does not split is on."""
     if degree == 1:
         return
     attn = config.attn_config
@@ -50,7 +48,10 @@ def check_tensor_parallel(config: MPTConfig, degree: int) -> None:
             "to n_heads (multi_head_attention), or the degree to 1."
         )
     hidden = ffn_hidden_size(config.d_model, config.expansion_ratio, config.ffn_config)
-    for key, count in (("model.n_heads", config.n_heads), ("the FFN width (d_model x expansion_ratio)", hidden)):
+    for key, count in (
+        ("model.n_heads", config.n_heads),
+        ("the FFN width (d_model x expansion_ratio, or ffn_hidden_size)", hidden),
+    ):
         if count % degree:
             raise ConfigError(
                 f"'{_KEY}' is {degree}, which does not divide {key} ({count}): each rank holds an equal share. "
