@@ -53,7 +53,11 @@ from foundry.distributed.fsdp import STRATEGIES, GradientAccumulation, mixed_pre
 from foundry.distributed.mesh import JobMesh, build_mesh, parallel_dims
 from foundry.distributed.process_group import init_process_group
 from foundry.distributed.protocol import blocks_of
-from foundry.distributed.tensor_parallel import apply_tensor_parallel
+from foundry.distributed.tensor_parallel import (
+    apply_tensor_parallel,
+    check_fsdp_shards_compose,
+    fsdp_shard_placement,
+)
 from foundry.errors import ConfigError
 from foundry.schema import parse_dataclass
 
@@ -124,6 +128,7 @@ def parallelize(
     rank0_weights = None if dry_run else _rank0_weights(model, config.sync_module_states, device)
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
+        check_fsdp_shards_compose(model, mesh.dp_shard_cp.size())
     cp_attention = parallelism.context_parallel_attention
     batches = apply_context_parallel(model, mesh["cp"], cp_attention) if dims.cp > 1 else WholeSequences()
     expert_params = shard_experts(model, mesh.ep)  # FSDP leaves them be
@@ -134,6 +139,7 @@ def parallelize(
         "mp_policy": mixed_precision_policy(config.mixed_precision, precision),
         "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
         "ignored_params": expert_params or None,
+        "shard_placement_fn": fsdp_shard_placement if dims.tp > 1 else None,
     }
     for index, block in enumerate(blocks):
         # The last block would be gathered again at once for backward: keeping it whole saves an all-gather.

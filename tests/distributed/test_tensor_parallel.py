@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed.jobs import build_trainer
+from distributed.jobs import build_trainer, train
 from foundry.algorithms.gradient_clipping import GradientClipping
+from foundry.callbacks.hand_over import HandOver
 
 NUM_BATCHES = 8
 CLIPPING_THRESHOLD = 0.05
@@ -21,7 +22,9 @@ MODELS = {
 }  # fmt: skip
 
 
-def clipped_accumulated_run(folder: str, model_keys: dict, parallelism: dict | None) -> dict | None:
+def clipped_accumulated_run(
+    folder: str, model_keys: dict, parallelism: dict | None, fsdp_config: dict | None = None
+) -> dict | None:
     """``NUM_BATCHES`` steps, each of 2 microbatches, every gradient clipped; losses, norms and final weights."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
@@ -36,8 +39,9 @@ def clipped_accumulated_run(folder: str, model_keys: dict, parallelism: dict | N
             norms.append(float(state.grad_norm))
 
     trainer = build_trainer(
-        NUM_BATCHES, folder, model_keys=model_keys, parallelism=parallelism, device_train_microbatch_size=2,
-        algorithms=[clipping, RecordNorm()], optimizer_keys={"lr": 1e-3, "weight_decay": 1e-3},
+        NUM_BATCHES, folder, fsdp_config, model_keys=model_keys, parallelism=parallelism,
+        device_train_microbatch_size=2, algorithms=[clipping, RecordNorm()],
+        optimizer_keys={"lr": 1e-3, "weight_decay": 1e-3},
     )  # fmt: skip
     trainer.fit()
     parameters = list(trainer.state.model.parameters())
@@ -66,3 +70,19 @@ def test_tp2_matches_one_rank_over_clipped_accumulated_steps(ranks, family, tmp_
     assert tp2["weights"].keys() == one["weights"].keys()
     for name, weight in one["weights"].items():
         torch.testing.assert_close(tp2["weights"][name], weight, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("saved_by", "loaded_by"), [((2, TP2), (1, None)), ((1, None), (2, TP2))], ids=["tp2-to-1", "1-to-tp2"]
+)
+def test_a_checkpoint_moves_between_tensor_parallel_and_one_rank(ranks, saved_by, loaded_by, tmp_path):
+    lr = {"optimizer_keys": {"lr": 1e-3}}  # see above
+    uninterrupted = ranks.run(1, train, 6, str(tmp_path / "uninterrupted"), **lr)[0]
+    relaunch = {"callbacks": [HandOver("3ba")], "save_folder": str(tmp_path / "ckpt"), "autoresume": True, **lr}
+    first = ranks.run(saved_by[0], train, 6, str(tmp_path), parallelism=saved_by[1], **relaunch)[0]
+    second = ranks.run(loaded_by[0], train, 6, str(tmp_path), parallelism=loaded_by[1], **relaunch)[0]
+    assert (first["batch"], second["batch"]) == (3, 6)
+    for step, loss in second["losses"].items():
+        assert loss == pytest.approx(uninterrupted["losses"][step], abs=1e-5), step
+    for name, weight in uninterrupted["weights"].items():
+        torch.testing.assert_close(second["weights"][name], weight, atol=1e-5, rtol=0, msg=name)
