@@ -143,13 +143,16 @@ TP_LLAMA = {"name": "llama_causal_lm", "d_model": 32, "n_heads": 4, "n_layers": 
             2,
             "'test_builders_lm' declares no tensor-parallel",
         ),
+        ({**TP_LLAMA, "kv_n_heads": None, "icl_tasks": True}, {"tensor_parallel_degree": 2}, 2, "icl_tasks are set"),
     ],
-    ids=["gqa", "world", "with-cp", "no-plan"],
+    ids=["gqa", "world", "with-cp", "no-plan", "icl"],
 )
 def test_tensor_parallel_degree_is_checked_before_any_rank_starts(tmp_path, model, parallelism, world_size, named):
     from foundry.distributed.config import ParallelismConfig
 
-    cfg = make_config(tmp_path, model=model, parallelism=ParallelismConfig(**parallelism))
+    icl = {"icl_tasks": [{"label": "t", "dataset_uri": "t.jsonl", "icl_task_type": "language_modeling"}]}
+    icl = icl if model.pop("icl_tasks", None) else {}
+    cfg = make_config(tmp_path, model=model, parallelism=ParallelismConfig(**parallelism), **icl)
     with pytest.raises(ConfigError, match=f"tensor_parallel_degree' is 2.*{named}"):
         builders.check_settings(cfg, world_size)
 

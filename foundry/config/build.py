@@ -136,6 +136,12 @@ def _check_model_and_parallelism(cfg: TrainConfig, world_size: int | None) -> No
                 "no tensor-parallel plan (mpt_causal_lm and llama_causal_lm do). Set the degree to 1."
             )
         check_tensor_parallel(model_config, degree)
+        if cfg.icl_tasks:  # the evaluator gives each rank its own batches; tp ranks must run the same ones
+            raise ConfigError(
+                f"'parallelism.tensor_parallel_degree' is {degree} but icl_tasks are set; ICL evaluation does not run "
+                "under tensor parallelism yet. Remove icl_tasks (evaluate the checkpoint with `foundry eval`), or "
+                "set the degree to 1."
+            )
     attn_config = getattr(model_config, "attn_config", None)  # foundry's families; hf_causal_lm has none
     if parallelism.context_parallel_degree > 1 and attn_config is not None and (key := mask_beyond_causal(attn_config)):
         refuse_mask_key(key)
