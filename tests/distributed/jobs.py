@@ -11,10 +11,12 @@ from typing import Any
 
 import torch
 from helpers import builds_graphs, token_batches
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from foundry.core import LoggerDestination
 from foundry.distributed import get_rank, get_world_size
+from foundry.distributed.tensor_parallel import gather_parts
 from foundry.models import MPTCausalLM
 from foundry.models.build import build_model
 from foundry.optim import DecoupledAdamW
@@ -93,7 +95,7 @@ def train_compiled(
 
 def summary(trainer: Trainer) -> dict[str, Any] | None:
     """Losses by batch, full weights (gathered from the shards) and the stop reason, on rank 0 only."""
-    weights = get_model_state_dict(trainer.state.model, options=StateDictOptions(full_state_dict=True))
+    weights = full_weights(trainer.state.model)
     if get_rank() != 0:
         return None
     recorder = next(d for d in trainer.logger.destinations if isinstance(d, LossRecorder))
@@ -103,6 +105,13 @@ def summary(trainer: Trainer) -> dict[str, Any] | None:
         "stop_reason": trainer.state.stop_reason,
         "batch": trainer.state.timestamp.batch,
     }
+
+
+def full_weights(model: Any) -> dict[str, torch.Tensor]:
+    """Every rank's shards gathered into whole tensors (tensor-parallel parts regrouped by hand, which torch
+    2.11's DTensor cannot do)."""
+    state = gather_parts(get_model_state_dict(model))
+    return {name: value.full_tensor() if isinstance(value, DTensor) else value for name, value in state.items()}
 
 
 def initial_weights(folder: str, fsdp_config: dict[str, Any] | None = None, **kwargs: Any) -> dict | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed.jobs import build_trainer, train
+from distributed.jobs import build_trainer, full_weights, train
 from foundry.algorithms.gradient_clipping import GradientClipping
 from foundry.callbacks.hand_over import HandOver
 
@@ -26,7 +26,6 @@ def clipped_accumulated_run(
     folder: str, model_keys: dict, parallelism: dict | None, fsdp_config: dict | None = None
 ) -> dict | None:
     """``NUM_BATCHES`` steps, each of 2 microbatches, every gradient clipped; losses, norms and final weights."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.tensor import DTensor
 
     from foundry.distributed import get_rank
@@ -46,7 +45,7 @@ def clipped_accumulated_run(
     trainer.fit()
     parameters = list(trainer.state.model.parameters())
     held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in parameters)
-    weights = get_model_state_dict(trainer.state.model, options=StateDictOptions(full_state_dict=True))
+    weights = full_weights(trainer.state.model)
     if get_rank() != 0:
         return None
     losses = next(d for d in trainer.logger.destinations if hasattr(d, "losses")).losses
