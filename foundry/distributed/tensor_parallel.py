@@ -1,6 +1,6 @@
 """Tensor parallelism: each block's linears split by column or row over the mesh's ``tp`` axis (Megatron's layout).
 
-The model declares its plan (``ParallelModel.tensor_parallel_plan``): which linears split by column (their
+The model declares its plan (``TensorParallelModel.tensor_parallel_plan``): which linears split by column (their
 outputs, e.g. attention's query/key/value and the FFN's up projection, each rank computing its heads or its
 share of the hidden width) and which by row (the projections back to ``d_model``, whose partial sums are
 all-reduced). Everything outside the plan (embeddings, norms, the output head) stays whole on every ``tp`` rank,
