@@ -117,6 +117,46 @@ def test_indivisible_global_batch_names_both_numbers() -> None:
         device_train_batch_size(10, 4)
 
 
+def test_tensor_parallel_ranks_share_their_samples() -> None:
+    assert device_train_batch_size(8, 4, tensor_parallel_degree=2) == 4
+    with pytest.raises(ConfigError, match=r"different samples \(3: 6 processes / parallelism.tensor_parallel_degree 2"):
+        device_train_batch_size(8, 6, tensor_parallel_degree=2)
+
+
+TP_LLAMA = {"name": "llama_causal_lm", "d_model": 32, "n_heads": 4, "n_layers": 2, "vocab_size": 64, "max_seq_len": 16}
+
+
+@pytest.mark.parametrize(
+    ("model", "parallelism", "world_size", "named"),
+    [
+        ({**TP_LLAMA, "kv_n_heads": 2}, {"tensor_parallel_degree": 2}, 2, "2 key/value heads for 4 query heads"),
+        ({**TP_LLAMA, "kv_n_heads": None}, {"tensor_parallel_degree": 2}, 3, "does not divide the 3 ranks"),
+        (
+            {**TP_LLAMA, "kv_n_heads": None},
+            {"tensor_parallel_degree": 2, "context_parallel_degree": 2},
+            4,
+            "'parallelism.context_parallel_degree' is 2; foundry does not combine tensor parallelism",
+        ),
+        (
+            {"name": "test_builders_lm"},
+            {"tensor_parallel_degree": 2},
+            2,
+            "'test_builders_lm' declares no tensor-parallel",
+        ),
+        ({**TP_LLAMA, "kv_n_heads": None, "icl_tasks": True}, {"tensor_parallel_degree": 2}, 2, "icl_tasks are set"),
+    ],
+    ids=["gqa", "world", "with-cp", "no-plan", "icl"],
+)
+def test_tensor_parallel_degree_is_checked_before_any_rank_starts(tmp_path, model, parallelism, world_size, named):
+    from foundry.distributed.config import ParallelismConfig
+
+    icl = {"icl_tasks": [{"label": "t", "dataset_uri": "t.jsonl", "icl_task_type": "language_modeling"}]}
+    icl = icl if model.pop("icl_tasks", None) else {}
+    cfg = make_config(tmp_path, model=model, parallelism=ParallelismConfig(**parallelism), **icl)
+    with pytest.raises(ConfigError, match=f"tensor_parallel_degree' is 2.*{named}"):
+        builders.check_settings(cfg, world_size)
+
+
 # --------------------------------------------------------------------------------------- models
 def test_model_is_built_from_its_section() -> None:
     model = build_model({"name": "test_builders_lm", "vocab_size": 48}, FakeTokenizer("x", 40))

@@ -381,3 +381,26 @@ def test_a_component_that_takes_no_keys_refuses_one_by_name() -> None:
 
     with pytest.raises(ConfigError, match=r"Unknown key 'callbacks\.lr_monitor\.x'.*'callbacks\.lr_monitor': none\."):
         registry.bound_component(registry.callbacks, "lr_monitor", {"x": 1}, "callbacks.lr_monitor")
+
+
+# ---------------------------------------------------------------------------------- tp_config
+def test_llm_foundry_tp_config_sets_the_tensor_parallel_degree(tmp_path: Path) -> None:
+    cfg, _ = load_train_config(write(tmp_path, MINIMAL + "tp_config:\n  tensor_parallel_degree: 2\n"))
+    assert cfg.parallelism.tensor_parallel_degree == 2
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ("tp_config:\n  strategy: ffn\n  tensor_parallel_degree: 2\n", "'tp_config.strategy' has no foundry"),
+        ("tp_config:\n  layer_plan: {}\n", "'tp_config.layer_plan' has no foundry"),
+        (
+            "tp_config:\n  tensor_parallel_degree: 2\nparallelism:\n  tensor_parallel_degree: 4\n",
+            "'tp_config.tensor_parallel_degree' is 2 but 'parallelism.tensor_parallel_degree' is 4",
+        ),
+    ],
+    ids=["strategy", "layer_plan", "two-degrees"],
+)
+def test_tp_config_keys_without_an_equivalent_are_refused_by_name(tmp_path: Path, extra: str, named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        load_train_config(write(tmp_path, MINIMAL + extra))

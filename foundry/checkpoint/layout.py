@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 
 from foundry.core.state import State
 from foundry.core.time import Timestamp
+from foundry.distributed.tensor_parallel import gather_parts
 from foundry.errors import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,11 @@ def checkpoint_name(timestamp: Timestamp) -> str:
 
 
 def tensor_state(state: State, model_only: bool = False) -> dict[str, Any]:
+    """Model and optimizer state keyed by parameter name as DCP writes it: tensor-parallel parts gathered."""
+    return gather_parts(native_tensor_state(state, model_only))
+
+
+def native_tensor_state(state: State, model_only: bool = False) -> dict[str, Any]:
     """Model and optimizer state keyed by parameter name (``get_state_dict`` also handles FSDP2)."""
     if model_only or not state.optimizers:
         return {"model": get_model_state_dict(state.model)}

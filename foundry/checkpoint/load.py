@@ -21,11 +21,11 @@ from foundry.checkpoint.hooks import checkpoint_hooks
 from foundry.checkpoint.integrity import no_intact_checkpoint, verify_checkpoint
 from foundry.checkpoint.layout import (
     META_FILE,
+    native_tensor_state,
     root_cause,
     set_aside,
     single_process_quiet,
     stateful_key_pairs,
-    tensor_state,
 )
 from foundry.checkpoint.meta import dotted_leaves, model_section, model_section_of, read_meta
 from foundry.checkpoint.remote import newest_intact_on_store
@@ -35,6 +35,7 @@ from foundry.core.paths import is_object_store_url
 from foundry.core.state import State
 from foundry.core.time import Timestamp
 from foundry.distributed.env import barrier
+from foundry.distributed.tensor_parallel import gather_parts, split_parts_like
 from foundry.errors import CheckpointError, ConfigError, DamagedCheckpointError
 
 log = logging.getLogger(__name__)
@@ -167,11 +168,12 @@ _MODEL_MISMATCH_FIX = (
 def _load_tensors(path: Path, state: State, *, weights_only: bool, strict: bool, model_change: str = "") -> None:
     reader = SafeFileSystemReader(path)
     saved_keys = set(reader.read_metadata().state_dict_metadata)
-    wanted = tensor_state(state, model_only=weights_only)
+    native = native_tensor_state(state, model_only=weights_only)
     absent: set[str] = set()
     if strict:
-        absent = _check_model_keys(path, state.model, set(wanted["model"]), saved_keys, model_change)
-        wanted["model"] = {key: value for key, value in wanted["model"].items() if key not in absent}
+        absent = _check_model_keys(path, state.model, set(native["model"]), saved_keys, model_change)
+        native["model"] = {key: value for key, value in native["model"].items() if key not in absent}
+    wanted = gather_parts(native)
     if "optim" in wanted and not any(key.startswith("optim.") for key in saved_keys):
         raise CheckpointError(
             f"Checkpoint {path} holds no optimizer state. Pass load_weights_only=True to load only its model."
@@ -187,6 +189,7 @@ def _load_tensors(path: Path, state: State, *, weights_only: bool, strict: bool,
         raise CheckpointError(
             f"Cannot load the tensors of checkpoint {path} ({type(cause).__name__}: {cause}).{fix}"
         ) from exc
+    wanted = split_parts_like(wanted, native)
     options = StateDictOptions(strict=strict and not absent)
     if "optim" in wanted:
         set_state_dict(

@@ -64,7 +64,8 @@ class TrainConfig(ConsoleConfig, EvalConfig, CheckpointConfig, RunConfig):  # fi
     parallelism: ParallelismConfig = field(
         default_factory=ParallelismConfig,
         metadata=doc(
-            "degrees of the device mesh beyond data parallelism: context_parallel_degree, expert_parallel_degree"
+            "degrees of the device mesh beyond data parallelism: context_parallel_degree, expert_parallel_degree, "
+            "tensor_parallel_degree (LLM Foundry's tp_config.tensor_parallel_degree)"
         ),
     )
     dist_timeout: float = field(default=600.0, metadata=doc("seconds before a stuck collective fails"))
@@ -134,7 +135,7 @@ def _prepare(data: dict[str, Any]) -> dict[str, Any]:
     """Top-level checks with better messages than a generic parse, before ``parse_dataclass`` runs."""
     hints = typing.get_type_hints(TrainConfig)
     prepared = {}
-    for key, value in data.items():
+    for key, value in _with_tp_config(data).items():
         if key not in hints:
             raise ConfigError(
                 f"Unknown top-level key '{key}'.{did_you_mean(str(key), hints)} `foundry train --help` lists every "
@@ -148,3 +149,31 @@ def _prepare(data: dict[str, Any]) -> dict[str, Any]:
             continue  # an empty YAML value (`callbacks:`) means the default
         prepared[key] = value
     return prepared
+
+
+def _with_tp_config(data: dict[str, Any]) -> dict[str, Any]:
+    """LLM Foundry's ``tp_config`` as ``parallelism.tensor_parallel_degree``; its other keys are refused by name
+    (foundry's models declare their own plan)."""
+    if "tp_config" not in data:
+        return data
+    data = dict(data)
+    tp_config = data.pop("tp_config") or {}
+    if not isinstance(tp_config, dict):
+        raise ConfigError(f"'tp_config' is {tp_config!r}; write 'parallelism: {{tensor_parallel_degree: 2}}'.")
+    for key in tp_config:
+        if key != "tensor_parallel_degree":
+            raise ConfigError(
+                f"'tp_config.{key}' has no foundry equivalent: each model family declares which layers tensor "
+                "parallelism splits (mpt_causal_lm and llama_causal_lm: attention and FFN). Remove the key and write "
+                "'parallelism: {tensor_parallel_degree: N}'."
+            )
+    degree = tp_config.get("tensor_parallel_degree")
+    parallelism = dict(data.get("parallelism") or {})
+    if degree is not None:
+        if parallelism.get("tensor_parallel_degree", degree) != degree:
+            raise ConfigError(
+                f"'tp_config.tensor_parallel_degree' is {degree} but 'parallelism.tensor_parallel_degree' is "
+                f"{parallelism['tensor_parallel_degree']}; they name the same degree. Keep only the parallelism key."
+            )
+        data["parallelism"] = {**parallelism, "tensor_parallel_degree": degree}
+    return data

@@ -29,7 +29,9 @@ from foundry.errors import ConfigError
 from foundry.models.attention import mask_beyond_causal
 from foundry.models.build import build_model, checked_model_config
 from foundry.models.lora_checkpoint import has_pretrained_base
+from foundry.models.mpt import MPTConfig
 from foundry.models.nf4 import float8_refusal, full_finetuning_refusal
+from foundry.models.tp_plan import check_tensor_parallel
 from foundry.optim.optimizers import check_hyperparameters
 from foundry.registry import bound_component, build_components, component_factory
 from foundry.schema import config_to_dict, parse_dataclass
@@ -45,7 +47,9 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
         resolved: the resolved YAML, stored in checkpoints and sent to loggers (default: ``cfg`` as a dict).
     """
     checkpointer = check_config(cfg, env.get_world_size())
-    device_batch_size = device_train_batch_size(cfg.global_train_batch_size, env.get_world_size())
+    # Tensor-parallel ranks load the same samples: streaming's replication, the finetuning loader's rank groups
+    replication = parse_dataclass(ParallelismConfig, cfg.parallelism, "parallelism").tensor_parallel_degree
+    device_batch_size = device_train_batch_size(cfg.global_train_batch_size, env.get_world_size(), replication)
     if cfg.device:
         torch_device(cfg.device)
     # Cheapest first, the model last: a typo or a missing data folder fails before a big model is built.
@@ -57,8 +61,10 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
     check_hyperparameters(optimizer_factory.keywords)
     check_datasets(cfg)  # a wrong data folder is named before the tokenizer that may sit inside it is read
     tokenizer = build_tokenizer(cfg.tokenizer)
-    train_dataloader = build_dataloader(cfg.train_loader, tokenizer, device_batch_size, "train_loader")
-    eval_dataloaders = build_eval_dataloaders(cfg, tokenizer)
+    train_dataloader = build_dataloader(
+        cfg.train_loader, tokenizer, device_batch_size, "train_loader", replication=replication
+    )
+    eval_dataloaders = build_eval_dataloaders(cfg, tokenizer, replication)
     seed_everything(cfg.seed)  # the model's initial weights depend on the seed alone
     return Trainer(
         build_model(cfg.model, tokenizer),
@@ -109,8 +115,11 @@ def check_settings(cfg: TrainConfig, world_size: int | None = None) -> None:
         optimizer = component_factory(registry.optimizers, cfg.optimizer, "optimizer", supplied=("params",))
         check_hyperparameters(optimizer.keywords)
     _check_model_and_parallelism(cfg, world_size)
-    if world_size is not None:
-        device_train_batch_size(cfg.global_train_batch_size, world_size)  # each rank loads an equal share
+    if world_size is not None:  # each group of ranks loading different samples loads an equal share
+        tensor_parallel_degree = parse_dataclass(
+            ParallelismConfig, cfg.parallelism, "parallelism"
+        ).tensor_parallel_degree
+        device_train_batch_size(cfg.global_train_batch_size, world_size, tensor_parallel_degree)
 
 
 def _check_model_and_parallelism(cfg: TrainConfig, world_size: int | None) -> None:
@@ -122,6 +131,19 @@ def _check_model_and_parallelism(cfg: TrainConfig, world_size: int | None) -> No
             warnings.simplefilter("ignore", FutureWarning)
             parallelism = with_fsdp_aliases(parallelism, cfg.fsdp_config)
     check_parallelism(parallelism, world_size, getattr(model_config, "num_experts", None))
+    if (degree := parallelism.tensor_parallel_degree) > 1:
+        if not isinstance(model_config, MPTConfig):
+            raise ConfigError(
+                f"'parallelism.tensor_parallel_degree' is {degree} but model.name {cfg.model.get('name')!r} declares "
+                "no tensor-parallel plan (mpt_causal_lm and llama_causal_lm do). Set the degree to 1."
+            )
+        check_tensor_parallel(model_config, degree)
+        if cfg.icl_tasks:  # the evaluator gives each rank its own batches; tp ranks must run the same ones
+            raise ConfigError(
+                f"'parallelism.tensor_parallel_degree' is {degree} but icl_tasks are set; ICL evaluation does not run "
+                "under tensor parallelism yet. Remove icl_tasks (evaluate the checkpoint with `foundry eval`), or "
+                "set the degree to 1."
+            )
     attn_config = getattr(model_config, "attn_config", None)  # foundry's families; hf_causal_lm has none
     if parallelism.context_parallel_degree > 1 and attn_config is not None and (key := mask_beyond_causal(attn_config)):
         refuse_mask_key(key)
@@ -145,15 +167,23 @@ def torch_device(name: str) -> Any:
         raise ConfigError(f"'device' is {name!r}, which torch does not know; use cpu, cuda or cuda:N.") from None
 
 
-def device_train_batch_size(global_train_batch_size: int, world_size: int) -> int:
-    """Samples each process loads per batch: the global batch split evenly over processes."""
-    if global_train_batch_size % world_size:
-        lower = global_train_batch_size - global_train_batch_size % world_size
-        raise ConfigError(
-            f"global_train_batch_size ({global_train_batch_size}) is not divisible by the number of processes "
-            f"({world_size}). Set it to a multiple of {world_size}, e.g. {lower or world_size} or {lower + world_size}."
+def device_train_batch_size(global_train_batch_size: int, world_size: int, tensor_parallel_degree: int = 1) -> int:
+    """Samples each process loads per batch: the global batch split evenly over the processes that load different
+    samples (``tensor_parallel_degree`` ranks load the same ones)."""
+    sample_ranks = world_size // tensor_parallel_degree
+    if global_train_batch_size % sample_ranks:
+        lower = global_train_batch_size - global_train_batch_size % sample_ranks
+        processes = (
+            f"the number of processes ({world_size})"
+            if tensor_parallel_degree == 1
+            else f"the number of processes that load different samples ({sample_ranks}: {world_size} processes / "
+            f"parallelism.tensor_parallel_degree {tensor_parallel_degree})"
         )
-    return global_train_batch_size // world_size
+        raise ConfigError(
+            f"global_train_batch_size ({global_train_batch_size}) is not divisible by {processes}. Set it to a "
+            f"multiple of {sample_ranks}, e.g. {lower or sample_ranks} or {lower + sample_ranks}."
+        )
+    return global_train_batch_size // sample_ranks
 
 
 def build_tokenizer(cfg: TokenizerConfig) -> Any:
@@ -173,12 +203,18 @@ _LOADER_ARGUMENTS = (
 
 
 def build_dataloader(
-    cfg: LoaderConfig, tokenizer: Any, device_batch_size: int, key_path: str, for_eval: bool = False
+    cfg: LoaderConfig,
+    tokenizer: Any,
+    device_batch_size: int,
+    key_path: str,
+    for_eval: bool = False,
+    replication: int = 1,
 ) -> Iterable:
     """The registered dataloader ``cfg.name`` for this process's share of each batch.
 
     ``for_eval``: a loader that can tag each sample with its index in the dataset (``sample_indices``)
-    does, so that evaluation counts a sample once when the ranks' shares repeat it.
+    does, so that evaluation counts a sample once when the ranks' shares repeat it. ``replication``: how many
+    consecutive ranks load the same samples (the tensor-parallel degree); a loader that cannot is refused.
     """
     settings = {field: getattr(cfg, field) for field in _LOADER_ARGUMENTS}
     factory = bound_component(registry.dataloaders, cfg.name, settings, key_path, f"{key_path}.name")
@@ -187,11 +223,20 @@ def build_dataloader(
     extra: dict[str, Any] = {"key_path": key_path} if "key_path" in parameters else {}
     if for_eval and "sample_indices" in parameters:
         extra["sample_indices"] = True
+    if replication > 1:
+        if "replication" not in parameters:
+            raise ConfigError(
+                f"'{key_path}.name' is {cfg.name!r}, a loader that cannot give tensor-parallel ranks the same samples "
+                "(parallelism.tensor_parallel_degree > 1); the text and finetuning loaders can. Use one of them, or "
+                "set the degree to 1."
+            )
+        extra["replication"] = replication
     return factory(tokenizer=tokenizer, device_batch_size=device_batch_size, **extra)
 
 
-def build_eval_dataloaders(cfg: TrainConfig, tokenizer: Any) -> dict[str, Iterable]:
-    """``{label: loader}`` for ``eval_loader`` (label ``eval`` unless set) or each of ``eval_loaders``."""
+def build_eval_dataloaders(cfg: TrainConfig, tokenizer: Any, replication: int = 1) -> dict[str, Iterable]:
+    """``{label: loader}`` for ``eval_loader`` (label ``eval`` unless set) or each of ``eval_loaders``;
+    ``replication`` as for ``build_dataloader``."""
     if cfg.eval_loader is None and not cfg.eval_loaders:
         return {}
     if cfg.device_eval_batch_size is None:
@@ -206,7 +251,9 @@ def build_eval_dataloaders(cfg: TrainConfig, tokenizer: Any) -> dict[str, Iterab
             raise ConfigError(f"'{key_path}.label' is missing: each of several eval loaders needs a label.")
         if label in loaders:
             raise ConfigError(f"'{key_path}.label' is '{label}', which another eval loader already uses.")
-        loaders[label] = build_dataloader(loader, tokenizer, cfg.device_eval_batch_size, key_path, for_eval=True)
+        loaders[label] = build_dataloader(
+            loader, tokenizer, cfg.device_eval_batch_size, key_path, for_eval=True, replication=replication
+        )
     return loaders
 
 

@@ -126,6 +126,11 @@ def dry_run(cfg: TrainConfig, world_size: int, ranks_per_node: int = 8, device_m
     ranks_per_node = min(ranks_per_node, world_size)
     _check_world(world_size, ranks_per_node)
     check_settings(cfg, world_size)  # the parallel degrees against the world size and the model
+    if cfg.parallelism.tensor_parallel_degree > 1:
+        raise ConfigError(
+            f"'parallelism.tensor_parallel_degree' is {cfg.parallelism.tensor_parallel_degree}; the dry run does not "
+            "plan tensor parallelism yet (its memory and collectives). Plan the layout with the degree at 1."
+        )
     device_batch = device_train_batch_size(cfg.global_train_batch_size, world_size)
     model = _meta_model(cfg.model)
     fsdp_config = cfg.fsdp_config or (FSDPConfig(sharding_strategy="NO_SHARD") if world_size > 1 else None)

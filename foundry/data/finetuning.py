@@ -60,6 +60,7 @@ class FinetuningDataLoader:
         device_batch_size: int,
         pad_token_id: int,
         drop_last: bool,
+        replication: int = 1,
     ) -> None:
         self.input_ids = [input_ids for input_ids, _ in examples]
         self.labels = [labels for _, labels in examples]
@@ -68,7 +69,8 @@ class FinetuningDataLoader:
         self.device_batch_size = device_batch_size
         self.pad_token_id = pad_token_id
         self.drop_last = drop_last
-        self.rank, self.world_size = get_rank(), get_world_size()
+        # ``replication`` consecutive ranks (tensor-parallel ones) load the same rows
+        self.rank, self.world_size = get_rank() // replication, get_world_size() // replication
         self.epoch = 0
         self.batch_in_epoch = 0
         self._resume_at: int | None = None
@@ -149,12 +151,14 @@ def build_finetuning_dataloader(
     persistent_workers: bool = LOADER_DEFAULTS.persistent_workers,
     timeout: float = LOADER_DEFAULTS.timeout,
     key_path: str = "train_loader",
+    replication: int = 1,
 ) -> FinetuningDataLoader:
     """Build LLM Foundry's ``finetuning`` loader; rows are read and tokenized here, once.
 
     The worker keys (``num_workers``, ``pin_memory``, ``prefetch_factor``, ``persistent_workers``,
     ``timeout``) are accepted for LLM Foundry YAMLs and have no effect: batches are slices of
-    already-tokenized examples, assembled in the training process.
+    already-tokenized examples, assembled in the training process. ``replication``: how many consecutive ranks
+    load the same rows (tensor parallelism).
     """
     check_bounds({"num_workers": num_workers, "prefetch_factor": prefetch_factor, "timeout": timeout}, key_path)
     del num_workers, pin_memory, prefetch_factor, persistent_workers, timeout
@@ -182,7 +186,9 @@ def build_finetuning_dataloader(
             f"and target_prompts/target_responses."
         )
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_id
-    loader = FinetuningDataLoader(examples, config, counts, device_batch_size, pad_token_id or 0, drop_last)
+    loader = FinetuningDataLoader(
+        examples, config, counts, device_batch_size, pad_token_id or 0, drop_last, replication
+    )
     log_level = logging.WARNING if counts.kept < counts.rows or counts.truncated else logging.INFO
     log.log(log_level, "%s: %s; %s.", key_path, counts, loader.packing_summary())
     return loader

@@ -108,6 +108,7 @@ def build_text_dataloader(
     timeout: float = LOADER_DEFAULTS.timeout,
     key_path: str = "train_loader",
     sample_indices: bool = False,
+    replication: int = 1,
 ) -> DataLoader:
     """Build LLM Foundry's ``text`` loader over a local (or remote) MDS dataset.
 
@@ -121,6 +122,8 @@ def build_text_dataloader(
         sample_indices: add each sample's index in the dataset as ``batch["sample_index"]`` (eval
             loaders: streaming pads the ranks' shares with repeated samples, which evaluation then
             counts once; ``foundry.batches.drop_repeated_samples``).
+        replication: how many consecutive ranks load the same samples (tensor parallelism; streaming's
+            ``replication``).
 
     Returns:
         A ``TextDataLoader`` (a ``StreamingDataLoader``) whose ``state_dict()``/``load_state_dict()`` resume
@@ -143,6 +146,7 @@ def build_text_dataloader(
         streams=streams,
         batch_size=device_batch_size,
         sample_indices=sample_indices,
+        replication=replication if replication > 1 else None,
         **config.streaming_kwargs(),
     )
     try:

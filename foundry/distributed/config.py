@@ -133,7 +133,21 @@ class ParallelismConfig:
         ),
     )
 
+    tensor_parallel_degree: int = field(
+        default=1,
+        metadata=doc(
+            "ranks that split each linear layer of a block by column or row as the model's plan says, seeing the "
+            "same samples (Megatron-style tensor parallelism, the mesh's innermost 'tp' axis, 2-D with FSDP2); "
+            "must divide the number of ranks and the model's heads and FFN width. 1: every rank holds whole layers"
+        ),
+    )
+
     def __post_init__(self) -> None:
+        if self.tensor_parallel_degree < 1:
+            raise ConfigError(
+                f"'parallelism.tensor_parallel_degree' is {self.tensor_parallel_degree}; it must be 1 (off) or a "
+                "number of ranks that divides the world size, e.g. 2."
+            )
         if self.context_parallel_degree < 1:
             raise ConfigError(
                 f"'parallelism.context_parallel_degree' is {self.context_parallel_degree}; it must be 1 (off) or a "
@@ -181,16 +195,31 @@ def check_parallelism(parallelism: ParallelismConfig, world_size: int | None, nu
     ``world_size``: the job's ranks (None: not known yet, as for ``--print-config`` without ``--nproc``);
     ``num_experts``: None for a dense model, or one whose section foundry cannot read without building it.
     """
-    ep, cp = parallelism.expert_parallel_degree, parallelism.context_parallel_degree
+    ep, cp, tp = (
+        parallelism.expert_parallel_degree,
+        parallelism.context_parallel_degree,
+        parallelism.tensor_parallel_degree,
+    )
     if ep > 1 and cp > 1:
         raise ConfigError(
             f"'parallelism.expert_parallel_degree' is {ep} and 'parallelism.context_parallel_degree' is {cp}; foundry "
             "does not combine expert and context parallelism. Set one of the two keys to 1."
         )
+    for key, degree in (("context_parallel_degree", cp), ("expert_parallel_degree", ep)):
+        if tp > 1 and degree > 1:
+            raise ConfigError(
+                f"'parallelism.tensor_parallel_degree' is {tp} and 'parallelism.{key}' is {degree}; foundry does not "
+                "combine tensor parallelism with that one yet. Set one of the two keys to 1."
+            )
     if world_size is not None and world_size % cp:
         raise ConfigError(
             f"'parallelism.context_parallel_degree' is {cp}, which does not divide the {_ranks(world_size)} of this "
             f"job. Launch a multiple of {cp} ranks (`foundry train --nproc {cp}`) or lower the degree."
+        )
+    if world_size is not None and world_size % tp:
+        raise ConfigError(
+            f"'parallelism.tensor_parallel_degree' is {tp}, which does not divide the {_ranks(world_size)} of this "
+            f"job. Launch a multiple of {tp} ranks (`foundry train --nproc {tp}`) or lower the degree."
         )
     if ep > 1 and world_size is not None and ep != world_size:
         fix = (

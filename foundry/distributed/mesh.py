@@ -4,14 +4,17 @@ The axes, outermost first (torchtitan's names):
 
 - ``dp_replicate``: copies of the whole sharded model (HYBRID_SHARD across nodes, NO_SHARD);
 - ``dp_shard``: ranks that shard parameters and see different samples;
-- ``cp``: ranks that split each sequence along its length (context parallelism).
+- ``cp``: ranks that split each sequence along its length (context parallelism);
+- ``tp``: ranks that split each linear layer by rows or columns and see the same samples (tensor parallelism,
+  innermost: its collectives run every layer, so its ranks sit on one node).
 
 Two flattened axes serve the components: ``dp_shard_cp`` is what FSDP2 shards over (context-parallel
 ranks hold different tokens, so they can hold different shards too), and ``dp`` is the ranks that see
 different samples. ``ep`` (expert parallelism) borrows the data-parallel ranks, as torchtitan's does: each
-MoE layer's experts split over them while FSDP2 shards the rest over the same ranks. A new axis (tensor
-parallelism) is one more degree in ``ParallelDims`` and one more name in ``AXES``; callers ask the mesh for
-the axes they use and stay unchanged.
+MoE layer's experts split over them while FSDP2 shards the rest over the same ranks. FSDP2 shards over the
+same axes with tensor parallelism as without: parameters split by ``tp`` are sharded again over ``fsdp``
+(2-D). A new axis is one more degree in ``ParallelDims`` and one more name in ``AXES``; callers ask the mesh
+for the axes they use and stay unchanged.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from foundry.distributed.config import ParallelismConfig, check_parallelism
 from foundry.distributed.env import get_local_world_size, get_world_size
 from foundry.errors import ConfigError
 
-AXES = ("dp_replicate", "dp_shard", "cp")  # ParallelDims' degrees, outermost first
+AXES = ("dp_replicate", "dp_shard", "cp", "tp")  # ParallelDims' degrees, outermost first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +46,12 @@ class JobMesh:
 
     @property
     def loss_group(self) -> ProcessGroup | None:
-        """The group a batch's loss, weights and metrics are summed over: every axis of ``AXES`` holds a share
-        (different samples, or different tokens of them). None: that is the whole world, the default group."""
-        return None if self.world.size() == get_world_size() else self.world._flatten("loss").get_group()
+        """The group a batch's loss, weights and metrics are summed over: every axis of ``AXES`` but ``tp`` holds a
+        share (different samples, or different tokens of them); ``tp`` ranks hold the same loss. None: that is the
+        whole world, the default group."""
+        if self.world["tp"].size() == 1:
+            return None if self.world.size() == get_world_size() else self.world._flatten("loss").get_group()
+        return self.world["dp_replicate", "dp_shard", "cp"]._flatten("loss").get_group()
 
     @property
     def fsdp(self) -> DeviceMesh:
@@ -59,7 +65,8 @@ class JobMesh:
 
 def build_mesh(dims: ParallelDims, device_type: str) -> JobMesh:
     """The world's mesh with every axis of ``AXES`` (size-1 ones included) and the flattened ones."""
-    world = init_device_mesh(device_type, (dims.dp_replicate, dims.dp_shard, dims.cp), mesh_dim_names=AXES)
+    shape = (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
+    world = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
     # torch asks callers to keep the flattened meshes rather than slice them from the world's again
     dp_shard_cp = world["dp_shard", "cp"]._flatten("dp_shard_cp")
     dp = world["dp_replicate", "dp_shard"]._flatten("dp")
@@ -71,20 +78,22 @@ def parallel_dims(layout: str, parallelism: ParallelismConfig) -> ParallelDims:
     """The degrees for ``fsdp_config``'s rank layout (shard, hybrid, replicate) and ``parallelism``'s degrees.
 
     ``hybrid`` shards within a node and replicates across nodes, ``replicate`` gives every data-parallel
-    rank the whole model; context-parallel ranks always share the shards (they sit inside a node).
+    rank the whole model; context- and tensor-parallel ranks always share the shards (they sit inside a node).
     """
-    world_size, cp = get_world_size(), parallelism.context_parallel_degree
+    world_size, cp, tp = get_world_size(), parallelism.context_parallel_degree, parallelism.tensor_parallel_degree
     check_parallelism(parallelism, world_size)
-    data_parallel = world_size // cp
+    data_parallel = world_size // (cp * tp)
+    ep = parallelism.expert_parallel_degree
     if layout == "replicate":
-        return ParallelDims(dp_replicate=data_parallel, cp=cp, ep=parallelism.expert_parallel_degree)
+        return ParallelDims(dp_replicate=data_parallel, cp=cp, tp=tp, ep=ep)
     if layout == "hybrid":
         ranks_per_node = get_local_world_size()
-        if world_size % ranks_per_node or ranks_per_node % cp:
+        if world_size % ranks_per_node or ranks_per_node % (cp * tp):
             raise ConfigError(
                 f"fsdp_config.sharding_strategy HYBRID_SHARD shards within a node, but the {world_size} ranks do not "
                 f"split into nodes of LOCAL_WORLD_SIZE={ranks_per_node} (each a multiple of "
-                f"parallelism.context_parallel_degree={cp}). Launch the same number of ranks per node."
+                f"parallelism.context_parallel_degree={cp} x tensor_parallel_degree={tp}). Launch the same number of "
+                "ranks per node."
             )
         if world_size > 1 and world_size == ranks_per_node:
             raise ConfigError(
@@ -94,9 +103,6 @@ def parallel_dims(layout: str, parallelism: ParallelismConfig) -> ParallelDims:
                 "on several nodes (foundry train --nnodes N)."
             )
         return ParallelDims(
-            dp_replicate=world_size // ranks_per_node,
-            dp_shard=ranks_per_node // cp,
-            cp=cp,
-            ep=parallelism.expert_parallel_degree,
+            dp_replicate=world_size // ranks_per_node, dp_shard=ranks_per_node // (cp * tp), cp=cp, tp=tp, ep=ep
         )
-    return ParallelDims(dp_shard=data_parallel, cp=cp, ep=parallelism.expert_parallel_degree)
+    return ParallelDims(dp_shard=data_parallel, cp=cp, tp=tp, ep=ep)

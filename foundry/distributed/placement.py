@@ -9,17 +9,20 @@ With several ranks, in this order:
 
 1. the job's mesh (``foundry.distributed.mesh``), built once from ``job_dims`` and returned for the run
    to keep (``State.mesh``): ``sharding_strategy`` lays out the data-parallel ranks,
-   ``parallelism.context_parallel_degree`` the ranks that split sequences;
-2. context parallelism: each attention layer the model declares gathers keys and values over ``cp``;
-3. expert parallelism: each expert layer the model declares keeps its share of the experts;
-4. activation checkpointing (and activation CPU offload) around the blocks the model declares; blocks
+   ``parallelism.context_parallel_degree`` the ranks that split sequences, ``tensor_parallel_degree`` the
+   ranks that split layers;
+2. tensor parallelism: the linears the model's plan names split by column or row over ``tp``
+   (``foundry.distributed.tensor_parallel``);
+3. context parallelism: each attention layer the model declares gathers keys and values over ``cp``;
+4. expert parallelism: each expert layer the model declares keeps its share of the experts;
+5. activation checkpointing (and activation CPU offload) around the blocks the model declares; blocks
    already compiled (``compile_config``, at ``Event.INIT``) keep their compiled forward inside the wrapper;
-5. ``fully_shard`` on each block, then on the root (embeddings, final norm, output head), over the
+6. ``fully_shard`` on each block, then on the root (embeddings, final norm, output head), over the
    mesh's ``dp_shard_cp`` axis (with ``dp_replicate`` outside it for HYBRID_SHARD and NO_SHARD);
-6. weights: when every rank built the model on the meta device, each rank allocates its shards and either
+7. weights: when every rank built the model on the meta device, each rank allocates its shards and either
    reads the model's pretrained files a layer at a time, keeping its slices (``StreamedWeights``:
    ``hf_causal_lm`` from a local folder), or, for a model that initialises a module at a time
-   (``ModuleByModuleInit``: MPT and Llama, without LoRA or expert parallelism), rank 0 initialises one
+   (``ModuleByModuleInit``: MPT and Llama, without LoRA, expert or tensor parallelism), rank 0 initialises one
    module's parameters at a time in host memory with the run's seed and each rank keeps its slice of them:
    no host ever holds more than its shards plus one layer or module. Otherwise, when some
    rank built it on the meta device (or ``sync_module_states`` is set), rank 0 materialises and initialises
@@ -59,6 +62,11 @@ from foundry.distributed.fsdp import STRATEGIES, GradientAccumulation, mixed_pre
 from foundry.distributed.mesh import JobMesh, build_mesh, parallel_dims
 from foundry.distributed.process_group import init_process_group
 from foundry.distributed.protocol import blocks_of, finish_sharding, module_initialiser_of, weight_layers_of
+from foundry.distributed.tensor_parallel import (
+    apply_tensor_parallel,
+    check_fsdp_shards_compose,
+    fsdp_shard_placement,
+)
 from foundry.errors import ConfigError
 from foundry.schema import parse_dataclass
 
@@ -112,7 +120,7 @@ def parallelize(
         device: this rank's device; the shards live there (on the CPU with ``cpu_offload``).
         precision: the run's precision; ``mixed_precision`` applies only to the amp precisions.
         parallelism: the mesh's degrees beyond data parallelism (``context_parallel_degree``,
-            ``expert_parallel_degree``).
+            ``expert_parallel_degree``, ``tensor_parallel_degree``).
         dims: the job's degrees when the caller resolved them with ``parallelism`` (``job_layout``).
 
     Returns:
@@ -128,9 +136,14 @@ def parallelize(
     # The meta device: a dry run (foundry/config/dry_run.py) on torch's fake process group, never given weights.
     dry_run = device.type == "meta"
     mesh = build_mesh(dims, "cpu" if dry_run else device.type)
+    # Before tensor parallelism, which gives each rank its share of the heads: the weights are the whole model's.
+    by_module = dims.ep == 1 and dims.tp == 1  # expert and tensor parallelism: rank 0's whole copy
+    weights = None if dry_run else _shared_weights(model, config.sync_module_states, device, by_module)
+    if dims.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+        check_fsdp_shards_compose(model, mesh.dp_shard_cp.size())
     cp_attention = parallelism.context_parallel_attention
     batches = apply_context_parallel(model, mesh["cp"], cp_attention) if dims.cp > 1 else WholeSequences()
-    weights = None if dry_run else _shared_weights(model, config.sync_module_states, device, dims.ep == 1)
     expert_params = shard_experts(model, mesh.ep)  # FSDP leaves them be
     blocks = _wrap_blocks(model, config, device)
     offload = config.cpu_offload and device.type == "cuda"
@@ -139,6 +152,7 @@ def parallelize(
         "mp_policy": mixed_precision_policy(config.mixed_precision, precision),
         "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
         "ignored_params": expert_params or None,
+        "shard_placement_fn": fsdp_shard_placement if dims.tp > 1 else None,
     }
     for index, block in enumerate(blocks):
         # The last block would be gathered again at once for backward: keeping it whole saves an all-gather.

@@ -1,4 +1,5 @@
-"""What ``foundry.distributed`` asks of a model: its blocks, its attention layers and its expert layers.
+"""What ``foundry.distributed`` asks of a model: its blocks, its attention layers, its expert layers, and (for
+tensor parallelism) which linears split by column and which by row.
 
 A model family declares these three lists (torchtitan's families declare their parallelize plan the same
 way); sharding, activation checkpointing, compiling per block, context parallelism and expert parallelism plan
@@ -14,11 +15,12 @@ distributed/ imports nothing from ``foundry.models``: the models implement these
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 # (q, k, v, inputs, scale, dropout_p) -> attention output; ``inputs`` carries the layer's masks and positions
 AttentionKernel = Callable[..., torch.Tensor]
@@ -128,6 +130,18 @@ class StreamedWeights(Protocol):
 
 def weight_layers_of(model: nn.Module) -> Iterator[dict[str, torch.Tensor]] | None:
     return model.weight_layers() if isinstance(model, StreamedWeights) else None
+
+
+class TensorParallelModel(Protocol):
+    """A model that declares how tensor parallelism splits it (torchtitan's per-family parallelize plan)."""
+
+    def tensor_parallel_plan(self, degree: int) -> Mapping[str, ParallelStyle]:
+        """torch's ``parallelize_module`` plan for ``degree`` ranks: {module name: ColwiseParallel(), ...}.
+
+        Raises ``ConfigError`` naming the config key when the model's shape or a feature it uses cannot be split
+        over ``degree`` ranks; the model then also uses each rank's share of its heads and widths.
+        """
+        ...
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:

@@ -539,15 +539,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, inputs: AttentionInputs, cache: LayerKVCache | None = None) -> torch.Tensor:
         """``cache``: this layer's KV cache; x's keys and values are stored at column ``inputs.past_len``."""
-        batch, seq_len, d_model = x.shape
-        qkv = self.Wqkv(x)  # (batch, seq, d_model + 2 * kv_dim)
+        batch, seq_len, _ = x.shape
+        qkv = self.Wqkv(x)  # (batch, seq, d_model + 2 * kv_dim), divided by the tensor-parallel degree
         if self.config.clip_qkv is not None:
             qkv = qkv.clamp(min=-self.config.clip_qkv, max=self.config.clip_qkv)
-        kv_dim = self.kv_n_heads * self.head_dim
-        q, k, v = qkv.split([d_model, kv_dim, kv_dim], dim=-1)
-        q = q.reshape(batch, seq_len, self.n_heads, self.head_dim)
-        k = k.reshape(batch, seq_len, self.kv_n_heads, self.head_dim)
-        v = v.reshape(batch, seq_len, self.kv_n_heads, self.head_dim)
+        # Under tensor parallelism this rank holds 1/shares of the heads (foundry.models.tp_plan)
+        shares = self.Wqkv.out_features // qkv.shape[-1]
+        q_dim, kv_dim = self.n_heads * self.head_dim // shares, self.kv_n_heads * self.head_dim // shares
+        q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = q.reshape(batch, seq_len, -1, self.head_dim)
+        k = k.reshape(batch, seq_len, -1, self.head_dim)
+        v = v.reshape(batch, seq_len, -1, self.head_dim)
         if self.config.qk_ln or self.config.qk_gn:
             q, k = self._qk_norm(q, self.q_ln), self._qk_norm(k, self.k_ln)
         if inputs.rope is not None:
@@ -559,7 +561,7 @@ class Attention(nn.Module):
         else:
             k, v = cache.write(k, v, inputs.past_len)  # (batch, kv_heads, max_len, head_dim)
             out = self.cached_attn_fn(q, k, v, inputs, self.softmax_scale, dropout_p)
-        return self.out_proj(out.transpose(1, 2).reshape(batch, seq_len, d_model))
+        return self.out_proj(out.transpose(1, 2).reshape(batch, seq_len, q_dim))
 
     def runs_flash_attention4(self, q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> bool:
         """Whether this layer's kernel runs plain causal attention of q and k (batch, heads, seq, head_dim) on

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from foundry import registry
 from foundry.checkpoint.hooks import CheckpointHooks
@@ -36,6 +37,7 @@ from foundry.models.lora import LoraConfig, inject_lora, lora_modules, reset_lor
 from foundry.models.lora_checkpoint import lora_checkpoint_hooks
 from foundry.models.moe import MoE, moe_config_from_ffn, moe_layers, moe_loss_terms
 from foundry.models.nf4 import dense_weights
+from foundry.models.tp_plan import check_tensor_parallel, mpt_tensor_parallel_plan
 from foundry.schema import parse_dataclass
 
 _KEY = "model"
@@ -393,6 +395,11 @@ class MPTCausalLM(CausalLM):
 
     def expert_layers(self) -> list[GroupedExperts]:
         return [module.experts for module in self.modules() if isinstance(module, MoE)]
+
+    # foundry.distributed.protocol.TensorParallelModel
+    def tensor_parallel_plan(self, degree: int) -> dict[str, ParallelStyle]:
+        check_tensor_parallel(self.config, degree)
+        return mpt_tensor_parallel_plan(list(self.transformer.blocks))
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -221,3 +221,21 @@ def test_unimportable_preprocessing_fn_is_named(tmp_path: Path, tiny_tokenizer: 
     path = write_rows(tmp_path / "train.jsonl", [{"prompt": "a", "response": "b"}])
     with pytest.raises(ConfigError, match=r"'train_loader\.dataset\.preprocessing_fn' is 'my\.module:fn'.*import"):
         build(tiny_tokenizer, path, preprocessing_fn="my.module:fn")
+
+
+def test_tensor_parallel_ranks_load_the_same_rows(tmp_path: Path, tiny_tokenizer: Any, monkeypatch) -> None:
+    path = write_rows(tmp_path / "rows.jsonl", [{"prompt": f"q{i}", "response": f"a{i}"} for i in range(8)])
+
+    def first_batches(rank: int, world_size: int, replication: int) -> list[list[list[int]]]:
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        loader = build_finetuning_dataloader(
+            tokenizer=tiny_tokenizer, device_batch_size=2, replication=replication,
+            dataset={"hf_name": str(path), "max_seq_len": SEQ, "shuffle": False},
+        )  # fmt: skip
+        return [batch["input_ids"].tolist() for batch in loader]
+
+    # 4 ranks, tensor-parallel pairs: ranks 0 and 1 load what rank 0 of 2 loads, ranks 2 and 3 what rank 1 does
+    assert first_batches(0, 4, 2) == first_batches(1, 4, 2) == first_batches(0, 2, 1)
+    assert first_batches(2, 4, 2) == first_batches(3, 4, 2) == first_batches(1, 2, 1)
+    assert first_batches(0, 2, 1) != first_batches(1, 2, 1)

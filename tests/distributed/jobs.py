@@ -11,10 +11,12 @@ from typing import Any
 
 import torch
 from helpers import builds_graphs, token_batches
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from foundry.core import LoggerDestination
 from foundry.distributed import get_rank, get_world_size
+from foundry.distributed.tensor_parallel import gather_parts
 from foundry.models import MPTCausalLM
 from foundry.models.build import build_model
 from foundry.optim import DecoupledAdamW
@@ -38,9 +40,9 @@ class LossRecorder(LoggerDestination):
             self.losses[step] = metrics["loss/train/total"]
 
 
-def rank_batches(num_batches: int) -> list[dict[str, torch.Tensor]]:
-    """This rank's slice of each of ``num_batches`` fixed global batches."""
-    rank, world_size = get_rank(), get_world_size()
+def rank_batches(num_batches: int, tensor_parallel_degree: int = 1) -> list[dict[str, torch.Tensor]]:
+    """This rank's slice of each of ``num_batches`` fixed global batches (tensor-parallel ranks share one)."""
+    rank, world_size = get_rank() // tensor_parallel_degree, get_world_size() // tensor_parallel_degree
     per_rank = GLOBAL_BATCH_SIZE // world_size
     batches = token_batches(num_batches, GLOBAL_BATCH_SIZE, seq_len=16, vocab_size=MODEL["vocab_size"], seed=0)
     return [{key: value[rank * per_rank : (rank + 1) * per_rank] for key, value in b.items()} for b in batches]
@@ -58,7 +60,9 @@ def build_trainer(
     torch.manual_seed(SEED)  # as builders.build_trainer seeds before building the model
     return Trainer(
         model=build_model(model_keys) if "name" in (model_keys or {}) else MPTCausalLM(**MODEL, **(model_keys or {})),
-        train_dataloader=rank_batches(max_batches),
+        train_dataloader=rank_batches(
+            max_batches, (trainer_kwargs.get("parallelism") or {}).get("tensor_parallel_degree", 1)
+        ),
         max_duration=f"{max_batches}ba",
         optimizers=lambda params: DecoupledAdamW(params, **{"lr": 3e-3, **(optimizer_keys or {})}),
         fsdp_config=fsdp_config,
@@ -91,7 +95,7 @@ def train_compiled(
 
 def summary(trainer: Trainer) -> dict[str, Any] | None:
     """Losses by batch, full weights (gathered from the shards) and the stop reason, on rank 0 only."""
-    weights = get_model_state_dict(trainer.state.model, options=StateDictOptions(full_state_dict=True))
+    weights = full_weights(trainer.state.model)
     if get_rank() != 0:
         return None
     recorder = next(d for d in trainer.logger.destinations if isinstance(d, LossRecorder))
@@ -101,6 +105,13 @@ def summary(trainer: Trainer) -> dict[str, Any] | None:
         "stop_reason": trainer.state.stop_reason,
         "batch": trainer.state.timestamp.batch,
     }
+
+
+def full_weights(model: Any) -> dict[str, torch.Tensor]:
+    """Every rank's shards gathered into whole tensors (tensor-parallel parts regrouped by hand, which torch
+    2.11's DTensor cannot do)."""
+    state = gather_parts(get_model_state_dict(model))
+    return {name: value.full_tensor() if isinstance(value, DTensor) else value for name, value in state.items()}
 
 
 def initial_weights(folder: str, fsdp_config: dict[str, Any] | None = None, **kwargs: Any) -> dict | None:

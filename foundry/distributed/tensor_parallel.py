@@ -1,0 +1,151 @@
+"""Tensor parallelism: each block's linears split by column or row over the mesh's ``tp`` axis (Megatron's layout).
+
+The model declares its plan (``TensorParallelModel.tensor_parallel_plan``): which linears split by column (their
+outputs, e.g. attention's query/key/value and the FFN's up projection, each rank computing its heads or its
+share of the hidden width) and which by row (the projections back to ``d_model``, whose partial sums are
+all-reduced). Everything outside the plan (embeddings, norms, the output head) stays whole on every ``tp`` rank,
+whose inputs, activations between blocks and losses are the same. The parameters split become DTensors over
+``tp``; FSDP2 then shards them again over its own axes (2-D, torchtitan's ``apply_tp`` before ``apply_fsdp``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from foundry.distributed.protocol import TensorParallelModel
+from foundry.errors import ConfigError
+
+
+class FusedColwiseParallel(ParallelStyle):
+    """A linear whose output concatenates ``parts`` equal-width parts (a fused query/key/value projection), each
+    split by column on its own: every rank holds its share of each part, so the layout (and the checkpoint) stays
+    the unsplit one. The module computes on its local shares and returns them side by side, as its caller reads
+    them; backward sums the input's gradient over ``tp`` (Megatron's column-parallel linear)."""
+
+    def __init__(self, parts: int) -> None:
+        super().__init__()
+        self.parts = parts
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"FusedColwiseParallel splits an nn.Linear, not a {type(module).__name__}.")
+        placement = [_StridedShard(0, split_factor=self.parts)]
+        for name, param in module.named_parameters():
+            sharded = distribute_tensor(param, device_mesh, placement, src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        group = device_mesh.get_group()
+
+        def forward(x: torch.Tensor) -> torch.Tensor:  # (..., d_in) -> (..., this rank's share of each part)
+            # FSDP2 swaps the parameters in and out around forward: read them at call time
+            bias = None if module.bias is None else module.bias.to_local()
+            return F.linear(_SumGradient.apply(x, group), module.weight.to_local(), bias)
+
+        module.forward = forward
+        return module
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ``group`` (each rank's share of the output holds a part
+    of the input's gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split ``model``'s declared linears over ``tp_mesh``; a model without a plan is refused by name."""
+    plan = model.tensor_parallel_plan(tp_mesh.size()) if isinstance(model, TensorParallelModel) else {}
+    if not plan:
+        raise ConfigError(
+            f"parallelism.tensor_parallel_degree is {tp_mesh.size()} but {type(model).__name__} declares no tensor-"
+            "parallel plan (mpt_causal_lm and llama_causal_lm do). Set the degree to 1."
+        )
+    parallelize_module(model, tp_mesh, plan)
+
+
+def check_fsdp_shards_compose(model: nn.Module, fsdp_ranks: int) -> None:
+    """A vector split in parts (a fused Wqkv's bias) has no second dimension for FSDP2 to shard, and DTensor gathers
+    it wrongly when sharded again along its only one: refused when FSDP2 shards over several ranks."""
+    if fsdp_ranks == 1:
+        return
+    for name, parameter in model.named_parameters():
+        if parameter.ndim == 1 and _split_in_parts(parameter):
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree splits {name} (a fused projection's bias) in parts, which FSDP2 "
+                f"cannot shard again over its {fsdp_ranks} ranks yet. Train without biases (model.no_bias: true), "
+                "shard over one rank per tensor-parallel group (as many ranks as the degree), or use "
+                "sharding_strategy NO_SHARD."
+            )
+
+
+def fsdp_shard_placement(parameter: nn.Parameter) -> Shard | None:
+    """Where FSDP2 shards ``parameter`` beside ``tp``: a weight split in parts (``FusedColwiseParallel``) along its
+    input dimension, since DTensor cannot gather a part-wise split sharded again along the same dimension; None
+    (dimension 0) for the rest."""
+    return Shard(1) if parameter.ndim == 2 and _split_in_parts(parameter) else None
+
+
+def _split_in_parts(value: Any) -> bool:
+    """Whether ``value`` is split in parts over ``tp`` (FSDP2's own strided shards, over its axes, are not)."""
+    return isinstance(value, DTensor) and _strided_axis(value) is not None
+
+
+def gather_parts(state: Any) -> Any:
+    """``state`` (a state dict, nested) with each DTensor split in parts gathered over the axis that split it:
+    DCP writes and reads each rank's share as one contiguous chunk, which a part-wise split is not. Gathered by
+    hand: torch 2.11's DTensor reads ``_StridedShard`` as a shard order and cannot redistribute it."""
+    return pytree.tree_map(lambda value: _gathered(value) if _split_in_parts(value) else value, state)
+
+
+def split_parts_like(state: Any, like: Any) -> Any:
+    """``gather_parts``' undoing: each value of ``state`` whose counterpart in ``like`` is split in parts, split so."""
+    return pytree.tree_map(lambda value, ref: _split_like(value, ref) if _split_in_parts(ref) else value, state, like)
+
+
+def _strided_axis(value: DTensor) -> tuple[int, _StridedShard] | None:
+    names = value.device_mesh.mesh_dim_names or ()
+    strided = [(axis, p) for axis, p in enumerate(value.placements) if isinstance(p, _StridedShard)]
+    return next(((axis, p) for axis, p in strided if axis < len(names) and names[axis] == "tp"), None)
+
+
+def _gathered(value: DTensor) -> DTensor:
+    axis, placement = _strided_axis(value)  # type: ignore[misc]
+    mesh, parts = value.device_mesh, placement.split_factor
+    local = value.to_local().contiguous()
+    shares = [torch.empty_like(local) for _ in range(mesh.size(axis))]
+    dist.all_gather(shares, local, group=mesh.get_group(axis))
+    # each rank's share is its slice of every part, in order: regroup the slices part by part
+    pieces = [share.chunk(parts, dim=placement.dim)[part] for part in range(parts) for share in shares]
+    whole = torch.cat(pieces, dim=placement.dim)
+    placements = [Replicate() if index == axis else p for index, p in enumerate(value.placements)]
+    return DTensor.from_local(whole, mesh, placements, run_check=False)
+
+
+def _split_like(value: DTensor, reference: DTensor) -> DTensor:
+    axis, placement = _strided_axis(reference)  # type: ignore[misc]
+    mesh, parts = reference.device_mesh, placement.split_factor
+    rank, ranks = mesh.get_local_rank(axis), mesh.size(axis)
+    whole = value.to_local()
+    mine = [part.chunk(ranks, dim=placement.dim)[rank] for part in whole.chunk(parts, dim=placement.dim)]
+    local = torch.cat(mine, dim=placement.dim)
+    return DTensor.from_local(
+        local, mesh, reference.placements, run_check=False, shape=reference.shape, stride=reference.stride()
+    )
