@@ -132,6 +132,7 @@ def weight_layers_of(model: nn.Module) -> Iterator[dict[str, torch.Tensor]] | No
     return model.weight_layers() if isinstance(model, StreamedWeights) else None
 
 
+@runtime_checkable
 class TensorParallelModel(Protocol):
     """A model that declares how tensor parallelism splits it (torchtitan's per-family parallelize plan)."""
 
