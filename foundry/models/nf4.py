@@ -67,6 +67,9 @@ def check_quantizable(name: str, weight: torch.Tensor) -> None:
 
 def quantize_weights(linears: Iterable[tuple[str, nn.Linear]]) -> None:
     """Replace each linear layer's weight by a frozen NF4 parameter (of its values cast to bf16; meta stays meta)."""
+    linears = list(linears)
+    if not linears:  # a model without a 4-bit base never imports torchao
+        return
     nf4 = torchao_nf4()
     for name, linear in linears:
         if is_nf4(linear.weight):
