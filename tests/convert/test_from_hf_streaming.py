@@ -73,6 +73,7 @@ print(json.dumps({'reading': reading, 'import_over_model': importing, 'model': m
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="measures peak memory through Linux's /proc")
+@pytest.mark.slow  # launches processes and waits out a timeout: 6-14 s
 def test_reading_and_importing_hold_about_one_file_not_the_checkpoint(tmp_path: Path) -> None:
     """A 40-file checkpoint read a layer at a time needs host memory for about one file; imported, about one file
     beyond the model itself: never a second copy of the checkpoint (transformers' model, or every file at once)."""

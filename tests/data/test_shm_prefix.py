@@ -118,6 +118,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
+@pytest.mark.slow  # launches processes and waits out a timeout: 6-14 s
 def test_a_killed_job_does_not_keep_its_relaunch_from_its_local_folder(elect, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
     killed = subprocess.run([sys.executable, "-c", KILLED_JOB, str(tmp_path)], capture_output=True, text=True, env=env)

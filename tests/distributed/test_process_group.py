@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from helpers import RendezvousStore, repo_pythonpath
 
 from foundry.distributed import get_rank
@@ -30,6 +31,7 @@ def test_ranks_that_all_come_pass(ranks):
     assert ranks.run(2, meet, 1, 0.0, 30.0) == [None, None]
 
 
+@pytest.mark.slow  # launches processes and waits out a timeout: 6-14 s
 def test_a_rank_that_does_not_come_is_named_by_rank_0_within_the_timeout(ranks):
     started = time.monotonic()
     rank0, _ = ranks.run(2, meet, 1, 6.0, 2.0)
@@ -40,6 +42,7 @@ def test_a_rank_that_does_not_come_is_named_by_rank_0_within_the_timeout(ranks):
 JOIN_ALONE = "from foundry.distributed import init_process_group\ninit_process_group(timeout_s=600)"
 
 
+@pytest.mark.slow  # launches processes and waits out a timeout: 6-14 s
 def test_a_process_group_whose_other_rank_never_starts_fails_within_the_start_timeout_naming_the_stage():
     """Rank 0 of 2 alone: gloo waits for rank 1's address in the store, for the start timeout (not dist_timeout)."""
     rendezvous = RendezvousStore()

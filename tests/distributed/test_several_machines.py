@@ -83,6 +83,7 @@ def losses(folder: Path) -> dict[int, float]:
     return {row["step"]: row["loss/train/total"] for row in rows if "loss/train/total" in row}
 
 
+@pytest.mark.slow  # launches processes and waits out a timeout: 6-14 s
 def test_a_launcher_alone_gives_up_naming_the_stage_the_endpoint_and_who_came(tmp_path, data):
     started = time.monotonic()
     endpoint = f"127.0.0.1:{free_port()}"
@@ -94,6 +95,7 @@ def test_a_launcher_alone_gives_up_naming_the_stage_the_endpoint_and_who_came(tm
     assert time.monotonic() - started < 60
 
 
+@pytest.mark.slow  # launches processes and waits out a timeout: 6-14 s
 def test_nodes_started_with_different_configs_are_refused_naming_the_key(tmp_path, data):
     node1 = overrides(tmp_path, data, "optimizer.lr=1e-3")
     for code, output in finish(start_nodes(1, [overrides(tmp_path, data), node1])):
