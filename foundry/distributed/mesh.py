@@ -40,18 +40,12 @@ class JobMesh:
     dp_shard_cp: DeviceMesh  # what FSDP2 shards over
     dp: DeviceMesh  # data-parallel ranks: once context parallelism pools its ranks' samples, each holds its own
     ep: DeviceMesh | None = None  # the ranks each MoE layer's experts split over; None: no expert parallelism
+    # The group a batch's loss, weights and metrics are summed over: every axis but ``tp`` holds a share (different
+    # samples, or different tokens of them); ``tp`` ranks hold the same loss. None: the whole world, the default group.
+    loss_group: ProcessGroup | None = None
 
     def __getitem__(self, name: str) -> DeviceMesh:
         return self.world[name] if name in AXES else getattr(self, name)
-
-    @property
-    def loss_group(self) -> ProcessGroup | None:
-        """The group a batch's loss, weights and metrics are summed over: every axis of ``AXES`` but ``tp`` holds a
-        share (different samples, or different tokens of them); ``tp`` ranks hold the same loss. None: that is the
-        whole world, the default group."""
-        if self.world["tp"].size() == 1:
-            return None if self.world.size() == get_world_size() else self.world._flatten("loss").get_group()
-        return self.world["dp_replicate", "dp_shard", "cp"]._flatten("loss").get_group()
 
     @property
     def fsdp(self) -> DeviceMesh:
@@ -71,7 +65,8 @@ def build_mesh(dims: ParallelDims, device_type: str) -> JobMesh:
     dp_shard_cp = world["dp_shard", "cp"]._flatten("dp_shard_cp")
     dp = world["dp_replicate", "dp_shard"]._flatten("dp")
     ep = world["dp_replicate", "dp_shard"]._flatten("ep") if dims.ep > 1 else None
-    return JobMesh(world, dp_shard_cp=dp_shard_cp, dp=dp, ep=ep)
+    loss = world["dp_replicate", "dp_shard", "cp"]._flatten("loss").get_group() if dims.tp > 1 else None
+    return JobMesh(world, dp_shard_cp=dp_shard_cp, dp=dp, ep=ep, loss_group=loss)
 
 
 def parallel_dims(layout: str, parallelism: ParallelismConfig) -> ParallelDims:

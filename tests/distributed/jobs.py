@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import pytest
 import torch
 from helpers import builds_graphs, token_batches
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -144,3 +145,14 @@ def collective_counts(folder: str, fsdp_config: dict[str, Any], microbatch_size:
         for name, original in originals.items():
             setattr(dist, name, original)
     return counts if get_rank() == 0 else None
+
+
+def assert_same_run(result: dict, reference: dict, tolerance: float = 1e-5) -> None:
+    """``result`` (a ``summary``) trained as ``reference`` did: each step's loss and each final weight within
+    ``tolerance``, and no step missing."""
+    assert sorted(result["losses"]) == sorted(reference["losses"])
+    for step, loss in reference["losses"].items():
+        assert result["losses"][step] == pytest.approx(loss, abs=tolerance), step
+    assert result["weights"].keys() == reference["weights"].keys()
+    for name, weight in reference["weights"].items():
+        torch.testing.assert_close(result["weights"][name], weight, atol=tolerance, rtol=0, msg=name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed.jobs import collective_counts, initial_weights, train, train_compiled
+from distributed.jobs import assert_same_run, collective_counts, initial_weights, train, train_compiled
 from foundry.algorithms import TorchCompile
 
 NUM_BATCHES = 5
@@ -16,15 +16,6 @@ STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO
 def one_rank(ranks, tmp_path_factory) -> dict:
     """The reference: the plain module (no fsdp_config) in one process."""
     return ranks.run(1, train, NUM_BATCHES, str(tmp_path_factory.mktemp("one_rank")))[0]
-
-
-def assert_same_run(result: dict, reference: dict, tolerance: float = 1e-5) -> None:
-    assert sorted(result["losses"]) == list(range(1, NUM_BATCHES + 1))
-    for step, loss in reference["losses"].items():
-        assert result["losses"][step] == pytest.approx(loss, abs=tolerance), step
-    assert result["weights"].keys() == reference["weights"].keys()
-    for name, weight in reference["weights"].items():
-        torch.testing.assert_close(result["weights"][name], weight, atol=tolerance, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
