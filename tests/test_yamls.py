@@ -26,6 +26,8 @@ MODELS_MD = Path(__file__).resolve().parents[1] / "docs" / "MODELS.md"
 
 def model_section_and_model(path: Path) -> tuple[dict, torch.nn.Module]:
     cfg, _ = load_train_config(path, ["model.init_device=meta"])  # meta: no memory, no init time
+    if (cfg.model.get("peft_config") or {}).get("quantize_base"):
+        pytest.importorskip("torchao", reason="a 4-bit (QLoRA) base needs the optional torchao")
     return cfg.model, build_model(cfg.model)
 
 
