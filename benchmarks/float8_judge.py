@@ -60,11 +60,13 @@ class Model:
     family: str  # SMOKE_FOUNDRY's key: the tiny widths --smoke trains
     gpus: int
     global_batch: int  # sequences of 2048 tokens a step
+    overrides: tuple[str, ...] = ()
 
 
 MODELS = {
     "mpt-1b": Model("yamls/pretrain/mpt-1b.yaml", "mpt", gpus=1, global_batch=6),
-    "llama-8b": Model("yamls/pretrain/llama-8b.yaml", "llama", gpus=2, global_batch=4),
+    # weights drawn on each GPU (the same seed on both ranks), not module by module on rank 0's CPU: a minute less
+    "llama-8b": Model("yamls/pretrain/llama-8b.yaml", "llama", 2, 4, overrides=("model.init_device=cuda",)),
 }
 
 
@@ -92,7 +94,7 @@ def run_overrides(run: Run, data: Path, args: argparse.Namespace) -> list[str]:
         f"variables.data_local={data / 'mds'}", f"tokenizer.name={data / 'tokenizer'}", "eval_loader=null",
         f"max_duration={args.steps}ba", f"global_train_batch_size={model.global_batch}",
         f"device_train_microbatch_size={model.global_batch // model.gpus}", "console_log_interval=10ba",
-        f"run_name={run.name}", f"seed={run.seed}", *args.set,
+        f"run_name={run.name}", f"seed={run.seed}", *model.overrides, *args.set,
     ]  # fmt: skip
     if run.variant != BF16:
         overrides.append(f"algorithms.float8={{recipe: {run.variant.removeprefix('float8-')}}}")
