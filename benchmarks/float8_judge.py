@@ -10,7 +10,7 @@ seeds' envelope (their smoothed min and max) at every step, and float8's final `
 passes for that model.
 
     # here, once: 2,031 samples of 2048 tokens of distinct real text (gpt-neox-20b), with its tokenizer
-    python benchmarks/float8_loss.py prepare --shared-data SHARED_DATA --out data/float8_loss
+    python benchmarks/float8_loss.py prepare --shared-data SHARED_DATA --out data/float8_loss --samples 2100
     # on the GPU host (mosaicml-streaming and torchao installed), as many calls as it takes: a finished run is
     # skipped, one cut off by --deadline-s is run again from its start next call
     python benchmarks/float8_judge.py run --models mpt-1b --data data/float8_loss --out OUT --deadline-s 540
@@ -150,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
     data = Path(args.data).resolve() if args.data else smoke_data(work)
+    check_samples(data, args)
     pending = [run for run in planned_runs(args.models, args.recipes) if not finished(run, out, args.steps)]
     slots = args.gpus or (["cpu0", "cpu1"] if args.smoke else visible_gpus())
     for run_ in pending:
@@ -190,6 +191,15 @@ def run(args: argparse.Namespace) -> int:
     left = [run_.name for run_ in planned_runs(args.models, args.recipes) if not finished(run_, out, args.steps)]
     print(f"finished: {len(planned_runs(args.models, args.recipes)) - len(left)}; still to run: {left}", flush=True)
     return 1 if failed else 0
+
+
+def check_samples(data: Path, args: argparse.Namespace) -> None:
+    """Refuse data too short for every run to see each sample at most once (a second epoch would lower the loss)."""
+    index = json.loads((data / "mds" / "train" / "index.json").read_text())
+    held = sum(shard["samples"] for shard in index["shards"])
+    needed = max(args.steps * MODELS[model].global_batch for model in args.models)
+    if held < needed and not args.smoke:
+        raise SystemExit(f"{data}/mds holds {held} train samples and a run reads {needed}: prepare more (--samples)")
 
 
 def visible_gpus() -> list[str]:

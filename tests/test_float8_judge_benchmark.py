@@ -97,3 +97,13 @@ def test_the_plot_draws_the_envelope(tmp_path: Path) -> None:
             ("mpt-1b", "float8-rowwise"): dict(zip(float8_judge.SEEDS, BF16_SEEDS))}  # fmt: skip
     float8_judge.plot(runs, "mpt-1b", "float8-rowwise", 10, tmp_path / "judge.png")
     assert (tmp_path / "judge.png").stat().st_size > 1000
+
+
+def test_data_a_run_would_read_twice_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "mds" / "train").mkdir(parents=True)
+    shards = {"shards": [{"samples": 1000}, {"samples": 700}]}
+    (tmp_path / "mds" / "train" / "index.json").write_text(json.dumps(shards))
+    args = argparse.Namespace(steps=300, models=["mpt-1b"], smoke=False)  # 300 x 6 = 1,800 samples
+    with pytest.raises(SystemExit, match="holds 1700 train samples and a run reads 1800"):
+        float8_judge.check_samples(tmp_path, args)
+    float8_judge.check_samples(tmp_path, argparse.Namespace(steps=300, models=["llama-8b"], smoke=False))  # 1,200
