@@ -94,19 +94,24 @@ def two_gpu_jobs() -> list[tuple[str, list[str], str, tuple[int, int]]]:
     return [("llama-8b", [*TWO_GPU_COMMON, *extra, "--nproc", "2"], label, TWO_GPU_BATCHES) for label, extra in rows]
 
 
-def build_data(corpus: list[str], tokenizer: str, samples: int, out: Path, seq_len: int = SEQ_LEN) -> Path:
-    """MDS shards of ``samples`` ``seq_len``-token samples (the corpus repeated as often as needed) under ``out``."""
+def build_data(
+    corpus: list[str], tokenizer: str, samples: int, out: Path, seq_len: int = SEQ_LEN, eval_fraction: float = 0.01
+) -> Path:
+    """MDS shards of ``samples`` ``seq_len``-token samples (the corpus repeated as often as needed) under ``out``.
+
+    ``eval_fraction`` of the text goes to the val split, which must hold one whole sample.
+    """
     if (out / "train" / "index.json").exists():
         return out
     text = "\n\n".join(Path(path).read_text() for path in corpus)
     # About 4 characters a token for English BPE; one spare copy so the train split surely holds enough.
-    copies = max(1, samples * seq_len * 4 // len(text) + 1)
+    copies = max(1, int(samples * seq_len * 4 / (1 - eval_fraction)) // len(text) + 1)
     source = out.parent / "corpus-copies"
     source.mkdir(parents=True, exist_ok=True)
     for copy in range(copies):
         (source / f"copy{copy:03d}.txt").write_text(text)
     command = ["data", "convert", str(source), "--out", str(out), "--tokenizer", tokenizer]
-    command += ["--concat-tokens", str(seq_len), "--eval-fraction", "0.01", "--no-progress"]
+    command += ["--concat-tokens", str(seq_len), "--eval-fraction", str(eval_fraction), "--no-progress"]
     subprocess.run([sys.executable, "-m", "foundry.cli", *command], check=True, cwd=REPO_ROOT)
     shutil.rmtree(source)
     return out

@@ -50,7 +50,8 @@ LLAMA_8B, CONTEXT_128K, CONTEXT_256K, QWEN3 = (
 FLOAT8 = "algorithms.float8={}"
 GPU_INIT = "model.init_device=cuda"
 # name -> the MDS folder under --data and the samples `prepare` writes there
-DATASETS = {"8k": ("mds-8k", 8192, 480), "256k": ("mds-256k", 262144, 14)}
+DATASETS = {"8k": ("mds-8k", 8192, 800), "256k": ("mds-256k", 262144, 14)}  # the MoE rows read 768
+EVAL_FRACTION = 0.1  # the val split (unread: rows run without eval) must still hold one 262,144-token sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +94,7 @@ def prepare(out: Path, shared_data: Path = SHARED_DATA) -> None:
         raise SystemExit(f"no text under {shared_data}/corpus: pass --shared-data")
     tokenizer = shared_data / "tokenizers" / "gpt-neox-20b"
     for folder, seq_len, samples in DATASETS.values():
-        build_data(corpus, str(tokenizer), samples, out / folder, seq_len)
+        build_data(corpus, str(tokenizer), samples, out / folder, seq_len, EVAL_FRACTION)
     shutil.copytree(tokenizer, out / "tokenizer", dirs_exist_ok=True)
 
 
