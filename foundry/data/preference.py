@@ -1,0 +1,226 @@
+"""The ``preference`` dataloader: (prompt, chosen, rejected) pairs for DPO and its variants.
+
+Rows come from the same sources as the ``finetuning`` loader (a local ``.jsonl`` file or folder, or an MDS
+dataset) and take one of two forms:
+
+- text: ``{"prompt": "...", "chosen": "...", "rejected": "..."}``, tokenized as finetuning prompt/response rows
+  (the prompt with the tokenizer's special tokens, each response without, then eos);
+- chat: ``chosen`` and ``rejected`` are lists of ``{role, content}`` messages ending with the assistant's reply,
+  after an optional ``prompt`` list (without one, the two conversations share every message but their last
+  reply: TRL's implicit prompt). The tokenizer's chat template renders them (``foundry.data.chat``).
+
+Each batch holds ``input_ids``, ``labels`` and ``attention_mask``, all (pairs, 2, seq): row 0 of a pair is
+prompt + chosen, row 1 prompt + rejected, right-padded to the batch's longest; labels are -100 on the prompt
+and padding. Splitting along the first dimension keeps a pair together, and ``input_ids.numel()`` counts the
+chosen and rejected tokens both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from foundry import registry
+from foundry.batches import IGNORE_INDEX
+from foundry.core.bounds import check_bounds
+from foundry.data.chat import MESSAGES_KEYS, RowFormatError, chat_renderer
+from foundry.data.config import LOADER_DEFAULTS, PreferenceDatasetConfig
+from foundry.data.finetuning_examples import token_turns
+from foundry.data.finetuning_rows import read_rows
+from foundry.data.mds import check_local_dataset
+from foundry.data.packing import rank_batches
+from foundry.distributed.env import get_rank, get_world_size
+from foundry.errors import ConfigError, DataError
+from foundry.schema import parse_dataclass
+
+log = logging.getLogger(__name__)
+
+RESPONSE_FIELDS = ("chosen", "rejected")
+
+
+@dataclasses.dataclass
+class PreferencePair:
+    """One pair's tokens: the shared prompt and each response (ending with eos), already cut to max_seq_len."""
+
+    prompt: np.ndarray
+    chosen: np.ndarray
+    rejected: np.ndarray
+
+
+class PreferenceDataLoader:
+    """Batches of this rank's pairs, reshuffled each epoch by ``(shuffle_seed, epoch)``; resumable mid-epoch."""
+
+    def __init__(
+        self,
+        pairs: list[PreferencePair],
+        config: PreferenceDatasetConfig,
+        device_batch_size: int,
+        pad_token_id: int,
+        drop_last: bool,
+    ) -> None:
+        self.pairs = pairs
+        self.config = config
+        self.device_batch_size = device_batch_size
+        self.pad_token_id = pad_token_id
+        self.drop_last = drop_last
+        self.rank, self.world_size = get_rank(), get_world_size()
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self._resume_at: int | None = None
+
+    def __len__(self) -> int:
+        return len(self.epoch_batches(self.epoch))
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        epoch, start = self.epoch, self._resume_at or 0
+        self._resume_at = None
+        batches = self.epoch_batches(epoch)
+        for index in range(start, len(batches)):
+            self.batch_in_epoch = index + 1
+            yield collate_pairs([self.pairs[i] for row in batches[index] for i in row], self.pad_token_id)
+        self.epoch, self.batch_in_epoch = epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        """The position after the last batch yielded; after an epoch's last batch, the next epoch's start."""
+        if self.batch_in_epoch == len(self.epoch_batches(self.epoch)):
+            return {"epoch": self.epoch + 1, "batch_in_epoch": 0}
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+        self._resume_at = self.batch_in_epoch
+
+    def epoch_batches(self, epoch: int) -> list[list[list[int]]]:
+        """This rank's batches of ``epoch``: lists of one-pair rows (an empty row pads a short last step)."""
+        order = range(len(self.pairs))
+        if self.config.shuffle:
+            order = np.random.default_rng([self.config.shuffle_seed, epoch]).permutation(len(self.pairs)).tolist()
+        rows = [[index] for index in order]
+        return rank_batches(rows, self.device_batch_size, self.rank, self.world_size, self.drop_last)
+
+
+def collate_pairs(pairs: Sequence[PreferencePair], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``labels`` and ``attention_mask`` (pairs, 2, seq); a missing pair (a short last step) is all
+    padding, labels -100, so it weighs nothing."""
+    rows = [[np.concatenate([pair.prompt, response]) for response in (pair.chosen, pair.rejected)] for pair in pairs]
+    longest = max([len(row) for both in rows for row in both], default=1)
+    shape = (max(len(pairs), 1), 2, longest)
+    input_ids = torch.full(shape, pad_token_id, dtype=torch.int64)
+    labels = torch.full(shape, IGNORE_INDEX, dtype=torch.int64)
+    attention_mask = torch.zeros(shape, dtype=torch.int64)
+    for index, (pair, both) in enumerate(zip(pairs, rows)):
+        for side, tokens in enumerate(both):
+            input_ids[index, side, : len(tokens)] = torch.from_numpy(tokens)
+            labels[index, side, len(pair.prompt) : len(tokens)] = torch.from_numpy(tokens[len(pair.prompt) :])
+            attention_mask[index, side, : len(tokens)] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+@registry.dataloaders.register("preference")
+def build_preference_dataloader(
+    *,
+    device_batch_size: int,
+    dataset: dict[str, Any],
+    tokenizer: Any = None,
+    drop_last: bool = LOADER_DEFAULTS.drop_last,
+    num_workers: int = LOADER_DEFAULTS.num_workers,
+    pin_memory: bool = LOADER_DEFAULTS.pin_memory,
+    prefetch_factor: int | None = LOADER_DEFAULTS.prefetch_factor,
+    persistent_workers: bool = LOADER_DEFAULTS.persistent_workers,
+    timeout: float = LOADER_DEFAULTS.timeout,
+    key_path: str = "train_loader",
+) -> PreferenceDataLoader:
+    """Read and tokenize every pair once, refusing a malformed one (naming its row and field) before training.
+
+    The worker keys are accepted as the ``finetuning`` loader accepts them, with no effect.
+    """
+    check_bounds({"num_workers": num_workers, "prefetch_factor": prefetch_factor, "timeout": timeout}, key_path)
+    del num_workers, pin_memory, prefetch_factor, persistent_workers, timeout
+    config = parse_dataclass(PreferenceDatasetConfig, dataset, f"{key_path}.dataset")
+    _check_config(config, tokenizer, device_batch_size, f"{key_path}.dataset")
+    eos_token_id = tokenizer.eos_token_id if config.eos_token_id is None else config.eos_token_id
+    render = chat_renderer(tokenizer)
+    pairs, truncated = [], 0
+    for location, row in read_rows(config, f"{key_path}.dataset"):
+        try:
+            prompt, chosen, rejected = pair_tokens(row, tokenizer, render, eos_token_id)
+        except RowFormatError as error:
+            raise DataError(f"{location}: {error}. Fix or remove this row.") from None
+        pair = _fitted_pair(prompt, chosen, rejected, config.max_seq_len, location, f"{key_path}.dataset")
+        truncated += len(pair.chosen) < len(chosen) or len(pair.rejected) < len(rejected)
+        pairs.append(pair)
+    if not pairs:
+        raise DataError(f"'{key_path}.dataset' holds no preference pairs; check its source and split.")
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_id
+    loader = PreferenceDataLoader(pairs, config, device_batch_size, pad_token_id or 0, drop_last)
+    log.log(
+        logging.WARNING if truncated else logging.INFO,
+        "%s: %d pairs, %d with a response cut at max_seq_len %d; batches per epoch on this rank: %d.",
+        key_path, len(pairs), truncated, config.max_seq_len, len(loader),
+    )  # fmt: skip
+    return loader
+
+
+build_preference_dataloader.check_dataset = check_local_dataset  # type: ignore[attr-defined]
+
+
+def pair_tokens(row: Any, tokenizer: Any, render: Any, eos_token_id: int | None) -> tuple[list[int], ...]:
+    """(prompt, chosen, rejected) token ids of a text or chat row; each response ends with eos."""
+    if not isinstance(row, Mapping):
+        raise RowFormatError(f"a row must be a JSON object, got {type(row).__name__}")
+    missing = [key for key in RESPONSE_FIELDS if key not in row]
+    if missing or any(key in row for key in MESSAGES_KEYS):
+        raise RowFormatError(
+            f"a preference row needs 'chosen' and 'rejected' (and 'prompt' unless both are conversations that "
+            f"share it); this one has {sorted(row)}"
+        )
+    sides = {}
+    for key in RESPONSE_FIELDS:
+        response = row[key]
+        if isinstance(response, list):  # chat: the conversation (after the prompt's messages) ends with the reply
+            turns = token_turns({"messages": [*row.get("prompt", []), *response]}, tokenizer, render, eos_token_id)
+            context = [token for prompt, reply in turns[:-1] for token in prompt + reply] + turns[-1][0]
+            sides[key] = (context, turns[-1][1])
+        else:
+            turns = token_turns({"prompt": row.get("prompt"), "response": response}, tokenizer, render, eos_token_id)
+            sides[key] = turns[0]
+        if not sides[key][1]:
+            raise RowFormatError(f"'{key}' is empty; a pair compares two non-empty responses")
+    (prompt, chosen), (rejected_prompt, rejected) = sides["chosen"], sides["rejected"]
+    if prompt != rejected_prompt:
+        raise RowFormatError("'chosen' and 'rejected' differ before their last reply; they must share the prompt")
+    return prompt, chosen, rejected
+
+
+def _fitted_pair(
+    prompt: list[int], chosen: list[int], rejected: list[int], max_seq_len: int, location: str, key_path: str
+) -> PreferencePair:
+    """The pair with each response cut to fit ``max_seq_len`` after the prompt; a prompt that leaves no room for
+    a response token is refused (cutting it would change what the responses answer)."""
+    if len(prompt) >= max_seq_len:
+        raise DataError(
+            f"{location}: 'prompt' has {len(prompt)} tokens, and '{key_path}.max_seq_len' is {max_seq_len}, which "
+            "leaves no room for the responses (a longer pair keeps its prompt and cuts each response at "
+            "max_seq_len, but a prompt is never cut). Raise max_seq_len above the prompt, or shorten or remove this "
+            "row."
+        )
+    room = max_seq_len - len(prompt)
+    return PreferencePair(*(np.asarray(tokens, dtype=np.int64) for tokens in (prompt, chosen[:room], rejected[:room])))
+
+
+def _check_config(config: PreferenceDatasetConfig, tokenizer: Any, device_batch_size: int, key_path: str) -> None:
+    if tokenizer is None:
+        raise ConfigError(f"'{key_path}' needs a tokenizer: set the run's tokenizer section.")
+    if device_batch_size < 1:
+        raise ConfigError(f"The batch size of '{key_path}' is {device_batch_size}; it must be at least 1.")
+    sources = [name for name in ("hf_name", "local", "streams") if getattr(config, name)]
+    if len(sources) != 1:
+        raise ConfigError(
+            f"'{key_path}' needs exactly one data source: 'hf_name' (a local .jsonl file or folder) or an MDS "
+            f"dataset ('local' / 'remote' or 'streams'); it has {sources or 'none'}."
+        )
