@@ -1,0 +1,74 @@
+"""DPO on 2 gloo ranks equals 1 rank: the same pairs per step, the same losses, metrics and weights, with the
+reference a frozen copy replicated (no fsdp_config) or sharded like the policy (FULL_SHARD)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from distributed.jobs import assert_same_run, full_weights
+from foundry.core import LoggerDestination
+from foundry.data import builtin_corpus_documents, load_tokenizer, train_bpe_tokenizer
+from foundry.data.preference import build_preference_dataloader
+from foundry.distributed import get_rank
+from foundry.models import MPTCausalLM
+from foundry.optim import DecoupledAdamW
+from foundry.preference import PreferenceConfig, PreferenceObjective
+from foundry.trainer import Trainer
+
+GLOBAL_PAIRS = 4
+STEPS = 4
+
+
+class MetricRecorder(LoggerDestination):
+    def __init__(self) -> None:
+        self.steps: list[dict[str, float]] = []
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if "loss/train/total" in metrics:
+            # trainer/tokens counts padding, to each rank's longest pair: not compared
+            self.steps.append(
+                {name: float(v) for name, v in metrics.items() if name.startswith(("loss/", "rewards/", "logps/"))}
+            )
+
+
+def train_dpo(folder: str, fsdp_config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Rank 0's logged metrics per step and final weights of a DPO run on this job's ranks."""
+    loader = build_preference_dataloader(
+        tokenizer=load_tokenizer(f"{folder}/tokenizer"),
+        device_batch_size=GLOBAL_PAIRS // torch.distributed.get_world_size(),
+        dataset={"hf_name": f"{folder}/pairs.jsonl", "max_seq_len": 32, "shuffle": True, "shuffle_seed": 3},
+    )
+    torch.manual_seed(17)
+    model = MPTCausalLM(d_model=32, n_heads=4, n_layers=2, vocab_size=320, max_seq_len=32, no_bias=True)
+    recorder = MetricRecorder()
+    trainer = Trainer(
+        model, loader, f"{STEPS}ba", optimizers=lambda params: DecoupledAdamW(params, lr=3e-3),
+        objective=PreferenceObjective(PreferenceConfig(beta=0.5)), fsdp_config=fsdp_config, device="cpu",
+        run_folder=f"{folder}/run-{torch.distributed.get_world_size()}", log_to_console=False, loggers=[recorder],
+    )  # fmt: skip
+    trainer.fit()
+    weights = full_weights(trainer.state.model)
+    if get_rank() != 0:
+        return None
+    losses = {step: metrics["loss/train/total"] for step, metrics in enumerate(recorder.steps)}
+    return {"losses": losses, "weights": weights, "steps": recorder.steps}
+
+
+@pytest.mark.parametrize("fsdp_config", [None, {"sharding_strategy": "FULL_SHARD"}], ids=["replicated", "sharded"])
+def test_two_ranks_train_dpo_as_one_rank(ranks, tmp_path: Path, fsdp_config: dict[str, Any] | None) -> None:
+    train_bpe_tokenizer(builtin_corpus_documents()[:2], vocab_size=300, out_dir=tmp_path / "tokenizer")
+    rows = [{"prompt": f"Q{i}:", "chosen": " yes" * (1 + i % 3), "rejected": " no" * (1 + i % 4)} for i in range(16)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    two, _ = ranks.run(2, train_dpo, str(tmp_path), fsdp_config)
+    (one,) = ranks.run(1, train_dpo, str(tmp_path), fsdp_config)
+    assert len(two["steps"]) == len(one["steps"]) == STEPS
+    for two_step, one_step in zip(two["steps"], one["steps"]):
+        assert set(two_step) == set(one_step)
+        for name, value in one_step.items():
+            assert two_step[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    assert_same_run(two, one)
