@@ -89,6 +89,7 @@ class PreferenceDatasetConfig:
     hf_name: str | None = None  # a local .jsonl file or folder, or 'json' with hf_kwargs
     hf_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     local: str | None = None  # MDS dataset with columns prompt/chosen/rejected
+    builtin: bool = False  # the pairs derived from Python's help topics (foundry.data.corpus), no file needed
     remote: str | None = None
     streams: dict[str, dict[str, Any]] | None = None
     split: str | None = None

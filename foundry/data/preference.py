@@ -30,6 +30,7 @@ from foundry.batches import IGNORE_INDEX
 from foundry.core.bounds import check_bounds
 from foundry.data.chat import MESSAGES_KEYS, RowFormatError, chat_renderer
 from foundry.data.config import LOADER_DEFAULTS, PreferenceDatasetConfig
+from foundry.data.corpus import builtin_preference_rows
 from foundry.data.finetuning_examples import token_turns
 from foundry.data.finetuning_rows import read_rows
 from foundry.data.mds import check_local_dataset
@@ -146,7 +147,7 @@ def build_preference_dataloader(
     eos_token_id = tokenizer.eos_token_id if config.eos_token_id is None else config.eos_token_id
     render = chat_renderer(tokenizer)
     pairs, truncated = [], 0
-    for location, row in read_rows(config, f"{key_path}.dataset"):
+    for location, row in _rows(config, f"{key_path}.dataset"):
         try:
             prompt, chosen, rejected = pair_tokens(row, tokenizer, render, eos_token_id)
         except RowFormatError as error:
@@ -213,14 +214,23 @@ def _fitted_pair(
     return PreferencePair(*(np.asarray(tokens, dtype=np.int64) for tokens in (prompt, chosen[:room], rejected[:room])))
 
 
+def _rows(config: PreferenceDatasetConfig, key_path: str) -> Iterator[tuple[str, Any]]:
+    """(location for errors, row) of the configured source; ``builtin`` pairs are the quickstart's."""
+    if not config.builtin:
+        yield from read_rows(config, key_path)
+        return
+    for index, row in enumerate(builtin_preference_rows()):
+        yield f"built-in preference pair {index}", row
+
+
 def _check_config(config: PreferenceDatasetConfig, tokenizer: Any, device_batch_size: int, key_path: str) -> None:
     if tokenizer is None:
         raise ConfigError(f"'{key_path}' needs a tokenizer: set the run's tokenizer section.")
     if device_batch_size < 1:
         raise ConfigError(f"The batch size of '{key_path}' is {device_batch_size}; it must be at least 1.")
-    sources = [name for name in ("hf_name", "local", "streams") if getattr(config, name)]
+    sources = [name for name in ("hf_name", "local", "streams", "builtin") if getattr(config, name)]
     if len(sources) != 1:
         raise ConfigError(
-            f"'{key_path}' needs exactly one data source: 'hf_name' (a local .jsonl file or folder) or an MDS "
-            f"dataset ('local' / 'remote' or 'streams'); it has {sources or 'none'}."
+            f"'{key_path}' needs exactly one data source: 'hf_name' (a local .jsonl file or folder), an MDS "
+            f"dataset ('local' / 'remote' or 'streams') or 'builtin: true'; it has {sources or 'none'}."
         )
