@@ -11,6 +11,7 @@ import pytest
 from foundry import registry
 from foundry.batches import IGNORE_INDEX
 from foundry.data.chat import render_plain_chat
+from foundry.data.corpus import builtin_instruction_rows, builtin_preference_rows
 from foundry.data.preference import build_preference_dataloader
 from foundry.errors import DataError
 
@@ -91,3 +92,12 @@ def test_a_prompt_longer_than_max_seq_len_is_refused_saying_what_truncation_does
 def test_a_row_without_rejected_is_refused_listing_its_keys(tmp_path: Path, tiny_tokenizer: Any) -> None:
     with pytest.raises(DataError, match=r"needs 'chosen' and 'rejected'.*\['chosen', 'prompt'\]"):
         build(tiny_tokenizer, tmp_path, [{"prompt": "Fox", "chosen": " a"}])
+
+
+def test_builtin_pairs_prefer_each_instructions_answer_to_its_words_reversed(tiny_tokenizer: Any) -> None:
+    loader = build_preference_dataloader(
+        tokenizer=tiny_tokenizer, device_batch_size=8, dataset={"builtin": True, "max_seq_len": 512}
+    )
+    rows = builtin_preference_rows()
+    assert len(loader.pairs) == len(rows) == len(builtin_instruction_rows())
+    assert rows[0]["rejected"].split() == rows[0]["chosen"].split()[::-1]

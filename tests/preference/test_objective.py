@@ -111,3 +111,26 @@ def test_a_reference_of_another_vocabulary_is_refused_naming_both_sizes() -> Non
     objective = PreferenceObjective(PreferenceConfig(), reference=tiny_model(vocab_size=128))
     with pytest.raises(ConfigError, match=r"reference_model' has a vocabulary of 128 tokens and the model one of 64"):
         objective.attach(tiny_model())
+
+
+def test_a_resumed_run_takes_its_reference_from_load_path_not_from_its_own_checkpoint(tmp_path: Path) -> None:
+    def trainer(folder: str, batches: int, **checkpointing: object) -> Trainer:
+        return Trainer(
+            tiny_model(), pair_batches(4), f"{batches}ba", objective=PreferenceObjective(PreferenceConfig()),
+            run_folder=str(tmp_path / folder), save_folder=str(tmp_path / folder / "checkpoints"),
+            progress_bar=False, log_to_console=False, **checkpointing,
+        )  # fmt: skip
+
+    base = trainer("base", 2)
+    base.fit()
+    base_weights = {name: tensor.clone() for name, tensor in base.state.model.state_dict().items()}
+    dpo = trainer("dpo", 2, load_path=str(tmp_path / "base" / "checkpoints"), load_weights_only=True, autoresume=True)
+    dpo.fit()
+    resumed = trainer(
+        "dpo", 4, load_path=str(tmp_path / "base" / "checkpoints"), load_weights_only=True, autoresume=True
+    )
+    assert resumed.state.timestamp.batch == 2  # from its own checkpoint, whose policy has moved
+    moved = resumed.state.model.state_dict()
+    assert any(not torch.equal(moved[name], tensor) for name, tensor in base_weights.items())
+    for name, tensor in resumed.objective.reference.state_dict().items():
+        assert torch.equal(tensor, base_weights[name]), name
