@@ -37,9 +37,9 @@ ONE_GPU_1B = [
 ]  # fmt: skip
 
 
-def prepare(corpus: Path, tokenizer: Path, out: Path) -> None:
+def prepare(corpus: list[Path], tokenizer: Path, out: Path) -> None:
     """``pairs.jsonl`` (prompt, chosen, rejected) and ``sft.jsonl`` (prompt, response=chosen) from ``corpus``."""
-    text = " ".join(corpus.read_text(encoding="utf-8").split())
+    text = " ".join(" ".join(path.read_text(encoding="utf-8").split()) for path in corpus)
     chunk = PROMPT_CHARS + 2 * CHUNK_CHARS
     rows = []
     for index in range(PAIRS):
@@ -99,7 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     prepare_parser = commands.add_parser("prepare")
-    prepare_parser.add_argument("--corpus", type=Path, required=True)
+    prepare_parser.add_argument("--corpus", type=Path, nargs="+", required=True, help="text files")
     prepare_parser.add_argument("--tokenizer", type=Path, required=True)
     prepare_parser.add_argument("--out", type=Path, required=True)
     run_parser = commands.add_parser("run")
