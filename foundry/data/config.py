@@ -95,6 +95,7 @@ class PreferenceDatasetConfig:
     split: str | None = None
     shuffle: bool = False
     shuffle_seed: int = 9176
+    packing_ratio: float | str | None = None  # pairs drawn per row pair; 'auto' profiles; None or 1: no packing
     eos_token_id: int | None = None  # ends each response; default: the tokenizer's eos
     download_retry: int | None = None
     download_timeout: float | None = None

@@ -13,6 +13,12 @@ Each batch holds ``input_ids``, ``labels`` and ``attention_mask``, all (pairs, 2
 prompt + chosen, row 1 prompt + rejected, right-padded to the batch's longest; labels are -100 on the prompt
 and padding. Splitting along the first dimension keeps a pair together, and ``input_ids.numel()`` counts the
 chosen and rejected tokens both.
+
+With ``packing_ratio`` (as the ``finetuning`` loader's), several pairs share a row pair: row 0 holds their
+prompt + chosen sequences one after another, row 1 their prompt + rejected ones in the same order, and
+``sequence_id`` / ``position_ids`` (pairs, 2, seq) mark each sequence (-1 on padding) and restart its positions.
+A model that masks attention between sequences (``attn_uses_sequence_id``) computes exactly what it computes
+on the pairs unpacked.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from foundry.data.corpus import builtin_preference_rows
 from foundry.data.finetuning_examples import token_turns
 from foundry.data.finetuning_rows import read_rows
 from foundry.data.mds import check_local_dataset
-from foundry.data.packing import rank_batches
+from foundry.data.packing import pack_rows, rank_batches, resolve_packing_ratio
 from foundry.distributed.env import get_rank, get_world_size
 from foundry.errors import ConfigError, DataError
 from foundry.schema import parse_dataclass
@@ -73,6 +79,13 @@ class PreferenceDataLoader:
         self.epoch = 0
         self.batch_in_epoch = 0
         self._resume_at: int | None = None
+        # A row pair's length is its longer side: packed by the finetuning loader's plan (foundry.data.packing).
+        lengths = [len(pair.prompt) + max(len(pair.chosen), len(pair.rejected)) for pair in pairs]
+        order = self._shuffled(len(pairs), epoch=0)
+        rows_per_step = device_batch_size * self.world_size
+        ratio = resolve_packing_ratio(config.packing_ratio, lengths, order, rows_per_step, config.max_seq_len)
+        self.packed = ratio is not None
+        self.rows = pack_rows(lengths, order, ratio, rows_per_step, config.max_seq_len)
 
     def __len__(self) -> int:
         return len(self.epoch_batches(self.epoch))
@@ -83,7 +96,8 @@ class PreferenceDataLoader:
         batches = self.epoch_batches(epoch)
         for index in range(start, len(batches)):
             self.batch_in_epoch = index + 1
-            yield collate_pairs([self.pairs[i] for row in batches[index] for i in row], self.pad_token_id)
+            rows = [[self.pairs[i] for i in row] for row in batches[index]]
+            yield collate_pairs(rows, self.pad_token_id, self.packed)
         self.epoch, self.batch_in_epoch = epoch + 1, 0
 
     def state_dict(self) -> dict[str, int]:
@@ -97,29 +111,43 @@ class PreferenceDataLoader:
         self._resume_at = self.batch_in_epoch
 
     def epoch_batches(self, epoch: int) -> list[list[list[int]]]:
-        """This rank's batches of ``epoch``: lists of one-pair rows (an empty row pads a short last step)."""
-        order = range(len(self.pairs))
-        if self.config.shuffle:
-            order = np.random.default_rng([self.config.shuffle_seed, epoch]).permutation(len(self.pairs)).tolist()
-        rows = [[index] for index in order]
+        """This rank's batches of ``epoch``: lists of rows of pair indices (an empty row pads a short last step)."""
+        rows = [self.rows[index] for index in self._shuffled(len(self.rows), epoch)]
         return rank_batches(rows, self.device_batch_size, self.rank, self.world_size, self.drop_last)
 
+    def _shuffled(self, count: int, epoch: int) -> list[int]:
+        if not self.config.shuffle:
+            return list(range(count))
+        return np.random.default_rng([self.config.shuffle_seed, epoch]).permutation(count).tolist()
 
-def collate_pairs(pairs: Sequence[PreferencePair], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """``input_ids``, ``labels`` and ``attention_mask`` (pairs, 2, seq); a missing pair (a short last step) is all
-    padding, labels -100, so it weighs nothing."""
-    rows = [[np.concatenate([pair.prompt, response]) for response in (pair.chosen, pair.rejected)] for pair in pairs]
-    longest = max([len(row) for both in rows for row in both], default=1)
-    shape = (max(len(pairs), 1), 2, longest)
+
+def collate_pairs(rows: Sequence[Sequence[PreferencePair]], pad_token_id: int, packed: bool) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``labels``, ``attention_mask`` (and when ``packed``, ``sequence_id`` and ``position_ids``), each
+    (rows, 2, seq); an empty row (a short last step) is all padding, labels -100, so it weighs nothing."""
+    longest = max([_row_length(row, side) for row in rows for side in (0, 1)], default=1)
+    shape = (max(len(rows), 1), 2, max(longest, 1))
     input_ids = torch.full(shape, pad_token_id, dtype=torch.int64)
     labels = torch.full(shape, IGNORE_INDEX, dtype=torch.int64)
-    attention_mask = torch.zeros(shape, dtype=torch.int64)
-    for index, (pair, both) in enumerate(zip(pairs, rows)):
-        for side, tokens in enumerate(both):
-            input_ids[index, side, : len(tokens)] = torch.from_numpy(tokens)
-            labels[index, side, len(pair.prompt) : len(tokens)] = torch.from_numpy(tokens[len(pair.prompt) :])
-            attention_mask[index, side, : len(tokens)] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+    sequence_id = torch.full(shape, -1, dtype=torch.int64)
+    position_ids = torch.zeros(shape, dtype=torch.int64)
+    for index, row in enumerate(rows):
+        for side in (0, 1):
+            start = 0
+            for number, pair in enumerate(row):
+                response = pair.rejected if side else pair.chosen
+                tokens = np.concatenate([pair.prompt, response])
+                end = start + len(tokens)
+                input_ids[index, side, start:end] = torch.from_numpy(tokens)
+                labels[index, side, start + len(pair.prompt) : end] = torch.from_numpy(response)
+                sequence_id[index, side, start:end] = number
+                position_ids[index, side, start:end] = torch.arange(len(tokens))
+                start = end
+    batch = {"input_ids": input_ids, "labels": labels, "attention_mask": (sequence_id >= 0).long()}
+    return {**batch, "sequence_id": sequence_id, "position_ids": position_ids} if packed else batch
+
+
+def _row_length(row: Sequence[PreferencePair], side: int) -> int:
+    return sum(len(pair.prompt) + len(pair.rejected if side else pair.chosen) for pair in row)
 
 
 @registry.dataloaders.register("preference")
@@ -228,6 +256,11 @@ def _check_config(config: PreferenceDatasetConfig, tokenizer: Any, device_batch_
         raise ConfigError(f"'{key_path}' needs a tokenizer: set the run's tokenizer section.")
     if device_batch_size < 1:
         raise ConfigError(f"The batch size of '{key_path}' is {device_batch_size}; it must be at least 1.")
+    ratio = config.packing_ratio
+    if ratio is not None and ratio != "auto" and (isinstance(ratio, str) or ratio < 1):
+        raise ConfigError(
+            f"'{key_path}.packing_ratio' is {ratio!r}; use a number >= 1 (pairs per row pair), 'auto' or null."
+        )
     sources = [name for name in ("hf_name", "local", "streams", "builtin") if getattr(config, name)]
     if len(sources) != 1:
         raise ConfigError(

@@ -84,13 +84,17 @@ class PreferenceObjective(Objective):
             _copy_weights(model, self.reference)
 
     def forward(self, model: FoundryModel, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-        """Per-row summed log-probabilities (2·pairs,) of the policy and the reference, and token counts."""
-        input_ids, labels = _rows(batch["input_ids"]), _rows(batch["labels"])
+        """Summed log-probabilities of the policy and the reference and token counts, each (2·rows, sequences per
+        row): every chosen row first, then every rejected row."""
+        inputs = {key: _rows(batch[key]) for key in ("input_ids", "sequence_id", "position_ids") if key in batch}
+        if "sequence_id" in inputs:
+            _check_masks_packed_sequences(model)
+        labels, sequence_id = _rows(batch["labels"]), inputs.get("sequence_id")
         outputs = {}
         if self.mode != "none":
             with torch.no_grad(), self._reference_model(model) as reference:
-                outputs["reference"], _ = sequence_logps(reference({"input_ids": input_ids}), labels)
-        outputs["policy"], outputs["tokens"] = sequence_logps(model({"input_ids": input_ids}), labels)
+                outputs["reference"], _ = sequence_logps(reference(inputs), labels, sequence_id)
+        outputs["policy"], outputs["tokens"] = sequence_logps(model(inputs), labels, sequence_id)
         return outputs
 
     @contextlib.contextmanager
@@ -109,13 +113,15 @@ class PreferenceObjective(Objective):
         reference = outputs.get("reference")
         if reference is not None and per_token:
             reference = reference / tokens
-        chosen, rejected = policy.chunk(2)
-        reference_chosen, reference_rejected = reference.chunk(2) if reference is not None else (None, None)
+        chosen, rejected = (side.flatten() for side in policy.chunk(2))  # (pairs,): row by row, sequence by sequence
+        reference_chosen, reference_rejected = (
+            (side.flatten() for side in reference.chunk(2)) if reference is not None else (None, None)
+        )
         losses, chosen_rewards, rejected_rewards = preference_loss(
             config.loss_type, chosen, rejected, reference_chosen, reference_rejected,
             config.beta, config.label_smoothing, config.gamma_beta_ratio,
         )  # fmt: skip
-        real = outputs["tokens"].chunk(2)[0] > 0  # a padding pair (a short last step) weighs nothing
+        real = outputs["tokens"].chunk(2)[0].flatten() > 0  # a padding pair (a short last step) weighs nothing
         pairs = real.sum().clamp(min=1)
 
         def mean(values: torch.Tensor) -> torch.Tensor:
@@ -133,6 +139,8 @@ class PreferenceObjective(Objective):
 
     def loss_weight(self, model: FoundryModel, batch: Mapping[str, Any]) -> torch.Tensor:
         """The pairs with a response token (padding pairs excluded)."""
+        if "sequence_id" in batch:  # packed: each chosen sequence starts at position 0
+            return ((batch["position_ids"][:, 0] == 0) & (batch["sequence_id"][:, 0] >= 0)).sum()
         return (batch["labels"][:, 0, 1:] != IGNORE_INDEX).any(-1).sum()
 
     def logged_terms(self, model: FoundryModel) -> dict[str, torch.Tensor]:
@@ -162,6 +170,17 @@ def _copy_weights(source: nn.Module, target: nn.Module) -> None:
         [*source.named_parameters(), *source.named_buffers()], [*target.named_parameters(), *target.named_buffers()]
     ):
         into.copy_(value)
+
+
+def _check_masks_packed_sequences(model: nn.Module) -> None:
+    """Packed pairs are exact only where attention stays within each sequence."""
+    attn_config = getattr(getattr(model, "config", None), "attn_config", None)
+    if not getattr(attn_config, "attn_uses_sequence_id", False):
+        raise ConfigError(
+            "The preference loader packs several pairs per row (packing_ratio), but the model lets packed sequences "
+            "attend to each other, so their log-probabilities would not be the pairs' own. Set "
+            "model.attn_config.attn_uses_sequence_id: true (mpt_causal_lm, llama_causal_lm), or remove packing_ratio."
+        )
 
 
 def _check_same_vocabulary(model: nn.Module, reference: nn.Module) -> None:

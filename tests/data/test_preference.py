@@ -7,13 +7,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from foundry import registry
 from foundry.batches import IGNORE_INDEX
 from foundry.data.chat import render_plain_chat
 from foundry.data.corpus import builtin_instruction_rows, builtin_preference_rows
 from foundry.data.preference import build_preference_dataloader
-from foundry.errors import DataError
+from foundry.errors import ConfigError, DataError
+from foundry.models.mpt import MPTCausalLM
+from foundry.preference import PreferenceConfig, PreferenceObjective
 
 SEQ = 32
 
@@ -101,3 +104,56 @@ def test_builtin_pairs_prefer_each_instructions_answer_to_its_words_reversed(tin
     rows = builtin_preference_rows()
     assert len(loader.pairs) == len(rows) == len(builtin_instruction_rows())
     assert rows[0]["rejected"].split() == rows[0]["chosen"].split()[::-1]
+
+
+def packing_model(attn_uses_sequence_id: bool) -> MPTCausalLM:
+    torch.manual_seed(0)
+    return MPTCausalLM(
+        d_model=16, n_heads=2, n_layers=2, max_seq_len=64, vocab_size=320, no_bias=True, learned_pos_emb=False,
+        attn_config={"alibi": True, "attn_uses_sequence_id": attn_uses_sequence_id},
+    )  # fmt: skip
+
+
+def pair_logps(model: MPTCausalLM, loader: Any) -> tuple[list[float], list[float]]:
+    """Every pair's chosen and rejected log-probability over one epoch, each list sorted."""
+    objective = PreferenceObjective(PreferenceConfig(loss_type="simpo"))
+    objective.attach(model)
+    chosen, rejected = [], []
+    with torch.no_grad():
+        for batch in loader:
+            outputs = objective.forward(model, batch)
+            real = outputs["tokens"].chunk(2)[0].flatten() > 0
+            chosen += outputs["policy"].chunk(2)[0].flatten()[real].tolist()
+            rejected += outputs["policy"].chunk(2)[1].flatten()[real].tolist()
+    return sorted(chosen), sorted(rejected)
+
+
+def test_packed_pairs_have_the_log_probabilities_of_the_pairs_unpacked(tmp_path: Path, tiny_tokenizer: Any) -> None:
+    rows = [
+        {"prompt": f"Q{i}: fox", "chosen": " quick" * (1 + i % 3), "rejected": " lazy" * (2 + i % 2)} for i in range(9)
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+
+    def loader(packing_ratio: float | None) -> Any:
+        dataset = {"hf_name": str(path), "max_seq_len": 64, "packing_ratio": packing_ratio}
+        return build_preference_dataloader(tokenizer=tiny_tokenizer, device_batch_size=2, dataset=dataset)
+
+    packed = loader(3)
+    assert len(packed.rows) < len(rows) and "sequence_id" in next(iter(packed))
+    unpacked_chosen, unpacked_rejected = pair_logps(packing_model(True), loader(None))
+    packed_chosen, packed_rejected = pair_logps(packing_model(True), packed)
+    assert packed_chosen == pytest.approx(unpacked_chosen, rel=1e-6)
+    assert packed_rejected == pytest.approx(unpacked_rejected, rel=1e-6)
+    assert len(packed_chosen) == len(rows)
+
+
+def test_packed_pairs_on_a_model_that_lets_them_attend_to_each_other_are_refused(
+    tmp_path: Path, tiny_tokenizer: Any
+) -> None:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "Q", "chosen": " a", "rejected": " b"}) + "\n" for _ in range(4)))
+    dataset = {"hf_name": str(path), "max_seq_len": 64, "packing_ratio": 2}
+    packed = build_preference_dataloader(tokenizer=tiny_tokenizer, device_batch_size=1, dataset=dataset)
+    with pytest.raises(ConfigError, match=r"attn_uses_sequence_id: true"):
+        pair_logps(packing_model(False), packed)

@@ -65,5 +65,17 @@ def test_sequence_logps_sum_the_log_softmax_of_each_labelled_next_token() -> Non
         sum(log_probs[row, t - 1, labels[row, t]].item() for t in range(1, 5) if labels[row, t] != -100)
         for row in range(2)
     ]
-    assert summed.tolist() == pytest.approx(expected, rel=1e-6)
-    assert tokens.tolist() == [3, 2]
+    assert summed[:, 0].tolist() == pytest.approx(expected, rel=1e-6)
+    assert tokens.tolist() == [[3], [2]]
+
+
+def test_packed_sequences_sum_separately_and_as_each_alone() -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 8, 7, generator=generator)
+    labels = torch.tensor([[-100, 1, 2, -100, -100, 3, 4, -100]])  # two sequences, then padding
+    sequence_id = torch.tensor([[0, 0, 0, 1, 1, 1, 1, -1]])
+    summed, tokens = sequence_logps(logits, labels, sequence_id)
+    first, _ = sequence_logps(logits[:, :3], labels[:, :3])
+    second, _ = sequence_logps(logits[:, 3:7], labels[:, 3:7])
+    assert summed[0].tolist() == pytest.approx([first.item(), second.item()], rel=1e-6)
+    assert tokens.tolist() == [[2, 2]]

@@ -76,8 +76,8 @@ def test_initial_log_probabilities_and_losses_equal_trls_within_1e_5(name: str) 
     with torch.no_grad():
         for batch in fixture_loader():
             outputs = dpo.forward(model, batch)
-            policy_chosen, policy_rejected = outputs["policy"].chunk(2)
-            reference_chosen, reference_rejected = outputs["reference"].chunk(2)
+            policy_chosen, policy_rejected = outputs["policy"].flatten().chunk(2)
+            reference_chosen, reference_rejected = outputs["reference"].flatten().chunk(2)
             columns["policy_chosen_logps"] += policy_chosen.tolist()
             columns["policy_rejected_logps"] += policy_rejected.tolist()
             columns["reference_chosen_logps"] += reference_chosen.tolist()
