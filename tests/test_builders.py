@@ -308,3 +308,12 @@ def test_a_preference_loader_without_a_preference_section_is_refused(tmp_path: P
     cfg = make_config(tmp_path, train_loader=LoaderConfig(name="preference", dataset={"builtin": True}))
     with pytest.raises(ConfigError, match=r"'train_loader.name' is preference.*no 'preference' section"):
         builders.check_settings(cfg)
+
+
+def test_preference_tuning_under_context_parallelism_is_refused_naming_the_degree(tmp_path: Path) -> None:
+    loader = LoaderConfig(name="preference", dataset={"builtin": True})
+    cfg = make_config(
+        tmp_path, preference=PreferenceConfig(), train_loader=loader, parallelism={"context_parallel_degree": 2}
+    )
+    with pytest.raises(ConfigError, match=r"'parallelism.context_parallel_degree' is 2, but preference tuning"):
+        builders.check_settings(cfg)

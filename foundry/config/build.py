@@ -313,6 +313,12 @@ def _check_preference(cfg: TrainConfig) -> None:
             f"'{sorted(pairs)[0]}.name' is preference, which loads (prompt, chosen, rejected) pairs, but the run has "
             "no 'preference' section to train on them: add 'preference: {loss_type: sigmoid, beta: 0.1}'."
         )
+    degree = parse_dataclass(ParallelismConfig, cfg.parallelism, "parallelism").context_parallel_degree
+    if cfg.preference is not None and degree > 1:
+        raise ConfigError(
+            f"'parallelism.context_parallel_degree' is {degree}, but preference tuning scores whole sequences on each "
+            "rank; set the degree to 1 (shard the model with fsdp_config instead)."
+        )
     if cfg.preference is not None and len(pairs) < len(cfg.loaders()):
         raise ConfigError(
             "Under 'preference', every eval loader is a preference loader too (its loss is the DPO loss)."
