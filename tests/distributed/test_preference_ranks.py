@@ -1,5 +1,6 @@
 """DPO on 2 gloo ranks equals 1 rank: the same pairs per step, the same losses, metrics and weights, with the
-reference a frozen copy replicated (no fsdp_config) or sharded like the policy (FULL_SHARD)."""
+reference a frozen copy replicated (no fsdp_config) or sharded like the policy (FULL_SHARD), or a sharded LoRA
+model's base with its adapters off."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from foundry.data import builtin_corpus_documents, load_tokenizer, train_bpe_tok
 from foundry.data.preference import build_preference_dataloader
 from foundry.distributed import get_rank
 from foundry.models import MPTCausalLM
+from foundry.models.build import build_model
 from foundry.optim import DecoupledAdamW
 from foundry.preference import PreferenceConfig, PreferenceObjective
 from foundry.trainer import Trainer
@@ -36,15 +38,26 @@ class MetricRecorder(LoggerDestination):
             )
 
 
-def train_dpo(folder: str, fsdp_config: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Rank 0's logged metrics per step and final weights of a DPO run on this job's ranks."""
+LLAMA_LORA = {
+    "name": "llama_causal_lm", "d_model": 32, "n_layers": 2, "n_heads": 4, "kv_n_heads": 2, "vocab_size": 320,
+    "max_seq_len": 32, "ffn_hidden_size": 64,
+    "peft_config": {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"},
+}  # fmt: skip
+
+
+def train_dpo(folder: str, fsdp_config: dict[str, Any] | None, lora: bool = False) -> dict[str, Any] | None:
+    """Rank 0's logged metrics per step and final weights of a DPO run on this job's ranks (with ``lora``, a tiny
+    Llama whose base with adapters off is the reference)."""
     loader = build_preference_dataloader(
         tokenizer=load_tokenizer(f"{folder}/tokenizer"),
         device_batch_size=GLOBAL_PAIRS // torch.distributed.get_world_size(),
         dataset={"hf_name": f"{folder}/pairs.jsonl", "max_seq_len": 32, "shuffle": True, "shuffle_seed": 3},
     )
     torch.manual_seed(17)
-    model = MPTCausalLM(d_model=32, n_heads=4, n_layers=2, vocab_size=320, max_seq_len=32, no_bias=True)
+    if lora:
+        model = build_model(LLAMA_LORA)
+    else:
+        model = MPTCausalLM(d_model=32, n_heads=4, n_layers=2, vocab_size=320, max_seq_len=32, no_bias=True)
     recorder = MetricRecorder()
     trainer = Trainer(
         model, loader, f"{STEPS}ba", optimizers=lambda params: DecoupledAdamW(params, lr=3e-3),
@@ -59,13 +72,17 @@ def train_dpo(folder: str, fsdp_config: dict[str, Any] | None) -> dict[str, Any]
     return {"losses": losses, "weights": weights, "steps": recorder.steps}
 
 
-@pytest.mark.parametrize("fsdp_config", [None, {"sharding_strategy": "FULL_SHARD"}], ids=["replicated", "sharded"])
-def test_two_ranks_train_dpo_as_one_rank(ranks, tmp_path: Path, fsdp_config: dict[str, Any] | None) -> None:
+@pytest.mark.parametrize(
+    ("fsdp_config", "lora"),
+    [(None, False), ({"sharding_strategy": "FULL_SHARD"}, False), ({"sharding_strategy": "FULL_SHARD"}, True)],
+    ids=["replicated", "sharded", "sharded-lora"],
+)
+def test_two_ranks_train_dpo_as_one_rank(ranks, tmp_path: Path, fsdp_config: dict[str, Any] | None, lora: bool) -> None:
     train_bpe_tokenizer(builtin_corpus_documents()[:2], vocab_size=300, out_dir=tmp_path / "tokenizer")
     rows = [{"prompt": f"Q{i}:", "chosen": " yes" * (1 + i % 3), "rejected": " no" * (1 + i % 4)} for i in range(16)]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    two, _ = ranks.run(2, train_dpo, str(tmp_path), fsdp_config)
-    (one,) = ranks.run(1, train_dpo, str(tmp_path), fsdp_config)
+    two, _ = ranks.run(2, train_dpo, str(tmp_path), fsdp_config, lora)
+    (one,) = ranks.run(1, train_dpo, str(tmp_path), fsdp_config, lora)
     assert len(two["steps"]) == len(one["steps"]) == STEPS
     for two_step, one_step in zip(two["steps"], one["steps"]):
         assert set(two_step) == set(one_step)
