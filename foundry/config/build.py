@@ -319,6 +319,11 @@ def _check_preference(cfg: TrainConfig) -> None:
             f"'parallelism.context_parallel_degree' is {degree}, but preference tuning scores whole sequences on each "
             "rank; set the degree to 1 (shard the model with fsdp_config instead)."
         )
+    if cfg.preference is not None and cfg.preference.reference == "precomputed" and len(cfg.loaders()) > 1:
+        raise ConfigError(
+            "'preference.reference' is precomputed, whose log-probabilities are the train pairs' only; remove the "
+            "eval loaders, or use reference: copy."
+        )
     if cfg.preference is not None and len(pairs) < len(cfg.loaders()):
         raise ConfigError(
             "Under 'preference', every eval loader is a preference loader too (its loss is the DPO loss)."

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,7 @@ class PreferenceDataLoader:
         device_batch_size: int,
         pad_token_id: int,
         drop_last: bool,
+        data_folder: Path | None = None,
     ) -> None:
         self.pairs = pairs
         self.config = config
@@ -76,6 +78,7 @@ class PreferenceDataLoader:
         self.pad_token_id = pad_token_id
         self.drop_last = drop_last
         self.rank, self.world_size = get_rank(), get_world_size()
+        self.data_folder = data_folder  # where files about the data (precomputed reference log-probabilities) go
         self.epoch = 0
         self.batch_in_epoch = 0
         self._resume_at: int | None = None
@@ -96,9 +99,16 @@ class PreferenceDataLoader:
         batches = self.epoch_batches(epoch)
         for index in range(start, len(batches)):
             self.batch_in_epoch = index + 1
-            rows = [[self.pairs[i] for i in row] for row in batches[index]]
-            yield collate_pairs(rows, self.pad_token_id, self.packed)
+            yield self.collate(batches[index])
         self.epoch, self.batch_in_epoch = epoch + 1, 0
+
+    def collate(self, rows: Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+        """The batch of ``rows`` of pair indices, with ``pair_index`` (rows, pairs per row; -1 pads) beside it."""
+        batch = collate_pairs([[self.pairs[i] for i in row] for row in rows], self.pad_token_id, self.packed)
+        pair_index = torch.full((len(batch["input_ids"]), max(map(len, rows), default=1) or 1), -1)
+        for row_index, row in enumerate(rows):
+            pair_index[row_index, : len(row)] = torch.tensor(row, dtype=torch.int64)
+        return {**batch, "pair_index": pair_index}
 
     def state_dict(self) -> dict[str, int]:
         """The position after the last batch yielded; after an epoch's last batch, the next epoch's start."""
@@ -186,7 +196,7 @@ def build_preference_dataloader(
     if not pairs:
         raise DataError(f"'{key_path}.dataset' holds no preference pairs; check its source and split.")
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_id
-    loader = PreferenceDataLoader(pairs, config, device_batch_size, pad_token_id or 0, drop_last)
+    loader = PreferenceDataLoader(pairs, config, device_batch_size, pad_token_id or 0, drop_last, _data_folder(config))
     log.log(
         logging.WARNING if truncated else logging.INFO,
         "%s: %d pairs, %d with a response cut at max_seq_len %d; batches per epoch on this rank: %d.",
@@ -249,6 +259,14 @@ def _rows(config: PreferenceDatasetConfig, key_path: str) -> Iterator[tuple[str,
         return
     for index, row in enumerate(builtin_preference_rows()):
         yield f"built-in preference pair {index}", row
+
+
+def _data_folder(config: PreferenceDatasetConfig) -> Path | None:
+    """The local folder that holds the data (a .jsonl file's folder, a jsonl folder, an MDS ``local``), or None."""
+    if config.hf_name and config.hf_name != "json":
+        path = Path(config.hf_name).expanduser()
+        return path if path.is_dir() else path.parent
+    return Path(config.local) if config.local else None
 
 
 def _check_config(config: PreferenceDatasetConfig, tokenizer: Any, device_batch_size: int, key_path: str) -> None:

@@ -15,7 +15,7 @@ LossType = Literal["sigmoid", "ipo", "simpo"]
 LOSS_TYPES: tuple[LossType, ...] = ("sigmoid", "ipo", "simpo")
 AVERAGES_PER_TOKEN = ("ipo", "simpo")  # these losses read log-probabilities averaged over response tokens
 REFERENCE_FREE = ("simpo",)
-Reference = Literal["auto", "copy", "adapters_off", "none"]
+Reference = Literal["auto", "copy", "adapters_off", "precomputed", "none"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -29,7 +29,8 @@ class PreferenceConfig:
     )
     gamma_beta_ratio: float = dataclasses.field(default=0.5, metadata=doc("simpo: the target margin γ over β"))
     reference: Reference = dataclasses.field(
-        default="auto", metadata=doc("copy, adapters_off (LoRA), none (simpo); auto picks adapters_off for LoRA")
+        default="auto",
+        metadata=doc("copy, adapters_off (LoRA), precomputed (once, beside the data), none (simpo); auto: LoRA's base"),
     )
     reference_model: dict[str, Any] | None = dataclasses.field(
         default=None, metadata=doc("a model section built as the reference instead (same vocabulary)")
@@ -50,5 +51,7 @@ class PreferenceConfig:
         reference_free = self.loss_type in REFERENCE_FREE
         if reference_free and (self.reference not in ("auto", "none") or self.reference_model is not None):
             raise ConfigError(f"'preference.reference' is set, but {self.loss_type} is reference-free; remove it.")
+        if self.reference_model is not None and self.reference not in ("auto", "copy"):
+            raise ConfigError("'preference.reference_model' is set, so 'preference.reference' must be copy or auto.")
         if not reference_free and self.reference == "none":
             raise ConfigError(f"'preference.reference' is none, but {self.loss_type} needs one; use simpo, or copy.")

@@ -8,6 +8,8 @@ reference is, by ``preference.reference``:
   second copy of the weights exists;
 - ``copy`` (the default otherwise): a frozen copy of the policy, placed (sharded) as the policy is, holding the
   weights the run starts from (``load_path``'s, also when the run resumes from its own checkpoint later);
+- ``precomputed``: the log-probabilities under the starting weights, computed once as the run starts and stored
+  beside the data (``foundry.preference.reference_cache``): a step is then one forward and one backward;
 - ``none``: no reference (SimPO is reference-free);
 - or a model given as ``reference=`` (``preference.reference_model`` in a YAML), frozen, of the same vocabulary.
 
@@ -35,6 +37,7 @@ from foundry.models.lora import adapters_disabled, lora_modules
 from foundry.models.objective import Objective
 from foundry.preference.config import AVERAGES_PER_TOKEN, REFERENCE_FREE, PreferenceConfig, Reference
 from foundry.preference.losses import preference_loss, sequence_logps
+from foundry.preference.reference_cache import reference_table
 
 
 class PreferenceObjective(Objective):
@@ -50,6 +53,7 @@ class PreferenceObjective(Objective):
         self._copies_policy = reference is None  # a copy made at attach takes the policy's starting weights
         self.mode: Reference = "copy" if reference is not None else self.config.reference
         self._metrics: dict[str, torch.Tensor] = {}
+        self._reference_table: torch.Tensor | None = None  # reference: precomputed, (pairs, 2) on the device
 
     def attach(self, model: FoundryModel) -> None:
         config = self.config
@@ -76,6 +80,8 @@ class PreferenceObjective(Objective):
         model = state.model
         if hasattr(model, "fused_cross_entropy"):  # per-sequence log-probabilities need the logits
             model.fused_cross_entropy = False
+        if self.mode == "precomputed":
+            self._reference_table = reference_table(model, state, load_path).to(state.device)
         if self.mode != "copy" or not self._copies_policy:
             return
         if state.timestamp.batch > 0 and load_path:  # resumed later on: the run started from load_path's weights
@@ -91,7 +97,10 @@ class PreferenceObjective(Objective):
             _check_masks_packed_sequences(model)
         labels, sequence_id = _rows(batch["labels"]), inputs.get("sequence_id")
         outputs = {}
-        if self.mode != "none":
+        if self.mode == "precomputed":  # (pairs, 2) table → (2·rows, pairs per row), as the policy's
+            table = self._reference_table[batch["pair_index"].clamp(min=0)]
+            outputs["reference"] = torch.cat([table[..., 0], table[..., 1]])
+        elif self.mode != "none":
             with torch.no_grad(), self._reference_model(model) as reference:
                 outputs["reference"], _ = sequence_logps(reference(inputs), labels, sequence_id)
         outputs["policy"], outputs["tokens"] = sequence_logps(model(inputs), labels, sequence_id)

@@ -1,6 +1,6 @@
 """DPO on 2 gloo ranks equals 1 rank: the same pairs per step, the same losses, metrics and weights, with the
-reference a frozen copy replicated (no fsdp_config) or sharded like the policy (FULL_SHARD), or a sharded LoRA
-model's base with its adapters off."""
+reference a frozen copy replicated (no fsdp_config) or sharded like the policy (FULL_SHARD), a sharded LoRA
+model's base with its adapters off, or precomputed by the 2 ranks and read by the 1."""
 
 from __future__ import annotations
 
@@ -45,7 +45,9 @@ LLAMA_LORA = {
 }  # fmt: skip
 
 
-def train_dpo(folder: str, fsdp_config: dict[str, Any] | None, lora: bool = False) -> dict[str, Any] | None:
+def train_dpo(
+    folder: str, fsdp_config: dict[str, Any] | None, lora: bool = False, reference: str = "auto"
+) -> dict[str, Any] | None:
     """Rank 0's logged metrics per step and final weights of a DPO run on this job's ranks (with ``lora``, a tiny
     Llama whose base with adapters off is the reference)."""
     loader = build_preference_dataloader(
@@ -61,7 +63,8 @@ def train_dpo(folder: str, fsdp_config: dict[str, Any] | None, lora: bool = Fals
     recorder = MetricRecorder()
     trainer = Trainer(
         model, loader, f"{STEPS}ba", optimizers=lambda params: DecoupledAdamW(params, lr=3e-3),
-        objective=PreferenceObjective(PreferenceConfig(beta=0.5)), fsdp_config=fsdp_config, device="cpu",
+        objective=PreferenceObjective(PreferenceConfig(beta=0.5, reference=reference)), fsdp_config=fsdp_config,
+        device="cpu",
         run_folder=f"{folder}/run-{torch.distributed.get_world_size()}", log_to_console=False, loggers=[recorder],
     )  # fmt: skip
     trainer.fit()
@@ -73,16 +76,19 @@ def train_dpo(folder: str, fsdp_config: dict[str, Any] | None, lora: bool = Fals
 
 
 @pytest.mark.parametrize(
-    ("fsdp_config", "lora"),
-    [(None, False), ({"sharding_strategy": "FULL_SHARD"}, False), ({"sharding_strategy": "FULL_SHARD"}, True)],
-    ids=["replicated", "sharded", "sharded-lora"],
-)
-def test_two_ranks_train_dpo_as_one_rank(ranks, tmp_path: Path, fsdp_config: dict[str, Any] | None, lora: bool) -> None:
+    ("fsdp_config", "lora", "reference"),
+    [(None, False, "auto"), ({"sharding_strategy": "FULL_SHARD"}, False, "auto"),
+     ({"sharding_strategy": "FULL_SHARD"}, True, "auto"), ({"sharding_strategy": "FULL_SHARD"}, False, "precomputed")],
+    ids=["replicated", "sharded", "sharded-lora", "sharded-precomputed"],
+)  # fmt: skip
+def test_two_ranks_train_dpo_as_one_rank(
+    ranks, tmp_path: Path, fsdp_config: dict[str, Any] | None, lora: bool, reference: str
+) -> None:
     train_bpe_tokenizer(builtin_corpus_documents()[:2], vocab_size=300, out_dir=tmp_path / "tokenizer")
     rows = [{"prompt": f"Q{i}:", "chosen": " yes" * (1 + i % 3), "rejected": " no" * (1 + i % 4)} for i in range(16)]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    two, _ = ranks.run(2, train_dpo, str(tmp_path), fsdp_config, lora)
-    (one,) = ranks.run(1, train_dpo, str(tmp_path), fsdp_config, lora)
+    two, _ = ranks.run(2, train_dpo, str(tmp_path), fsdp_config, lora, reference)
+    (one,) = ranks.run(1, train_dpo, str(tmp_path), fsdp_config, lora, reference)  # precomputed: 2 ranks' table
     assert len(two["steps"]) == len(one["steps"]) == STEPS
     for two_step, one_step in zip(two["steps"], one["steps"]):
         assert set(two_step) == set(one_step)
