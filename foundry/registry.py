@@ -82,7 +82,7 @@ class Registry:
 
 
 models = Registry("models", ("foundry.models",))
-dataloaders = Registry("dataloaders", ("foundry.data.text", "foundry.data.finetuning"))
+dataloaders = Registry("dataloaders", ("foundry.data.text", "foundry.data.finetuning", "foundry.data.preference"))
 optimizers = Registry("optimizers", ("foundry.optim",))
 schedulers = Registry("schedulers", ("foundry.optim",))
 callbacks = Registry("callbacks", ("foundry.callbacks",))

@@ -52,6 +52,7 @@ from foundry.kernels.weight_grad import WeightGradSums, accumulate_weight_grads_
 from foundry.loggers import default_loggers
 from foundry.loggers.config import ConsoleConfig
 from foundry.models.base import FoundryModel, ModuleModel
+from foundry.models.objective import Objective
 from foundry.optim import build_optimizers, build_schedulers
 from foundry.optim.schedulers import TimeScheduler
 from foundry.run_config import TRAINER_SECTIONS, RunConfig
@@ -93,6 +94,8 @@ class Trainer:
             replicate it (``NO_SHARD``, DDP's layout). See ``foundry.distributed.fsdp``.
         parallelism: a ``ParallelismConfig`` (or its keys), e.g. ``{"context_parallel_degree": 2}``: ranks
             that split each sequence along its length (``foundry.distributed.context_parallel``).
+        objective: what each step minimises (``foundry.models.objective``); default: the model's own loss.
+            ``foundry.preference.PreferenceObjective`` trains DPO and its variants.
         config: the resolved YAML of a ``foundry train`` run, stored in checkpoints and sent to loggers.
         checkpointer: the checkpoint section already checked, as a ``Checkpointer`` (``foundry train`` builds
             it before the model, so a refused save_folder fails first); then no ``CheckpointConfig`` key may
@@ -115,6 +118,7 @@ class Trainer:
         tokenizer: Any = None,
         fsdp_config: FSDPConfig | Mapping[str, Any] | None = None,
         parallelism: ParallelismConfig | Mapping[str, Any] | None = None,
+        objective: Objective | None = None,
         config: dict[str, Any] | None = None,
         checkpointer: Checkpointer | None = None,
         **settings: Any,
@@ -148,6 +152,8 @@ class Trainer:
         self.config = config
         self._last_eval_batch: int | None = None
 
+        self.objective = objective or Objective()
+        self.objective.attach(model)  # before INIT: a copy of the model takes no algorithm's surgery
         self.engine.run_event(Event.INIT)  # before sharding, so that algorithms' model surgery is sharded too
         self._place_model(model, device, fsdp_config, parallelism, run)
         self.state.optimizers = build_optimizers(optimizers, self.state.model)
@@ -155,6 +161,7 @@ class Trainer:
         if config is not None:
             self.logger.log_hyperparameters(config)
         self.checkpoints.resume()
+        self.objective.after_load(self.state, self.checkpoints.load_path)
         self.engine.run_event(Event.AFTER_LOAD)
 
     def _place_model(
@@ -168,6 +175,8 @@ class Trainer:
         """Move (and shard) the model onto its device, and choose how gradients accumulate and are scaled."""
         dims = self.state.parallel_dims
         placement = place_model(model, device, fsdp_config, self.state.precision, parallelism, dims)
+        for module in self.objective.modules_to_place():  # placed as the model is: a frozen reference model
+            place_model(module, device, fsdp_config, self.state.precision, parallelism, dims)
         self._accumulation, self._batches = placement.accumulation, placement.batches
         self.state.mesh = placement.mesh
         if self._accumulation is None and isinstance(model, FSDPModule):  # sharded by the caller: FSDP2's own schedule
@@ -267,7 +276,7 @@ class Trainer:
         if self._find_microbatch_size:
             self._choose_microbatch_size()
         microbatches = split_batch(self._batches.shard(state.batch), state.device_train_microbatch_size)
-        weights = [state.model.loss_weight(mb) for mb in microbatches]
+        weights = [self.objective.loss_weight(state.model, mb) for mb in microbatches]
         # Sum of loss units over all microbatches on all ranks: each microbatch's mean loss is scaled
         # by its share, so gradients equal those of one big batch however it is split.
         local_weight = torch.as_tensor(sum(weights), dtype=torch.float32, device=state.device)
@@ -304,7 +313,8 @@ class Trainer:
         global_loss, correct, loss_terms = self._summed_over_ranks(share_of_global_loss)
         # trainer/tokens: the run's tokens so far, so runs of other batch or world sizes compare (foundry compare)
         metrics = {"loss/train/total": global_loss, "trainer/tokens": state.timestamp.token}
-        for name, value in state.model.llm_foundry_metrics(global_loss, correct, total_weight).items():
+        llm_foundry_metrics = self.objective.llm_foundry_metrics(state.model, global_loss, correct, total_weight)
+        for name, value in llm_foundry_metrics.items():
             metrics[f"metrics/train/{name}"] = value  # LLM Foundry's names (docs/LOGGING.md)
         self.logger.log_metrics({**metrics, **loss_terms})
         if self.log_interval.due(state, since=previous) or self._finished():
@@ -317,7 +327,7 @@ class Trainer:
         """Empty what ``_train_microbatch`` sums over a batch's microbatches: at each batch's start, and after the
         trial microbatches of ``device_train_microbatch_size: auto``, whose sums must not reach the batch's."""
         self._correct_predictions: torch.Tensor | None = None  # loss units the argmax predicts
-        self._loss_term_shares: dict[str, torch.Tensor] = {}  # model.loss_terms(), each as the loss's share
+        self._loss_term_shares: dict[str, torch.Tensor] = {}  # objective.logged_terms(), each as the loss's share
 
     def _train_microbatch(self, microbatch: Any, scale: torch.Tensor) -> torch.Tensor:
         """Forward, loss and backward of one microbatch; returns its loss's share of the batch loss."""
@@ -328,18 +338,18 @@ class Trainer:
         with self._batches.activated():  # backward too: activation checkpointing recomputes forwards there
             engine.run_event(Event.BEFORE_FORWARD)
             with autocast(state.precision, state.device):
-                state.outputs = state.model(microbatch)
+                state.outputs = self.objective.forward(state.model, microbatch)
             engine.run_event(Event.AFTER_FORWARD)
             engine.run_event(Event.BEFORE_LOSS)
             with autocast(state.precision, state.device):
-                state.loss = state.model.loss(state.outputs, microbatch)
+                state.loss = self.objective.loss(state.model, state.outputs, microbatch)
             engine.run_event(Event.AFTER_LOSS)
-            correct = state.model.correct_predictions(state.outputs, microbatch)
+            correct = self.objective.correct_predictions(state.model, state.outputs, microbatch)
             if correct is not None:
                 previous = self._correct_predictions
                 self._correct_predictions = correct if previous is None else previous + correct
             loss = state.loss * scale
-            for name, term in state.model.loss_terms().items():
+            for name, term in self.objective.logged_terms(state.model).items():
                 self._loss_term_shares[name] = self._loss_term_shares.get(name, 0.0) + term.float() * scale
             engine.run_event(Event.BEFORE_BACKWARD)
             (self._grad_scaler.scale(loss) if self._grad_scaler else loss).backward()
@@ -350,8 +360,8 @@ class Trainer:
     def _summed_over_ranks(
         self, share_of_global_loss: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
-        """The batch's loss, correct predictions (None if the model counts none) and ``loss/train/<name>`` for each
-        part of the loss (its mean over all ranks, as the total's), summed over ranks in one all-reduce."""
+        """The batch's loss, correct predictions (None if the model counts none) and each logged term of the
+        objective (its mean over all ranks, as the total's), summed over ranks in one all-reduce."""
         correct = self._correct_predictions
         names = sorted(self._loss_term_shares)
         shares = [share_of_global_loss, *([correct] if correct is not None else [])]
@@ -360,7 +370,7 @@ class Trainer:
         summed = distributed.all_reduce_sums(shares, self._loss_group)
         global_loss, correct = summed[0], summed[1] if correct is not None else None
         means = summed[-1] / self.state.parallel_dims.loss_ranks if names else []
-        return global_loss, correct, {f"loss/train/{name}": mean for name, mean in zip(names, means)}
+        return global_loss, correct, dict(zip(names, means))
 
     def _choose_microbatch_size(self) -> None:
         """``device_train_microbatch_size: auto``: trial runs on this first batch pick the size for the run."""
@@ -411,14 +421,14 @@ class Trainer:
                 engine.run_event(Event.EVAL_BEFORE_FORWARD)
                 pieces = self._batches.shard(state.batch)  # this rank's part of each sequence
                 with self._batches.activated(), autocast(state.precision, state.device):
-                    state.outputs = state.model(pieces)
-                    loss = state.model.loss(state.outputs, pieces)
+                    state.outputs = self.objective.forward(state.model, pieces)
+                    loss = self.objective.loss(state.model, state.outputs, pieces)
                 engine.run_event(Event.EVAL_AFTER_FORWARD)
-                weight = state.model.loss_weight(pieces)
+                weight = self.objective.loss_weight(state.model, pieces)
                 # A batch of repeated samples only has no weight (and a NaN mean loss): it adds nothing.
                 loss_sum += torch.where(torch.as_tensor(weight) > 0, loss.double() * weight, 0.0)
                 weight_sum += weight
-                correct = state.model.correct_predictions(state.outputs, pieces)
+                correct = self.objective.correct_predictions(state.model, state.outputs, pieces)
                 if correct is not None:
                     correct_sum = correct if correct_sum is None else correct_sum + correct
                 engine.run_event(Event.EVAL_BATCH_END)
@@ -429,8 +439,8 @@ class Trainer:
             if weight_sum.item() == 0:
                 raise TrainingError(f"Eval loader '{label}' yielded no batches; check its split and batch size.")
             mean_loss = loss_sum / weight_sum
-            state.eval_metrics[label] = state.model.eval_metrics_from_loss(mean_loss.item())
-            llm_foundry = state.model.llm_foundry_metrics(mean_loss, correct_sum, weight_sum)  # LLM Foundry's names
+            state.eval_metrics[label] = self.objective.eval_metrics_from_loss(state.model, mean_loss.item())
+            llm_foundry = self.objective.llm_foundry_metrics(state.model, mean_loss, correct_sum, weight_sum)
             state.eval_metrics[label].update({name: float(value) for name, value in llm_foundry.items()})
             self.logger.log_metrics({f"metrics/{label}/{k}": v for k, v in state.eval_metrics[label].items()})
             engine.run_event(Event.EVAL_END)

@@ -21,6 +21,7 @@ from foundry.core.time import Time
 from foundry.data.config import LoaderConfig, TokenizerConfig
 from foundry.errors import ConfigError
 from foundry.models.build import build_model
+from foundry.preference import PreferenceConfig
 from foundry.registry import build_components, component_factory
 from foundry.trainer import Trainer
 
@@ -294,3 +295,25 @@ def test_the_python_trainer_applies_compile_config_itself(tmp_path: Path) -> Non
 def test_an_algorithm_listed_under_callbacks_names_its_section(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"'callbacks\.nan_guard' is an algorithm.*move it under 'algorithms'"):
         build_trainer(make_config(tmp_path, callbacks={"nan_guard": {}}))
+
+
+# ---------------------------------------------------------------------------------- preference tuning
+def test_a_preference_section_without_a_preference_loader_is_refused_naming_the_loader(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, preference=PreferenceConfig())
+    with pytest.raises(ConfigError, match=r"'preference' is set but 'train_loader.name' is 'test_builders_loader'"):
+        builders.check_settings(cfg)
+
+
+def test_a_preference_loader_without_a_preference_section_is_refused(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path, train_loader=LoaderConfig(name="preference", dataset={"builtin": True}))
+    with pytest.raises(ConfigError, match=r"'train_loader.name' is preference.*no 'preference' section"):
+        builders.check_settings(cfg)
+
+
+def test_preference_tuning_under_context_parallelism_is_refused_naming_the_degree(tmp_path: Path) -> None:
+    loader = LoaderConfig(name="preference", dataset={"builtin": True})
+    cfg = make_config(
+        tmp_path, preference=PreferenceConfig(), train_loader=loader, parallelism={"context_parallel_degree": 2}
+    )
+    with pytest.raises(ConfigError, match=r"'parallelism.context_parallel_degree' is 2, but preference tuning"):
+        builders.check_settings(cfg)

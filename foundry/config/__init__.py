@@ -26,6 +26,7 @@ from foundry.distributed.config import FSDPConfig, ParallelismConfig
 from foundry.errors import ConfigError, did_you_mean
 from foundry.eval.config import EvalConfig
 from foundry.loggers.config import ConsoleConfig
+from foundry.preference.config import PreferenceConfig
 from foundry.run_config import TRAINER_SECTIONS, RunConfig
 from foundry.schema import doc
 from foundry.yaml_config import load_config
@@ -67,6 +68,9 @@ class TrainConfig(ConsoleConfig, EvalConfig, CheckpointConfig, RunConfig):  # fi
             "degrees of the device mesh beyond data parallelism: context_parallel_degree, expert_parallel_degree, "
             "tensor_parallel_degree (LLM Foundry's tp_config.tensor_parallel_degree)"
         ),
+    )
+    preference: PreferenceConfig | None = field(
+        default=None, metadata=doc("preference tuning (DPO, IPO, SimPO) on a 'preference' train_loader")
     )
     dist_timeout: float = field(default=600.0, metadata=doc("seconds before a stuck collective fails"))
     python_log_level: Literal["debug", "info", "warning", "error", "critical"] | None = field(

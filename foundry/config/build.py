@@ -33,6 +33,7 @@ from foundry.models.mpt import MPTConfig
 from foundry.models.nf4 import float8_refusal, full_finetuning_refusal
 from foundry.models.tp_plan import check_tensor_parallel
 from foundry.optim.optimizers import check_hyperparameters
+from foundry.preference.objective import PreferenceObjective
 from foundry.registry import bound_component, build_components, component_factory
 from foundry.schema import config_to_dict, parse_dataclass
 from foundry.trainer import Trainer
@@ -66,8 +67,9 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
     )
     eval_dataloaders = build_eval_dataloaders(cfg, tokenizer, replication)
     seed_everything(cfg.seed)  # the model's initial weights depend on the seed alone
+    model = build_model(cfg.model, tokenizer)
     return Trainer(
-        build_model(cfg.model, tokenizer),
+        model,
         train_dataloader,
         cfg.max_duration,
         optimizer_factory,  # called with model.parameters() once the model is on its device
@@ -79,10 +81,23 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
         tokenizer=tokenizer,
         fsdp_config=cfg.fsdp_config,
         parallelism=cfg.parallelism,
+        objective=build_objective(cfg, tokenizer),
         config=dict(resolved) if resolved is not None else config_to_dict(cfg),
         checkpointer=checkpointer,
         **trainer_settings(cfg, without=CheckpointConfig),
     )
+
+
+def build_objective(cfg: TrainConfig, tokenizer: Any) -> PreferenceObjective | None:
+    """The ``preference`` section's objective (with its ``reference_model`` built), or None: the model's own loss.
+
+    A preference objective trains on a ``preference`` train_loader, and a ``preference`` loader needs the objective.
+    """
+    if cfg.preference is None:
+        return None
+    reference_section = cfg.preference.reference_model
+    reference = build_model(reference_section, tokenizer).requires_grad_(False) if reference_section else None
+    return PreferenceObjective(cfg.preference, reference)
 
 
 def check_config(cfg: TrainConfig, world_size: int | None = None) -> Checkpointer:
@@ -102,6 +117,7 @@ def check_settings(cfg: TrainConfig, world_size: int | None = None) -> None:
     _check_quantized_base(cfg)
     _check_sections(cfg)
     _check_packing(cfg)
+    _check_preference(cfg)
     for source, sections, key in (
         (registry.callbacks, cfg.callbacks, "callbacks"),
         (registry.algorithms, cfg.algorithms, "algorithms"),
@@ -282,6 +298,36 @@ def _check_packing(cfg: TrainConfig) -> None:
                 "sees the ones before it). Remove packing_ratio, or train mpt_causal_lm / llama_causal_lm with "
                 "attn_config.attn_uses_sequence_id: true, which mask them."
             )
+
+
+def _check_preference(cfg: TrainConfig) -> None:
+    """A ``preference`` section trains on preference pairs, and pairs train only under one."""
+    pairs = {key for key, loader in cfg.loaders() if loader.name == "preference"}
+    if cfg.preference is not None and "train_loader" not in pairs:
+        raise ConfigError(
+            f"'preference' is set but 'train_loader.name' is {cfg.train_loader.name!r}; preference tuning reads "
+            "(prompt, chosen, rejected) pairs: set train_loader.name to preference (docs/FINETUNING.md)."
+        )
+    if cfg.preference is None and pairs:
+        raise ConfigError(
+            f"'{sorted(pairs)[0]}.name' is preference, which loads (prompt, chosen, rejected) pairs, but the run has "
+            "no 'preference' section to train on them: add 'preference: {loss_type: sigmoid, beta: 0.1}'."
+        )
+    degree = parse_dataclass(ParallelismConfig, cfg.parallelism, "parallelism").context_parallel_degree
+    if cfg.preference is not None and degree > 1:
+        raise ConfigError(
+            f"'parallelism.context_parallel_degree' is {degree}, but preference tuning scores whole sequences on each "
+            "rank; set the degree to 1 (shard the model with fsdp_config instead)."
+        )
+    if cfg.preference is not None and cfg.preference.reference == "precomputed" and len(cfg.loaders()) > 1:
+        raise ConfigError(
+            "'preference.reference' is precomputed, whose log-probabilities are the train pairs' only; remove the "
+            "eval loaders, or use reference: copy."
+        )
+    if cfg.preference is not None and len(pairs) < len(cfg.loaders()):
+        raise ConfigError(
+            "Under 'preference', every eval loader is a preference loader too (its loss is the DPO loss)."
+        )
 
 
 def _check_hand_over(cfg: TrainConfig) -> None:

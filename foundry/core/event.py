@@ -15,8 +15,8 @@ The whole loop, with each event in place (``Trainer.fit``)::
             BATCH_START
             for microbatch in batch:
                 BEFORE_FORWARD
-                outputs = model(microbatch)
-                AFTER_FORWARD
+                outputs = model(microbatch)   # through the Trainer's objective: DPO's
+                AFTER_FORWARD                 #   forward runs the reference too
                 BEFORE_LOSS
                 loss = model.loss(outputs, microbatch)
                 AFTER_LOSS

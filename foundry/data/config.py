@@ -79,3 +79,31 @@ class FinetuningDatasetConfig:
     def __post_init__(self) -> None:
         if self.max_seq_len < 1:
             raise ValueError(f"max_seq_len must be a positive number of tokens, got {self.max_seq_len}")
+
+
+@dataclasses.dataclass
+class PreferenceDatasetConfig:
+    """The ``<loader>.dataset`` keys of the ``preference`` loader (the ``finetuning`` loader's source keys)."""
+
+    max_seq_len: int
+    hf_name: str | None = None  # a local .jsonl file or folder, or 'json' with hf_kwargs
+    hf_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    local: str | None = None  # MDS dataset with columns prompt/chosen/rejected
+    builtin: bool = False  # the pairs derived from Python's help topics (foundry.data.corpus), no file needed
+    remote: str | None = None
+    streams: dict[str, dict[str, Any]] | None = None
+    split: str | None = None
+    shuffle: bool = False
+    shuffle_seed: int = 9176
+    packing_ratio: float | str | None = None  # pairs drawn per row pair; 'auto' profiles; None or 1: no packing
+    eos_token_id: int | None = None  # ends each response; default: the tokenizer's eos
+    download_retry: int | None = None
+    download_timeout: float | None = None
+    validate_hash: str | None = None
+    keep_zip: bool | None = None
+    predownload: int | None = None
+    cache_limit: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be a positive number of tokens, got {self.max_seq_len}")

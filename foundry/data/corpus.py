@@ -39,6 +39,15 @@ def builtin_instruction_rows() -> list[dict[str, str]]:
     return rows
 
 
+def builtin_preference_rows() -> list[dict[str, str]]:
+    """Preference pairs from ``builtin_instruction_rows``, so the DPO quickstart needs no download: each row's
+    response is ``chosen``, and the same words in reverse order (a corrupted answer) are ``rejected``."""
+    return [
+        {"prompt": row["prompt"], "chosen": row["response"], "rejected": " ".join(reversed(row["response"].split()))}
+        for row in builtin_instruction_rows()
+    ]
+
+
 def _title_and_first_paragraph(document: str) -> tuple[str, str]:
     """The first line, and the first paragraph that is prose (not indented code, not a heading rule)."""
     paragraphs = document.split("\n\n")

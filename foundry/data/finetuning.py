@@ -35,7 +35,7 @@ from foundry.data.chat import RowFormatError, chat_renderer
 from foundry.data.config import LOADER_DEFAULTS, FinetuningDatasetConfig
 from foundry.data.finetuning_examples import FinetuningCounts, LabelPolicy, build_example, token_turns
 from foundry.data.finetuning_rows import read_rows
-from foundry.data.packing import Row, collate_packed_rows, pack_rows, profile_packing_ratio, rank_batches
+from foundry.data.packing import Row, collate_packed_rows, pack_rows, rank_batches, resolve_packing_ratio
 from foundry.distributed.env import get_rank, get_world_size
 from foundry.errors import ConfigError, DataError
 from foundry.schema import parse_dataclass
@@ -77,7 +77,9 @@ class FinetuningDataLoader:
         lengths = [len(input_ids) for input_ids in self.input_ids]
         example_order = self._shuffled(len(lengths), epoch=0)
         rows_per_step = device_batch_size * self.world_size
-        self.packing_ratio = _resolve_packing_ratio(config, lengths, example_order, rows_per_step)
+        self.packing_ratio = resolve_packing_ratio(
+            config.packing_ratio, lengths, example_order, rows_per_step, config.max_seq_len
+        )
         self.rows = pack_rows(lengths, example_order, self.packing_ratio, rows_per_step, config.max_seq_len)
 
     def __len__(self) -> int:
@@ -126,16 +128,6 @@ class FinetuningDataLoader:
     def _collate(self, rows: list[Row]) -> dict[str, torch.Tensor]:
         trim = 8 if self.config.allow_pad_trimming else None
         return collate_packed_rows(rows, self.input_ids, self.labels, self.config.max_seq_len, self.pad_token_id, trim)
-
-
-def _resolve_packing_ratio(
-    config: FinetuningDatasetConfig, lengths: list[int], order: list[int], rows_per_step: int
-) -> float | None:
-    """None (one example per row) for null or 1; 'auto' profiles the packing order (the same on every rank)."""
-    ratio = config.packing_ratio
-    if ratio == "auto":
-        ratio = profile_packing_ratio(lengths, order, rows_per_step, config.max_seq_len)
-    return None if ratio is None or float(ratio) == 1 else float(ratio)
 
 
 @registry.dataloaders.register("finetuning")

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from foundry.data.config import FinetuningDatasetConfig
+from foundry.data.config import FinetuningDatasetConfig, PreferenceDatasetConfig
 from foundry.data.jsonl import read_jsonl
 from foundry.data.mds import build_checked_streams, import_streaming
 from foundry.data.shm_prefix import elected_shm_prefixes, release_shared_memory
@@ -15,7 +15,7 @@ from foundry.errors import ConfigError, DataError
 JSON_SUFFIXES = (".jsonl", ".json")
 
 
-def read_rows(config: FinetuningDatasetConfig, key_path: str) -> Iterator[tuple[str, Any]]:
+def read_rows(config: FinetuningDatasetConfig | PreferenceDatasetConfig, key_path: str) -> Iterator[tuple[str, Any]]:
     """(location for errors, row) for every row of the configured source."""
     if config.hf_name is not None:
         for path in _jsonl_files(config, key_path):

@@ -38,6 +38,15 @@ def pack_rows(
     return rows
 
 
+def resolve_packing_ratio(
+    ratio: float | str | None, lengths: Sequence[int], order: Sequence[int], rows_per_step: int, max_seq_len: int
+) -> float | None:
+    """None (one example per row) for null or 1; 'auto' profiles the packing order (the same on every rank)."""
+    if ratio == "auto":
+        ratio = profile_packing_ratio(lengths, order, rows_per_step, max_seq_len)
+    return None if ratio is None or float(ratio) == 1 else float(ratio)
+
+
 def profile_packing_ratio(
     lengths: Sequence[int], order: Sequence[int], rows_per_step: int, max_seq_len: int, max_steps: int = 64
 ) -> float:

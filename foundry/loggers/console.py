@@ -20,6 +20,7 @@ from foundry.core.state import State
 from foundry.core.time import SECONDS_PER_UNIT, Time, Timestamp, TimeUnit
 
 TRAIN_LOSS_KEY = "loss/train/total"
+PREFERENCE_KEYS = ("rewards/accuracies", "rewards/margins")  # preference tuning's progress (foundry.preference)
 # Short names keep the bar's postfix on one terminal line.
 _BAR_NAMES = {
     TRAIN_LOSS_KEY: "loss",
@@ -188,7 +189,11 @@ class ConsoleLogger(LoggerDestination):
 
     def _progress_values(self) -> dict[str, str]:
         """The few numbers worth a glance, formatted: train losses, lr, tokens/s, MFU, ETA."""
-        values = {key: f"{value:.4f}" for key, value in sorted(self._latest.items()) if key.startswith("loss/train/")}
+        values = {
+            key: f"{value:.4f}"
+            for key, value in sorted(self._latest.items())
+            if key.startswith("loss/train/") or key in PREFERENCE_KEYS
+        }
         lr_key = next((key for key in self._latest if key.startswith("lr-")), None)
         if lr_key is not None:
             values["lr"] = f"{self._latest[lr_key]:.1e}"

@@ -10,6 +10,7 @@ layers' frozen weights are stored in 4-bit NF4 (``foundry.models.nf4``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -82,6 +83,7 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Linear(r, base.out_features, bias=False, device=device)
         self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         self.scaling = scaling
+        self.adapter_enabled = True  # off: the base layer alone (the reference model of preference tuning)
         self.reset_lora_parameters()
 
     @torch.no_grad()
@@ -99,7 +101,10 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # An NF4 weight dequantizes to x's dtype inside F.linear, one layer at a time.
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        base = F.linear(x, self.weight, self.bias)
+        if not self.adapter_enabled:
+            return base
+        return base + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
 
     def merged_weight(self) -> torch.Tensor:
         """``W + scaling · B A``: the plain linear layer that computes the same function (without dropout)."""
@@ -183,6 +188,19 @@ def lora_modules(model: nn.Module) -> Iterator[tuple[str, LoRALinear]]:
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
             yield name, module
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` as its base inside the block: every LoRA layer computes ``W x + b`` alone."""
+    layers = [module for _, module in lora_modules(model)]
+    for layer in layers:
+        layer.adapter_enabled = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapter_enabled = True
 
 
 def reset_lora_parameters(model: nn.Module) -> None:
