@@ -129,7 +129,7 @@ TP_LLAMA = {"name": "llama_causal_lm", "d_model": 32, "n_heads": 4, "n_layers": 
 @pytest.mark.parametrize(
     ("model", "parallelism", "world_size", "named"),
     [
-        ({**TP_LLAMA, "kv_n_heads": 2}, {"tensor_parallel_degree": 2}, 2, "2 key/value heads for 4 query heads"),
+        ({**TP_LLAMA, "kv_n_heads": 1}, {"tensor_parallel_degree": 2}, 2, "does not divide model.kv_n_heads .* \\(1\\)"),
         ({**TP_LLAMA, "kv_n_heads": None}, {"tensor_parallel_degree": 2}, 3, "does not divide the 3 ranks"),
         (
             {**TP_LLAMA, "kv_n_heads": None},
@@ -145,7 +145,7 @@ TP_LLAMA = {"name": "llama_causal_lm", "d_model": 32, "n_heads": 4, "n_layers": 
         ),
         ({**TP_LLAMA, "kv_n_heads": None, "icl_tasks": True}, {"tensor_parallel_degree": 2}, 2, "icl_tasks are set"),
     ],
-    ids=["gqa", "world", "with-cp", "no-plan", "icl"],
+    ids=["kv-heads", "world", "with-cp", "no-plan", "icl"],
 )
 def test_tensor_parallel_degree_is_checked_before_any_rank_starts(tmp_path, model, parallelism, world_size, named):
     from foundry.distributed.config import ParallelismConfig

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -27,21 +27,35 @@ from foundry.errors import ConfigError
 
 
 class FusedColwiseParallel(ParallelStyle):
-    """A linear whose output concatenates ``parts`` equal-width parts (a fused query/key/value projection), each
-    split by column on its own: every rank holds its share of each part, so the layout (and the checkpoint) stays
-    the unsplit one. The module computes on its local shares and returns them side by side, as its caller reads
-    them; backward sums the input's gradient over ``tp`` (Megatron's column-parallel linear)."""
+    """A fused query/key/value projection split by column, each part by its own heads: every rank holds a
+    contiguous share of the query's heads and the same share of the key's and the value's, so its query heads
+    attend to its own key/value heads (grouped-query attention included) and the layout (and the checkpoint)
+    stays the unsplit one. The module computes on its local shares and returns them side by side, as its caller
+    reads them; backward sums the input's gradient over ``tp`` (Megatron's column-parallel linear).
 
-    def __init__(self, parts: int) -> None:
+    The parameters become DTensors placed ``_StridedShard(0, split_factor=query_heads_per_kv_head + 2)``:
+    the output in units of the key's width, the query's units first. DTensor reads that as equal parts split one
+    by one, which is this layout only for multi-head attention (one query unit); nothing here redistributes them
+    through DTensor: ``gather_parts`` and ``split_parts_like`` regroup them by hand.
+    """
+
+    def __init__(self, query_heads_per_kv_head: int = 1) -> None:
         super().__init__()
-        self.parts = parts
+        self.units = query_heads_per_kv_head + 2
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
             raise TypeError(f"FusedColwiseParallel splits an nn.Linear, not a {type(module).__name__}.")
-        placement = [_StridedShard(0, split_factor=self.parts)]
+        placements = [_StridedShard(0, split_factor=self.units)]
+        rank, ranks = device_mesh.get_local_rank(), device_mesh.size()
         for name, param in module.named_parameters():
-            sharded = distribute_tensor(param, device_mesh, placement, src_data_rank=self.src_data_rank)
+            # each rank splits its own copy: the same seed built the same weights on every rank, and weights
+            # sent from rank 0 (a meta-device model) arrive after placement (``fill_parts``)
+            whole = param.detach()
+            local = _share_of_parts(whole, self.units, 0, rank, ranks)
+            sharded = DTensor.from_local(
+                local, device_mesh, placements, run_check=False, shape=whole.shape, stride=whole.stride()
+            )
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         group = device_mesh.get_group()
 
@@ -52,6 +66,18 @@ class FusedColwiseParallel(ParallelStyle):
 
         module.forward = forward
         return module
+
+
+def _part_sizes(length: int, units: int) -> list[int]:
+    """The query's, key's and value's lengths in a fused output of ``length`` rows in ``units`` equal units."""
+    unit = length // units
+    return [unit * (units - 2), unit, unit]
+
+
+def _share_of_parts(whole: torch.Tensor, units: int, dim: int, rank: int, ranks: int) -> torch.Tensor:
+    """Rank ``rank``'s share of ``whole``: its slice of each of the query, key and value parts, side by side."""
+    parts = whole.split(_part_sizes(whole.shape[dim], units), dim=dim)
+    return torch.cat([part.chunk(ranks, dim=dim)[rank] for part in parts], dim=dim)
 
 
 class _SumGradient(torch.autograd.Function):
@@ -103,6 +129,11 @@ def fsdp_shard_placement(parameter: nn.Parameter) -> Shard | None:
     return Shard(1) if parameter.ndim == 2 and _split_in_parts(parameter) else None
 
 
+def has_parts(model: nn.Module) -> bool:
+    """Whether any of ``model``'s parameters is split in parts over ``tp`` (``gather_parts`` regroups them)."""
+    return any(_split_in_parts(parameter) for parameter in model.parameters())
+
+
 def _split_in_parts(value: Any) -> bool:
     """Whether ``value`` is split in parts over ``tp`` (FSDP2's own strided shards, over its axes, are not)."""
     return isinstance(value, DTensor) and _strided_axis(value) is not None
@@ -128,24 +159,24 @@ def _strided_axis(value: DTensor) -> tuple[int, _StridedShard] | None:
 
 def _gathered(value: DTensor) -> DTensor:
     axis, placement = _strided_axis(value)  # type: ignore[misc]
-    mesh, parts = value.device_mesh, placement.split_factor
+    mesh, dim = value.device_mesh, placement.dim
     local = value.to_local().contiguous()
     shares = [torch.empty_like(local) for _ in range(mesh.size(axis))]
     dist.all_gather(shares, local, group=mesh.get_group(axis))
     # each rank's share is its slice of every part, in order: regroup the slices part by part
-    pieces = [share.chunk(parts, dim=placement.dim)[part] for part in range(parts) for share in shares]
-    whole = torch.cat(pieces, dim=placement.dim)
+    sizes = _part_sizes(local.shape[dim], placement.split_factor)
+    pieces = [share.split(sizes, dim=dim)[part] for part in range(len(sizes)) for share in shares]
+    whole = torch.cat(pieces, dim=dim)
     placements = [Replicate() if index == axis else p for index, p in enumerate(value.placements)]
     return DTensor.from_local(whole, mesh, placements, run_check=False)
 
 
 def _split_like(value: DTensor, reference: DTensor) -> DTensor:
     axis, placement = _strided_axis(reference)  # type: ignore[misc]
-    mesh, parts = reference.device_mesh, placement.split_factor
-    rank, ranks = mesh.get_local_rank(axis), mesh.size(axis)
-    whole = value.to_local()
-    mine = [part.chunk(ranks, dim=placement.dim)[rank] for part in whole.chunk(parts, dim=placement.dim)]
-    local = torch.cat(mine, dim=placement.dim)
+    mesh = reference.device_mesh
+    local = _share_of_parts(
+        value.to_local(), placement.split_factor, placement.dim, mesh.get_local_rank(axis), mesh.size(axis)
+    )
     return DTensor.from_local(
         local, mesh, reference.placements, run_check=False, shape=reference.shape, stride=reference.stride()
     )

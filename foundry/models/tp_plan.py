@@ -1,7 +1,8 @@
 """MPT's (and so Llama's) tensor-parallel plan: which linears of each block split by column, which by row.
 
 Attention's fused Wqkv splits by column with its query, key and value parts each split by heads, so every rank
-holds whole heads; ``out_proj`` splits by row. The FFN's up (and gate) projection splits by column, its down
+holds whole heads, and with grouped-query attention the query heads of its own key/value heads; ``out_proj``
+splits by row. The FFN's up (and gate) projection splits by column, its down
 projection by row. Embeddings, norms and the output head stay whole on every rank. ``check_tensor_parallel``
 refuses, naming the key, a shape or feature the plan cannot split; the config checks and the plan share it.
 """
@@ -26,6 +27,7 @@ def check_tensor_parallel(config: Any, degree: int) -> None:
     if degree == 1:
         return
     attn = config.attn_config
+    kv_n_heads = attn.resolve_kv_n_heads(config.n_heads)
     unsupported = {
         "model.peft_config (LoRA)": config.peft_config is not None,
         "model.ffn_config.ffn_type (a mixture of experts)": config.ffn_config.is_moe,
@@ -39,17 +41,16 @@ def check_tensor_parallel(config: Any, degree: int) -> None:
                 f"'{_KEY}' is {degree} but {key} is set; tensor parallelism does not split that yet. Turn it off, "
                 "or set the degree to 1 (FSDP alone)."
             )
-    kv_n_heads = attn.resolve_kv_n_heads(config.n_heads)
-    if kv_n_heads != config.n_heads:
+    if config.init_device in ("meta", "mixed"):
         raise ConfigError(
-            f"'{_KEY}' is {degree} but the model's attention has {kv_n_heads} key/value heads for {config.n_heads} "
-            "query heads (model.kv_n_heads / attn_config.kv_n_heads, attn_type); tensor parallelism splits only "
-            "multi-head attention yet, whose fused Wqkv splits into equal query, key and value parts. Set kv_n_heads "
-            "to n_heads (multi_head_attention), or the degree to 1."
+            f"'{_KEY}' is {degree} but model.init_device is {config.init_device!r}: the weights rank 0 draws and "
+            "sends do not reach tensor-parallel shards yet. Set model.init_device to 'cpu' or 'cuda' (every rank "
+            "draws the same weights from the seed), or the degree to 1."
         )
     hidden = ffn_hidden_size(config.d_model, config.expansion_ratio, config.ffn_config)
     for key, count in (
         ("model.n_heads", config.n_heads),
+        ("model.kv_n_heads (attn_config.kv_n_heads; 1 for multiquery_attention)", kv_n_heads),
         ("the FFN width (d_model x expansion_ratio, or ffn_hidden_size)", hidden),
     ):
         if count % degree:
@@ -64,7 +65,8 @@ def mpt_tensor_parallel_plan(blocks: list[nn.Module]) -> dict[str, ParallelStyle
     plan: dict[str, ParallelStyle] = {}
     for index, block in enumerate(blocks):
         prefix = f"transformer.blocks.{index}"
-        plan[f"{prefix}.attn.Wqkv"] = FusedColwiseParallel(parts=3)  # (q, k, v), each split by heads
+        queries_per_kv = block.attn.n_heads // block.attn.kv_n_heads
+        plan[f"{prefix}.attn.Wqkv"] = FusedColwiseParallel(queries_per_kv)  # (q, k, v), each split by heads
         plan[f"{prefix}.attn.out_proj"] = RowwiseParallel()
         for name in ("up_proj", "gate_proj"):
             if hasattr(block.ffn, name):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed.jobs import assert_same_run, build_trainer, full_weights, train
+from distributed.jobs import assert_same_run, build_trainer, full_weights, initial_weights, train
 from foundry.algorithms.gradient_clipping import GradientClipping
 from foundry.callbacks.hand_over import HandOver
 
@@ -17,6 +17,11 @@ MODELS = {
             "no_bias": True},
     "llama": {
         "name": "llama_causal_lm", "d_model": 32, "n_heads": 4, "kv_n_heads": None, "n_layers": 2, "vocab_size": 64,
+        "max_seq_len": 16, "ffn_hidden_size": 64, "rope_theta": 100.0,
+    },
+    # grouped-query attention as Llama 3 has it: 4 query heads per key/value head, each rank holding one group
+    "llama-gqa": {
+        "name": "llama_causal_lm", "d_model": 64, "n_heads": 8, "kv_n_heads": 2, "n_layers": 2, "vocab_size": 64,
         "max_seq_len": 16, "ffn_hidden_size": 64, "rope_theta": 100.0,
     },
 }  # fmt: skip
@@ -67,13 +72,14 @@ def test_tp2_matches_one_rank_over_clipped_accumulated_steps(ranks, family, tmp_
     assert_same_run(tp2, one)
 
 
+@pytest.mark.parametrize("family", ["mpt", "llama-gqa"])
 @pytest.mark.parametrize(
     ("saved_by", "loaded_by"), [((2, TP2), (1, None)), ((1, None), (2, TP2))], ids=["tp2-to-1", "1-to-tp2"]
 )
-def test_a_checkpoint_moves_between_tensor_parallel_and_one_rank(ranks, saved_by, loaded_by, tmp_path):
-    lr = {"optimizer_keys": {"lr": 1e-3}}  # see above
-    uninterrupted = ranks.run(1, train, 6, str(tmp_path / "uninterrupted"), **lr)[0]
-    relaunch = {"callbacks": [HandOver("3ba")], "save_folder": str(tmp_path / "ckpt"), "autoresume": True, **lr}
+def test_a_checkpoint_moves_between_tensor_parallel_and_one_rank(ranks, family, saved_by, loaded_by, tmp_path):
+    keys = {"model_keys": MODELS[family], "optimizer_keys": {"lr": 1e-3}}  # lr: see above
+    uninterrupted = ranks.run(1, train, 6, str(tmp_path / "uninterrupted"), **keys)[0]
+    relaunch = {"callbacks": [HandOver("3ba")], "save_folder": str(tmp_path / "ckpt"), "autoresume": True, **keys}
     first = ranks.run(saved_by[0], train, 6, str(tmp_path), parallelism=saved_by[1], **relaunch)[0]
     second = ranks.run(loaded_by[0], train, 6, str(tmp_path), parallelism=loaded_by[1], **relaunch)[0]
     assert (first["batch"], second["batch"]) == (3, 6)
@@ -81,3 +87,21 @@ def test_a_checkpoint_moves_between_tensor_parallel_and_one_rank(ranks, saved_by
         assert loss == pytest.approx(uninterrupted["losses"][step], abs=1e-5), step
     for name, weight in uninterrupted["weights"].items():
         torch.testing.assert_close(second["weights"][name], weight, atol=1e-5, rtol=0, msg=name)
+
+
+def exported_weights(folder: str, model_keys: dict, parallelism: dict | None) -> dict | None:
+    """What ``hf_checkpointer`` writes: the full state dict it gathers, on rank 0."""
+    from foundry.callbacks.hf_checkpointer import full_state_dict
+    from foundry.distributed import get_rank, get_world_size
+
+    trainer = build_trainer(1, folder, model_keys=model_keys, parallelism=parallelism)
+    weights = full_state_dict(trainer.state.model, get_world_size())
+    return weights if get_rank() == 0 else None
+
+
+def test_an_export_regroups_grouped_query_parts_as_one_rank_holds_them(ranks, tmp_path):
+    one = ranks.run(1, initial_weights, str(tmp_path / "one"), model_keys=MODELS["llama-gqa"])[0]
+    tp2 = ranks.run(2, exported_weights, str(tmp_path / "tp2"), MODELS["llama-gqa"], TP2)[0]
+    assert tp2.keys() == one.keys()
+    for name, weight in one.items():
+        torch.testing.assert_close(tp2[name], weight, atol=0, rtol=0, msg=name)

@@ -16,7 +16,7 @@ LLAMA = {**MPT, "kv_n_heads": None, "ffn_hidden_size": 64}
 
 
 def test_llama_plan_splits_qkv_by_heads_and_each_ffn_linear():
-    plan = LlamaCausalLM(**LLAMA, init_device="meta").tensor_parallel_plan(2)
+    plan = LlamaCausalLM(**LLAMA).tensor_parallel_plan(2)
     block = {name.removeprefix("transformer.blocks.1."): type(style) for name, style in plan.items() if ".1." in name}
     assert block == {
         "attn.Wqkv": FusedColwiseParallel, "attn.out_proj": RowwiseParallel,
@@ -30,13 +30,15 @@ def test_llama_plan_splits_qkv_by_heads_and_each_ffn_linear():
     [
         ({"n_heads": 4}, 3, "does not divide model.n_heads \\(4\\)"),
         ({"ffn_config": {"ffn_hidden_size": 66}}, 4, "does not divide the FFN width .* \\(66\\)"),
-        ({"attn_config": {"attn_type": "grouped_query_attention", "kv_n_heads": 2}}, 2, "2 key/value heads"),
+        ({"attn_config": {"attn_type": "grouped_query_attention", "kv_n_heads": 2}}, 4, "model.kv_n_heads .* \\(2\\)"),
+        ({"attn_config": {"attn_type": "multiquery_attention"}}, 2, "model.kv_n_heads .* \\(1\\)"),
         ({"attn_config": {"alibi": True}, "learned_pos_emb": False}, 2, "model.attn_config.alibi"),
         ({"attn_config": {"qk_ln": True}}, 2, "model.attn_config.qk_ln"),
         ({"peft_config": {"r": 2, "target_modules": ["Wqkv"]}}, 2, "model.peft_config \\(LoRA\\)"),
         ({"ffn_config": {"ffn_type": "mb_moe", "moe_num_experts": 2, "moe_top_k": 1}}, 2, "mixture of experts"),
+        ({"init_device": "meta"}, 2, "model.init_device is 'meta'"),
     ],
-    ids=["heads", "ffn-width", "gqa", "alibi", "qk_ln", "lora", "moe"],
+    ids=["heads", "ffn-width", "kv-heads", "mqa", "alibi", "qk_ln", "lora", "moe", "meta"],
 )
 def test_what_the_plan_cannot_split_is_refused_naming_the_key(keys, degree, named):
     config = MPTCausalLM.checked_config({**MPT, **keys})
