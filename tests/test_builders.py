@@ -129,7 +129,7 @@ TP_LLAMA = {"name": "llama_causal_lm", "d_model": 32, "n_heads": 4, "n_layers": 
 @pytest.mark.parametrize(
     ("model", "parallelism", "world_size", "named"),
     [
-        ({**TP_LLAMA, "kv_n_heads": 1}, {"tensor_parallel_degree": 2}, 2, "does not divide model.kv_n_heads .* \\(1\\)"),
+        ({**TP_LLAMA, "kv_n_heads": 1}, {"tensor_parallel_degree": 2}, 2, "divide model.kv_n_heads .* \\(1\\)"),
         ({**TP_LLAMA, "kv_n_heads": None}, {"tensor_parallel_degree": 2}, 3, "does not divide the 3 ranks"),
         (
             {**TP_LLAMA, "kv_n_heads": None},
