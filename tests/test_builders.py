@@ -144,15 +144,17 @@ TP_LLAMA = {"name": "llama_causal_lm", "d_model": 32, "n_heads": 4, "n_layers": 
             "'test_builders_lm' declares no tensor-parallel",
         ),
         ({**TP_LLAMA, "kv_n_heads": None, "icl_tasks": True}, {"tensor_parallel_degree": 2}, 2, "icl_tasks are set"),
+        ({**TP_LLAMA, "kv_n_heads": None, "fused_kernels": True}, {"tensor_parallel_degree": 2}, 2, "fused_kernels"),
     ],
-    ids=["kv-heads", "world", "with-cp", "no-plan", "icl"],
+    ids=["kv-heads", "world", "with-cp", "no-plan", "icl", "sp-fused-norms"],
 )
 def test_tensor_parallel_degree_is_checked_before_any_rank_starts(tmp_path, model, parallelism, world_size, named):
     from foundry.distributed.config import ParallelismConfig
 
     icl = {"icl_tasks": [{"label": "t", "dataset_uri": "t.jsonl", "icl_task_type": "language_modeling"}]}
-    icl = icl if model.pop("icl_tasks", None) else {}
-    cfg = make_config(tmp_path, model=model, parallelism=ParallelismConfig(**parallelism), **icl)
+    sections = icl if model.pop("icl_tasks", None) else {}
+    sections |= {"algorithms": {"fused_kernels": {}}} if model.pop("fused_kernels", None) else {}
+    cfg = make_config(tmp_path, model=model, parallelism=ParallelismConfig(**parallelism), **sections)
     with pytest.raises(ConfigError, match=f"tensor_parallel_degree' is 2.*{named}"):
         builders.check_settings(cfg, world_size)
 

@@ -138,6 +138,12 @@ def _check_model_and_parallelism(cfg: TrainConfig, world_size: int | None) -> No
                 "no tensor-parallel plan (mpt_causal_lm and llama_causal_lm do). Set the degree to 1."
             )
         check_tensor_parallel(model_config, degree)
+        if parallelism.sequence_parallel and "fused_kernels" in cfg.algorithms:
+            raise ConfigError(
+                f"'parallelism.tensor_parallel_degree' is {degree} with parallelism.sequence_parallel, whose norms "
+                "run on DTensors, which algorithms.fused_kernels' Triton norms do not take yet. Remove "
+                "fused_kernels, or set parallelism.sequence_parallel: false."
+            )
         if cfg.icl_tasks:  # the evaluator gives each rank its own batches; tp ranks must run the same ones
             raise ConfigError(
                 f"'parallelism.tensor_parallel_degree' is {degree} but icl_tasks are set; ICL evaluation does not run "

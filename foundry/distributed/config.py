@@ -141,6 +141,15 @@ class ParallelismConfig:
             "must divide the number of ranks and the model's heads and FFN width. 1: every rank holds whole layers"
         ),
     )
+    sequence_parallel: bool = field(
+        default=True,
+        metadata=doc(
+            "with tensor_parallel_degree > 1: the residual stream between the split linears is split over the "
+            "sequence too (Megatron's sequence parallelism): norms run on each rank's share of the tokens, and "
+            "the all-reduces become an all-gather and a reduce-scatter, moving the same bytes while each rank "
+            "keeps 1/degree of the blocks' inputs; sequences must hold a multiple of the degree of tokens"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_degree < 1:

@@ -140,7 +140,7 @@ def parallelize(
     by_module = dims.ep == 1 and dims.tp == 1  # expert and tensor parallelism: rank 0's whole copy
     weights = None if dry_run else _shared_weights(model, config.sync_module_states, device, by_module)
     if dims.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"])
+        apply_tensor_parallel(model, mesh["tp"], parallelism.sequence_parallel)
         check_fsdp_shards_compose(model, mesh.dp_shard_cp.size())
     cp_attention = parallelism.context_parallel_attention
     batches = apply_context_parallel(model, mesh["cp"], cp_attention) if dims.cp > 1 else WholeSequences()

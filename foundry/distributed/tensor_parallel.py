@@ -18,12 +18,12 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from foundry.distributed.protocol import TensorParallelModel
-from foundry.errors import ConfigError
+from foundry.errors import ConfigError, TrainingError
 
 
 class FusedColwiseParallel(ParallelStyle):
@@ -60,9 +60,15 @@ class FusedColwiseParallel(ParallelStyle):
         group = device_mesh.get_group()
 
         def forward(x: torch.Tensor) -> torch.Tensor:  # (..., d_in) -> (..., this rank's share of each part)
+            # Each rank's share of the output holds a part of the input's gradient: summed over tp, by the
+            # sequence-parallel all-gather's backward (a reduce-scatter) when x came through one, else here.
+            if isinstance(x, DTensor):  # gathered over the sequence (SequenceLayout), Replicate over tp
+                x = x.to_local(grad_placements=[Partial()])
+            else:
+                x = _SumGradient.apply(x, group)
             # FSDP2 swaps the parameters in and out around forward: read them at call time
             bias = None if module.bias is None else module.bias.to_local()
-            return F.linear(_SumGradient.apply(x, group), module.weight.to_local(), bias)
+            return F.linear(x, module.weight.to_local(), bias)
 
         module.forward = forward
         return module
@@ -96,12 +102,44 @@ class _SumGradient(torch.autograd.Function):
         return grad, None
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Split ``model``'s declared linears over ``tp_mesh``; a model without a plan is refused by name."""
-    plan = model.tensor_parallel_plan(tp_mesh.size()) if isinstance(model, TensorParallelModel) else {}
+class SequenceLayout(ParallelStyle):
+    """Lays a module's first input out anew over ``tp`` along the sequence (dimension 1), for sequence
+    parallelism: ``"split"`` cuts the whole sequence every rank holds into its share (where the residual stream
+    enters the blocks; backward all-gathers), ``"gather"`` all-gathers the shares (before attention and the FFN,
+    whose backward then reduce-scatters, and before the final norm). ``local_output``: a plain tensor out, else
+    a DTensor (which the column-split linears take as it is)."""
+
+    def __init__(self, to: str, local_output: bool) -> None:
+        super().__init__()
+        self.source, self.target = (Replicate(), Shard(1)) if to == "split" else (Shard(1), Replicate())
+        self.split, self.local_output = to == "split", local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def relayout(_module: nn.Module, args: tuple) -> tuple:
+            x, *rest = args
+            if self.split and x.shape[1] % device_mesh.size():
+                raise TrainingError(
+                    f"parallelism.sequence_parallel splits each sequence over the {device_mesh.size()} tensor-"
+                    f"parallel ranks, but this batch's sequences hold {x.shape[1]} tokens. Pad sequences to a "
+                    "multiple of parallelism.tensor_parallel_degree, or set parallelism.sequence_parallel: false."
+                )
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, [self.source], run_check=False)
+            x = x.redistribute(device_mesh, [self.target])
+            return (x.to_local() if self.local_output else x, *rest)
+
+        module.register_forward_pre_hook(relayout)
+        return module
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> None:
+    """Split ``model``'s declared linears over ``tp_mesh`` (and, with ``sequence_parallel``, the residual stream
+    between them over the sequence); a model without a plan is refused by name."""
+    degree = tp_mesh.size()
+    plan = model.tensor_parallel_plan(degree, sequence_parallel) if isinstance(model, TensorParallelModel) else {}
     if not plan:
         raise ConfigError(
-            f"parallelism.tensor_parallel_degree is {tp_mesh.size()} but {type(model).__name__} declares no tensor-"
+            f"parallelism.tensor_parallel_degree is {degree} but {type(model).__name__} declares no tensor-"
             "parallel plan (mpt_causal_lm and llama_causal_lm do). Set the degree to 1."
         )
     parallelize_module(model, tp_mesh, plan)

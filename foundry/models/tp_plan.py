@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
-from foundry.distributed.tensor_parallel import FusedColwiseParallel
+from foundry.distributed.tensor_parallel import FusedColwiseParallel, SequenceLayout
 from foundry.errors import ConfigError
 from foundry.models.layers import ffn_hidden_size
 
@@ -60,16 +61,28 @@ def check_tensor_parallel(config: Any, degree: int) -> None:
             )
 
 
-def mpt_tensor_parallel_plan(blocks: list[nn.Module]) -> dict[str, ParallelStyle]:
-    """The plan over ``blocks`` (``transformer.blocks``), named from the model's root."""
+def mpt_tensor_parallel_plan(blocks: list[nn.Module], sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """The plan over ``blocks`` (``transformer.blocks``), named from the model's root. With ``sequence_parallel``
+    the residual stream runs through the blocks split over the sequence: each rank normalises its share of the
+    tokens, gathers the whole sequence before attention and the FFN, and its row-split projections reduce-scatter
+    (instead of all-reduce) back to its share; the sequence is split where it enters the first block and gathered
+    before the final norm."""
+    rowwise = RowwiseParallel(output_layouts=Shard(1)) if sequence_parallel else RowwiseParallel()
     plan: dict[str, ParallelStyle] = {}
     for index, block in enumerate(blocks):
         prefix = f"transformer.blocks.{index}"
         queries_per_kv = block.attn.n_heads // block.attn.kv_n_heads
         plan[f"{prefix}.attn.Wqkv"] = FusedColwiseParallel(queries_per_kv)  # (q, k, v), each split by heads
-        plan[f"{prefix}.attn.out_proj"] = RowwiseParallel()
+        plan[f"{prefix}.attn.out_proj"] = rowwise
         for name in ("up_proj", "gate_proj"):
             if hasattr(block.ffn, name):
                 plan[f"{prefix}.ffn.{name}"] = ColwiseParallel()
-        plan[f"{prefix}.ffn.down_proj"] = RowwiseParallel()
+        plan[f"{prefix}.ffn.down_proj"] = rowwise
+        if sequence_parallel:  # each norm on its share of the tokens; attention and the FFN on all of them
+            plan.update({f"{prefix}.{norm}": SequenceParallel() for norm in ("norm_1", "norm_2")})
+            gather = SequenceLayout("gather", local_output=False)
+            plan.update({f"{prefix}.{layer}": gather for layer in ("attn", "ffn")})
+    if sequence_parallel:
+        plan["transformer.blocks.0"] = SequenceLayout("split", local_output=True)
+        plan["transformer.norm_f"] = SequenceLayout("gather", local_output=True)
     return plan

@@ -1,4 +1,5 @@
-"""Tensor parallelism on 2 gloo ranks: TP2 trains Llama and MPT as one rank does."""
+"""Tensor parallelism on 2 gloo ranks: TP2 (with sequence parallelism, and without) trains Llama and MPT as one
+rank does; checkpoints and exports move between TP2 and one rank."""
 
 from __future__ import annotations
 
@@ -47,6 +48,10 @@ def clipped_accumulated_run(
         device_train_microbatch_size=2, algorithms=[clipping, RecordNorm()],
         optimizer_keys={"lr": 1e-3, "weight_decay": 1e-3},
     )  # fmt: skip
+    block_tokens: list[int] = []  # the residual stream's length where it enters a block after the first
+    trainer.state.model.transformer.blocks[1].register_forward_pre_hook(
+        lambda _module, args: block_tokens.append(args[0].shape[1])
+    )
     trainer.fit()
     parameters = list(trainer.state.model.parameters())
     held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in parameters)
@@ -55,17 +60,24 @@ def clipped_accumulated_run(
         return None
     losses = next(d for d in trainer.logger.destinations if hasattr(d, "losses")).losses
     weights = {name: tensor.detach().clone() for name, tensor in weights.items()}
-    return {"losses": losses, "norms": norms, "weights": weights, "held": held / sum(p.numel() for p in parameters)}
+    held /= sum(p.numel() for p in parameters)
+    return {"losses": losses, "norms": norms, "weights": weights, "held": held, "block_tokens": set(block_tokens)}
 
 
 # Row-parallel layers sum their partial products in another order, so gradients differ by round-off (1e-7);
 # Adam's first steps divide each element by its own size, which scales that to about lr x 4e-3 on elements whose
 # gradient nearly cancels (MPT's tied embedding): lr 1e-3 keeps that below the 1e-5 compared.
-@pytest.mark.parametrize("family", sorted(MODELS))
-def test_tp2_matches_one_rank_over_clipped_accumulated_steps(ranks, family, tmp_path):
+@pytest.mark.parametrize(
+    ("family", "sequence_parallel"),
+    [("mpt", True), ("llama", True), ("llama-gqa", True), ("llama-gqa", False)],
+    ids=["mpt", "llama", "llama-gqa", "llama-gqa-without-sp"],
+)
+def test_tp2_matches_one_rank_over_clipped_accumulated_steps(ranks, family, sequence_parallel, tmp_path):
     one = ranks.run(1, clipped_accumulated_run, str(tmp_path / "one"), MODELS[family], None)[0]
-    tp2 = ranks.run(2, clipped_accumulated_run, str(tmp_path / "tp2"), MODELS[family], TP2)[0]
+    parallelism = {**TP2, "sequence_parallel": sequence_parallel}
+    tp2 = ranks.run(2, clipped_accumulated_run, str(tmp_path / "tp2"), MODELS[family], parallelism)[0]
     assert one["held"] == 1 and 0.5 < tp2["held"] < 0.8  # the blocks' linears split, embeddings and norms whole
+    assert tp2["block_tokens"] == {8 if sequence_parallel else 16}  # sequence parallelism: half of 16 tokens
     assert min(one["norms"]) > CLIPPING_THRESHOLD  # every step clipped: the clipped global norm is compared too
     assert tp2["norms"] == pytest.approx(one["norms"], rel=1e-5)
     assert sorted(one["losses"]) == list(range(1, NUM_BATCHES + 1))

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from foundry.distributed.tensor_parallel import FusedColwiseParallel
+from foundry.distributed.tensor_parallel import FusedColwiseParallel, SequenceLayout
 from foundry.errors import ConfigError
 from foundry.models import MPTCausalLM
 from foundry.models.llama import LlamaCausalLM
@@ -15,14 +16,27 @@ MPT = {"d_model": 32, "n_heads": 4, "n_layers": 2, "vocab_size": 64, "max_seq_le
 LLAMA = {**MPT, "kv_n_heads": None, "ffn_hidden_size": 64}
 
 
+def block_plan(plan: dict) -> dict:
+    return {name.removeprefix("transformer.blocks.1."): type(style) for name, style in plan.items() if ".1." in name}
+
+
 def test_llama_plan_splits_qkv_by_heads_and_each_ffn_linear():
-    plan = LlamaCausalLM(**LLAMA).tensor_parallel_plan(2)
-    block = {name.removeprefix("transformer.blocks.1."): type(style) for name, style in plan.items() if ".1." in name}
-    assert block == {
+    plan = LlamaCausalLM(**LLAMA).tensor_parallel_plan(2, sequence_parallel=False)
+    assert block_plan(plan) == {
         "attn.Wqkv": FusedColwiseParallel, "attn.out_proj": RowwiseParallel,
         "ffn.up_proj": ColwiseParallel, "ffn.gate_proj": ColwiseParallel, "ffn.down_proj": RowwiseParallel,
     }  # fmt: skip
-    assert len(plan) == 2 * len(block)
+    assert len(plan) == 2 * len(block_plan(plan))
+
+
+def test_sequence_parallel_plan_splits_the_residual_stream_between_the_split_linears():
+    plan = LlamaCausalLM(**LLAMA).tensor_parallel_plan(2, sequence_parallel=True)
+    block = block_plan(plan)
+    assert {name: block[name] for name in ("norm_1", "norm_2", "attn", "ffn")} == {
+        "norm_1": SequenceParallel, "norm_2": SequenceParallel, "attn": SequenceLayout, "ffn": SequenceLayout
+    }  # fmt: skip
+    assert plan["transformer.blocks.1.attn.out_proj"].output_layouts == (Shard(1),)  # reduce-scattered
+    assert (plan["transformer.blocks.0"].split, plan["transformer.norm_f"].split) == (True, False)
 
 
 @pytest.mark.parametrize(
