@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -31,7 +31,9 @@ class FusedColwiseParallel(ParallelStyle):
     contiguous share of the query's heads and the same share of the key's and the value's, so its query heads
     attend to its own key/value heads (grouped-query attention included) and the layout (and the checkpoint)
     stays the unsplit one. The module computes on its local shares and returns them side by side, as its caller
-    reads them; backward sums the input's gradient over ``tp`` (Megatron's column-parallel linear).
+    reads them; backward sums the input's gradient over ``tp`` (Megatron's column-parallel linear). A LoRA
+    adapter on it (``lora_A``, ``lora_B``) splits with it: ``lora_B`` as the weight, ``lora_A`` whole on every
+    rank, its gradient summed over ``tp``.
 
     The parameters become DTensors placed ``_StridedShard(0, split_factor=query_heads_per_kv_head + 2)``:
     the output in units of the key's width, the query's units first. DTensor reads that as equal parts split one
@@ -43,35 +45,99 @@ class FusedColwiseParallel(ParallelStyle):
         super().__init__()
         self.units = query_heads_per_kv_head + 2
 
+    def placements(self) -> list[Shard]:
+        return [_StridedShard(0, split_factor=self.units)]
+
+    def share(self, whole: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
+        return _share_of_parts(whole, self.units, 0, rank, ranks)
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
-            raise TypeError(f"FusedColwiseParallel splits an nn.Linear, not a {type(module).__name__}.")
-        placements = [_StridedShard(0, split_factor=self.units)]
-        rank, ranks = device_mesh.get_local_rank(), device_mesh.size()
-        for name, param in module.named_parameters():
-            # each rank splits its own copy: the same seed built the same weights on every rank, and weights
-            # sent from rank 0 (a meta-device model) arrive after placement (``fill_parts``)
-            whole = param.detach()
-            local = _share_of_parts(whole, self.units, 0, rank, ranks)
-            sharded = DTensor.from_local(
-                local, device_mesh, placements, run_check=False, shape=whole.shape, stride=whole.stride()
-            )
-            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            raise TypeError(f"{type(self).__name__} splits an nn.Linear, not a {type(module).__name__}.")
+        adapter = getattr(module, "lora_B", None)
+        for owner in (module, adapter) if adapter is not None else (module,):
+            self._split_parameters(owner, device_mesh)
         group = device_mesh.get_group()
 
         def forward(x: torch.Tensor) -> torch.Tensor:  # (..., d_in) -> (..., this rank's share of each part)
-            # Each rank's share of the output holds a part of the input's gradient: summed over tp, by the
-            # sequence-parallel all-gather's backward (a reduce-scatter) when x came through one, else here.
-            if isinstance(x, DTensor):  # gathered over the sequence (SequenceLayout), Replicate over tp
-                x = x.to_local(grad_placements=[Partial()])
-            else:
-                x = _SumGradient.apply(x, group)
+            x = _input_gradient_summed(x, group)
             # FSDP2 swaps the parameters in and out around forward: read them at call time
             bias = None if module.bias is None else module.bias.to_local()
-            return F.linear(x, module.weight.to_local(), bias)
+            out = F.linear(x, module.weight.to_local(), bias)
+            if adapter is None:
+                return out
+            # lora_A is whole on every rank, but each rank's share of lora_B sees only its share of the output
+            low_rank = F.linear(module.lora_dropout(x), _SumGradient.apply(module.lora_A.weight, group))
+            return out + F.linear(low_rank, adapter.weight.to_local()) * module.scaling
 
         module.forward = forward
         return module
+
+    def _split_parameters(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        # each rank splits its own copy: the same seed built the same weights on every rank (a meta-device
+        # model, whose weights rank 0 would send, is refused: foundry.models.tp_plan)
+        rank, ranks = device_mesh.get_local_rank(), device_mesh.size()
+        for name, param in list(module.named_parameters(recurse=False)):
+            whole = param.detach()
+            sharded = DTensor.from_local(
+                self.share(whole, rank, ranks), device_mesh, self.placements(), run_check=False,
+                shape=whole.shape, stride=whole.stride(),
+            )  # fmt: skip
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+class AdaptedColwiseParallel(FusedColwiseParallel):
+    """A LoRA layer split by column (torch's ``ColwiseParallel`` would split its adapters as linears of their
+    own): the weight and ``lora_B`` by output rows, ``lora_A`` whole on every rank."""
+
+    def placements(self) -> list[Shard]:
+        return [Shard(0)]
+
+    def share(self, whole: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
+        return whole.chunk(ranks, dim=0)[rank]
+
+
+class AdaptedRowwiseParallel(ParallelStyle):
+    """A LoRA layer split by row: the weight and ``lora_A`` by input columns, ``lora_B`` whole on every rank. Each
+    rank's low-rank product of its share of the input is a part of the whole one, so the adapter's output is
+    summed over ``tp`` with the weight's, in one all-reduce (a reduce-scatter over the sequence with
+    ``sequence_parallel``); the bias is added after it."""
+
+    def __init__(self, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.output_placement = Shard(1) if sequence_parallel else Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for owner in (module, module.lora_A):
+            weight = owner.weight
+            owner.weight = nn.Parameter(
+                distribute_tensor(weight.detach(), device_mesh, [Shard(1)]), weight.requires_grad
+            )
+        group, split_output = device_mesh.get_group(), self.output_placement != Replicate()
+
+        def forward(x: torch.Tensor) -> torch.Tensor:  # (..., this rank's share of d_in) -> (..., d_out)
+            partial = F.linear(x, module.weight.to_local())
+            low_rank = F.linear(module.lora_dropout(x), module.lora_A.weight.to_local())
+            # each rank's low_rank is a part of the sum: so is lora_B's gradient
+            partial = partial + F.linear(low_rank, _SumGradient.apply(module.lora_B.weight, group)) * module.scaling
+            summed = DTensor.from_local(partial, device_mesh, [Partial()], run_check=False)
+            out = summed.redistribute(device_mesh, [self.output_placement]).to_local()
+            if module.bias is None:
+                return out
+            # over a share of the sequence, each rank's bias gradient is a part of the sum
+            return out + (_SumGradient.apply(module.bias, group) if split_output else module.bias)
+
+        module.forward = forward
+        return module
+
+
+def _input_gradient_summed(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """x as a local tensor whose gradient is summed over ``tp`` (each rank's share of a column-split output holds a
+    part of it): by the sequence-parallel all-gather's backward (a reduce-scatter) when x came through one (a
+    DTensor, Replicate over tp), else by ``_SumGradient``."""
+    if isinstance(x, DTensor):
+        return x.to_local(grad_placements=[Partial()])
+    return _SumGradient.apply(x, group)
 
 
 def _part_sizes(length: int, units: int) -> list[int]:
@@ -142,7 +208,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             f"parallelism.tensor_parallel_degree is {degree} but {type(model).__name__} declares no tensor-"
             "parallel plan (mpt_causal_lm and llama_causal_lm do). Set the degree to 1."
         )
+    trainable = {name: parameter.requires_grad for name, parameter in model.named_parameters()}
     parallelize_module(model, tp_mesh, plan)
+    for name, parameter in model.named_parameters():  # torch's styles make every parameter they place trainable
+        parameter.requires_grad_(trainable[name])  # a frozen one (LoRA's base) stays frozen
 
 
 def check_fsdp_shards_compose(model: nn.Module, fsdp_ranks: int) -> None:

@@ -26,6 +26,10 @@ MODELS = {
         "max_seq_len": 16, "ffn_hidden_size": 64, "rope_theta": 100.0,
     },
 }  # fmt: skip
+LORA = {"peft_config": {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}}  # every block linear adapted
+# adapters on a grouped-query Llama (sequence parallel) and on MPT with biases (added after the row-split sum)
+MODELS["llama-gqa-lora"] = {**MODELS["llama-gqa"], **LORA}
+MODELS["mpt-bias-lora"] = {**MODELS["mpt"], "no_bias": False, **LORA}
 
 
 def clipped_accumulated_run(
@@ -69,8 +73,15 @@ def clipped_accumulated_run(
 # gradient nearly cancels (MPT's tied embedding): lr 1e-3 keeps that below the 1e-5 compared.
 @pytest.mark.parametrize(
     ("family", "sequence_parallel"),
-    [("mpt", True), ("llama", True), ("llama-gqa", True), ("llama-gqa", False)],
-    ids=["mpt", "llama", "llama-gqa", "llama-gqa-without-sp"],
+    [
+        ("mpt", True),
+        ("llama", True),
+        ("llama-gqa", True),
+        ("llama-gqa", False),
+        ("llama-gqa-lora", True),
+        ("mpt-bias-lora", False),
+    ],
+    ids=["mpt", "llama", "llama-gqa", "llama-gqa-without-sp", "llama-gqa-lora", "mpt-bias-lora-without-sp"],
 )
 def test_tp2_matches_one_rank_over_clipped_accumulated_steps(ranks, family, sequence_parallel, tmp_path):
     one = ranks.run(1, clipped_accumulated_run, str(tmp_path / "one"), MODELS[family], None)[0]
@@ -84,7 +95,7 @@ def test_tp2_matches_one_rank_over_clipped_accumulated_steps(ranks, family, sequ
     assert_same_run(tp2, one)
 
 
-@pytest.mark.parametrize("family", ["mpt", "llama-gqa"])
+@pytest.mark.parametrize("family", ["mpt", "llama-gqa", "llama-gqa-lora"])
 @pytest.mark.parametrize(
     ("saved_by", "loaded_by"), [((2, TP2), (1, None)), ((1, None), (2, TP2))], ids=["tp2-to-1", "1-to-tp2"]
 )

@@ -6,7 +6,12 @@ import pytest
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
-from foundry.distributed.tensor_parallel import FusedColwiseParallel, SequenceLayout
+from foundry.distributed.tensor_parallel import (
+    AdaptedColwiseParallel,
+    AdaptedRowwiseParallel,
+    FusedColwiseParallel,
+    SequenceLayout,
+)
 from foundry.errors import ConfigError
 from foundry.models import MPTCausalLM
 from foundry.models.llama import LlamaCausalLM
@@ -39,6 +44,13 @@ def test_sequence_parallel_plan_splits_the_residual_stream_between_the_split_lin
     assert (plan["transformer.blocks.0"].split, plan["transformer.norm_f"].split) == (True, False)
 
 
+def test_lora_layers_split_with_their_adapters():
+    lora = {"peft_config": {"r": 2, "target_modules": ["out_proj", "up_proj"]}}
+    block = block_plan(LlamaCausalLM(**LLAMA, **lora).tensor_parallel_plan(2, sequence_parallel=False))
+    assert (block["attn.out_proj"], block["ffn.up_proj"]) == (AdaptedRowwiseParallel, AdaptedColwiseParallel)
+    assert (block["ffn.gate_proj"], block["ffn.down_proj"]) == (ColwiseParallel, RowwiseParallel)  # not adapted
+
+
 @pytest.mark.parametrize(
     ("keys", "degree", "named"),
     [
@@ -48,11 +60,11 @@ def test_sequence_parallel_plan_splits_the_residual_stream_between_the_split_lin
         ({"attn_config": {"attn_type": "multiquery_attention"}}, 2, "model.kv_n_heads .* \\(1\\)"),
         ({"attn_config": {"alibi": True}, "learned_pos_emb": False}, 2, "model.attn_config.alibi"),
         ({"attn_config": {"qk_ln": True}}, 2, "model.attn_config.qk_ln"),
-        ({"peft_config": {"r": 2, "target_modules": ["Wqkv"]}}, 2, "model.peft_config \\(LoRA\\)"),
+        ({"peft_config": {"r": 2, "target_modules": ["Wqkv"], "quantize_base": True}}, 2, "quantize_base \\(QLoRA\\)"),
         ({"ffn_config": {"ffn_type": "mb_moe", "moe_num_experts": 2, "moe_top_k": 1}}, 2, "mixture of experts"),
         ({"init_device": "meta"}, 2, "model.init_device is 'meta'"),
     ],
-    ids=["heads", "ffn-width", "kv-heads", "mqa", "alibi", "qk_ln", "lora", "moe", "meta"],
+    ids=["heads", "ffn-width", "kv-heads", "mqa", "alibi", "qk_ln", "qlora", "moe", "meta"],
 )
 def test_what_the_plan_cannot_split_is_refused_naming_the_key(keys, degree, named):
     config = MPTCausalLM.checked_config({**MPT, **keys})
