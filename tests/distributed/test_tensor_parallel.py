@@ -128,3 +128,20 @@ def test_an_export_regroups_grouped_query_parts_as_one_rank_holds_them(ranks, tm
     assert tp2.keys() == one.keys()
     for name, weight in one.items():
         torch.testing.assert_close(tp2[name], weight, atol=0, rtol=0, msg=name)
+
+
+def refusal_of_tokens(folder: str, tokens: int) -> str:
+    """The error a forward of one ``tokens``-long sequence through a TP2 sequence-parallel Llama raises."""
+    from foundry.errors import TrainingError
+
+    trainer = build_trainer(1, folder, model_keys=MODELS["llama"], parallelism=TP2)
+    try:
+        trainer.state.model({"input_ids": torch.zeros(1, tokens, dtype=torch.long)})
+    except TrainingError as error:
+        return str(error)
+    return "no error"
+
+
+def test_sequence_parallelism_refuses_a_sequence_the_degree_does_not_divide(ranks, tmp_path):
+    refusals = ranks.run(2, refusal_of_tokens, str(tmp_path), 15)
+    assert all("parallelism.sequence_parallel" in refusal and "hold 15 tokens" in refusal for refusal in refusals)
