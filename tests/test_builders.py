@@ -133,9 +133,9 @@ TP_LLAMA = {"name": "llama_causal_lm", "d_model": 32, "n_heads": 4, "n_layers": 
         ({**TP_LLAMA, "kv_n_heads": None}, {"tensor_parallel_degree": 2}, 3, "does not divide the 3 ranks"),
         (
             {**TP_LLAMA, "kv_n_heads": None},
-            {"tensor_parallel_degree": 2, "context_parallel_degree": 2},
-            4,
-            "'parallelism.context_parallel_degree' is 2; foundry does not combine tensor parallelism",
+            {"tensor_parallel_degree": 2, "expert_parallel_degree": 2},
+            2,
+            "'parallelism.expert_parallel_degree' is 2; foundry does not combine tensor and expert parallelism",
         ),
         (
             {"name": "test_builders_lm"},
@@ -157,7 +157,7 @@ TP_LLAMA = {"name": "llama_causal_lm", "d_model": 32, "n_heads": 4, "n_layers": 
             "callbacks.hf_checkpointer",
         ),
     ],
-    ids=["kv-heads", "world", "with-cp", "no-plan", "icl", "sp-fused-norms", "lora-export"],
+    ids=["kv-heads", "world", "with-ep", "no-plan", "icl", "sp-fused-norms", "lora-export"],
 )
 def test_tensor_parallel_degree_is_checked_before_any_rank_starts(tmp_path, model, parallelism, world_size, named):
     from foundry.distributed.config import ParallelismConfig
