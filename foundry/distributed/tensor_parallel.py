@@ -3,9 +3,12 @@
 The model declares its plan (``TensorParallelModel.tensor_parallel_plan``): which linears split by column (their
 outputs, e.g. attention's query/key/value and the FFN's up projection, each rank computing its heads or its
 share of the hidden width) and which by row (the projections back to ``d_model``, whose partial sums are
-all-reduced). Everything outside the plan (embeddings, norms, the output head) stays whole on every ``tp`` rank,
-whose inputs, activations between blocks and losses are the same. The parameters split become DTensors over
-``tp``; FSDP2 then shards them again over its own axes (2-D, torchtitan's ``apply_tp`` before ``apply_fsdp``).
+all-reduced), and, with sequence parallelism, where the residual stream between them is split over the sequence
+(``SequenceLayout``; norms on each rank's share of the tokens, the row-split sums reduce-scattered). Embeddings
+and the output head stay whole on every ``tp`` rank, whose inputs and losses are the same. A LoRA layer splits
+with its base (``AdaptedColwiseParallel``, ``AdaptedRowwiseParallel``). The parameters split become DTensors
+over ``tp``; FSDP2 then shards them again over its own axes (2-D, torchtitan's ``apply_tp`` before
+``apply_fsdp``).
 """
 
 from __future__ import annotations
