@@ -7,7 +7,7 @@ The script launches itself on 2 ranks through torchrun (what ``foundry train --n
 row through the Trainer ``foundry train`` builds from ``yamls/pretrain/llama-8b.yaml`` (its optimizer, gradient
 clipping, FSDP2 with activation checkpointing, compile, bf16), with ``variables.max_seq_len`` and
 ``parallelism.tensor_parallel_degree`` overridden, the weights drawn on each GPU (``model.init_device=cuda``,
-the same seed on both ranks: tensor parallelism refuses ``meta``) and random tokens in memory (the GPU image
+the same seed on both ranks: no minute of 8B CPU init on rank 0) and random tokens in memory (the GPU image
 lacks mosaicml-streaming). Every row trains the same global batch, 2 sequences a step: FSDP2 gives each GPU one
 sequence; TP2 (data-parallel degree 1) gives both GPUs both, one microbatch at a time, each GPU computing half
 of every block's linears.

@@ -13,6 +13,7 @@ over ``tp``; FSDP2 then shards them again over its own axes (2-D, torchtitan's `
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -247,6 +248,29 @@ def has_parts(model: nn.Module) -> bool:
 def _split_in_parts(value: Any) -> bool:
     """Whether ``value`` is split in parts over ``tp`` (FSDP2's own strided shards, over its axes, are not)."""
     return isinstance(value, DTensor) and _strided_axis(value) is not None
+
+
+@torch.no_grad()
+def fill_parts(model: nn.Module, weights: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
+    """Copy each parameter split in parts from rank 0's whole ``weights`` (empty on the other ranks), which DTensor
+    would slice as equal parts; returns the other weights, for ``set_model_state_dict``. Every rank calls it."""
+    rest = dict(weights)
+    for name, parameter in model.state_dict(keep_vars=True).items():  # the names a state dict has
+        if not _split_in_parts(parameter):
+            continue
+        whole = rest.pop(name, None)
+        whole = torch.empty(parameter.shape, dtype=parameter.dtype) if whole is None else whole
+        whole = whole.to(device, parameter.dtype).contiguous()
+        dist.broadcast(whole, src=0)
+        mesh = parameter.device_mesh
+        for axis, placement in enumerate(parameter.placements):  # this rank's share along each axis
+            rank, ranks = mesh.get_local_rank(axis), mesh.size(axis)
+            if isinstance(placement, _StridedShard):
+                whole = _share_of_parts(whole, placement.split_factor, placement.dim, rank, ranks)
+            elif isinstance(placement, Shard):
+                whole = whole.chunk(ranks, dim=placement.dim)[rank]
+        parameter.to_local().copy_(whole)
+    return rest
 
 
 def gather_parts(state: Any) -> Any:

@@ -49,12 +49,6 @@ def check_tensor_parallel(config: Any, degree: int) -> None:
                 f"'{_KEY}' is {degree} but {key} is set; tensor parallelism does not split that yet. Turn it off, "
                 "or set the degree to 1 (FSDP alone)."
             )
-    if config.init_device in ("meta", "mixed"):
-        raise ConfigError(
-            f"'{_KEY}' is {degree} but model.init_device is {config.init_device!r}: the weights rank 0 draws and "
-            "sends do not reach tensor-parallel shards yet. Set model.init_device to 'cpu' or 'cuda' (every rank "
-            "draws the same weights from the seed), or the degree to 1."
-        )
     hidden = ffn_hidden_size(config.d_model, config.expansion_ratio, config.ffn_config)
     for key, count in (
         ("model.n_heads", config.n_heads),

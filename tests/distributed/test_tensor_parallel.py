@@ -145,3 +145,11 @@ def refusal_of_tokens(folder: str, tokens: int) -> str:
 def test_sequence_parallelism_refuses_a_sequence_the_degree_does_not_divide(ranks, tmp_path):
     refusals = ranks.run(2, refusal_of_tokens, str(tmp_path), 15)
     assert all("parallelism.sequence_parallel" in refusal and "hold 15 tokens" in refusal for refusal in refusals)
+
+
+@pytest.mark.parametrize("family", ["mpt", "llama-gqa"])
+def test_a_meta_device_model_trains_under_tp2_from_the_weights_one_rank_draws(ranks, family, tmp_path):
+    keys = {"model_keys": {**MODELS[family], "init_device": "meta"}, "optimizer_keys": {"lr": 1e-3}}
+    one = ranks.run(1, train, 4, str(tmp_path / "one"), **keys)[0]
+    tp2 = ranks.run(2, train, 4, str(tmp_path / "tp2"), parallelism=TP2, **keys)[0]
+    assert_same_run(tp2, one)

@@ -62,9 +62,8 @@ def test_lora_layers_split_with_their_adapters():
         ({"attn_config": {"qk_ln": True}}, 2, "model.attn_config.qk_ln"),
         ({"peft_config": {"r": 2, "target_modules": ["Wqkv"], "quantize_base": True}}, 2, "quantize_base \\(QLoRA\\)"),
         ({"ffn_config": {"ffn_type": "mb_moe", "moe_num_experts": 2, "moe_top_k": 1}}, 2, "mixture of experts"),
-        ({"init_device": "meta"}, 2, "model.init_device is 'meta'"),
     ],
-    ids=["heads", "ffn-width", "kv-heads", "mqa", "alibi", "qk_ln", "qlora", "moe", "meta"],
+    ids=["heads", "ffn-width", "kv-heads", "mqa", "alibi", "qk_ln", "qlora", "moe"],
 )
 def test_what_the_plan_cannot_split_is_refused_naming_the_key(keys, degree, named):
     config = MPTCausalLM.checked_config({**MPT, **keys})
