@@ -14,7 +14,8 @@ of every block's linears.
 
 Rows (``--rows`` picks; each is skipped when the time left in ``--budget-s`` is below its estimate):
 ``fsdp-8k``, ``tp2-8k``, ``fsdp-16k``, ``tp2-16k`` (TP2 with sequence parallelism, the default), then
-``tp2-8k-no-sp`` (``parallelism.sequence_parallel=false``). Per row: tokens/s per GPU, MFU (LLM Foundry's
+``tp2-8k-no-sp`` (``parallelism.sequence_parallel=false``); opt-in: ``tp2-8k-meta`` (the YAML's meta-device
+init) and ``tp2-8k-lora`` (LoRA r 16 on every block linear). Per row: tokens/s per GPU, MFU (LLM Foundry's
 formula, docs/MODELS.md, over the GPU's dense bf16 peak), peak allocated memory and seconds a step over the steps
 after ``WARMUP_STEPS``. The table is printed and written after every row: a call cut off keeps the rows that ran.
 """
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 from bench_utils import REPO_ROOT, environment, markdown_table, save_json, yaml_trainer
-from long_context import BatchTimes, free_memory
+from long_context import LORA_ALL_LINEAR, BatchTimes, free_memory
 
 from foundry.callbacks.device_flops import peak_flops_per_sec
 from foundry.config import load_train_config
@@ -48,7 +49,12 @@ ROWS: dict[str, tuple[int, int, list[str], int]] = {
     "fsdp-16k": (16384, 1, [], 100),
     "tp2-16k": (16384, 2, [], 120),
     "tp2-8k-no-sp": (8192, 2, ["parallelism.sequence_parallel=false"], 90),
+    # opt-in (--rows names them): the YAML's own meta-device init (rank 0 draws the 8B weights on the CPU and
+    # sends them), and LoRA on every block linear
+    "tp2-8k-meta": (8192, 2, ["model.init_device=meta"], 200),
+    "tp2-8k-lora": (8192, 2, [LORA_ALL_LINEAR], 90),
 }
+OPT_IN_ROWS = ("tp2-8k-meta", "tp2-8k-lora")
 SMOKE_MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.kv_n_heads=2", "model.vocab_size=512"]
 
 
@@ -69,7 +75,9 @@ def run_row(name: str, smoke: bool) -> dict[str, Any]:
         seq_len //= 512
         overrides += SMOKE_MODEL
         trainer_overrides = {"device": "cpu", "precision": "fp32", "compile_config": False}
-    overrides += [f"variables.max_seq_len={seq_len}", f"model.init_device={'cpu' if smoke else 'cuda'}"]
+    overrides.append(f"variables.max_seq_len={seq_len}")
+    if not any(override.startswith("model.init_device=") for override in overrides):
+        overrides.append(f"model.init_device={'cpu' if smoke else 'cuda'}")
     cfg, _ = load_train_config(REPO_ROOT / LLAMA_8B, overrides)
     batches = rank_batches(seq_len, cfg.model["vocab_size"], tp)
     times = BatchTimes()
@@ -122,7 +130,8 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
+    default_rows = [name for name in ROWS if name not in OPT_IN_ROWS]
+    parser.add_argument("--rows", nargs="*", default=default_rows, choices=list(ROWS))
     parser.add_argument("--budget-s", type=float, default=500.0, help="rows that would not fit are skipped")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     parser.add_argument("--smoke", action="store_true", help="tiny models on CPU ranks: checks the script runs")
