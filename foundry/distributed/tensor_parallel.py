@@ -14,7 +14,7 @@ over ``tp``; FSDP2 then shards them again over its own axes (2-D, torchtitan's `
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -179,7 +179,7 @@ class SequenceLayout(ParallelStyle):
     whose backward then reduce-scatters, and before the final norm). ``local_output``: a plain tensor out, else
     a DTensor (which the column-split linears take as it is)."""
 
-    def __init__(self, to: str, local_output: bool) -> None:
+    def __init__(self, to: Literal["split", "gather"], local_output: bool) -> None:
         super().__init__()
         self.source, self.target = (Replicate(), Shard(1)) if to == "split" else (Shard(1), Replicate())
         self.split, self.local_output = to == "split", local_output
