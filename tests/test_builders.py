@@ -130,13 +130,13 @@ TP_LLAMA = {"name": "llama_causal_lm", "d_model": 32, "n_heads": 4, "n_layers": 
 @pytest.mark.parametrize(
     ("model", "parallelism", "world_size", "named"),
     [
-        ({**TP_LLAMA, "kv_n_heads": 2}, {"tensor_parallel_degree": 2}, 2, "2 key/value heads for 4 query heads"),
+        ({**TP_LLAMA, "kv_n_heads": 1}, {"tensor_parallel_degree": 2}, 2, "divide model.kv_n_heads .* \\(1\\)"),
         ({**TP_LLAMA, "kv_n_heads": None}, {"tensor_parallel_degree": 2}, 3, "does not divide the 3 ranks"),
         (
             {**TP_LLAMA, "kv_n_heads": None},
-            {"tensor_parallel_degree": 2, "context_parallel_degree": 2},
-            4,
-            "'parallelism.context_parallel_degree' is 2; foundry does not combine tensor parallelism",
+            {"tensor_parallel_degree": 2, "expert_parallel_degree": 2},
+            2,
+            "'parallelism.expert_parallel_degree' is 2; foundry does not combine tensor and expert parallelism",
         ),
         (
             {"name": "test_builders_lm"},
@@ -145,15 +145,33 @@ TP_LLAMA = {"name": "llama_causal_lm", "d_model": 32, "n_heads": 4, "n_layers": 
             "'test_builders_lm' declares no tensor-parallel",
         ),
         ({**TP_LLAMA, "kv_n_heads": None, "icl_tasks": True}, {"tensor_parallel_degree": 2}, 2, "icl_tasks are set"),
+        ({**TP_LLAMA, "kv_n_heads": None, "fused_kernels": True}, {"tensor_parallel_degree": 2}, 2, "fused_kernels"),
+        (
+            {
+                **TP_LLAMA,
+                "kv_n_heads": None,
+                "peft_config": {"r": 2, "target_modules": ["Wqkv"]},
+                "hf_checkpointer": True,
+            },
+            {"tensor_parallel_degree": 2},
+            2,
+            "callbacks.hf_checkpointer",
+        ),
     ],
-    ids=["gqa", "world", "with-cp", "no-plan", "icl"],
+    ids=["kv-heads", "world", "with-ep", "no-plan", "icl", "sp-fused-norms", "lora-export"],
 )
 def test_tensor_parallel_degree_is_checked_before_any_rank_starts(tmp_path, model, parallelism, world_size, named):
     from foundry.distributed.config import ParallelismConfig
 
     icl = {"icl_tasks": [{"label": "t", "dataset_uri": "t.jsonl", "icl_task_type": "language_modeling"}]}
-    icl = icl if model.pop("icl_tasks", None) else {}
-    cfg = make_config(tmp_path, model=model, parallelism=ParallelismConfig(**parallelism), **icl)
+    sections = icl if model.pop("icl_tasks", None) else {}
+    sections |= {"algorithms": {"fused_kernels": {}}} if model.pop("fused_kernels", None) else {}
+    sections |= (
+        {"callbacks": {"hf_checkpointer": {"save_folder": "x", "save_interval": "1ba"}}}
+        if model.pop("hf_checkpointer", None)
+        else {}
+    )
+    cfg = make_config(tmp_path, model=model, parallelism=ParallelismConfig(**parallelism), **sections)
     with pytest.raises(ConfigError, match=f"tensor_parallel_degree' is 2.*{named}"):
         builders.check_settings(cfg, world_size)
 

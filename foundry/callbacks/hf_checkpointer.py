@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 
 from foundry import distributed, registry
 from foundry.convert.checkpoint_io import write_atomically
@@ -31,6 +32,7 @@ from foundry.core.logger import Logger
 from foundry.core.paths import is_object_store_url
 from foundry.core.state import State
 from foundry.core.time import Time
+from foundry.distributed.tensor_parallel import gather_parts, has_parts
 from foundry.errors import CheckpointError, ConfigError
 from foundry.models.base import model_class
 from foundry.models.hf import HFCausalLM
@@ -152,10 +154,18 @@ class HFCheckpointer(Callback):
 
 
 def full_state_dict(model: torch.nn.Module, world_size: int) -> dict[str, torch.Tensor]:
-    """The model's whole state dict: gathered to rank 0's CPU when sharded over several ranks (empty elsewhere)."""
-    if world_size > 1:
+    """The model's whole state dict: gathered to rank 0's CPU when sharded over several ranks (empty elsewhere).
+    A tensor-parallel fused projection's parts are regrouped first (DTensor would gather them in its own order)."""
+    if world_size == 1:
+        return model.state_dict()
+    if not has_parts(model):
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return model.state_dict()
+    whole = {}
+    for name, value in gather_parts(get_model_state_dict(model)).items():
+        value = value.full_tensor() if isinstance(value, DTensor) else value  # every rank takes part
+        if distributed.get_rank() == 0:
+            whole[name] = value.cpu()
+    return whole
 
 
 def registered_name(model: torch.nn.Module) -> str:

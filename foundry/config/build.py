@@ -154,6 +154,18 @@ def _check_model_and_parallelism(cfg: TrainConfig, world_size: int | None) -> No
                 "no tensor-parallel plan (mpt_causal_lm and llama_causal_lm do). Set the degree to 1."
             )
         check_tensor_parallel(model_config, degree)
+        if model_config.peft_config is not None and "hf_checkpointer" in cfg.callbacks:
+            raise ConfigError(
+                f"'parallelism.tensor_parallel_degree' is {degree} with LoRA (model.peft_config) and "
+                "callbacks.hf_checkpointer, which reads the adapters from rank 0's shares only. Remove the callback "
+                "and export the checkpoint afterwards (`foundry convert export-adapter`), or set the degree to 1."
+            )
+        if parallelism.sequence_parallel and "fused_kernels" in cfg.algorithms:
+            raise ConfigError(
+                f"'parallelism.tensor_parallel_degree' is {degree} with parallelism.sequence_parallel, whose norms "
+                "run on DTensors, which algorithms.fused_kernels' Triton norms do not take yet. Remove "
+                "fused_kernels, or set parallelism.sequence_parallel: false."
+            )
         if cfg.icl_tasks:  # the evaluator gives each rank its own batches; tp ranks must run the same ones
             raise ConfigError(
                 f"'parallelism.tensor_parallel_degree' is {degree} but icl_tasks are set; ICL evaluation does not run "

@@ -141,6 +141,15 @@ class ParallelismConfig:
             "must divide the number of ranks and the model's heads and FFN width. 1: every rank holds whole layers"
         ),
     )
+    sequence_parallel: bool = field(
+        default=True,
+        metadata=doc(
+            "with tensor_parallel_degree > 1: the residual stream between the split linears is split over the "
+            "sequence too (Megatron's sequence parallelism): norms run on each rank's share of the tokens, and "
+            "the all-reduces become an all-gather and a reduce-scatter, moving the same bytes while each rank "
+            "keeps 1/degree of the blocks' inputs; sequences must hold a multiple of the degree of tokens"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_degree < 1:
@@ -205,12 +214,11 @@ def check_parallelism(parallelism: ParallelismConfig, world_size: int | None, nu
             f"'parallelism.expert_parallel_degree' is {ep} and 'parallelism.context_parallel_degree' is {cp}; foundry "
             "does not combine expert and context parallelism. Set one of the two keys to 1."
         )
-    for key, degree in (("context_parallel_degree", cp), ("expert_parallel_degree", ep)):
-        if tp > 1 and degree > 1:
-            raise ConfigError(
-                f"'parallelism.tensor_parallel_degree' is {tp} and 'parallelism.{key}' is {degree}; foundry does not "
-                "combine tensor parallelism with that one yet. Set one of the two keys to 1."
-            )
+    if tp > 1 and ep > 1:
+        raise ConfigError(
+            f"'parallelism.tensor_parallel_degree' is {tp} and 'parallelism.expert_parallel_degree' is {ep}; foundry "
+            "does not combine tensor and expert parallelism yet. Set one of the two keys to 1."
+        )
     if world_size is not None and world_size % cp:
         raise ConfigError(
             f"'parallelism.context_parallel_degree' is {cp}, which does not divide the {_ranks(world_size)} of this "

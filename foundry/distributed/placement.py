@@ -65,7 +65,9 @@ from foundry.distributed.protocol import blocks_of, finish_sharding, module_init
 from foundry.distributed.tensor_parallel import (
     apply_tensor_parallel,
     check_fsdp_shards_compose,
+    fill_parts,
     fsdp_shard_placement,
+    has_parts,
 )
 from foundry.errors import ConfigError
 from foundry.schema import parse_dataclass
@@ -140,7 +142,9 @@ def parallelize(
     by_module = dims.ep == 1 and dims.tp == 1  # expert and tensor parallelism: rank 0's whole copy
     weights = None if dry_run else _shared_weights(model, config.sync_module_states, device, by_module)
     if dims.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"])
+        if isinstance(weights, Mapping):  # rank 0's weights arrive after placement: split meta tensors alike
+            _parameters_to_meta(model)
+        apply_tensor_parallel(model, mesh["tp"], parallelism.sequence_parallel)
         check_fsdp_shards_compose(model, mesh.dp_shard_cp.size())
     cp_attention = parallelism.context_parallel_attention
     batches = apply_context_parallel(model, mesh["cp"], cp_attention) if dims.cp > 1 else WholeSequences()
@@ -245,6 +249,16 @@ def init_on_cpu(model: nn.Module) -> None:
         model.init_weights()
 
 
+def _parameters_to_meta(model: nn.Module) -> None:
+    """Every parameter a meta tensor again (rank 0 drew them: its whole weights are kept to send), the buffers
+    as they are."""
+    buffers = dict(model.named_buffers())
+    model.to_empty(device="meta")
+    for name, buffer in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = buffer
+
+
 def _materialise(
     model: nn.Module,
     param_device: torch.device,
@@ -253,18 +267,23 @@ def _materialise(
 ) -> None:
     """Allocate meta shards (and buffers) and fill them from ``weights`` (``_shared_weights``), if any."""
     if any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()]):
+        kept = {name: buffer for name, buffer in model.named_buffers() if not buffer.is_meta}  # rank 0 sends them
         model.to_empty(device=param_device)
         if buffer_device != param_device:  # with cpu_offload the shards live on the CPU, buffers on the device
             for module in model.modules():
                 for name, buffer in module._buffers.items():
                     module._buffers[name] = None if buffer is None else buffer.to(buffer_device)
+        for name, buffer in model.named_buffers():
+            if name in kept:
+                buffer.copy_(kept[name])
     if weights is None:
         return
     if callable(weights):
         weights(model, buffer_device)  # whole parameters travel on the compute device, also with cpu_offload
         return
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, dict(weights), options=options)
+    weights = fill_parts(model, weights, buffer_device)  # tensor parallelism's fused projections
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not has_parts(model))
+    set_model_state_dict(model, weights, options=options)
     for buffer in model.buffers():  # non-persistent buffers (e.g. rotary tables) are not in a state dict
         dist.broadcast(buffer, src=0)
 

@@ -136,8 +136,9 @@ def weight_layers_of(model: nn.Module) -> Iterator[dict[str, torch.Tensor]] | No
 class TensorParallelModel(Protocol):
     """A model that declares how tensor parallelism splits it (torchtitan's per-family parallelize plan)."""
 
-    def tensor_parallel_plan(self, degree: int) -> Mapping[str, ParallelStyle]:
-        """torch's ``parallelize_module`` plan for ``degree`` ranks: {module name: ColwiseParallel(), ...}.
+    def tensor_parallel_plan(self, degree: int, sequence_parallel: bool) -> Mapping[str, ParallelStyle]:
+        """torch's ``parallelize_module`` plan for ``degree`` ranks: {module name: ColwiseParallel(), ...}; with
+        ``sequence_parallel``, the residual stream between the split linears sharded over the sequence.
 
         Raises ``ConfigError`` naming the config key when the model's shape or a feature it uses cannot be split
         over ``degree`` ranks; the model then also uses each rank's share of its heads and widths.

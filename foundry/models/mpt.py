@@ -397,9 +397,9 @@ class MPTCausalLM(CausalLM):
         return [module.experts for module in self.modules() if isinstance(module, MoE)]
 
     # foundry.distributed.protocol.TensorParallelModel
-    def tensor_parallel_plan(self, degree: int) -> dict[str, ParallelStyle]:
+    def tensor_parallel_plan(self, degree: int, sequence_parallel: bool = True) -> dict[str, ParallelStyle]:
         check_tensor_parallel(self.config, degree)
-        return mpt_tensor_parallel_plan(list(self.transformer.blocks))
+        return mpt_tensor_parallel_plan(list(self.transformer.blocks), sequence_parallel)
 
     @property
     def output_weight(self) -> torch.Tensor:

@@ -1,11 +1,12 @@
-"""Tensor parallelism on 2 gloo ranks: TP2 trains Llama and MPT as one rank does."""
+"""Tensor parallelism on 2 gloo ranks: TP2 (with sequence parallelism, and without) trains Llama and MPT as one
+rank does; checkpoints and exports move between TP2 and one rank."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from distributed.jobs import assert_same_run, build_trainer, full_weights, train
+from distributed.jobs import assert_same_run, build_trainer, full_weights, initial_weights, train
 from foundry.algorithms.gradient_clipping import GradientClipping
 from foundry.callbacks.hand_over import HandOver
 
@@ -19,7 +20,16 @@ MODELS = {
         "name": "llama_causal_lm", "d_model": 32, "n_heads": 4, "kv_n_heads": None, "n_layers": 2, "vocab_size": 64,
         "max_seq_len": 16, "ffn_hidden_size": 64, "rope_theta": 100.0,
     },
+    # grouped-query attention as Llama 3 has it: 4 query heads per key/value head, each rank holding one group
+    "llama-gqa": {
+        "name": "llama_causal_lm", "d_model": 64, "n_heads": 8, "kv_n_heads": 2, "n_layers": 2, "vocab_size": 64,
+        "max_seq_len": 16, "ffn_hidden_size": 64, "rope_theta": 100.0,
+    },
 }  # fmt: skip
+LORA = {"peft_config": {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}}  # every block linear adapted
+# adapters on a grouped-query Llama (sequence parallel) and on MPT with biases (added after the row-split sum)
+MODELS["llama-gqa-lora"] = {**MODELS["llama-gqa"], **LORA}
+MODELS["mpt-bias-lora"] = {**MODELS["mpt"], "no_bias": False, **LORA}
 
 
 def clipped_accumulated_run(
@@ -42,6 +52,10 @@ def clipped_accumulated_run(
         device_train_microbatch_size=2, algorithms=[clipping, RecordNorm()],
         optimizer_keys={"lr": 1e-3, "weight_decay": 1e-3},
     )  # fmt: skip
+    block_tokens: list[int] = []  # the residual stream's length where it enters a block after the first
+    trainer.state.model.transformer.blocks[1].register_forward_pre_hook(
+        lambda _module, args: block_tokens.append(args[0].shape[1])
+    )
     trainer.fit()
     parameters = list(trainer.state.model.parameters())
     held = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in parameters)
@@ -50,30 +64,45 @@ def clipped_accumulated_run(
         return None
     losses = next(d for d in trainer.logger.destinations if hasattr(d, "losses")).losses
     weights = {name: tensor.detach().clone() for name, tensor in weights.items()}
-    return {"losses": losses, "norms": norms, "weights": weights, "held": held / sum(p.numel() for p in parameters)}
+    held /= sum(p.numel() for p in parameters)
+    return {"losses": losses, "norms": norms, "weights": weights, "held": held, "block_tokens": set(block_tokens)}
 
 
 # Row-parallel layers sum their partial products in another order, so gradients differ by round-off (1e-7);
 # Adam's first steps divide each element by its own size, which scales that to about lr x 4e-3 on elements whose
 # gradient nearly cancels (MPT's tied embedding): lr 1e-3 keeps that below the 1e-5 compared.
-@pytest.mark.parametrize("family", sorted(MODELS))
-def test_tp2_matches_one_rank_over_clipped_accumulated_steps(ranks, family, tmp_path):
+@pytest.mark.parametrize(
+    ("family", "sequence_parallel"),
+    [
+        ("mpt", True),
+        ("llama", True),
+        ("llama-gqa", True),
+        ("llama-gqa", False),
+        ("llama-gqa-lora", True),
+        ("mpt-bias-lora", False),
+    ],
+    ids=["mpt", "llama", "llama-gqa", "llama-gqa-without-sp", "llama-gqa-lora", "mpt-bias-lora-without-sp"],
+)
+def test_tp2_matches_one_rank_over_clipped_accumulated_steps(ranks, family, sequence_parallel, tmp_path):
     one = ranks.run(1, clipped_accumulated_run, str(tmp_path / "one"), MODELS[family], None)[0]
-    tp2 = ranks.run(2, clipped_accumulated_run, str(tmp_path / "tp2"), MODELS[family], TP2)[0]
+    parallelism = {**TP2, "sequence_parallel": sequence_parallel}
+    tp2 = ranks.run(2, clipped_accumulated_run, str(tmp_path / "tp2"), MODELS[family], parallelism)[0]
     assert one["held"] == 1 and 0.5 < tp2["held"] < 0.8  # the blocks' linears split, embeddings and norms whole
+    assert tp2["block_tokens"] == {8 if sequence_parallel else 16}  # sequence parallelism: half of 16 tokens
     assert min(one["norms"]) > CLIPPING_THRESHOLD  # every step clipped: the clipped global norm is compared too
     assert tp2["norms"] == pytest.approx(one["norms"], rel=1e-5)
     assert sorted(one["losses"]) == list(range(1, NUM_BATCHES + 1))
     assert_same_run(tp2, one)
 
 
+@pytest.mark.parametrize("family", ["mpt", "llama-gqa", "llama-gqa-lora"])
 @pytest.mark.parametrize(
     ("saved_by", "loaded_by"), [((2, TP2), (1, None)), ((1, None), (2, TP2))], ids=["tp2-to-1", "1-to-tp2"]
 )
-def test_a_checkpoint_moves_between_tensor_parallel_and_one_rank(ranks, saved_by, loaded_by, tmp_path):
-    lr = {"optimizer_keys": {"lr": 1e-3}}  # see above
-    uninterrupted = ranks.run(1, train, 6, str(tmp_path / "uninterrupted"), **lr)[0]
-    relaunch = {"callbacks": [HandOver("3ba")], "save_folder": str(tmp_path / "ckpt"), "autoresume": True, **lr}
+def test_a_checkpoint_moves_between_tensor_parallel_and_one_rank(ranks, family, saved_by, loaded_by, tmp_path):
+    keys = {"model_keys": MODELS[family], "optimizer_keys": {"lr": 1e-3}}  # lr: see above
+    uninterrupted = ranks.run(1, train, 6, str(tmp_path / "uninterrupted"), **keys)[0]
+    relaunch = {"callbacks": [HandOver("3ba")], "save_folder": str(tmp_path / "ckpt"), "autoresume": True, **keys}
     first = ranks.run(saved_by[0], train, 6, str(tmp_path), parallelism=saved_by[1], **relaunch)[0]
     second = ranks.run(loaded_by[0], train, 6, str(tmp_path), parallelism=loaded_by[1], **relaunch)[0]
     assert (first["batch"], second["batch"]) == (3, 6)
@@ -81,3 +110,46 @@ def test_a_checkpoint_moves_between_tensor_parallel_and_one_rank(ranks, saved_by
         assert loss == pytest.approx(uninterrupted["losses"][step], abs=1e-5), step
     for name, weight in uninterrupted["weights"].items():
         torch.testing.assert_close(second["weights"][name], weight, atol=1e-5, rtol=0, msg=name)
+
+
+def exported_weights(folder: str, model_keys: dict, parallelism: dict | None) -> dict | None:
+    """What ``hf_checkpointer`` writes: the full state dict it gathers, on rank 0."""
+    from foundry.callbacks.hf_checkpointer import full_state_dict
+    from foundry.distributed import get_rank, get_world_size
+
+    trainer = build_trainer(1, folder, model_keys=model_keys, parallelism=parallelism)
+    weights = full_state_dict(trainer.state.model, get_world_size())
+    return weights if get_rank() == 0 else None
+
+
+def test_an_export_regroups_grouped_query_parts_as_one_rank_holds_them(ranks, tmp_path):
+    one = ranks.run(1, initial_weights, str(tmp_path / "one"), model_keys=MODELS["llama-gqa"])[0]
+    tp2 = ranks.run(2, exported_weights, str(tmp_path / "tp2"), MODELS["llama-gqa"], TP2)[0]
+    assert tp2.keys() == one.keys()
+    for name, weight in one.items():
+        torch.testing.assert_close(tp2[name], weight, atol=0, rtol=0, msg=name)
+
+
+def refusal_of_tokens(folder: str, tokens: int) -> str:
+    """The error a forward of one ``tokens``-long sequence through a TP2 sequence-parallel Llama raises."""
+    from foundry.errors import TrainingError
+
+    trainer = build_trainer(1, folder, model_keys=MODELS["llama"], parallelism=TP2)
+    try:
+        trainer.state.model({"input_ids": torch.zeros(1, tokens, dtype=torch.long)})
+    except TrainingError as error:
+        return str(error)
+    return "no error"
+
+
+def test_sequence_parallelism_refuses_a_sequence_the_degree_does_not_divide(ranks, tmp_path):
+    refusals = ranks.run(2, refusal_of_tokens, str(tmp_path), 15)
+    assert all("parallelism.sequence_parallel" in refusal and "hold 15 tokens" in refusal for refusal in refusals)
+
+
+@pytest.mark.parametrize("family", ["mpt", "llama-gqa"])
+def test_a_meta_device_model_trains_under_tp2_from_the_weights_one_rank_draws(ranks, family, tmp_path):
+    keys = {"model_keys": {**MODELS[family], "init_device": "meta"}, "optimizer_keys": {"lr": 1e-3}}
+    one = ranks.run(1, train, 4, str(tmp_path / "one"), **keys)[0]
+    tp2 = ranks.run(2, train, 4, str(tmp_path / "tp2"), parallelism=TP2, **keys)[0]
+    assert_same_run(tp2, one)
