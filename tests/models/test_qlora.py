@@ -238,3 +238,42 @@ def test_adapters_only_qlora_checkpoint_reloads_and_evaluates_on_its_base(tmp_pa
         adapters.activate("qlora")
         torch.testing.assert_close(on_base({"input_ids": input_ids}), trained, atol=0, rtol=0)
     assert is_nf4(on_base.transformer.blocks[0].attn.Wqkv.weight)
+
+
+def run_the_70b_yaml_on_this_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    """``foundry train yamls/finetune/llama-70b-qlora.yaml`` on random weights, with a local tokenizer and data."""
+    import json
+
+    from foundry import cli
+    from foundry.data import builtin_corpus_documents, train_bpe_tokenizer
+
+    train_bpe_tokenizer(builtin_corpus_documents()[:2], vocab_size=300, out_dir=tmp_path / "tokenizer")
+    rows = [{"prompt": f"What is {i} + {i}?", "response": f"{2 * i}."} for i in range(8)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    code = cli.main([
+        "train", str(YAMLS / "llama-70b-qlora.yaml"), "load_path=", "model.peft_config.save_adapters_only=false",
+        "save_folder=", f"variables.tokenizer_name={tmp_path / 'tokenizer'}", "train_loader.num_workers=0",
+        f"variables.train_file={tmp_path / 'rows.jsonl'}", f"variables.eval_file={tmp_path / 'rows.jsonl'}",
+    ])  # fmt: skip
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.slow  # 29 s on the shared 2 cores: the 70B model built on meta, its 400 weights quantized there
+def test_the_70b_yaml_on_a_cpu_host_too_small_is_one_paragraph_naming_gpus(tmp_path, capsys, monkeypatch):
+    from foundry.distributed import host_memory
+
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 16 * 10**9)  # this shared CPU: 23 GB in all
+    code, err = run_the_70b_yaml_on_this_cpu(tmp_path, capsys)
+    assert code == 2 and "Traceback" not in err
+    (message,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    # 68.45B weights as bf16 while initialised, 2.1B fp32 embeddings and head, 0.19B fp32 adapters
+    assert "The model (70.7B parameters) takes 146.1 GB" in message and "16.0 GB available" in message
+    assert "trains on GPUs: run `foundry train CFG --nproc N`" in message
+
+
+def test_the_70b_yaml_without_torchao_is_one_paragraph_naming_the_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # import fails as on an image without torchao
+    code, err = run_the_70b_yaml_on_this_cpu(tmp_path, capsys)
+    assert code == 2 and "Traceback" not in err
+    (message,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert "model.peft_config.quantize_base" in message and "pip install torchao" in message
