@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -45,23 +46,27 @@ LAST_BATCHES = 50
 
 
 def prepare(data: Path, samples: int, smoke: bool) -> Path:
-    """2048-token MDS samples of the shared corpora (smoke: tinyshakespeare alone) under ``data`` (kept)."""
+    """2048-token MDS samples of the shared corpora (smoke: tinyshakespeare alone) and the gpt-neox-20b tokenizer
+    under ``data``, kept for the next call (the GPU machine reads them from the checkout)."""
     from default_path import build_data
 
-    corpus = sorted(
-        str(path) for path in (SHARED_DATA / "corpus").rglob("*.txt") if not smoke or "shakespeare" in str(path)
-    )
+    if (data / "mds" / "train" / "index.json").exists() and (data / "tokenizer").is_dir():
+        return data
+    corpus = [str(path) for path in sorted((SHARED_DATA / "corpus").rglob("*.txt"))]
+    corpus = [path for path in corpus if not smoke or "shakespeare" in path]
     tokenizer = SHARED_DATA / "tokenizers" / "gpt-neox-20b"
     if not corpus or not tokenizer.is_dir():
         raise SystemExit(f"no corpus or gpt-neox-20b tokenizer under {SHARED_DATA}: the shared data folder")
-    return build_data(corpus, str(tokenizer), samples, data / "mds")
+    build_data(corpus, str(tokenizer), samples, data / "mds")
+    shutil.copytree(tokenizer, data / "tokenizer", dirs_exist_ok=True)
+    return data
 
 
 def run_overrides(name: str, args: argparse.Namespace) -> list[str]:
     """The ``foundry train`` overrides of a variant: the same data, batch, schedule and seed for both."""
     overrides = [
         f"variables.data_local={Path(args.data).resolve() / 'mds'}",
-        f"tokenizer.name={SHARED_DATA / 'tokenizers' / 'gpt-neox-20b'}", "model.vocab_size=50304",
+        f"tokenizer.name={Path(args.data).resolve() / 'tokenizer'}", "model.vocab_size=50304",
         "eval_loader=null", f"max_duration={args.batches}ba", f"global_train_batch_size={args.global_batch}",
         f"device_train_microbatch_size={args.global_batch}", "scheduler.t_warmup=20ba", "precision=amp_bf16",
         "console_log_interval=10ba", f"run_name={name}", "save_folder=null", *VARIANTS[name],

@@ -15,7 +15,7 @@ from torch import nn
 
 from foundry.errors import ConfigError
 
-DENSE_INIT_BYTES = 2  # a quantized weight (QLoRA's NF4) is initialised through its bf16 values
+DENSE_BYTES = 2  # a quantized weight (QLoRA's NF4) is initialised and read through its bf16 values
 
 
 def available_host_bytes() -> int | None:
@@ -36,14 +36,11 @@ def stored_bytes(tensor: torch.Tensor) -> int:
 
 
 def bytes_to_create(model: nn.Module) -> int:
-    """Host bytes that materialising and initialising ``model``'s meta tensors takes at its peak: a quantized
-    weight is replaced by its bf16 values while the init writes them, then quantized again."""
-    total = 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.is_meta:
-            quantized = type(tensor) not in (torch.Tensor, nn.Parameter)
-            total += max(stored_bytes(tensor), tensor.numel() * DENSE_INIT_BYTES if quantized else 0)
-    return total
+    """Host bytes that materialising ``model``'s meta tensors takes at its peak: the weights as stored, plus the
+    bf16 values of any quantized ones, which the init writes all at once and rank 0's state dict reads back."""
+    tensors = [tensor for tensor in [*model.parameters(), *model.buffers()] if tensor.is_meta]
+    quantized = [tensor for tensor in tensors if type(tensor) not in (torch.Tensor, nn.Parameter)]
+    return sum(stored_bytes(t) for t in tensors) + sum(t.numel() * DENSE_BYTES for t in quantized)
 
 
 def check_fits_in_host_memory(model: nn.Module, device: torch.device) -> None:
@@ -65,6 +62,6 @@ def check_fits_in_host_memory(model: nn.Module, device: torch.device) -> None:
         )
     raise ConfigError(
         f"The model ({parameters / 1e9:.1f}B parameters) takes {needed / 1e9:.1f} GB of host memory to create "
-        f"(its weights as stored, 4-bit ones as their bf16 values while they are initialised), but this "
+        f"(its weights as stored, plus the bf16 values of its 4-bit ones, which the init writes), but this "
         f"machine has {available / 1e9:.1f} GB available, so it would be killed for lack of memory. {fix}"
     )

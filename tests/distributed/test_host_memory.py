@@ -35,7 +35,7 @@ def test_rank_0_of_a_gpu_run_is_told_to_find_more_host_memory(monkeypatch):
         init_on_cpu(build_model(LLAMA), torch.device("cuda", 0))
 
 
-def test_4_bit_weights_count_as_their_bf16_values_while_initialised():
+def test_4_bit_weights_count_their_codes_and_their_bf16_values():
     pytest.importorskip("torchao")
     from foundry.models.nf4 import is_nf4
 
@@ -43,5 +43,7 @@ def test_4_bit_weights_count_as_their_bf16_values_while_initialised():
     model = build_model({**section, "peft_config": {"r": 4, "target_modules": "all-linear", "quantize_base": True}})
     nf4 = [p for p in model.parameters() if is_nf4(p)]
     plain = [p for p in model.parameters() if not is_nf4(p)]
-    expected = 2 * sum(p.numel() for p in nf4) + 4 * sum(p.numel() for p in plain)
+    codes = sum(host_memory.stored_bytes(p) for p in nf4)
+    assert codes == pytest.approx(sum(p.numel() for p in nf4) * 4.127 / 8, rel=1e-3)
+    expected = codes + 2 * sum(p.numel() for p in nf4) + 4 * sum(p.numel() for p in plain)
     assert nf4 and host_memory.bytes_to_create(model) == expected

@@ -266,8 +266,8 @@ def test_the_70b_yaml_on_a_cpu_host_too_small_is_one_paragraph_naming_gpus(tmp_p
     code, err = run_the_70b_yaml_on_this_cpu(tmp_path, capsys)
     assert code == 2 and "Traceback" not in err
     (message,) = [line for line in err.splitlines() if line.startswith("error: ")]
-    # 68.45B weights as bf16 while initialised, 2.1B fp32 embeddings and head, 0.19B fp32 adapters
-    assert "The model (70.7B parameters) takes 146.1 GB" in message and "16.0 GB available" in message
+    # 68.45B weights in NF4 (35.3 GB) and as bf16 (136.9 GB), 2.1B fp32 embeddings and head, 0.19B fp32 adapters
+    assert "The model (70.7B parameters) takes 181.4 GB" in message and "16.0 GB available" in message
     assert "trains on GPUs: run `foundry train CFG --nproc N`" in message
 
 
