@@ -31,7 +31,6 @@ from foundry.convert.checkpoint_io import (
     save_weights_checkpoint,
     write_atomically,
 )
-from foundry.convert.commands import DTYPES, checkpoint_tokenizer, write_hf_folder
 from foundry.errors import ConfigError
 from foundry.models.lora import LoraConfig, is_adapter_key, lora_modules, merged_state_dict
 from foundry.models.lora_checkpoint import has_pretrained_base, model_lora_config
@@ -150,6 +149,8 @@ def default_base_model(config: dict[str, Any]) -> str:
 
 
 def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
+    from foundry.convert.commands import DTYPES  # transformers: imported by the command, not by the Trainer
+
     parser.add_argument("checkpoint", help="a LoRA run's checkpoint folder, or its save_folder (the latest)")
     parser.add_argument(
         "out", help="the save_folder to write the merged checkpoint into; with --hf, the Hugging Face directory"
@@ -166,6 +167,8 @@ def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_merge(args: argparse.Namespace) -> int:
+    from foundry.convert.commands import DTYPES, checkpoint_tokenizer, write_hf_folder
+
     out = Path(args.out).resolve()
     if args.hf:
         check_out_dir(out, args.overwrite)
