@@ -101,8 +101,8 @@ def _refuse_lora(section: dict[str, Any], folder: Path) -> None:
     if section.get("peft_config"):
         raise ConfigError(
             f"Checkpoint {folder} is a LoRA run (its model section has model.peft_config), which to-hf does not "
-            f"export as it is. Fold the adapters into the weights first: `foundry convert merge {folder} MERGED` "
-            "then `foundry convert to-hf MERGED OUT_DIR`; or export the adapters in PEFT's format with "
+            f"export as it is. Fold the adapters into the weights: `foundry convert merge {folder} OUT_DIR --hf` "
+            "writes the merged model as a Hugging Face directory; or export the adapters in PEFT's format with "
             f"`foundry convert export-adapter {folder} OUT_DIR` (docs/LORA.md)."
         )
 

@@ -258,7 +258,6 @@ def run_the_70b_yaml_on_this_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) 
     return code, capsys.readouterr().err
 
 
-@pytest.mark.slow  # 29 s on the shared 2 cores: the 70B model built on meta, its 400 weights quantized there
 def test_the_70b_yaml_on_a_cpu_host_too_small_is_one_paragraph_naming_gpus(tmp_path, capsys, monkeypatch):
     from foundry.distributed import host_memory
 
