@@ -162,3 +162,19 @@ def test_bf16_base_with_fp32_precision_is_refused_naming_both_keys():
     cfg, _ = load_train_config(yaml_path, ["model.peft_config.base_dtype=bfloat16", "precision=fp32"])
     with pytest.raises(ConfigError, match=r"'model\.peft_config\.base_dtype' is 'bfloat16' but precision is fp32"):
         check_settings(cfg)
+
+
+def test_the_70b_lora_yaml_stores_its_base_in_bf16_and_trains_fp32_adapters():
+    from pathlib import Path
+
+    from foundry.config import load_train_config
+    from foundry.models.build import build_model
+
+    yaml_path = Path(__file__).resolve().parents[2] / "yamls" / "finetune" / "llama-70b-lora.yaml"
+    model = build_model(load_train_config(yaml_path, ["model.init_device=meta"])[0].model)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    assert {p.dtype for p in frozen} == {torch.bfloat16} and {p.dtype for p in adapters} == {torch.float32}
+    # the YAML's arithmetic: 70.55B base weights (141 GB in bf16), 0.19B adapter parameters
+    assert sum(p.numel() for p in frozen) == 70_553_706_496
+    assert sum(p.numel() for p in adapters) == 186_122_240
