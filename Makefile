@@ -39,9 +39,12 @@ quickstart: install $(QUICKSTART_DATA)/train/index.json
 # processes or train full-size configs), in file order. `make test-slow` runs those; CI runs both, then
 # `make test-shuffled` (.ci/run).
 # PYTEST_ARGS adds pytest options, e.g. PYTEST_ARGS='-x tests/checkpoint' (later paths narrow it).
+# TEST_WORKERS: pytest-xdist processes, one a core by default (TEST_WORKERS=0: one process); each module's tests
+# stay in one worker (--dist loadfile), so its shared fixtures are built once.
 PYTEST_ARGS ?=
+TEST_WORKERS ?= auto
 test: install-test
-	$(BIN)/python -m pytest tests -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests -m "not slow" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 test-slow: install-test
 	$(BIN)/python -m pytest tests -m slow $(PYTEST_ARGS)

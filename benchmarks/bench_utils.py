@@ -126,9 +126,16 @@ TRAIN_LOSS = "loss/train/total"
 
 
 def foundry_train(
-    yaml: str | Path, run_folder: Path, overrides: Sequence[str], nproc: int = 1, timeout_s: float | None = None
+    yaml: str | Path,
+    run_folder: Path,
+    overrides: Sequence[str],
+    nproc: int = 1,
+    timeout_s: float | None = None,
+    env: dict[str, str] | None = None,
 ) -> int | None:
     """``foundry train yaml overrides [--nproc N]`` as a user runs it, its output appended to ``<run_folder>.log``.
+
+    ``env``: the process's environment (default: this one's), e.g. with ``CUDA_VISIBLE_DEVICES`` naming its GPUs.
 
     Returns the exit code, or None when ``timeout_s`` passed: then the launcher and its ranks (one process
     group) are killed, so no rank keeps holding its GPU for the next run.
@@ -142,7 +149,9 @@ def foundry_train(
     command += ["--nproc", str(nproc)] if nproc > 1 else []
     run_folder.parent.mkdir(parents=True, exist_ok=True)
     with (run_folder.parent / f"{run_folder.name}.log").open("a") as log:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             return process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

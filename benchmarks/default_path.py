@@ -94,19 +94,24 @@ def two_gpu_jobs() -> list[tuple[str, list[str], str, tuple[int, int]]]:
     return [("llama-8b", [*TWO_GPU_COMMON, *extra, "--nproc", "2"], label, TWO_GPU_BATCHES) for label, extra in rows]
 
 
-def build_data(corpus: list[str], tokenizer: str, samples: int, out: Path) -> Path:
-    """MDS shards of ``samples`` 2048-token samples (the corpus repeated as often as needed) under ``out``."""
+def build_data(
+    corpus: list[str], tokenizer: str, samples: int, out: Path, seq_len: int = SEQ_LEN, eval_fraction: float = 0.01
+) -> Path:
+    """MDS shards of ``samples`` ``seq_len``-token samples (the corpus repeated as often as needed) under ``out``.
+
+    ``eval_fraction`` of the text goes to the val split, which must hold one whole sample.
+    """
     if (out / "train" / "index.json").exists():
         return out
     text = "\n\n".join(Path(path).read_text() for path in corpus)
     # About 4 characters a token for English BPE; one spare copy so the train split surely holds enough.
-    copies = max(1, samples * SEQ_LEN * 4 // len(text) + 1)
+    copies = max(1, int(samples * seq_len * 4 / (1 - eval_fraction)) // len(text) + 1)
     source = out.parent / "corpus-copies"
     source.mkdir(parents=True, exist_ok=True)
     for copy in range(copies):
         (source / f"copy{copy:03d}.txt").write_text(text)
     command = ["data", "convert", str(source), "--out", str(out), "--tokenizer", tokenizer]
-    command += ["--concat-tokens", str(SEQ_LEN), "--eval-fraction", "0.01", "--no-progress"]
+    command += ["--concat-tokens", str(seq_len), "--eval-fraction", str(eval_fraction), "--no-progress"]
     subprocess.run([sys.executable, "-m", "foundry.cli", *command], check=True, cwd=REPO_ROOT)
     shutil.rmtree(source)
     return out
@@ -139,24 +144,30 @@ def run_foundry_row(
     result: dict[str, Any] = {"row": name, "yaml": str(yaml_path), "overrides": " ".join(extra), "wall_s": wall_s}
     if process.returncode != 0:
         return {**result, "error": f"exit {process.returncode}: {log.strip().splitlines()[-1][:300]}"}
-    rows = [json.loads(line) for line in (run_folder / "metrics.jsonl").read_text().splitlines()]
-    latest = {key: value for row in rows for key, value in row.items()}
-    result.update(
-        mfu=latest.get("throughput/run/device/mfu"),
-        tokens_per_s=latest.get("throughput/run/tokens_per_sec"),
-        steady_batches=latest.get("throughput/run/batches"),
-        first_batch_s=latest.get("time/first_batch_s"),
-        compile_s=latest.get("time/compile_s"),
-        peak_gib=latest.get("memory/peak_allocated_mem"),
-        peak_reserved_gib=latest.get("memory/peak_reserved_mem"),
-        alloc_retries=latest.get("memory/alloc_retries"),
-        microbatch=latest.get("trainer/device_train_microbatch_size"),
-        summary=log[log.find("Run summary") :].strip() if "Run summary" in log else None,
-    )
+    result.update(run_metrics(run_folder))
+    result["summary"] = log[log.find("Run summary") :].strip() if "Run summary" in log else None
     profiles = [json.loads(path.read_text()) for path in sorted((run_folder / "profile").glob("rank*.summary.json"))]
     if profiles:  # callbacks.profiler among the overrides: where each rank's profiled batch went
         result["profile"] = [profile | {"top_kernels": profile["top_kernels"][:12]} for profile in profiles]
     return result
+
+
+def run_metrics(run_folder: Path) -> dict[str, Any]:
+    """A run's steady-state averages, setup times and peak memory: the latest value of each in its metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_folder / "metrics.jsonl").read_text().splitlines()]
+    latest = {key: value for row in rows for key, value in row.items()}
+    return {
+        "mfu": latest.get("throughput/run/device/mfu"),
+        "tokens_per_s": latest.get("throughput/run/tokens_per_sec"),
+        "tokens_per_s_per_gpu": latest.get("throughput/run/device/tokens_per_sec"),
+        "steady_batches": latest.get("throughput/run/batches"),
+        "first_batch_s": latest.get("time/first_batch_s"),
+        "compile_s": latest.get("time/compile_s"),
+        "peak_gib": latest.get("memory/peak_allocated_mem"),
+        "peak_reserved_gib": latest.get("memory/peak_reserved_mem"),
+        "alloc_retries": latest.get("memory/alloc_retries"),
+        "microbatch": latest.get("trainer/device_train_microbatch_size"),
+    }
 
 
 def run_baseline(name: str, args: argparse.Namespace) -> dict:

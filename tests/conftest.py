@@ -120,12 +120,16 @@ class RecordingDestination(LoggerDestination):
     def __init__(self) -> None:
         self.calls: list[tuple[dict[str, float], int]] = []
         self.hyperparameters: dict[str, Any] = {}
+        self.texts: list[str] = []
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self.calls.append((dict(metrics), step))
 
     def log_hyperparameters(self, hyperparameters: dict[str, Any]) -> None:
         self.hyperparameters.update(hyperparameters)
+
+    def log_text(self, text: str) -> None:
+        self.texts.append(text)
 
     def last(self, key: str) -> float | None:
         """The most recent value logged under ``key``, or None if never logged."""

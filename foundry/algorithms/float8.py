@@ -3,13 +3,14 @@
 On Hopper-class GPUs the float8 matrix units have twice the dense peak of bf16 ones. At INIT this
 algorithm swaps the chosen ``nn.Linear`` layers for torchao's ``Float8Linear``: each forward and
 backward GEMM casts its inputs to float8 with a fresh scale (``tensorwise``: one scale a tensor;
-``rowwise``: one a row, more accurate and a little slower) and accumulates in higher precision.
+``rowwise``: one a row, more accurate and a little slower; ``rowwise_with_gw_hp``: rowwise, with the weight
+gradient's GEMM kept in bf16) and accumulates in higher precision.
 Weights, gradients and optimizer state keep their dtypes, so checkpoints are unchanged.
 
 Which layers: every plain ``nn.Linear`` of the transformer blocks whose two dimensions are multiples
 of 16 (the float8 GEMM's requirement), except the first and last blocks (``keep_first_and_last_blocks``)
 and anything ``exclude`` names (fnmatch patterns over module names, e.g. ``"*.ffn.down_proj"``). The
-output head and the embeddings stay in bf16, as do LoRA layers (their frozen base included), which are
+output head, the embeddings and MoE routers stay in bf16, as do LoRA layers (their frozen base included), which are
 not plain ``nn.Linear``. It runs before FSDP2 shards the model (with ``fsdp_float8_all_gather`` and the
 tensorwise recipe, shards are all-gathered in float8, half the bytes) and composes with
 ``torch_compile`` (which fuses the casts) and activation checkpointing. MFU stays reported against the
@@ -21,13 +22,16 @@ they run as separate eager kernels (MPT-1B on an H100: 2.5x slower than bf16), s
 ``torch_compile`` warns at FIT_START. Even compiled, those passes give back most of what the float8
 GEMMs save at d_model 2048 (86% for MPT-1B, docs/PERFORMANCE.md): the gain grows with width.
 
-torchao is an optional extra: ``pip install foundry[float8]``.
+Where float8 cannot run (a CPU, a GPU without float8 matrix units, no torchao installed) the algorithm
+converts nothing and says so in one line at INIT: the run trains in bf16, so a YAML that ships float8
+runs anywhere. torchao is an optional extra: ``pip install foundry[float8]``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import importlib.util
 import logging
 from typing import Literal
 
@@ -45,8 +49,11 @@ from foundry.distributed.protocol import blocks_of
 from foundry.errors import ConfigError
 from foundry.models.nf4 import float8_refusal, is_nf4
 
-Recipe = Literal["tensorwise", "rowwise"]
+Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]  # torchao's Float8LinearRecipeName values
 FLOAT8_GEMM_MULTIPLE = 16
+# An MoE router's scores choose each token's experts: rounding them to float8 changes the routing, not just the
+# value (torchtitan keeps its routers in bf16 too). A tiny GEMM besides.
+ALWAYS_BF16 = ("*.router.*",)
 _KEY = "algorithms.float8"
 log = logging.getLogger(__name__)
 
@@ -56,7 +63,8 @@ class Float8Training(Algorithm):
     """Train the chosen linear layers with float8 GEMMs (torchao's ``convert_to_float8_training``).
 
     Args:
-        recipe: ``tensorwise`` (the fastest) or ``rowwise`` (finer scales).
+        recipe: ``tensorwise`` (the fastest), ``rowwise`` (finer scales) or ``rowwise_with_gw_hp`` (rowwise,
+            the weight gradient computed in bf16).
         keep_first_and_last_blocks: leave the first and last transformer blocks in bf16 (they are the most
             sensitive to rounding).
         exclude: fnmatch patterns of module names that stay in bf16, on top of the defaults.
@@ -71,7 +79,8 @@ class Float8Training(Algorithm):
         fsdp_float8_all_gather: bool = True,
     ) -> None:
         if recipe not in Recipe.__args__:
-            raise ConfigError(f"'{_KEY}.recipe' is {recipe!r}; use 'tensorwise' or 'rowwise'.")
+            choices = ", ".join(repr(name) for name in Recipe.__args__)
+            raise ConfigError(f"'{_KEY}.recipe' is {recipe!r}; it must be one of {choices}.")
         self.recipe = recipe
         self.keep_first_and_last_blocks = keep_first_and_last_blocks
         self.exclude = list(exclude or [])
@@ -101,7 +110,10 @@ class Float8Training(Algorithm):
             return
         if any(is_nf4(parameter) for parameter in state.model.parameters()):
             raise float8_refusal()
-        require_float8_hardware(state.device)
+        unavailable = float8_unavailable(state.device)
+        if unavailable:
+            logger.log_text(f"{_KEY}: {unavailable}; this run trains in bf16.")
+            return
         names = float8_module_names(state.model, self.keep_first_and_last_blocks, self.exclude)
         if not names:
             raise ConfigError(
@@ -133,7 +145,7 @@ def float8_module_names(model: nn.Module, keep_first_and_last_blocks: bool, excl
             continue
         if module.in_features % FLOAT8_GEMM_MULTIPLE or module.out_features % FLOAT8_GEMM_MULTIPLE:
             continue
-        if any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude):
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in (*ALWAYS_BF16, *exclude)):
             continue
         names.append(name)
     return names
@@ -170,22 +182,27 @@ def _init_hints(linear: nn.Module) -> dict[str, object]:
     return {key: value for key, value in vars(linear).items() if key not in plain and not key.startswith("_")}
 
 
-def require_float8_hardware(device: torch.device) -> None:
-    """A ConfigError unless ``device`` has float8 matrix units (NVIDIA compute capability 8.9+, AMD MI300)."""
+def float8_unavailable(device: torch.device) -> str | None:
+    """Why float8 cannot train on ``device`` here, or None when it can.
+
+    Float8 matrix units: NVIDIA compute capability 8.9+ (Ada, Hopper, Blackwell), AMD MI300 (gfx942, where
+    torchao picks the e4m3fnuz/e5m2fnuz pair by itself) and MI350 (gfx950).
+    """
     if device.type == "cuda" and torch.cuda.is_available():
         if torch.version.hip is not None:
             arch = torch.cuda.get_device_properties(device).gcnArchName
-            if "gfx94" in arch or "gfx95" in arch:
-                return
-            found = f"an AMD {arch}"
+            found = None if "gfx94" in arch or "gfx95" in arch else f"an AMD {arch}"
         else:
             capability = torch.cuda.get_device_capability(device)
-            if capability >= (8, 9):
-                return
-            found = f"a {torch.cuda.get_device_name(device)} (compute capability {capability[0]}.{capability[1]})"
+            name = torch.cuda.get_device_name(device)
+            found = None if capability >= (8, 9) else f"a {name} (compute capability {capability[0]}.{capability[1]})"
     else:
         found = f"a {device.type} device"
-    raise ConfigError(
-        f"{_KEY} needs a GPU with float8 matrix units (NVIDIA compute capability 8.9 or newer: L4, L40S, H100, "
-        f"H200, B200; or AMD MI300), but this run is on {found}. Remove {_KEY} to train in bf16."
-    )
+    if found is not None:
+        return (
+            f"float8 needs a GPU with float8 matrix units (NVIDIA compute capability 8.9 or newer: L4, L40S, H100, "
+            f"H200, B200; or AMD MI300/MI350), and this run is on {found}"
+        )
+    if importlib.util.find_spec("torchao") is None:
+        return "float8 needs torchao, which is not installed (`pip install foundry[float8]`)"
+    return None

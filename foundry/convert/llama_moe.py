@@ -93,6 +93,11 @@ class MoEFamily:
     def hf_moe_prefix(self) -> str:
         return "mlp" if STACKED_EXPERTS else self.moe_prefix
 
+    @property
+    def hf_moe_prefixes(self) -> tuple[str, ...]:
+        """Either layout a folder may hold: transformers 5 writes some classes' files in their original names."""
+        return tuple(dict.fromkeys(("mlp", self.moe_prefix)))
+
 
 class Adapter:
     """The five adapter functions of ``foundry.convert`` for one ``MoEFamily``."""
@@ -221,14 +226,15 @@ class Adapter:
         for name, tensor in hf_state.items():
             match = _HF_BLOCK.match(name)
             is_moe = match and (
-                match.group(2).startswith(f"{family.hf_moe_prefix}.") or match.group(2) in _QK_NORM_NAMES.values()
+                match.group(2).startswith(tuple(f"{prefix}." for prefix in family.hf_moe_prefixes))
+                or match.group(2) in _QK_NORM_NAMES.values()
             )
             (moe_names if is_moe else dense)[name] = tensor
         state = llama.from_hf_state_dict(dense, hf_config)
         return state | self._moe_state(moe_names, hf_config)
 
     def _moe_state(self, hf_state: dict[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
-        prefix, names = self.family.hf_moe_prefix, self.family.expert_names
+        prefixes, names = self.family.hf_moe_prefixes, self.family.expert_names
         ours = dict(zip(names, ("gate_proj", "up_proj", "down_proj")))
         qk_norms = {hf: foundry for foundry, hf in _QK_NORM_NAMES.items()}
         state: dict[str, torch.Tensor] = {}
@@ -238,7 +244,9 @@ class Adapter:
         for name, tensor in hf_state.items():
             layer, suffix = _HF_BLOCK.match(name).groups()
             block = f"transformer.blocks.{layer}."
-            moe_suffix = suffix.removeprefix(f"{prefix}.")
+            moe_suffix = next(
+                (suffix.removeprefix(f"{prefix}.") for prefix in prefixes if suffix.startswith(f"{prefix}.")), suffix
+            )
             if moe_suffix in ("experts.gate_up_proj", "experts.down_proj") and tensor.shape[0] != num_experts:
                 raise self._incomplete(f"hold {tensor.shape[0]} experts in '{name}'", num_experts)
             if suffix in qk_norms:

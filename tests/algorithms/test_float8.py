@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import math
+import re
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import TINY_MPT
+from helpers import TINY_LLAMA, TINY_MPT
 
 from foundry import registry
 from foundry.algorithms import Float8Training, TorchCompile
-from foundry.algorithms.float8 import convert_to_float8, float8_module_names
+from foundry.algorithms.float8 import convert_to_float8, float8_module_names, float8_unavailable
 from foundry.core.event import Event
 from foundry.core.logger import Logger
 from foundry.errors import ConfigError
-from foundry.models import MPTCausalLM
+from foundry.models import LlamaCausalLM, MPTCausalLM
 from foundry.registry import build_components
 from foundry.trainer import Trainer
 
@@ -40,6 +43,15 @@ def test_exclude_patterns_keep_modules_in_bf16() -> None:
     assert names == [name for name in names_in(range(1, 4)) if not name.endswith("down_proj")]
 
 
+def test_the_output_head_the_embeddings_and_moe_routers_stay_in_bf16() -> None:
+    moe = {"moe_num_experts": 16, "moe_top_k": 2, "ffn_hidden_size": 32}
+    model = LlamaCausalLM(**{**TINY_LLAMA, "n_layers": 3, "tie_word_embeddings": False, **moe})
+    assert isinstance(model.lm_head, torch.nn.Linear) and model.lm_head.in_features % 16 == 0
+    names = float8_module_names(model, False, [])
+    attention = ("Wqkv", "out_proj")  # the experts are grouped weights, not nn.Linear: the grouped GEMM keeps them
+    assert names == [f"transformer.blocks.{block}.attn.{linear}" for block in range(3) for linear in attention]
+
+
 def test_layers_whose_sizes_float8_cannot_multiply_are_skipped() -> None:
     model = MPTCausalLM(**{**FOUR_BLOCKS, "d_model": 40, "n_heads": 4})  # 40 is not a multiple of 16
     assert float8_module_names(model, False, []) == []
@@ -51,15 +63,48 @@ def test_lora_layers_and_their_base_stay_in_bf16() -> None:
     assert names and not any("Wqkv" in name or "lora" in name for name in names)
 
 
-def test_float8_on_a_cpu_is_a_config_error_naming_the_hardware(tmp_path) -> None:
-    with pytest.raises(ConfigError, match=r"float8 needs a GPU with float8 matrix units.*H100.*on a cpu device"):
-        Trainer(model=MPTCausalLM(**FOUR_BLOCKS), algorithms=[Float8Training()], device="cpu",
-                run_folder=str(tmp_path), log_to_console=False)  # fmt: skip
+def test_float8_where_it_cannot_run_trains_in_bf16_saying_so_once(train, recorder) -> None:
+    trainer, losses = train([Float8Training()], model_keys=FOUR_BLOCKS, num_batches=2, loggers=[recorder])
+    said = [text for text in recorder.texts if text.startswith("algorithms.float8")]
+    assert len(said) == 1 and "on a cpu device; this run trains in bf16" in said[0]
+    assert not any(type(module).__name__ == "Float8Linear" for module in trainer.state.model.modules())
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
 
 
-def test_unknown_recipe_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match=r"'algorithms\.float8\.recipe' is 'blockwise'"):
-        build_components(registry.algorithms, {"float8": {"recipe": "blockwise"}}, "algorithms")
+@pytest.mark.parametrize(
+    ("capability", "torchao_installed", "reason"),
+    [
+        ((9, 0), True, None),
+        ((8, 9), True, None),
+        ((8, 0), True, r"float8 matrix units.*a NVIDIA A100 \(compute capability 8\.0\)"),
+        ((9, 0), False, r"float8 needs torchao, which is not installed.*foundry\[float8\]"),
+    ],
+    ids=["hopper", "ada", "ampere", "hopper-without-torchao"],
+)
+def test_float8_runs_on_compute_capability_8_9_and_up_with_torchao(
+    monkeypatch, capability, torchao_installed, reason
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *args: None if name == "torchao" and not torchao_installed
+        else find_spec(name, *args)
+    )  # fmt: skip
+    unavailable = float8_unavailable(torch.device("cuda", 0))
+    assert unavailable is None if reason is None else re.search(reason, unavailable)
+
+
+@pytest.mark.parametrize("build", ["yaml", "python"])
+def test_unknown_recipe_is_a_config_error_naming_the_choices(build) -> None:
+    choices = r"'tensorwise', 'rowwise', 'rowwise_with_gw_hp'"
+    with pytest.raises(ConfigError, match=rf"'algorithms\.float8\.recipe' is 'blockwise'; it must be one of {choices}"):
+        if build == "yaml":
+            build_components(registry.algorithms, {"float8": {"recipe": "blockwise"}}, "algorithms")
+        else:
+            Float8Training(recipe="blockwise")
 
 
 @pytest.mark.parametrize("compiled", [None, "blocks", "model", "torch.compile"])
@@ -78,11 +123,12 @@ def test_a_run_without_compile_is_warned_that_float8_is_slow_eagerly(compiled, c
     assert warned == [] if compiled else "runs without torch.compile" in warned[0] and "compile_config" in warned[0]
 
 
-def test_conversion_swaps_exactly_the_chosen_layers() -> None:
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_conversion_swaps_exactly_the_chosen_layers(recipe) -> None:
     pytest.importorskip("torchao")
     model = MPTCausalLM(**FOUR_BLOCKS)
     chosen = float8_module_names(model, True, [])
-    assert convert_to_float8(model, chosen, "tensorwise", fsdp_float8_all_gather=False) == chosen
+    assert convert_to_float8(model, chosen, recipe, fsdp_float8_all_gather=False) == chosen
     assert type(model.transformer.blocks[0].attn.Wqkv) is torch.nn.Linear
 
 
@@ -108,7 +154,7 @@ def test_converted_layers_initialise_as_the_plain_model_does() -> None:
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs float8 matrix units"
 )
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
 def test_a_float8_step_trains_close_to_bf16(tmp_path, recipe) -> None:
     pytest.importorskip("torchao")  # an optional extra: a GPU image without it skips, as the CPU tests do
     from helpers import token_batches

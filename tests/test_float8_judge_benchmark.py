@@ -1,0 +1,109 @@
+"""benchmarks/float8_judge.py's rule, resume and command plumbing, on synthetic curves (no training)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import float8_judge
+
+STEPS = 40
+
+
+def curve(offset: float, wiggle: float = 0.0) -> dict[int, float]:
+    return {step: 5.0 - 0.02 * step + offset + wiggle * (-1) ** step for step in range(1, STEPS + 1)}
+
+
+BF16_SEEDS = [curve(-0.05), curve(0.0, wiggle=0.01), curve(0.05)]
+
+
+def test_float8_between_the_bf16_seeds_passes() -> None:
+    verdict = float8_judge.judge_variant(BF16_SEEDS, [curve(-0.02), curve(0.01), curve(0.03)], 10, 10)
+    assert verdict["passes"] and verdict["judged_steps"] == STEPS - 10 and verdict["final_steps"] == 10
+
+
+def test_float8_leaving_the_envelope_after_warm_up_fails() -> None:
+    drifting = {step: loss + (0.2 if step > 30 else 0.0) for step, loss in curve(0.0).items()}
+    verdict = float8_judge.judge_variant(BF16_SEEDS, [drifting] * 3, 10, 5)
+    assert not verdict["inside_envelope"] and not verdict["passes"]
+    assert verdict["worst_outside"]["step"] > 30
+
+
+def test_float8_outside_during_warm_up_only_still_passes() -> None:
+    early = {step: loss + (1.0 if step <= 10 else 0.0) for step, loss in curve(0.0).items()}
+    assert float8_judge.judge_variant(BF16_SEEDS, [early] * 3, warmup_steps=10 + float8_judge.SMOOTHING_STEPS,
+                                      final_steps=10)["passes"]  # fmt: skip
+
+
+def test_a_final_mean_outside_the_bf16_range_fails_even_inside_the_envelope() -> None:
+    # bf16 seeds that cross: a wide envelope at every step, but close final means
+    crossing = [{s: 5.0 + 0.1 * (-1) ** (s // 5) * sign for s in range(1, STEPS + 1)} for sign in (1, -1, 0.5)]
+    float8 = [{s: 5.09 * (s > 30) + 5.0 * (s <= 30) for s in range(1, STEPS + 1)}] * 3
+    verdict = float8_judge.judge_variant(crossing, float8, 10, 5)
+    assert not verdict["final_mean_inside"] and not verdict["passes"]
+
+
+def test_smoothing_is_a_trailing_mean() -> None:
+    smoothed = float8_judge.smoothed({1: 1.0, 2: 3.0, 3: 5.0, 4: 7.0}, window=2)
+    assert smoothed == {1: 1.0, 2: 2.0, 3: 4.0, 4: 6.0}
+
+
+def write_run(folder: Path, run: float8_judge.Run, losses: dict[int, float], returncode: int | None = 0) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    result = {"run": run.name, "model": run.model, "variant": run.variant, "seed": run.seed,
+              "returncode": returncode, "losses": losses}  # fmt: skip
+    (folder / f"{run.name}.json").write_text(json.dumps(result))
+
+
+def test_verdicts_need_all_three_seeds_of_both_and_read_across_calls(tmp_path: Path) -> None:
+    for run in float8_judge.planned_runs(["mpt-1b"], ["rowwise"]):
+        folder = tmp_path / ("call1" if run.variant == "bf16" else "call2")
+        write_run(folder, run, BF16_SEEDS[run.seed - 17])
+    runs = float8_judge.load_runs([str(tmp_path / "call1"), str(tmp_path / "call2")])
+    (row,) = float8_judge.judge(runs, 10, 10)
+    assert row["model"] == "mpt-1b" and row["variant"] == "float8-rowwise" and row["passes"]
+    write_run(tmp_path / "call2", float8_judge.Run("mpt-1b", "float8-rowwise", 19), {}, returncode=None)
+    assert float8_judge.judge(float8_judge.load_runs([str(tmp_path / "call1"), str(tmp_path / "call2")]), 10, 10) == []
+
+
+def test_a_run_is_finished_only_with_exit_0_and_every_step(tmp_path: Path) -> None:
+    run = float8_judge.Run("mpt-1b", "bf16", 17)
+    assert not float8_judge.finished(run, tmp_path, STEPS)
+    write_run(tmp_path, run, dict(list(curve(0.0).items())[:20]), returncode=None)  # cut off by --deadline-s
+    assert not float8_judge.finished(run, tmp_path, STEPS)
+    write_run(tmp_path, run, curve(0.0))
+    assert float8_judge.finished(run, tmp_path, STEPS)
+
+
+def test_float8_runs_add_their_recipe_and_every_run_its_seed_and_batch() -> None:
+    args = argparse.Namespace(steps=300, set=["fsdp_config.mixed_precision=DEFAULT"], smoke=False)
+    bf16, float8 = (float8_judge.Run("llama-8b", variant, 18) for variant in ("bf16", "float8-tensorwise"))
+    overrides = float8_judge.run_overrides(float8, Path("/data"), args)
+    assert "algorithms.float8={recipe: tensorwise}" in overrides and "seed=18" in overrides
+    assert "global_train_batch_size=4" in overrides and "device_train_microbatch_size=2" in overrides
+    assert "fsdp_config.mixed_precision=DEFAULT" in overrides
+    assert not any(o.startswith("algorithms.float8") for o in float8_judge.run_overrides(bf16, Path("/data"), args))
+
+
+def test_the_plot_draws_the_envelope(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    runs = {("mpt-1b", "bf16"): dict(zip(float8_judge.SEEDS, BF16_SEEDS)),
+            ("mpt-1b", "float8-rowwise"): dict(zip(float8_judge.SEEDS, BF16_SEEDS))}  # fmt: skip
+    float8_judge.plot(runs, "mpt-1b", "float8-rowwise", 10, tmp_path / "judge.png")
+    assert (tmp_path / "judge.png").stat().st_size > 1000
+
+
+def test_data_a_run_would_read_twice_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "mds" / "train").mkdir(parents=True)
+    shards = {"shards": [{"samples": 1000}, {"samples": 700}]}
+    (tmp_path / "mds" / "train" / "index.json").write_text(json.dumps(shards))
+    args = argparse.Namespace(steps=300, models=["mpt-1b"], smoke=False)  # 300 x 6 = 1,800 samples
+    with pytest.raises(SystemExit, match="holds 1700 train samples and a run reads 1800"):
+        float8_judge.check_samples(tmp_path, args)
+    float8_judge.check_samples(tmp_path, argparse.Namespace(steps=300, models=["llama-8b"], smoke=False))  # 1,200
