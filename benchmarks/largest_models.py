@@ -29,13 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from bench_utils import REPO_ROOT, SHARED_DATA, environment, foundry_train, markdown_table
+from default_path import build_data, run_metrics
 
 FINETUNE = REPO_ROOT / "yamls" / "finetune"
 ROWS: dict[str, tuple[Path, int]] = {  # name: (YAML, GPUs)
@@ -57,20 +57,11 @@ SMOKE_SEQ_LEN = 128  # the loader cuts the 4,096-token samples to this
 def prepare(out: Path, samples: int, shared_data: Path = SHARED_DATA) -> dict[str, Any]:
     """``samples`` 4,096-token MDS samples of the shared corpora (repeated as needed) and the tokenizer, under
     ``out``."""
-    corpus = sorted((shared_data / "corpus").rglob("*.txt"))
+    corpus = [str(path) for path in sorted((shared_data / "corpus").rglob("*.txt"))]
     tokenizer = shared_data / "tokenizers" / "gpt-neox-20b"
     if not corpus or not tokenizer.is_dir():
         raise SystemExit(f"no corpus or gpt-neox-20b tokenizer under {shared_data}: pass --shared-data")
-    text = "\n\n".join(path.read_text(encoding="utf-8") for path in corpus)
-    copies = max(1, samples * SEQ_LEN * 4 // len(text) + 1)  # about 4 characters a token; one spare copy
-    source = out / "corpus"
-    source.mkdir(parents=True, exist_ok=True)
-    for copy in range(copies):
-        (source / f"copy{copy:03d}.txt").write_text(text, encoding="utf-8")
-    command = ["data", "convert", str(source), "--out", str(out / "mds"), "--tokenizer", str(tokenizer)]
-    command += ["--concat-tokens", str(SEQ_LEN), "--eval-fraction", "0.01", "--no-progress"]
-    subprocess.run([sys.executable, "-m", "foundry.cli", *command], check=True, cwd=REPO_ROOT)
-    shutil.rmtree(source)
+    build_data(corpus, str(tokenizer), samples, out / "mds", seq_len=SEQ_LEN)
     shutil.copytree(tokenizer, out / "tokenizer", dirs_exist_ok=True)
     index = json.loads((out / "mds" / "train" / "index.json").read_text())
     return {"train_samples": sum(shard["samples"] for shard in index["shards"]), "seq_len": SEQ_LEN}
@@ -99,16 +90,12 @@ def run_row(name: str, args: argparse.Namespace) -> dict[str, Any]:
     started_s = time.perf_counter()
     returncode = foundry_train(yaml, run_folder, row_overrides(args), nproc, args.row_timeout)
     log = (run_folder.parent / f"{name}.log").read_text(errors="replace").splitlines()
-    metrics_file = run_folder / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.is_file() else []
-    latest = {key: value for row in rows for key, value in row.items()}
-    peak = latest.get("memory/peak_allocated_mem")
+    metrics = run_metrics(run_folder) if (run_folder / "metrics.jsonl").is_file() else {}
     return {
         "row": name, "yaml": str(yaml.relative_to(REPO_ROOT)), "gpus": nproc,
-        "tokens_per_s_per_gpu": latest.get("throughput/run/device/tokens_per_sec"),
-        "mfu": latest.get("throughput/run/device/mfu"), "peak_allocated_gib": peak,
-        "peak_reserved_gib": latest.get("memory/peak_reserved_mem"),
-        "steady_batches": latest.get("throughput/run/batches"), "first_batch_s": latest.get("time/first_batch_s"),
+        "tokens_per_s_per_gpu": metrics.get("tokens_per_s_per_gpu"), "mfu": metrics.get("mfu"),
+        "peak_allocated_gib": metrics.get("peak_gib"), "peak_reserved_gib": metrics.get("peak_reserved_gib"),
+        "steady_batches": metrics.get("steady_batches"), "first_batch_s": metrics.get("first_batch_s"),
         "exit": "timeout" if returncode is None else returncode, "wall_s": round(time.perf_counter() - started_s, 1),
         "log_tail": log[-15:],
     }  # fmt: skip
