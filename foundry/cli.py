@@ -296,7 +296,7 @@ COMMANDS: dict[str, Command] = {
         _lazy("foundry.peft.export", "run_export_adapter"),
     ),
     "convert merge": Command(
-        "fold a LoRA run's adapters into its weights: a plain foundry checkpoint",
+        "fold a LoRA run's adapters into its weights: a plain foundry checkpoint, or a Hugging Face directory (--hf)",
         _lazy("foundry.peft.export", "add_merge_arguments"),
         _lazy("foundry.peft.export", "run_merge"),
     ),

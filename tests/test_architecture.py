@@ -36,6 +36,7 @@ LAZY_FOUNDRY_IMPORTS: dict[str, set[str] | None] = {
     # A training process loads transformers and torchmetrics only when it needs them (tokenizer, Hugging Face
     # export, ICL tasks): each relaunch, rank and test subprocess then starts about 2 s sooner.
     "foundry.callbacks.hf_checkpointer": {"foundry.convert.commands", "foundry.convert.hf_export"},
+    "foundry.peft.export": {"foundry.convert.commands"},  # `convert merge --hf`; hf_checkpointer imports export
     "foundry.eval.during_training": {"foundry.eval.evaluator", "foundry.eval.gauntlet"},
 }
 

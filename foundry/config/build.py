@@ -352,12 +352,22 @@ def _check_hand_over(cfg: TrainConfig) -> None:
 
 
 def _check_quantized_base(cfg: TrainConfig) -> None:
-    """NF4 base weights (QLoRA) train only as LoRA's frozen base, and not beside float8."""
-    for key in ("quantize_base", "base_dtype"):
-        if key in cfg.model:
-            raise full_finetuning_refusal(f"model.{key}")
-    if (cfg.model.get("peft_config") or {}).get("quantize_base") and "float8" in cfg.algorithms:
+    """NF4 or bf16 base weights train only as LoRA's frozen base; NF4 not beside float8, bf16 only under autocast."""
+    if "quantize_base" in cfg.model:
+        raise full_finetuning_refusal("model.quantize_base")
+    if "base_dtype" in cfg.model:
+        raise ConfigError(
+            "'model.base_dtype': only LoRA's frozen base can be stored in bf16 (model.peft_config.base_dtype); a "
+            "full finetune keeps fp32 weights for the optimizer to update. Move the key into peft_config, or remove it."
+        )
+    peft_config = cfg.model.get("peft_config") or {}
+    if peft_config.get("quantize_base") and "float8" in cfg.algorithms:
         raise float8_refusal()
+    if peft_config.get("base_dtype", "float32") != "float32" and str(cfg.precision) == "fp32":
+        raise ConfigError(
+            f"'model.peft_config.base_dtype' is {peft_config['base_dtype']!r} but precision is fp32: the frozen "
+            "bf16 weights would meet fp32 activations in every GEMM. Set precision: amp_bf16, or base_dtype: float32."
+        )
 
 
 def _check_adapters_only_base(cfg: TrainConfig) -> None:

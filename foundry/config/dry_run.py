@@ -5,9 +5,11 @@ process, as rank 0: the job's mesh is built, the model is built on the meta devi
 ``place_model`` a run calls (the mesh, context and expert parallelism, activation checkpointing, FSDP2),
 and no weight is ever allocated. Read from the placed model, per GPU:
 
-- parameters, gradients and optimizer state: the local shards' sizes (fp32; the moments in
-  ``optimizer.moments_dtype``);
-- the gathered working set: FSDP2's units in the compute dtype, with their unsharded gradients: the root
+- parameters, gradients and optimizer state: the local shards' sizes as stored (fp32; a LoRA base in
+  ``peft_config.base_dtype`` or 4-bit NF4), gradients and optimizer state of the trainable parameters
+  alone (LoRA: the adapters; the moments in ``optimizer.moments_dtype``);
+- the gathered working set: FSDP2's units in the compute dtype (NF4 weights in 4 bits), with the unsharded
+  gradients of their trainable parameters: the root
   and two blocks (one running, one prefetched), or the whole model where it stays gathered between
   microbatches (``model_is_small_for`` the ``--gpu-memory-gib`` card);
 - activations: ``foundry.models.activations`` for one microbatch.
@@ -46,6 +48,7 @@ from foundry.distributed.protocol import blocks_of
 from foundry.errors import ConfigError
 from foundry.models.activations import ActivationPlan, BlockShape, activation_bytes
 from foundry.models.build import build_model
+from foundry.models.nf4 import is_nf4, stored_bytes
 
 GIB = 1 << 30
 PLANNED_MODELS = ("mpt_causal_lm", "llama_causal_lm")
@@ -251,24 +254,29 @@ def _memory(
     cp: int,
 ) -> dict[str, int]:
     """Per GPU, at the peak of a step: rank 0's shards (the largest: FSDP2 gives rank 0 the rounded-up share)."""
-    shards = sum(_local(p).numel() * p.element_size() for p in model.parameters())
-    local_elements = sum(_local(p).numel() for p in model.parameters())
+    shards = sum(stored_bytes(p) for p in model.parameters())
+    trainable = [_local(p) for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
+    trainable_elements = sum(p.numel() for p in trainable)
     moments_bytes = 2 if cfg.optimizer.get("moments_dtype") == "bfloat16" else 4
     states = OPTIMIZER_STATES.get(cfg.optimizer.get("name", ""), 2)
     low = compute_dtype(precision)
     element_bytes = low.itemsize if low is not None else 4
     policy = mixed_precision_policy(fsdp_config.mixed_precision if fsdp_config else "FULL", precision)  # no FSDP: fp32
     residual_bytes = (policy.param_dtype or torch.float32).itemsize
-    sizes, gradients = _fsdp_unit_sizes(model), shards
-    if not sizes:  # one GPU: each linear's weight cast once a step is kept for the step (fuse_weight_grad_accumulation)
+    units, gradients = _fsdp_units(model), sum(p.numel() * p.element_size() for p in trainable)
+    if not units:  # one GPU: each linear's weight cast once a step is kept for the step (fuse_weight_grad_accumulation)
+        local_elements = sum(_local(p).numel() for p in model.parameters())
         gathered = local_elements * element_bytes if low is not None else 0
     elif step.kept_gathered:  # every unit gathered, and its unsharded gradient sum
-        gathered = sum(sizes.values()) * residual_bytes
+        gathered = sum(unit.gathered_bytes(residual_bytes) for unit in units.values())
         # The sums are reduce-scattered unit by unit, at the step's end, into the shards that replace them.
-        gradients = max(shards, gathered)
+        gradients = max(gradients, sum(unit.trainable for unit in units.values()) * residual_bytes)
     else:  # the root and two blocks (one running, one prefetched), each with its unsharded gradient
-        root, blocks = sizes.pop(model, 0), list(sizes.values()) or [0]
-        gathered = 2 * (root + 2 * max(blocks)) * residual_bytes
+        root = units.pop(model, _Unit())
+        block = max(units.values(), key=lambda unit: unit.gathered_bytes(residual_bytes), default=_Unit())
+        gathered = sum(
+            unit.gathered_bytes(residual_bytes) + unit.trainable * residual_bytes for unit in (root, block, block)
+        )
     plan = ActivationPlan(
         tokens=step.tokens,
         checkpointed_blocks=checkpointed,
@@ -279,33 +287,51 @@ def _memory(
         gathered_sequence=cp,
     )
     return {
-        "parameters (fp32 shards)": shards,
+        "parameters (shards)": shards,
         "gradients": gradients,
-        f"optimizer ({states} state{'s' * (states != 1)})": states * local_elements * moments_bytes,
+        f"optimizer ({states} state{'s' * (states != 1)})": states * trainable_elements * moments_bytes,
         "gathered working set": gathered,
         "activations": activation_bytes(BlockShape.of(model.config), plan),
     }
 
 
-def _fsdp_unit_sizes(model: nn.Module) -> dict[nn.Module, int]:
-    """Each FSDP2 unit and the elements it gathers: its parameters outside nested units, experts aside."""
-    units = [module for module in model.modules() if isinstance(module, FSDPModule)]
+@dataclasses.dataclass
+class _Unit:
+    """What one FSDP2 unit gathers: its parameters outside nested units, experts aside."""
+
+    elements: int = 0  # gathered in FSDP2's param_dtype (those of NF4 weights aside)
+    nf4_bytes: int = 0  # NF4 weights gather their codes and scales as they are stored
+    trainable: int = 0  # elements with gradients (LoRA: the adapters), reduced after backward
+
+    def gathered_bytes(self, element_bytes: int) -> int:
+        return self.elements * element_bytes + self.nf4_bytes
+
+
+def _fsdp_units(model: nn.Module) -> dict[nn.Module, _Unit]:
+    """Each FSDP2 unit and what it gathers."""
+    modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
     owner: dict[nn.Parameter, nn.Module] = {}
-    for unit in units:  # outer units first: an inner unit takes its parameters over
-        owner.update(dict.fromkeys(unit.parameters(), unit))
-    sizes = dict.fromkeys(units, 0)
-    for parameter, unit in owner.items():
-        if not _is_expert(parameter):
-            sizes[unit] += parameter.numel()
-    return sizes
+    for module in modules:  # outer units first: an inner unit takes its parameters over
+        owner.update(dict.fromkeys(module.parameters(), module))
+    units = {module: _Unit() for module in modules}
+    for parameter, module in owner.items():
+        if _is_expert(parameter):
+            continue
+        unit = units[module]
+        if is_nf4(parameter):
+            unit.nf4_bytes += stored_bytes(parameter) * parameter.numel() // _local(parameter).numel()  # all shards
+        else:
+            unit.elements += parameter.numel()
+        unit.trainable += parameter.numel() if parameter.requires_grad else 0
+    return units
 
 
 def _collectives(
     model: nn.Module, fsdp_config: FSDPConfig | None, precision: str, step: _Step, checkpointed: int, dims: Any
 ) -> list[Collective]:
     """What one step sends: FSDP2's gathers and reductions, context parallelism's k/v gathers, EP's all-to-alls."""
-    sizes = _fsdp_unit_sizes(model)
-    if not sizes:
+    units = _fsdp_units(model)
+    if not units:
         return []
     policy = mixed_precision_policy(fsdp_config.mixed_precision, precision)
     gather_bytes = (policy.param_dtype or torch.float32).itemsize
@@ -313,25 +339,26 @@ def _collectives(
     mesh = next(p for p in model.parameters() if isinstance(p, DTensor) and not _is_expert(p)).device_mesh
     replicas, shard = (mesh.size(0), mesh.size(1)) if mesh.ndim == 2 else (1, mesh.size())
     shard_axis = f"{mesh.mesh_dim_names[-1]} ({shard})"
-    total, units = sum(sizes.values()), len(sizes)
-    blocks, micro = units - 1, step.microbatches
+    total = sum(unit.gathered_bytes(gather_bytes) for unit in units.values())
+    trainable = sum(unit.trainable for unit in units.values())
+    blocks, micro = len(units) - 1, step.microbatches
     reshard_after_forward = STRATEGIES[fsdp_config.sharding_strategy][1]
     rows: list[Collective] = []
     if shard > 1:
         if step.kept_gathered:  # each unit gathered once a step, reduced once
-            gathers, gathered, reductions = units, total, units
+            gathers, gathered, reductions = len(units), total, len(units)
         else:  # every microbatch; backward gathers again each block resharded after forward (all but the last)
             again = (blocks - 1) if reshard_after_forward else 0
-            largest_block = max(size for unit, size in sizes.items() if unit is not model) if blocks else 0
-            gathers, gathered = (units + again) * micro, (total + again * largest_block) * micro
+            block_bytes = [unit.gathered_bytes(gather_bytes) for module, unit in units.items() if module is not model]
+            gathers, gathered = (len(units) + again) * micro, (total + again * max(block_bytes, default=0)) * micro
             every = fsdp_config.reduce_every_microbatch
-            reductions = units * micro if (not step.kept_gathered if every is None else every) else units
-        reduced = total * reductions // units
-        rows.append(Collective("all-gather", "parameters", shard_axis, gathers, gathered * gather_bytes))
+            reductions = len(units) * micro if (not step.kept_gathered if every is None else every) else len(units)
+        reduced = trainable * reductions // len(units)
+        rows.append(Collective("all-gather", "parameters", shard_axis, gathers, gathered))
         rows.append(Collective("reduce-scatter", "gradients", shard_axis, reductions, reduced * reduce_bytes))
     if replicas > 1:
-        calls = units * (micro if not step.kept_gathered else 1)
-        buffer = total // shard * reduce_bytes * calls // units
+        calls = len(units) * (micro if not step.kept_gathered else 1)
+        buffer = trainable // shard * reduce_bytes * calls // len(units)
         rows.append(
             Collective("all-reduce", "gradient shards", f"{mesh.mesh_dim_names[0]} ({replicas})", calls, buffer)
         )

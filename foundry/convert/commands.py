@@ -51,25 +51,32 @@ def run_to_hf(args: argparse.Namespace) -> int:
     folder, config = resolve_checkpoint(args.checkpoint)
     family = config["model"]["name"]
     _refuse_lora(config["model"], folder)
-    tokenizer = _checkpoint_tokenizer(args.tokenizer, config, folder)
+    tokenizer = checkpoint_tokenizer(args.tokenizer, config, folder)
     if family != HF_CAUSAL_LM:  # an unexportable model fails before any weight is read
         choose_export(meta_model(config["model"]), family)
     model = load_checkpoint_model(folder, config["model"])
-    export = export_hf_model(model, family, section=config["model"])
-    hf_model = export.hf_model.to(DTYPES[args.dtype])
+    description = write_hf_folder(model, config["model"], tokenizer, out_dir, DTYPES[args.dtype], folder)
+    print(f"foundry: wrote {description}, {args.dtype}, and its tokenizer to {out_dir} (from {folder})")
+    return 0
+
+
+def write_hf_folder(
+    model: nn.Module, section: dict[str, Any], tokenizer: Any, out_dir: Path, dtype: torch.dtype, source: Path
+) -> str:
+    """Write ``model`` (of ``section``, read from checkpoint ``source``) as a Hugging Face model directory in
+    ``dtype`` with ``tokenizer``, all at once; returns the exported class's description."""
+    export = export_hf_model(model, section["name"], section=section)
+    hf_model = export.hf_model.to(dtype)
     if len(tokenizer) > hf_model.config.vocab_size:
         raise ConfigError(
-            f"The tokenizer has {len(tokenizer)} tokens but the model in {folder} embeds only "
+            f"The tokenizer has {len(tokenizer)} tokens but the model in {source} embeds only "
             f"{hf_model.config.vocab_size} (model.vocab_size), so the export could not read every token it writes. "
             "Pass --tokenizer with the tokenizer the model was trained with."
         )
-
     set_special_token_ids(hf_model, tokenizer)
     tokenizer.model_input_names = [name for name in tokenizer.model_input_names if name != "token_type_ids"]
-
     write_atomically(out_dir, lambda tmp_dir: save_hf_folder(hf_model, tmp_dir, tokenizer))
-    print(f"foundry: wrote {export.description}, {args.dtype}, and its tokenizer to {out_dir} (from {folder})")
-    return 0
+    return export.description
 
 
 def set_special_token_ids(hf_model: nn.Module, tokenizer: Any) -> None:
@@ -94,13 +101,13 @@ def _refuse_lora(section: dict[str, Any], folder: Path) -> None:
     if section.get("peft_config"):
         raise ConfigError(
             f"Checkpoint {folder} is a LoRA run (its model section has model.peft_config), which to-hf does not "
-            f"export as it is. Fold the adapters into the weights first: `foundry convert merge {folder} MERGED` "
-            "then `foundry convert to-hf MERGED OUT_DIR`; or export the adapters in PEFT's format with "
+            f"export as it is. Fold the adapters into the weights: `foundry convert merge {folder} OUT_DIR --hf` "
+            "writes the merged model as a Hugging Face directory; or export the adapters in PEFT's format with "
             f"`foundry convert export-adapter {folder} OUT_DIR` (docs/LORA.md)."
         )
 
 
-def _checkpoint_tokenizer(name: str | None, config: dict[str, Any], folder: Path) -> Any:
+def checkpoint_tokenizer(name: str | None, config: dict[str, Any], folder: Path) -> Any:
     section = config.get("tokenizer") or {}
     if not (name or section.get("name")):
         raise ConfigError(

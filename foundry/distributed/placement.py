@@ -59,6 +59,7 @@ from foundry.distributed.context_parallel import ContextParallel, WholeSequences
 from foundry.distributed.env import all_reduce_sum, get_rank, get_world_size
 from foundry.distributed.expert_parallel import shard_experts
 from foundry.distributed.fsdp import STRATEGIES, GradientAccumulation, mixed_precision_policy
+from foundry.distributed.host_memory import check_fits_in_host_memory
 from foundry.distributed.mesh import JobMesh, build_mesh, parallel_dims
 from foundry.distributed.process_group import init_process_group
 from foundry.distributed.protocol import blocks_of, finish_sharding, module_initialiser_of, weight_layers_of
@@ -197,7 +198,7 @@ def _wrap_blocks(model: nn.Module, config: FSDPConfig, device: torch.device) -> 
 def _place_unsharded(model: nn.Module, config: FSDPConfig, device: torch.device, precision: str) -> None:
     """One rank: the weights a sharded run starts from, on ``device``, with the block wrappers and precision."""
     if any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()]):
-        init_on_cpu(model)  # as rank 0 does for a sharded run: the same initial weights at any world size
+        init_on_cpu(model, device)  # as rank 0 does for a sharded run: the same initial weights at any world size
     model.to(device)
     _wrap_blocks(model, config, device)
     if compute_dtype(precision) is not None and config.mixed_precision in ("PURE", "DEFAULT"):
@@ -229,21 +230,23 @@ def _shared_weights(
     if get_rank() != 0:
         return {}
     if on_meta:
-        init_on_cpu(model)
+        init_on_cpu(model, device)
     return model.state_dict()
 
 
-def init_on_cpu(model: nn.Module) -> None:
+def init_on_cpu(model: nn.Module, device: torch.device | None = None) -> None:
     """Materialise a meta-device model on the CPU and initialise it, leaving the random generators as they were.
 
     Every placement of a meta-device model goes through here, so the same seed gives the same initial
     weights on any device and at any world size (CPU and CUDA generators draw different numbers).
+    ``device``: the run's, which the refusal of a model too large for the host names (default: the CPU).
     """
     if not hasattr(model, "init_weights"):
         raise ConfigError(
             f"{type(model).__name__} was built on the meta device but has no init_weights(), so its weights "
             "cannot be created. Build it on the CPU (model.init_device: cpu)."
         )
+    check_fits_in_host_memory(model, device or torch.device("cpu"))
     with torch.random.fork_rng(devices=[]):  # every rank's generators stay in step for training
         model.to_empty(device="cpu")
         model.init_weights()

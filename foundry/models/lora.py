@@ -50,6 +50,7 @@ class LoraConfig:
     use_rslora: bool = False  # scaling alpha / sqrt(r) instead of alpha / r
     save_adapters_only: bool = False  # checkpoints hold the adapters (and their optimizer state), not the base
     quantize_base: bool = False  # QLoRA: the adapted layers' frozen weights stored in 4-bit NF4 (torchtune's name)
+    base_dtype: Literal["float32", "bfloat16"] = "float32"  # how the other frozen weights are stored
 
     def __post_init__(self) -> None:
         if self.r <= 0:
@@ -153,7 +154,20 @@ def inject_lora(model: nn.Module, config: LoraConfig) -> list[str]:
         quantize_weights((name, model.get_submodule(name)) for name in targets)
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(is_adapter_key(name))
+    store_frozen_weights(model, getattr(torch, config.base_dtype))
     return targets
+
+
+def store_frozen_weights(model: nn.Module, dtype: torch.dtype) -> None:
+    """Keep ``model``'s frozen floating-point weights in ``dtype`` (NF4 ones stay NF4; adapters stay fp32).
+
+    A frozen weight needs no fp32 master copy: under bf16 autocast or FSDP2's bf16 ``param_dtype`` every GEMM
+    reads it in bf16 anyway, so storing it so halves the base's memory without changing what is computed.
+    """
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if not parameter.requires_grad and parameter.is_floating_point() and not is_nf4(parameter):
+                parameter.data = parameter.data.to(dtype)
 
 
 def _matching_modules(linears: dict[str, nn.Linear], target_modules: list[str] | str | None) -> list[str]:

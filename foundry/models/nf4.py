@@ -53,6 +53,15 @@ def dequantize(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.get_original_weight()
 
 
+def stored_bytes(tensor: torch.Tensor) -> int:
+    """Bytes ``tensor`` (or an FSDP2 shard's local part) holds: for NF4, its codes, scales and code table."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    if not is_nf4(local):
+        return local.numel() * local.element_size()
+    parts = (local.quantized_data, local.quantized_scalers, local.quantization_factor, local.scaler_mean, local.nf4)
+    return sum(part.numel() * part.element_size() for part in parts)
+
+
 def check_quantizable(name: str, weight: torch.Tensor) -> None:
     """NF4 needs whole scale blocks: ``weight.numel()`` a multiple of 64 × 256 (per FSDP2 shard, too)."""
     per_block = BLOCK_SIZE * SCALER_BLOCK_SIZE

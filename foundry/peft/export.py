@@ -6,7 +6,8 @@ adapters on what ``foundry convert to-hf`` wrote for the base. Names go through 
 ``to_hf_state_dict``: each ``lora_B`` (out × r) maps like its layer's weight, so Llama's fused
 ``Wqkv`` B splits by rows into q/k/v_proj while the shared ``lora_A`` is copied to each (exact).
 An ``hf_causal_lm``'s adapters already carry Hugging Face's names and go out as they are.
-``foundry convert merge CKPT OUT_CKPT`` folds ``W + scaling · B A`` into a plain foundry checkpoint.
+``foundry convert merge CKPT OUT`` folds ``W + scaling · B A`` into a plain foundry checkpoint, or with ``--hf`` a
+Hugging Face directory, in bf16 unless ``--dtype`` says otherwise.
 """
 
 from __future__ import annotations
@@ -148,21 +149,43 @@ def default_base_model(config: dict[str, Any]) -> str:
 
 
 def add_merge_arguments(parser: argparse.ArgumentParser) -> None:
+    from foundry.convert.commands import DTYPES  # transformers: imported by the command, not by the Trainer
+
     parser.add_argument("checkpoint", help="a LoRA run's checkpoint folder, or its save_folder (the latest)")
-    parser.add_argument("out_ckpt", help="the save_folder to write the merged checkpoint into")
-    parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint already there")
+    parser.add_argument(
+        "out", help="the save_folder to write the merged checkpoint into; with --hf, the Hugging Face directory"
+    )
+    parser.add_argument(
+        "--hf", action="store_true", help="write a Hugging Face model directory that transformers loads alone"
+    )
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="bf16",
+        help="the merged weights' dtype (default bf16: W + scaling·BA is summed in fp32, then rounded once)",
+    )  # fmt: skip
+    parser.add_argument("--tokenizer", help="with --hf: the tokenizer to include (default: the run's tokenizer.name)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a checkpoint or directory already there")
 
 
 def run_merge(args: argparse.Namespace) -> int:
-    out_ckpt = Path(args.out_ckpt).resolve()
-    if latest_checkpoint(out_ckpt) is not None and not args.overwrite:
-        raise ConfigError(f"{out_ckpt} already holds a checkpoint; pass --overwrite to replace it, or choose another.")
+    from foundry.convert.commands import DTYPES, checkpoint_tokenizer, write_hf_folder
+
+    out = Path(args.out).resolve()
+    if args.hf:
+        check_out_dir(out, args.overwrite)
+    elif latest_checkpoint(out) is not None and not args.overwrite:
+        raise ConfigError(f"{out} already holds a checkpoint; pass --overwrite to replace it, or choose another.")
     folder, config = resolve_checkpoint(args.checkpoint)
     _require_lora(config["model"], folder)
+    tokenizer = checkpoint_tokenizer(args.tokenizer, config, folder) if args.hf else None  # before any weight is read
     model = load_lora_checkpoint(folder, config["model"])
-    merged, section = merged_model(model, config["model"])
-    merged_config = {"model": section, **({"tokenizer": config["tokenizer"]} if "tokenizer" in config else {})}
-    written = save_weights_checkpoint(merged, out_ckpt, merged_config, overwrite=args.overwrite)
+    merged, section = merged_model(model, config["model"], DTYPES[args.dtype])
+    del model  # a 70B model's fp32 LoRA copy need not outlive the merge
+    if args.hf:
+        description = write_hf_folder(merged, section, tokenizer, out, DTYPES[args.dtype], folder)
+        written = f"{out}: {description}, {args.dtype}, and its tokenizer"
+    else:
+        merged_config = {"model": section, **({"tokenizer": config["tokenizer"]} if "tokenizer" in config else {})}
+        written = f"{save_weights_checkpoint(merged, out, merged_config, overwrite=args.overwrite)} ({args.dtype})"
     print(f"foundry: wrote {written}: the weights of {folder} with its LoRA adapters merged in (no peft_config).")
     return 0
 
@@ -172,10 +195,15 @@ def load_lora_checkpoint(folder: Path, section: dict[str, Any]) -> nn.Module:
     return load_checkpoint_model(resolve_checkpoint_path(folder), section)
 
 
-def merged_model(model: nn.Module, section: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
-    """(the plain model computing ``model``'s function with adapters folded in, its model section)."""
+def merged_model(
+    model: nn.Module, section: dict[str, Any], dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, dict[str, Any]]:
+    """(the plain model computing ``model``'s function with adapters folded in, in ``dtype``; its model section).
+
+    Each merged weight is summed in fp32 and rounded to ``dtype`` once, as it is copied in.
+    """
     plain_section = {key: value for key, value in section.items() if key != "peft_config"}
-    plain = meta_model(plain_section).to_empty(device="cpu")
+    plain = meta_model(plain_section).to(dtype).to_empty(device="cpu")  # cast on meta: no fp32 copy is allocated
     plain.load_state_dict(merged_state_dict(model))
     return plain.eval(), plain_section
 

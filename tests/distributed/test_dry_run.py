@@ -53,7 +53,8 @@ def held_by_rank(model_section: dict, moments_dtype: str) -> dict[str, int]:
     torch.manual_seed(0)
     model = build_model(model_section)
     place_model(model, torch.device("cpu"), FSDPConfig(), "fp32")
-    optimizer = DecoupledAdamW(model.parameters(), lr=1e-3, moments_dtype=moments_dtype)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
+    optimizer = DecoupledAdamW(trainable, lr=1e-3, moments_dtype=moments_dtype)
     batch = {"input_ids": torch.randint(0, model.config.vocab_size, (2, 16))}
     model.loss(model(batch), batch).backward()
     optimizer.step()
@@ -64,7 +65,7 @@ def held_by_rank(model_section: dict, moments_dtype: str) -> dict[str, int]:
     states = [state[name] for state in optimizer.state.values() for name in MOMENTS]
     return {
         "parameters": local_bytes(model.parameters()),
-        "gradients": local_bytes(p.grad for p in model.parameters()),
+        "gradients": local_bytes(p.grad for p in model.parameters() if p.grad is not None),
         "optimizer": local_bytes(states),
     }
 
@@ -72,7 +73,7 @@ def held_by_rank(model_section: dict, moments_dtype: str) -> dict[str, int]:
 def planned(plan) -> dict[str, int]:
     memory = plan.memory_bytes
     return {
-        "parameters": memory["parameters (fp32 shards)"],
+        "parameters": memory["parameters (shards)"],
         "gradients": memory["gradients"],
         "optimizer": memory["optimizer (2 states)"],
     }
@@ -85,6 +86,42 @@ def test_two_rank_plan_holds_what_real_ranks_hold(ranks, moments_dtype):
     held = ranks.run(2, held_by_rank, cfg.model, moments_dtype)
     assert planned(plan) == held[0]  # rank 0 holds the rounded-up share: the per-GPU peak
     assert held[0]["parameters"] >= held[1]["parameters"]
+
+
+def test_two_rank_lora_plan_holds_what_real_ranks_hold(ranks):
+    lora = "model.peft_config={r: 4, lora_alpha: 8, target_modules: all-linear}"
+    cfg = tiny_config(lora, "model.init_device=cpu")
+    plan = dry_run(cfg, world_size=2)
+    held = ranks.run(2, held_by_rank, cfg.model, "float32")
+    assert planned(plan) == held[0]
+    assert planned(plan)["optimizer"] < planned(plan)["parameters"] / 4  # the adapters' moments alone
+
+
+def test_lora_base_stored_in_bf16_halves_the_planned_base_and_nothing_else():
+    lora = "model.peft_config={r: 4, lora_alpha: 8, target_modules: all-linear}"
+    fp32, bf16 = (
+        planned(dry_run(tiny_config(lora, f"model.peft_config.base_dtype={dtype}", "precision=amp_bf16"), 2))
+        for dtype in ("float32", "bfloat16")
+    )
+    adapters = 4 * sum(
+        math.ceil(p.shape[0] / 2) * p[0].numel()
+        for p in build_model({**tiny_config(lora).model, "init_device": "meta"}).parameters()
+        if p.requires_grad
+    )
+    assert bf16["parameters"] - adapters == (fp32["parameters"] - adapters) // 2
+    assert (bf16["gradients"], bf16["optimizer"]) == (fp32["gradients"], fp32["optimizer"]) == (adapters, 2 * adapters)
+
+
+@pytest.mark.parametrize(
+    ("yaml", "world_size", "limit_gib"),
+    [("llama-70b-qlora.yaml", 2, 72), ("llama-70b-lora.yaml", 4, 72), ("llama-405b-qlora.yaml", 4, 120)],
+)
+def test_largest_finetune_yamls_plan_within_their_cards(yaml, world_size, limit_gib):
+    pytest.importorskip("torchao")
+    cfg = load_train_config(YAMLS / "finetune" / yaml, [])[0]
+    plan = dry_run(cfg, world_size=world_size, ranks_per_node=world_size)
+    assert plan.total_bytes / 2**30 <= limit_gib
+    assert plan.memory_bytes["optimizer (2 states)"] < 2 * 2**30  # Adam's moments of the adapters alone
 
 
 def test_eight_rank_plan_holds_fsdp2s_rounded_up_shards():
@@ -100,7 +137,7 @@ def test_eight_rank_plan_holds_fsdp2s_rounded_up_shards():
 def test_one_gpu_plan_holds_the_whole_model_and_sends_nothing():
     plan = dry_run(tiny_config(), world_size=1)
     assert plan.collectives == [] and plan.fsdp_units == 0
-    assert plan.memory_bytes["parameters (fp32 shards)"] == 4 * plan.parameters
+    assert plan.memory_bytes["parameters (shards)"] == 4 * plan.parameters
 
 
 def test_expert_parallel_plan_splits_the_experts_and_sends_routed_rows():
@@ -110,7 +147,7 @@ def test_expert_parallel_plan_splits_the_experts_and_sends_routed_rows():
     model = build_model({**cfg.model, "init_device": "meta"})
     # each rank holds half of every layer's experts (EP) and half the rows of every other parameter (FSDP2)
     elements = sum(math.ceil(p.shape[0] / 2) * p[0].numel() for p in model.parameters())
-    assert plan.memory_bytes["parameters (fp32 shards)"] == 4 * elements
+    assert plan.memory_bytes["parameters (shards)"] == 4 * elements
     assert (plan.collectives[-1].op, plan.collectives[-1].what) == ("all-to-all", "routed rows (dispatch, combine)")
 
 
@@ -166,7 +203,7 @@ def test_llama_405b_shape_on_1024_ranks_plans_on_a_cpu():
     assert plan.parameters == pytest.approx(405.9e9, rel=1e-3)
     assert plan.mesh["dp_shard"] == 1024
     # 405.9B fp32 parameters over 1,024 ranks: 1.5 GiB of shards a GPU
-    assert plan.memory_bytes["parameters (fp32 shards)"] / 2**30 == pytest.approx(1.48, abs=0.01)
+    assert plan.memory_bytes["parameters (shards)"] / 2**30 == pytest.approx(1.48, abs=0.01)
 
 
 def test_cli_prints_the_plan_and_exits_0(capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from distributed.jobs import assert_same_run, train
@@ -38,3 +39,13 @@ def test_hf_causal_lm_lora_on_two_full_shard_ranks_matches_one_rank(ranks, tmp_p
     peft_config = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
     model = {"name": "hf_causal_lm", "pretrained_model_name_or_path": str(tmp_path / "hf"), "peft_config": peft_config}
     assert_two_full_shard_ranks_match_one(ranks, tmp_path, model)
+
+
+@pytest.mark.parametrize("mixed_precision", ["PURE", "FULL"])
+def test_bf16_base_on_two_full_shard_ranks_matches_one_rank(ranks, tmp_path, mixed_precision):
+    keys = {"peft_config": {**LORA_KEYS["peft_config"], "base_dtype": "bfloat16"}}
+    one = ranks.run(1, train, NUM_BATCHES, str(tmp_path / "one"), None, model_keys=keys, precision="amp_bf16")[0]
+    fsdp_config = {"sharding_strategy": "FULL_SHARD", "mixed_precision": mixed_precision}
+    two = ranks.run(2, train, NUM_BATCHES, str(tmp_path / "two"), fsdp_config, model_keys=keys, precision="amp_bf16")[0]
+    assert two["weights"]["transformer.blocks.0.attn.Wqkv.weight"].dtype == torch.bfloat16
+    assert_same_run(two, one, tolerance=1e-2)  # bf16 GEMMs summed in another order

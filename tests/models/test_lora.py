@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import token_batches
 
+from foundry.core.precision import cast_embeddings_to_autocast_dtype
 from foundry.errors import ConfigError
 from foundry.models import LlamaCausalLM, MPTCausalLM
 from foundry.models.lora import LoRALinear, adapter_state_dict, merged_state_dict
@@ -134,3 +135,46 @@ def test_adapters_only_checkpoints_need_a_base_load_path():
     cfg, _ = load_train_config(yaml_path, ["load_path=null"])
     with pytest.raises(ConfigError, match="save_adapters_only: true .* set load_path"):
         build_trainer(cfg)
+
+
+def test_bf16_base_stores_frozen_weights_in_bf16_and_computes_as_bf16_autocast_does(make_mpt, input_ids):
+    fp32_base = lora_mpt(make_mpt).eval()
+    randomize_adapters(fp32_base, seed=2)
+    bf16_base = lora_mpt(make_mpt, base_dtype="bfloat16").eval()
+    bf16_base.load_state_dict(fp32_base.state_dict())
+    frozen = [p for p in bf16_base.parameters() if not p.requires_grad]
+    assert frozen and all(p.dtype == torch.bfloat16 for p in frozen)
+    assert all(p.dtype == torch.float32 for p in bf16_base.parameters() if p.requires_grad)  # the master weights
+    cast_embeddings_to_autocast_dtype(fp32_base)  # a bf16 residual stream, as a bf16 embedding table gives
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ours, reference = (model({"input_ids": input_ids}) for model in (bf16_base, fp32_base))
+    # autocast reads the fp32 weights in bf16 for each GEMM: storing them so changes nothing computed
+    torch.testing.assert_close(ours, reference, atol=0, rtol=0)
+
+
+def test_bf16_base_with_fp32_precision_is_refused_naming_both_keys():
+    from pathlib import Path
+
+    from foundry.config import load_train_config
+    from foundry.config.build import check_settings
+
+    yaml_path = Path(__file__).resolve().parents[2] / "yamls" / "finetune" / "quickstart-lora.yaml"
+    cfg, _ = load_train_config(yaml_path, ["model.peft_config.base_dtype=bfloat16", "precision=fp32"])
+    with pytest.raises(ConfigError, match=r"'model\.peft_config\.base_dtype' is 'bfloat16' but precision is fp32"):
+        check_settings(cfg)
+
+
+def test_the_70b_lora_yaml_stores_its_base_in_bf16_and_trains_fp32_adapters():
+    from pathlib import Path
+
+    from foundry.config import load_train_config
+    from foundry.models.build import build_model
+
+    yaml_path = Path(__file__).resolve().parents[2] / "yamls" / "finetune" / "llama-70b-lora.yaml"
+    model = build_model(load_train_config(yaml_path, ["model.init_device=meta"])[0].model)
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    assert {p.dtype for p in frozen} == {torch.bfloat16} and {p.dtype for p in adapters} == {torch.float32}
+    # the YAML's arithmetic: 70.55B base weights (141 GB in bf16), 0.19B adapter parameters
+    assert sum(p.numel() for p in frozen) == 70_553_706_496
+    assert sum(p.numel() for p in adapters) == 186_122_240

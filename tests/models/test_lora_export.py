@@ -21,7 +21,7 @@ from foundry.convert.checkpoint_io import (
 from foundry.convert.hf_export import to_hf_model
 from foundry.errors import CheckpointError
 from foundry.models.build import build_model
-from foundry.models.lora import adapter_state_dict, is_adapter_key
+from foundry.models.lora import adapter_state_dict, is_adapter_key, merged_state_dict
 from foundry.models.lora_checkpoint import holds_adapters_only, saved_model_keys
 from foundry.optim import DecoupledAdamW
 from foundry.peft.export import (
@@ -143,10 +143,18 @@ def test_exported_mpt_adapter_gives_foundry_logits_in_peft(tmp_path, input_ids, 
 
 def test_merge_command_writes_weights_that_give_the_lora_logits(adapters_run, tmp_path, input_ids):
     folder, model = adapters_run
-    assert command(add_merge_arguments, run_merge, folder, tmp_path / "merged") == 0
+    assert command(add_merge_arguments, run_merge, folder, tmp_path / "merged", "--dtype", "fp32") == 0
     merged = load_checkpoint_model(tmp_path / "merged", LLAMA).eval()
     assert not any(is_adapter_key(name) for name in merged.state_dict())
     torch.testing.assert_close(logits(merged, input_ids), logits(model, input_ids), atol=1e-5, rtol=0)
+
+
+def test_merge_command_rounds_the_fp32_sums_to_bf16_once_by_default(adapters_run, tmp_path):
+    folder, model = adapters_run
+    assert command(add_merge_arguments, run_merge, folder, tmp_path / "merged") == 0
+    merged = load_checkpoint_model(tmp_path / "merged", LLAMA)
+    for name, tensor in merged_state_dict(model).items():
+        torch.testing.assert_close(merged.state_dict()[name], tensor.bfloat16().float(), atol=0, rtol=0, msg=name)
 
 
 def test_adapters_only_checkpoint_loads_its_base_wherever_a_model_is_read(adapters_run, input_ids):

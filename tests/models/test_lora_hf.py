@@ -120,7 +120,7 @@ def test_exported_adapter_gives_foundry_logits_in_peft(adapters_run, llama_dir, 
 
 def test_merge_command_writes_weights_that_give_the_lora_logits(adapters_run, llama_dir, tmp_path, input_ids):
     folder, model = adapters_run
-    assert command(add_merge_arguments, run_merge, folder, tmp_path / "merged") == 0
+    assert command(add_merge_arguments, run_merge, folder, tmp_path / "merged", "--dtype", "fp32") == 0
     plain = {"name": "hf_causal_lm", "pretrained_model_name_or_path": str(llama_dir)}
     merged = load_checkpoint_model(tmp_path / "merged", plain).eval()
     assert not any(is_adapter_key(name) for name in merged.state_dict())

@@ -3,6 +3,7 @@ that transformers loads alone, and the configs refused at start."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -29,10 +30,10 @@ QLORA_LLAMA: dict[str, Any] = {
 }  # fmt: skip
 
 
-def qlora_llama(seed: int = 0) -> torch.nn.Module:
+def qlora_llama(seed: int = 0, section: dict[str, Any] = QLORA_LLAMA) -> torch.nn.Module:
     """A QLoRA Llama whose adapters are non-zero, as after training."""
     torch.manual_seed(seed)
-    model = build_model(QLORA_LLAMA)
+    model = build_model(section)
     with torch.no_grad():
         for tensor in adapter_state_dict(model).values():
             tensor.normal_(std=0.05)
@@ -116,6 +117,36 @@ def test_peft_adapter_and_merged_export_load_in_transformers_alone(tmp_path):
     for hf_model in (adapted.eval(), AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()):
         with torch.no_grad():
             torch.testing.assert_close(hf_model(input_ids=input_ids).logits, ours, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_to_hf_writes_bf16_that_transformers_loads_alone_with_the_fp32_merge_logits(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from foundry.convert.checkpoint_io import save_weights_checkpoint
+    from foundry.data import builtin_corpus_documents, train_bpe_tokenizer
+    from foundry.peft.export import add_merge_arguments, merged_model, run_merge
+
+    section = {**QLORA_LLAMA, "vocab_size": 320}  # covers the 300-token tokenizer
+    train_bpe_tokenizer(builtin_corpus_documents()[:2], vocab_size=300, out_dir=tmp_path / "tokenizer")
+    qlora = qlora_llama(section=section)
+    config = {"model": section, "tokenizer": {"name": str(tmp_path / "tokenizer")}}
+    save_weights_checkpoint(qlora, tmp_path / "run", config, overwrite=False)
+    parser = argparse.ArgumentParser()
+    add_merge_arguments(parser)
+    assert run_merge(parser.parse_args([str(tmp_path / "run"), str(tmp_path / "merged"), "--hf"])) == 0
+
+    hf_model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype="auto").eval()
+    assert hf_model.config.dtype == torch.bfloat16
+    assert all(parameter.dtype == torch.bfloat16 for parameter in hf_model.parameters())
+    reference, _ = merged_model(qlora, section)  # the fp32 merge
+    input_ids = torch.randint(0, 320, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        theirs = hf_model.float()(input_ids=input_ids).logits  # the bf16 weights, computed in fp32
+        ours = reference({"input_ids": input_ids})
+    assert reference.transformer.blocks[0].attn.Wqkv.weight.dtype == torch.float32
+    # bf16 keeps 8 bits of mantissa: each weight is within 2^-9 of its fp32 sum, relatively
+    torch.testing.assert_close(theirs, ours, atol=2e-2, rtol=2e-2)
+    assert not torch.equal(theirs, ours)  # the weights really were rounded
 
 
 def test_qlora_without_torchao_is_refused_naming_the_key_and_the_install(monkeypatch):
@@ -207,3 +238,41 @@ def test_adapters_only_qlora_checkpoint_reloads_and_evaluates_on_its_base(tmp_pa
         adapters.activate("qlora")
         torch.testing.assert_close(on_base({"input_ids": input_ids}), trained, atol=0, rtol=0)
     assert is_nf4(on_base.transformer.blocks[0].attn.Wqkv.weight)
+
+
+def run_the_70b_yaml_on_this_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    """``foundry train yamls/finetune/llama-70b-qlora.yaml`` on random weights, with a local tokenizer and data."""
+    import json
+
+    from foundry import cli
+    from foundry.data import builtin_corpus_documents, train_bpe_tokenizer
+
+    train_bpe_tokenizer(builtin_corpus_documents()[:2], vocab_size=300, out_dir=tmp_path / "tokenizer")
+    rows = [{"prompt": f"What is {i} + {i}?", "response": f"{2 * i}."} for i in range(8)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    code = cli.main([
+        "train", str(YAMLS / "llama-70b-qlora.yaml"), "load_path=", "model.peft_config.save_adapters_only=false",
+        "save_folder=", f"variables.tokenizer_name={tmp_path / 'tokenizer'}", "train_loader.num_workers=0",
+        f"variables.train_file={tmp_path / 'rows.jsonl'}", f"variables.eval_file={tmp_path / 'rows.jsonl'}",
+    ])  # fmt: skip
+    return code, capsys.readouterr().err
+
+
+def test_the_70b_yaml_on_a_cpu_host_too_small_is_one_paragraph_naming_gpus(tmp_path, capsys, monkeypatch):
+    from foundry.distributed import host_memory
+
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 16 * 10**9)  # this shared CPU: 23 GB in all
+    code, err = run_the_70b_yaml_on_this_cpu(tmp_path, capsys)
+    assert code == 2 and "Traceback" not in err
+    (message,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    # 68.45B weights in NF4 (35.3 GB) and as bf16 (136.9 GB), 2.1B fp32 embeddings and head, 0.19B fp32 adapters
+    assert "The model (70.7B parameters) takes 181.4 GB" in message and "16.0 GB available" in message
+    assert "trains on GPUs: run `foundry train CFG --nproc N`" in message
+
+
+def test_the_70b_yaml_without_torchao_is_one_paragraph_naming_the_install(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # import fails as on an image without torchao
+    code, err = run_the_70b_yaml_on_this_cpu(tmp_path, capsys)
+    assert code == 2 and "Traceback" not in err
+    (message,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert "model.peft_config.quantize_base" in message and "pip install torchao" in message
