@@ -152,6 +152,8 @@ def yaml_class(path: Path) -> str:
         return "LlamaForCausalLM"
     if path.name.startswith("moe"):
         return "OlmoeForCausalLM"  # OLMoE's shape
+    if path.name.startswith("qwen3"):
+        return "Qwen3MoeForCausalLM"
     return "MptForCausalLM" if path.name.startswith("quickstart") else "GPT2LMHeadModel"
 
 
