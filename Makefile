@@ -36,7 +36,7 @@ quickstart: install $(QUICKSTART_DATA)/train/index.json
 	$(BIN)/foundry train yamls/quickstart.yaml
 
 # `make test` is the change loop: every test but those marked slow (they kill and relaunch `foundry train`
-# processes or train full-size configs), in file order. `make test-slow` runs those; CI runs both, then
+# processes or train full-size configs), each file in order. `make test-slow` runs those; CI runs both, then
 # `make test-shuffled` (.ci/run).
 # PYTEST_ARGS adds pytest options, e.g. PYTEST_ARGS='-x tests/checkpoint' (later paths narrow it).
 # TEST_WORKERS: pytest-xdist processes, one a core by default (TEST_WORKERS=0: one process); each module's tests
