@@ -23,16 +23,20 @@ def init_by_module(section: dict[str, Any], strategy: str) -> dict | None:
     init_process_group()
     torch.manual_seed(0)
     model = build_model({**section, "init_device": "meta"})
-    initialise, at_once = model.module_initialiser(), []
+    steps, at_once = model.init_steps(), []
 
-    def one_module(module: torch.nn.Module) -> None:
-        at_once.append(sum(param.numel() for param in module.parameters(recurse=False)))
-        initialise(module)
+    def counted(initialise):
+        def one_module(module: torch.nn.Module) -> None:
+            at_once.append(sum(param.numel() for param in module.parameters(recurse=False)))
+            initialise(module)
+
+        return one_module
 
     def whole_model() -> None:
         raise AssertionError("rank 0 initialised the whole model at once")
 
-    model.init_weights, model.module_initialiser = whole_model, lambda: one_module
+    model.init_weights = whole_model
+    model.init_steps = lambda: [(module, counted(initialise)) for module, initialise in steps]
     parallelize(model, FSDPConfig(sharding_strategy=strategy), torch.device("cpu"), "fp32")
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {"weights": weights, "most_at_once": max(at_once, default=0)} if get_rank() == 0 else None
@@ -118,11 +122,11 @@ def test_pretrained_weights_that_do_not_fit_are_named(ranks, tmp_path):
 
 def test_a_405b_llama_is_initialised_in_pieces_of_at_most_a_hundredth_of_it():
     """The shape of Llama 3.1 405B, on the meta device: the most a host holds whole while it is initialised."""
-    from foundry.distributed.protocol import module_initialiser_of
+    from foundry.distributed.protocol import init_steps_of
     from foundry.models.build import build_model
 
     shape = {"d_model": 16384, "n_layers": 126, "n_heads": 128, "kv_n_heads": 8, "ffn_hidden_size": 53248}
     model = build_model({"name": "llama_causal_lm", **shape, "vocab_size": 128256, "init_device": "meta"})
-    assert module_initialiser_of(model) is not None
+    assert init_steps_of(model) is not None
     pieces = [sum(param.numel() for param in module.parameters(recurse=False)) for module in model.modules()]
     assert sum(pieces) > 400e9 and max(pieces) < sum(pieces) / 100
