@@ -9,9 +9,10 @@ import torch
 from helpers import TINY_LLAMA, TINY_MPT
 
 
-def init_by_module(section: dict[str, Any], strategy: str) -> dict | None:
+def init_by_module(section: dict[str, Any], strategy: str, by_module: bool = True) -> dict | None:
     """On each rank: place a meta-device model whose whole-model init fails; rank 0 returns its full weights and
-    the largest number of parameter elements it initialised at once."""
+    the largest number of parameter elements it initialised at once. ``by_module=False``: rank 0 initialises the
+    whole model and sends its weights, as for a model that cannot be initialised a module at a time."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from foundry.distributed import get_rank
@@ -35,8 +36,11 @@ def init_by_module(section: dict[str, Any], strategy: str) -> dict | None:
     def whole_model() -> None:
         raise AssertionError("rank 0 initialised the whole model at once")
 
-    model.init_weights = whole_model
-    model.init_steps = lambda: [(module, counted(initialise)) for module, initialise in steps]
+    if by_module:
+        model.init_weights = whole_model
+        model.init_steps = lambda: [(module, counted(initialise)) for module, initialise in steps]
+    else:
+        model.init_steps = lambda: None
     parallelize(model, FSDPConfig(sharding_strategy=strategy), torch.device("cpu"), "fp32")
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {"weights": weights, "most_at_once": max(at_once, default=0)} if get_rank() == 0 else None
@@ -60,6 +64,28 @@ def test_meta_init_holds_one_module_at_a_time_and_gives_the_unsharded_weights(ra
         assert torch.equal(placed["weights"][name], weight), name
     largest_module = max(sum(param.numel() for param in module.parameters(recurse=False)) for module in model.modules())
     assert placed["most_at_once"] == largest_module < sum(param.numel() for param in model.parameters()) / 4
+
+
+@pytest.mark.parametrize("quantize_base", [False, True], ids=["lora", "qlora"])
+def test_lora_meta_init_holds_one_module_at_a_time_and_gives_rank_0s_whole_init(ranks, quantize_base):
+    """Adapters drawn after the whole base (as init_weights draws them) and NF4 base weights rounded as rank 0's
+    quantized model holds them: the same shards as when rank 0 initialises the whole model and sends it."""
+    if quantize_base:
+        pytest.importorskip("torchao")
+    peft_config = {"r": 4, "lora_alpha": 8, "target_modules": "all-linear", "quantize_base": quantize_base}
+    # 256 wide: each rank's half of every adapted weight is whole NF4 scale blocks (64 × 256 weights).
+    wide = {"d_model": 256, "multiple_of": 256, "tie_word_embeddings": False}
+    section = {"name": "llama_causal_lm", **TINY_LLAMA, **wide, "peft_config": peft_config}
+    by_module = ranks.run(2, init_by_module, section, "FULL_SHARD")[0]
+    whole = ranks.run(2, init_by_module, section, "FULL_SHARD", by_module=False)[0]
+    assert by_module["weights"].keys() == whole["weights"].keys()
+    for name, weight in whole["weights"].items():
+        assert torch.equal(by_module["weights"][name], weight), name
+    adapters_a = [weight for name, weight in whole["weights"].items() if name.endswith("lora_A.weight")]
+    adapters_b = [weight for name, weight in whole["weights"].items() if name.endswith("lora_B.weight")]
+    assert adapters_a and all(a.abs().sum() > 0 for a in adapters_a) and all(not b.any() for b in adapters_b)
+    total = sum(weight.numel() for weight in whole["weights"].values())
+    assert 0 < by_module["most_at_once"] < total / 4
 
 
 def stream_pretrained(folder: str) -> dict | None:
