@@ -83,6 +83,31 @@ def check_fits_by_module(model: nn.Module, modules: list[nn.Module], device: tor
     )
 
 
+def bytes_to_gather(model: nn.Module, dtype: torch.dtype) -> int:
+    """Host bytes rank 0 holds when a sharded ``model``'s whole state dict is gathered to its CPU and copied to
+    ``dtype`` (a Hugging Face export): every tensor as the state dict gives it (a 4-bit weight as its bf16
+    values), plus the copy."""
+    tensors = [*model.parameters(), *model.buffers()]
+    gathered = sum(tensor.numel() * tensor.element_size() for tensor in tensors)  # an NF4 weight's dtype is bf16
+    return gathered + sum(tensor.numel() for tensor in tensors) * dtype.itemsize
+
+
+def check_gather_fits(model: nn.Module, dtype: torch.dtype, what: str) -> None:
+    """Refuse, at the start of a run, a whole-model export (``what``) that would not fit rank 0's host memory."""
+    needed, available = bytes_to_gather(model, dtype), available_host_bytes()
+    if available is None or needed <= available:
+        return
+    raise ConfigError(
+        f"{what} gathers the whole model to rank 0's host memory and copies it to {str(dtype).removeprefix('torch.')}: "
+        f"{needed / 1e9:.1f} GB, "
+        f"but this machine has {available / 1e9:.1f} GB available, so the first export would be killed for lack "
+        "of memory, after training. Remove it and convert the run's sharded checkpoint afterwards: a LoRA run's "
+        "adapters with `foundry convert export-adapter CKPT OUT` (on any machine), or the whole model with "
+        "`foundry convert to-hf CKPT OUT` (a LoRA run's after `foundry convert merge`) on a machine with that much "
+        "memory."
+    )
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return getattr(tensor, "_local_tensor", tensor)  # an FSDP2 shard's part on this rank
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -82,3 +83,20 @@ def test_module_at_a_time_init_too_large_for_the_host_is_one_paragraph(monkeypat
         host_memory.check_fits_by_module(model, modules, torch.device("cpu"))
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: largest)
     host_memory.check_fits_by_module(model, modules, torch.device("cpu"))
+
+
+def test_hf_checkpointer_whose_gather_exceeds_rank_0s_host_is_refused_at_fit_start(monkeypatch):
+    """A whole-model export of the 405B QLoRA YAML: its bf16 values gathered (820 GB) and copied (815 GB)."""
+    pytest.importorskip("torchao")
+    from foundry.callbacks.hf_checkpointer import HFCheckpointer
+    from foundry.config import load_train_config
+
+    config = load_train_config(YAMLS / "llama-405b-qlora.yaml", ["model.init_device=meta"])[0]
+    model = build_model(config.model)
+    assert host_memory.bytes_to_gather(model, torch.bfloat16) / 1e9 == pytest.approx(1635.2, abs=0.05)
+    monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 512 * 2**30)
+    state = SimpleNamespace(model=model, world_size=4, is_main_process=True)
+    checkpointer = HFCheckpointer(save_folder="out", save_interval="1dur", precision="bfloat16")
+    with pytest.raises(ConfigError, match=r"hf_checkpointer gathers .*1635\.2 GB.*export-adapter CKPT OUT"):
+        checkpointer.fit_start(state, logger=None)
+    checkpointer.fit_start(SimpleNamespace(model=build_model(LLAMA), world_size=4, is_main_process=True), None)
