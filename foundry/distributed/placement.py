@@ -22,9 +22,9 @@ With several ranks, in this order:
 7. weights: when every rank built the model on the meta device, each rank allocates its shards and either
    reads the model's pretrained files a layer at a time, keeping its slices (``StreamedWeights``:
    ``hf_causal_lm`` from a local folder), or, for a model that initialises a module at a time
-   (``ModuleByModuleInit``: MPT and Llama, without LoRA, expert or tensor parallelism), rank 0 initialises one
-   module's parameters at a time in host memory with the run's seed and each rank keeps its slice of them:
-   no host ever holds more than its shards plus one layer or module. Otherwise, when some
+   (``ModuleByModuleInit``: MPT and Llama, LoRA and QLoRA included, without expert or tensor parallelism), rank 0
+   initialises one module's parameters at a time in host memory with the run's seed and each rank keeps its slice
+   of them (an NF4 shard quantizes its slice): no host ever holds more than its shards plus one layer or module. Otherwise, when some
    rank built it on the meta device (or ``sync_module_states`` is set), rank 0 materialises and initialises
    the full model in host memory, and its weights reach the other ranks one parameter at a time, each rank
    keeping its shard. Device memory never holds more than a shard plus one parameter. Without the meta device

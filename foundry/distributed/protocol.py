@@ -5,8 +5,8 @@ A model family declares these three lists (torchtitan's families declare their p
 way); sharding, activation checkpointing, compiling per block, context parallelism and expert parallelism plan
 from them and never look inside a model for attribute names. ``foundry.models.FoundryModel`` implements
 ``ParallelModel`` (MPT, Llama and their MoE variants fill all three lists, ``hf_causal_lm`` its blocks), and MPT
-and Llama ``ModuleByModuleInit`` (their weights are initialised a module at a time when sharded), ``hf_causal_lm``
-``StreamedWeights`` (its pretrained weights are read a layer at a time when sharded). A model
+and Llama ``ModuleByModuleInit`` (their weights, LoRA's too, are initialised a module at a time when sharded),
+``hf_causal_lm`` ``StreamedWeights`` (its pretrained weights are read a layer at a time when sharded). A model
 foundry does not own (a plain ``nn.Module`` handed to the Trainer, a bare Hugging Face model) gets its blocks
 from ``_no_split_modules``, transformers' own declaration of the same thing, and no attention or expert layers.
 
