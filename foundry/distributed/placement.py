@@ -24,11 +24,11 @@ With several ranks, in this order:
    ``hf_causal_lm`` from a local folder), or, for a model that initialises a module at a time
    (``ModuleByModuleInit``: MPT and Llama, LoRA and QLoRA included, without expert or tensor parallelism), rank 0
    initialises one module's parameters at a time in host memory with the run's seed and each rank keeps its slice
-   of them (an NF4 shard quantizes its slice): no host ever holds more than its shards plus one layer or module. Otherwise, when some
-   rank built it on the meta device (or ``sync_module_states`` is set), rank 0 materialises and initialises
-   the full model in host memory, and its weights reach the other ranks one parameter at a time, each rank
-   keeping its shard. Device memory never holds more than a shard plus one parameter. Without the meta device
-   every rank already holds the same seeded weights.
+   of them (an NF4 shard quantizes its slice): no host ever holds more than its shards plus one layer or module.
+   Otherwise, when some rank built it on the meta device (or ``sync_module_states`` is set), rank 0 materialises
+   and initialises the full model in host memory, and its weights reach the other ranks one parameter at a time,
+   each rank keeping its shard. Device memory never holds more than a shard plus one parameter. Without the meta
+   device every rank already holds the same seeded weights.
 
 What each step acts on comes from the model (``foundry.distributed.protocol``); docs/DISTRIBUTED.md tabulates
 how each ``fsdp_config`` key maps to FSDP2.
