@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foundry.distributed.protocol import InitStep
 from foundry.errors import ConfigError, did_you_mean
 from foundry.models.nf4 import (
     count_shard_blocks,
@@ -224,9 +225,7 @@ def reset_lora_parameters(model: nn.Module) -> None:
         module.reset_lora_parameters()
 
 
-def init_steps(
-    model: nn.Module, init_module: Callable[[nn.Module], None]
-) -> list[tuple[nn.Module, Callable[[nn.Module], None]]]:
+def init_steps(model: nn.Module, init_module: Callable[[nn.Module], None]) -> list[InitStep]:
     """A model's ``init_weights`` one module at a time, in its order: ``init_module`` on each of ``modules()`` (an
     NF4 weight's values then rounded to 4 bits, as ``dense_weights`` stores them), then each adapter again, as
     ``reset_lora_parameters`` draws it (``foundry.distributed.protocol.ModuleByModuleInit``)."""
