@@ -32,6 +32,7 @@ from foundry.core.logger import Logger
 from foundry.core.paths import is_object_store_url
 from foundry.core.state import State
 from foundry.core.time import Time
+from foundry.distributed.host_memory import check_gather_fits
 from foundry.distributed.tensor_parallel import gather_parts, has_parts
 from foundry.errors import CheckpointError, ConfigError
 from foundry.models.base import model_class
@@ -89,6 +90,10 @@ class HFCheckpointer(Callback):
         self.overwrite = overwrite
         self.saved_batch: int | None = None
         self.description = ""  # the Hugging Face class of the last save
+
+    def fit_start(self, state: State, logger: Logger) -> None:
+        if state.world_size > 1 and state.is_main_process:  # refused now rather than at the first save
+            check_gather_fits(state.model, self.dtype, "callbacks.hf_checkpointer")
 
     def batch_start(self, state: State, logger: Logger) -> None:
         self.interval.mark(state)

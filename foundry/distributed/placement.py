@@ -22,13 +22,13 @@ With several ranks, in this order:
 7. weights: when every rank built the model on the meta device, each rank allocates its shards and either
    reads the model's pretrained files a layer at a time, keeping its slices (``StreamedWeights``:
    ``hf_causal_lm`` from a local folder), or, for a model that initialises a module at a time
-   (``ModuleByModuleInit``: MPT and Llama, without LoRA, expert or tensor parallelism), rank 0 initialises one
-   module's parameters at a time in host memory with the run's seed and each rank keeps its slice of them:
-   no host ever holds more than its shards plus one layer or module. Otherwise, when some
-   rank built it on the meta device (or ``sync_module_states`` is set), rank 0 materialises and initialises
-   the full model in host memory, and its weights reach the other ranks one parameter at a time, each rank
-   keeping its shard. Device memory never holds more than a shard plus one parameter. Without the meta device
-   every rank already holds the same seeded weights.
+   (``ModuleByModuleInit``: MPT and Llama, LoRA and QLoRA included, without expert or tensor parallelism), rank 0
+   initialises one module's parameters at a time in host memory with the run's seed and each rank keeps its slice
+   of them (an NF4 shard quantizes its slice): no host ever holds more than its shards plus one layer or module.
+   Otherwise, when some rank built it on the meta device (or ``sync_module_states`` is set), rank 0 materialises
+   and initialises the full model in host memory, and its weights reach the other ranks one parameter at a time,
+   each rank keeping its shard. Device memory never holds more than a shard plus one parameter. Without the meta
+   device every rank already holds the same seeded weights.
 
 What each step acts on comes from the model (``foundry.distributed.protocol``); docs/DISTRIBUTED.md tabulates
 how each ``fsdp_config`` key maps to FSDP2.
@@ -59,10 +59,10 @@ from foundry.distributed.context_parallel import ContextParallel, WholeSequences
 from foundry.distributed.env import all_reduce_sum, get_rank, get_world_size
 from foundry.distributed.expert_parallel import shard_experts
 from foundry.distributed.fsdp import STRATEGIES, GradientAccumulation, mixed_precision_policy
-from foundry.distributed.host_memory import check_fits_in_host_memory
+from foundry.distributed.host_memory import check_fits_by_module, check_fits_in_host_memory
 from foundry.distributed.mesh import JobMesh, build_mesh, parallel_dims
 from foundry.distributed.process_group import init_process_group
-from foundry.distributed.protocol import blocks_of, finish_sharding, module_initialiser_of, weight_layers_of
+from foundry.distributed.protocol import InitStep, blocks_of, finish_sharding, init_steps_of, weight_layers_of
 from foundry.distributed.tensor_parallel import (
     apply_tensor_parallel,
     check_fsdp_shards_compose,
@@ -224,9 +224,9 @@ def _shared_weights(
         layers = weight_layers_of(model)
         if layers is not None:
             return functools.partial(_load_by_layer, layers=layers)
-        init_module = module_initialiser_of(model)
-        if init_module is not None:
-            return functools.partial(_init_by_module, init_module=init_module)
+        steps = init_steps_of(model)
+        if steps is not None:
+            return functools.partial(_init_by_module, steps=steps)
     if get_rank() != 0:
         return {}
     if on_meta:
@@ -292,14 +292,17 @@ def _materialise(
 
 
 @torch.no_grad()
-def _init_by_module(model: nn.Module, device: torch.device, init_module: Callable[[nn.Module], None]) -> None:
+def _init_by_module(model: nn.Module, device: torch.device, steps: list[InitStep]) -> None:
     """Fill the sharded ``model`` as ``init_on_cpu`` would the whole one, holding one module at a time.
 
-    Rank 0 initialises each module's parameters whole on the CPU, in ``modules()`` order with the run's
-    generator (so the values are those of an unsharded init); each rank keeps its slice of them.
+    Rank 0 runs each step on its module's parameters made whole on the CPU, in the model's order with the run's
+    generator (so the values are those of an unsharded init); each rank keeps its slice of them. A 4-bit (NF4)
+    shard quantizes its slice of the whole values as it is copied in.
     """
+    if get_rank() == 0:
+        check_fits_by_module(model, [module for module, _ in steps], device)
     with torch.random.fork_rng(devices=[]):  # every rank's generators stay in step for training
-        for module in model.modules():
+        for module, initialise in steps:
             sharded = {name: param for name, param in module._parameters.items() if param is not None}
             if not sharded:
                 continue
@@ -307,11 +310,12 @@ def _init_by_module(model: nn.Module, device: torch.device, init_module: Callabl
             if get_rank() == 0:
                 module._parameters.update({name: nn.Parameter(tensor) for name, tensor in whole.items()})
                 try:
-                    init_module(module)
+                    initialise(module)
                 finally:
                     module._parameters.update(sharded)
             for name, param in sharded.items():
                 _keep_own_slice(param, whole[name].to(device))
+            del whole  # before the next module's
 
 
 @torch.no_grad()

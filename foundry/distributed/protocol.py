@@ -5,8 +5,8 @@ A model family declares these three lists (torchtitan's families declare their p
 way); sharding, activation checkpointing, compiling per block, context parallelism and expert parallelism plan
 from them and never look inside a model for attribute names. ``foundry.models.FoundryModel`` implements
 ``ParallelModel`` (MPT, Llama and their MoE variants fill all three lists, ``hf_causal_lm`` its blocks), and MPT
-and Llama ``ModuleByModuleInit`` (their weights are initialised a module at a time when sharded), ``hf_causal_lm``
-``StreamedWeights`` (its pretrained weights are read a layer at a time when sharded). A model
+and Llama ``ModuleByModuleInit`` (their weights, LoRA's too, are initialised a module at a time when sharded),
+``hf_causal_lm`` ``StreamedWeights`` (its pretrained weights are read a layer at a time when sharded). A model
 foundry does not own (a plain ``nn.Module`` handed to the Trainer, a bare Hugging Face model) gets its blocks
 from ``_no_split_modules``, transformers' own declaration of the same thing, and no attention or expert layers.
 
@@ -104,18 +104,21 @@ class ParallelModel(Protocol):
         ...
 
 
+InitStep = tuple[nn.Module, Callable[[nn.Module], None]]  # a module, and what initialises its own parameters
+
+
 @runtime_checkable
 class ModuleByModuleInit(Protocol):
-    """A model whose ``init_weights()`` initialises each of ``modules()`` in turn, touching only that module's own
-    parameters: a sharded placement then initialises one module at a time, never the whole model on one host."""
+    """A model whose ``init_weights()`` is a sequence of steps, each touching one module's own parameters: a sharded
+    placement then initialises one module at a time, never the whole model on one host."""
 
-    def module_initialiser(self) -> Callable[[nn.Module], None] | None:
-        """What ``init_weights()`` does to each module, or None when it also does more (then rank 0 runs it)."""
+    def init_steps(self) -> list[InitStep] | None:
+        """The steps of ``init_weights()`` in its order (the seed's draws follow it), or None when it does more."""
         ...
 
 
-def module_initialiser_of(model: nn.Module) -> Callable[[nn.Module], None] | None:
-    return model.module_initialiser() if isinstance(model, ModuleByModuleInit) else None
+def init_steps_of(model: nn.Module) -> list[InitStep] | None:
+    return model.init_steps() if isinstance(model, ModuleByModuleInit) else None
 
 
 @runtime_checkable

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from foundry.distributed.protocol import InitStep
 from foundry.errors import ConfigError, did_you_mean
 from foundry.models.nf4 import (
     count_shard_blocks,
@@ -28,6 +29,7 @@ from foundry.models.nf4 import (
     is_nf4,
     place_stranded_parts,
     quantize_weights,
+    round_to_nf4,
     torchao_nf4,
 )
 
@@ -221,6 +223,34 @@ def reset_lora_parameters(model: nn.Module) -> None:
     """Re-initialise every adapter of ``model`` (after the base init, which also touches lora_A/B)."""
     for _, module in lora_modules(model):
         module.reset_lora_parameters()
+
+
+def init_steps(model: nn.Module, init_module: Callable[[nn.Module], None]) -> list[InitStep]:
+    """A model's ``init_weights`` one module at a time, in its order: ``init_module`` on each of ``modules()`` (an
+    NF4 weight's values then rounded to 4 bits, as ``dense_weights`` stores them), then each adapter again, as
+    ``reset_lora_parameters`` draws it (``foundry.distributed.protocol.ModuleByModuleInit``)."""
+    base = [
+        (module, _then_rounded_to_nf4(init_module) if is_nf4(getattr(module, "weight", None)) else init_module)
+        for module in model.modules()
+    ]
+    adapters = [
+        step
+        for _, layer in lora_modules(model)
+        for step in [(layer.lora_A, nn.Linear.reset_parameters), (layer.lora_B, _zero_weight)]
+    ]
+    return base + adapters
+
+
+def _then_rounded_to_nf4(init_module: Callable[[nn.Module], None]) -> Callable[[nn.Module], None]:
+    def init_and_round(module: nn.Module) -> None:
+        init_module(module)
+        round_to_nf4(module.weight)
+
+    return init_and_round
+
+
+def _zero_weight(linear: nn.Module) -> None:
+    nn.init.zeros_(linear.weight)
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from foundry import registry
 from foundry.checkpoint.hooks import CheckpointHooks
 from foundry.distributed.env import get_local_rank
+from foundry.distributed.protocol import InitStep
 from foundry.errors import ConfigError, FoundryError
 from foundry.kernels.device import kernels_run_on
 from foundry.kernels.linear_cross_entropy import linear_cross_entropy
@@ -34,6 +35,7 @@ from foundry.models.init import InitConfig, InitName, init_module_, init_weights
 from foundry.models.kv_cache import KVCache, LayerKVCache
 from foundry.models.layers import FFNConfig, NormType, build_ffn, build_norm, ffn_hidden_size
 from foundry.models.lora import LoraConfig, inject_lora, lora_modules, reset_lora_parameters
+from foundry.models.lora import init_steps as lora_init_steps
 from foundry.models.lora_checkpoint import lora_checkpoint_hooks
 from foundry.models.moe import MoE, moe_config_from_ffn, moe_layers, moe_loss_terms
 from foundry.models.nf4 import dense_weights
@@ -371,15 +373,17 @@ class MPTCausalLM(CausalLM):
             init_weights_(self, self.config.init_config, self.config.n_layers, self.config.d_model)
         reset_lora_parameters(self)
 
-    def module_initialiser(self) -> Callable[[nn.Module], None] | None:
-        """What ``init_weights`` does to each module in turn (``foundry.distributed.protocol.ModuleByModuleInit``);
-        None with LoRA adapters, which are drawn again after the whole model."""
-        if any(True for _ in lora_modules(self)):
-            return None
+    def init_steps(self) -> list[InitStep] | None:
+        """``init_weights`` one module at a time (``foundry.distributed.protocol.ModuleByModuleInit``); None for
+        LoRA under ``init_config.name: default_``, whose LoRA layers' own reset also draws their adapters."""
         config = self.config
-        return functools.partial(
+        has_lora = any(True for _ in lora_modules(self))
+        if has_lora and config.init_config.name == "default_":
+            return None
+        init_module = functools.partial(
             init_module_, config=config.init_config, n_layers=config.n_layers, d_model=config.d_model
         )
+        return lora_init_steps(self, init_module)
 
     @property
     def checkpoint_hooks(self) -> CheckpointHooks:

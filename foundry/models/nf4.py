@@ -131,6 +131,13 @@ def count_shard_blocks(weight: torch.Tensor) -> None:
         local.n_blocks = local.numel() // local.block_size
 
 
+@torch.no_grad()
+def round_to_nf4(weight: torch.Tensor) -> None:
+    """Replace ``weight``'s bf16 values by what their NF4 codes dequantize to: what a quantized model holds."""
+    nf4 = torchao_nf4()
+    weight.copy_(nf4.to_nf4(weight.detach(), BLOCK_SIZE, SCALER_BLOCK_SIZE).get_original_weight())
+
+
 @contextlib.contextmanager
 def dense_weights(model: nn.Module) -> Iterator[None]:
     """Within: each NF4 weight of ``model`` is a plain, uninitialised bf16 parameter, for an init scheme to write;
