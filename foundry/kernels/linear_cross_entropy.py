@@ -10,6 +10,11 @@ the three GEMMs of a chunk at full speed and the fp32 weight-gradient accumulati
 the time. With chunks the size of ``hidden`` instead (1,024 tokens for MPT-125M: 64 small GEMM
 triples and 64 accumulations of a 50,368 x 768 fp32 gradient per microbatch) the fused loss ran
 slower than the compiled unfused one (docs/PERFORMANCE.md).
+
+``linear_token_logps`` returns each token's log-probability instead of the mean loss (DPO sums them
+per sequence). Its upstream gradient differs token by token and is known only in the backward, so
+the forward keeps no gradient: the backward computes each chunk's logits again (one more GEMM per
+chunk) and the kernel scales each row's gradient by that row's upstream gradient.
 """
 
 from __future__ import annotations
@@ -114,9 +119,79 @@ def linear_cross_entropy(
         logit_scale: multiplies the logits (MPT's ``logit_scale``); None = 1.
         chunk_tokens: tokens per chunk; None picks ``chunk_tokens_for``.
     """
+    return _LinearCrossEntropy.apply(*_flat_arguments(hidden, weight, targets, logit_scale, ignore_index, chunk_tokens))
+
+
+class _LinearTokenLogps(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, logit_scale, ignore_index, chunk_tokens):  # type: ignore[override]
+        dtype = _compute_dtype(hidden, weight)
+        no_gradient = torch.zeros((), dtype=torch.float32, device=hidden.device)  # the kernel writes zeros
+        token_logps = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            hidden_c, weight_c = hidden.to(dtype), weight.to(dtype)
+            for start in range(0, hidden.shape[0], chunk_tokens):
+                logits = hidden_c[start : start + chunk_tokens] @ weight_c.T  # (chunk, vocab)
+                chunk_targets = targets[start : start + chunk_tokens]
+                row_loss = _cross_entropy_rows_(logits, chunk_targets, no_gradient, logit_scale, ignore_index)
+                torch.neg(row_loss, out=token_logps[start : start + chunk_tokens])
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.settings = dtype, logit_scale, ignore_index, chunk_tokens
+        return token_logps
+
+    @staticmethod
+    def backward(ctx, grad_logps):  # type: ignore[override]
+        hidden, weight, targets = ctx.saved_tensors
+        dtype, logit_scale, ignore_index, chunk_tokens = ctx.settings
+        row_scales = -grad_logps.float().contiguous()  # log-probability = -loss
+        with torch.autocast(hidden.device.type, enabled=False):
+            hidden_c, weight_c = hidden.to(dtype), weight.to(dtype)
+            grad_hidden = torch.empty_like(hidden_c) if ctx.needs_input_grad[0] else None
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            grad_weight = grad_weight if ctx.needs_input_grad[1] else None
+            for start in range(0, hidden.shape[0], chunk_tokens):
+                hidden_chunk = hidden_c[start : start + chunk_tokens]  # (chunk, d_model)
+                logits = hidden_chunk @ weight_c.T  # (chunk, vocab); becomes d(Σ upstream·logp)/d(logits)
+                chunk = slice(start, start + chunk_tokens)
+                _cross_entropy_rows_(logits, targets[chunk], row_scales[chunk], logit_scale, ignore_index)
+                if grad_hidden is not None:
+                    torch.mm(logits, weight_c, out=grad_hidden[chunk])
+                if grad_weight is not None:
+                    add_weight_grad_(grad_weight, logits, hidden_chunk)
+        grad_hidden = grad_hidden.to(hidden.dtype) if grad_hidden is not None else None
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+@torch.compiler.disable
+def linear_token_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    logit_scale: float | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """``log_softmax(logit_scale * hidden @ weight.T)`` at each target, fp32 (...), 0 where ignored; chunked.
+
+    Arguments as ``linear_cross_entropy``'s; the result has ``targets``' shape.
+    """
+    arguments = _flat_arguments(hidden, weight, targets, logit_scale, ignore_index, chunk_tokens)
+    return _LinearTokenLogps.apply(*arguments).view(targets.shape)
+
+
+def _flat_arguments(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    logit_scale: float | None,
+    ignore_index: int,
+    chunk_tokens: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, int, int]:
+    """The autograd functions' arguments: tokens flattened, the scale a float, the chunk size chosen."""
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if chunk_tokens is None:
         itemsize = _compute_dtype(hidden, weight).itemsize
         chunk_tokens = chunk_tokens_for(hidden.shape[0], weight.shape[0], itemsize)
     scale = 1.0 if logit_scale is None else float(logit_scale)
-    return _LinearCrossEntropy.apply(hidden, weight, targets, scale, ignore_index, chunk_tokens)
+    return hidden, weight, targets, scale, ignore_index, chunk_tokens
