@@ -147,8 +147,9 @@ class _LinearTokenLogps(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             hidden_c, weight_c = hidden.to(dtype), weight.to(dtype)
             grad_hidden = torch.empty_like(hidden_c) if ctx.needs_input_grad[0] else None
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            grad_weight = grad_weight if ctx.needs_input_grad[1] else None
+            grad_weight = None
+            if ctx.needs_input_grad[1]:
+                grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
             for start in range(0, hidden.shape[0], chunk_tokens):
                 hidden_chunk = hidden_c[start : start + chunk_tokens]  # (chunk, d_model)
                 logits = hidden_chunk @ weight_c.T  # (chunk, vocab); becomes d(Σ upstream·logp)/d(logits)
