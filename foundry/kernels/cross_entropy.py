@@ -64,8 +64,8 @@ def cross_entropy_rows_(
 
     ``inv_count`` is 1 / (non-ignored targets in the whole batch), a device scalar, so chunks of one
     batch share the global denominator without a host sync; or one factor per row (rows,), each row's
-    upstream gradient (per-token log-probabilities, ``linear_token_logps``). ``num_warps`` overrides the launch's
-    warps (``benchmarks/cross_entropy_launch.py`` sweeps them).
+    upstream gradient (per-token losses, ``linear_cross_entropy(reduction="none")``). ``num_warps`` overrides
+    the launch's warps (``benchmarks/cross_entropy_launch.py`` sweeps them).
     """
     n_rows, n_cols = logits.shape
     row_loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)

@@ -25,7 +25,7 @@ from foundry.checkpoint.hooks import CheckpointHooks
 from foundry.distributed.env import get_local_rank
 from foundry.errors import ConfigError, FoundryError
 from foundry.kernels.device import kernels_run_on
-from foundry.kernels.linear_cross_entropy import linear_cross_entropy, linear_token_logps
+from foundry.kernels.linear_cross_entropy import linear_cross_entropy
 from foundry.models import flops
 from foundry.models.attention import Attention, AttentionInputs, AttnConfig, AttnImpl, build_attention_inputs
 from foundry.models.base import CausalLM, LossOutput, TokenLogps, shifted_targets
@@ -420,8 +420,10 @@ class MPTCausalLM(CausalLM):
             batch["input_ids"], batch.get("attention_mask"), batch.get("sequence_id"), batch.get("position_ids"),
             cache,
         )  # fmt: skip
-        if token_logps:
-            return TokenLogps(linear_token_logps(hidden, self.output_weight, shifted_targets(batch), self.logit_scale))
+        if token_logps:  # log-probability = -cross-entropy
+            targets = shifted_targets(batch)
+            losses = linear_cross_entropy(hidden, self.output_weight, targets, self.logit_scale, reduction="none")
+            return TokenLogps(-losses)
         if self.training and self._fuses_loss(hidden.device):
             targets = shifted_targets(batch)
             return LossOutput(linear_cross_entropy(hidden, self.output_weight, targets, self.logit_scale))

@@ -10,7 +10,6 @@ from foundry.kernels.linear_cross_entropy import (
     _cross_entropy_rows_torch_,
     chunk_tokens_for,
     linear_cross_entropy,
-    linear_token_logps,
 )
 
 
@@ -95,18 +94,18 @@ class _LargestAllocation(TorchDispatchMode):
 
 @pytest.mark.parametrize("path", ["kernel", "pytorch"])
 @pytest.mark.parametrize("chunk_tokens", [5, None])
-def test_token_logps_and_their_grads_match_the_log_softmax_in_fp32(
+def test_per_token_losses_and_their_grads_match_unfused_cross_entropy_in_fp32(
     path: str, chunk_tokens: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if path == "pytorch":
         monkeypatch.setattr("foundry.kernels.linear_cross_entropy.kernels_run_on", lambda device: False)
     hidden, weight, targets = _problem()
-    logps = linear_token_logps(hidden, weight, targets, 0.37, chunk_tokens=chunk_tokens)
-    log_probs = ((hidden @ weight.T).float() * 0.37).log_softmax(-1)
-    expected = torch.where(targets != -100, log_probs.gather(-1, targets.clamp(min=0)[..., None])[..., 0], 0.0)
-    torch.testing.assert_close(logps, expected, rtol=1e-5, atol=1e-6)
+    losses = linear_cross_entropy(hidden, weight, targets, 0.37, chunk_tokens=chunk_tokens, reduction="none")
+    logits = (hidden @ weight.T).float() * 0.37
+    expected = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")  # 0 if ignored
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
     upstream = torch.randn(targets.shape, generator=torch.Generator().manual_seed(0))  # a gradient per token
-    grads = torch.autograd.grad((logps * upstream).sum(), (hidden, weight))
+    grads = torch.autograd.grad((losses * upstream).sum(), (hidden, weight))
     expected_grads = torch.autograd.grad((expected * upstream).sum(), (hidden, weight))
     for got, want in zip(grads, expected_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -121,7 +120,8 @@ def test_never_allocates_tokens_by_vocab(path: str, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr("foundry.kernels.linear_cross_entropy.CHUNK_LOGITS_BYTES", tokens * vocab * fp32_bytes // 8)
     hidden, weight, targets = _problem(tokens, d_model, vocab)
     with _LargestAllocation() as recorder:
-        loss = linear_cross_entropy(hidden, weight, targets) + linear_token_logps(hidden, weight, targets).sum()
+        token_losses = linear_cross_entropy(hidden, weight, targets, reduction="none")
+        loss = linear_cross_entropy(hidden, weight, targets) + token_losses.sum()
         loss.backward()
     # The largest fp32 tensor is a chunk's logits or the weight (gradient), never the whole logits.
     assert chunk_tokens_for(tokens, vocab, fp32_bytes) == tokens // 8
