@@ -24,7 +24,7 @@ def model_sequence_logps(
     if not getattr(model, "computes_token_logps", False):
         return sequence_logps(model(inputs), labels, sequence_id)
     token_logps = model({**inputs, "labels": labels}, token_logps=True).logps  # (rows, seq): t predicts t+1
-    return summed_per_sequence(token_logps[:, :-1], labels, sequence_id)
+    return _summed_per_sequence(token_logps[:, :-1], labels, sequence_id)
 
 
 def sequence_logps(
@@ -44,10 +44,10 @@ def sequence_logps(
     token_logps = -F.cross_entropy(
         logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index, reduction="none"
     ).view(targets.shape)
-    return summed_per_sequence(token_logps, labels, sequence_id, ignore_index)
+    return _summed_per_sequence(token_logps, labels, sequence_id, ignore_index)
 
 
-def summed_per_sequence(
+def _summed_per_sequence(
     token_logps: torch.Tensor,
     labels: torch.Tensor,
     sequence_id: torch.Tensor | None = None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from foundry.models.mpt import MPTCausalLM
 from foundry.preference.logps import model_sequence_logps, sequence_logps
@@ -79,10 +80,30 @@ def test_chunked_log_probs_of_packed_sequences_equal_those_from_the_logits() -> 
     assert tokens.tolist() == expected_tokens.tolist()
 
 
-def test_the_chunked_path_never_builds_the_logits() -> None:
+class _WidestVocabTensor(TorchDispatchMode):
+    """Records the most elements of any tensor an op returns whose last dimension is the vocabulary."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.most_elements = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(tensor, torch.Tensor) and tensor.dim() and tensor.shape[-1] == self.vocab:
+                self.most_elements = max(self.most_elements, tensor.numel())
+        return out
+
+
+def test_the_chunked_path_never_builds_the_whole_logits(monkeypatch: pytest.MonkeyPatch) -> None:
     model = tiny_mpt()
     input_ids, labels = rows_of_pairs()
-    with torch.no_grad():
-        output = model({"input_ids": input_ids, "labels": labels}, token_logps=True)
-    assert output.logps.shape == input_ids.shape and output.logps.dtype == torch.float32
-    assert (output.logps[:, -1] == 0).all()  # the last position has no target
+    tokens, vocab = input_ids.numel(), model.config.vocab_size
+    monkeypatch.setattr("foundry.kernels.linear_cross_entropy.CHUNK_LOGITS_BYTES", tokens // 4 * vocab * 4)  # fp32
+    with _WidestVocabTensor(vocab) as chunked:
+        logps, _ = model_sequence_logps(model, {"input_ids": input_ids}, labels)
+        logps.sum().backward()
+    with _WidestVocabTensor(vocab) as from_logits:
+        model({"input_ids": input_ids})
+    assert from_logits.most_elements == tokens * vocab
+    assert chunked.most_elements < tokens * vocab  # chunks' logits (forward, and again in the backward)
