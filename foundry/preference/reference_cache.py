@@ -39,8 +39,13 @@ def reference_table(model: nn.Module, state: Any, load_path: str | None) -> torc
             f"reference log-probabilities computed when it started ({path}) are gone; its model has moved since, "
             "so they cannot be recomputed. Restore the file, or start the run again."
         )
-    with torch.no_grad(), autocast(state.precision, state.device):
-        table = _compute(model, loader, state.device)
+    was_training = model.training
+    model.eval()  # scored as the frozen copy scores: no dropout, and not through a compiled training forward
+    try:
+        with torch.no_grad(), autocast(state.precision, state.device):
+            table = _compute(model, loader, state.device)
+    finally:
+        model.train(was_training)
     if get_rank() == 0:
         partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         torch.save(table, partial)
