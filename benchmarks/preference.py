@@ -13,8 +13,12 @@ Rows ``sft-1b`` and ``dpo-1b`` train yamls/finetune/mpt-1b-finetune.yaml on one 
 SFT on 32 rows of prompt + chosen, DPO on 16 pairs (32 rows: prompt + chosen and prompt + rejected, a frozen copy
 as the reference). Every row is exactly ``max_seq_len`` tokens (each response is cut there), so neither run pads,
 and tokens/s counts every row through the policy (for DPO, chosen and rejected). Row ``lora-dpo-8b`` trains
-yamls/finetune/llama-8b-lora-dpo.yaml on two GPUs. tokens/s is the median of the speed monitor's windowed rate
-after the first 5 batches.
+yamls/finetune/llama-8b-lora-dpo.yaml on two GPUs. Each row trains 12 batches; tokens/s is the median of the speed
+monitor's rate over windows of 4 batches after the first 4 (the first holds the compile). Each row has its own
+time limit (``ROW_TIMEOUT_S``): sft-1b and dpo-1b fit one call of under 560 s.
+
+``run --smoke --data DATA`` checks the whole path on this CPU in a few minutes: the rows' YAMLs at tiny widths
+(``peers_rows.SMOKE_FOUNDRY``), 1,024-token rows, the first pairs of DATA, a few batches each.
 """
 
 from __future__ import annotations
@@ -26,15 +30,26 @@ import statistics
 from pathlib import Path
 
 from bench_utils import environment, foundry_train, write_results
+from peers_rows import SMOKE_FOUNDRY, SMOKE_SETTINGS
 
 SEQ_LEN = 2048
 CHUNK_CHARS = 12_000  # about 3,000 gpt-neox tokens: every prompt + response is cut at SEQ_LEN
 PROMPT_CHARS = 2_000
 PAIRS = 480
+BATCHES, WARM_UP_BATCHES = 12, 4
 ONE_GPU_1B = [
-    "load_path=", "eval_loader=", "max_duration=20ba", "save_folder=", "console_log_interval=5ba",
-    "model.attn_config.attn_uses_sequence_id=false", "callbacks.speed_monitor={window_size: 5}",
+    "load_path=", "eval_loader=", f"max_duration={BATCHES}ba", "save_folder=", "console_log_interval=4ba",
+    "model.attn_config.attn_uses_sequence_id=false", f"callbacks.speed_monitor={{window_size: {WARM_UP_BATCHES}}}",
 ]  # fmt: skip
+# start-up (imports, tokenizing, building, compiling: about 1.5 min for sft-1b on an H200) plus 12 batches
+ROW_TIMEOUT_S = {"sft-1b": 200, "dpo-1b": 320, "lora-dpo-8b": 540}
+SMOKE_PAIRS = 24
+SMOKE_SEQ_LEN = 1024  # above the prompts' ~640 tokens: a prompt is never cut
+SMOKE_ROWS = {
+    "sft-1b": [*SMOKE_FOUNDRY["mpt"], "global_train_batch_size=4", "device_train_microbatch_size=2"],
+    "dpo-1b": [*SMOKE_FOUNDRY["mpt"], "global_train_batch_size=2", "device_train_microbatch_size=1"],
+    "lora-dpo-8b": [*SMOKE_FOUNDRY["llama"], "global_train_batch_size=2", "device_train_microbatch_size=1"],
+}
 
 
 def prepare(corpus: list[Path], tokenizer: Path, out: Path) -> None:
@@ -54,14 +69,14 @@ def prepare(corpus: list[Path], tokenizer: Path, out: Path) -> None:
     shutil.copytree(tokenizer, out / "tokenizer", dirs_exist_ok=True)
 
 
-def row_overrides(name: str, data: Path) -> tuple[str, list[str], int]:
+def row_overrides(name: str, data: Path, seq_len: int = SEQ_LEN) -> tuple[str, list[str], int]:
     """(YAML, overrides, ranks) of row ``name``."""
     tokenizer = f"variables.tokenizer_name={data / 'tokenizer'}"
     if name == "sft-1b":
-        sft = f"train_loader.dataset={{hf_name: {data / 'sft.jsonl'}, max_seq_len: {SEQ_LEN}, shuffle: true}}"
+        sft = f"train_loader.dataset={{hf_name: {data / 'sft.jsonl'}, max_seq_len: {seq_len}, shuffle: true}}"
         overrides = [*ONE_GPU_1B, tokenizer, sft, "global_train_batch_size=32", "device_train_microbatch_size=8"]
         return "yamls/finetune/mpt-1b-finetune.yaml", overrides, 1
-    pairs = f"train_loader.dataset={{hf_name: {data / 'pairs.jsonl'}, max_seq_len: {SEQ_LEN}, shuffle: true}}"
+    pairs = f"train_loader.dataset={{hf_name: {data / 'pairs.jsonl'}, max_seq_len: {seq_len}, shuffle: true}}"
     if name == "dpo-1b":
         dpo = ["train_loader.name=preference", pairs, "preference={beta: 0.1, reference: copy}"]
         overrides = [*ONE_GPU_1B, tokenizer, *dpo, "global_train_batch_size=16", "device_train_microbatch_size=4"]
@@ -78,13 +93,31 @@ def row_overrides(name: str, data: Path) -> tuple[str, list[str], int]:
     raise SystemExit(f"unknown row {name!r}; rows: sft-1b, dpo-1b, lora-dpo-8b")
 
 
-def measure(name: str, data: Path, out: Path, timeout_s: float) -> dict:
+def smoke_data(data: Path, out: Path) -> Path:
+    """The first ``SMOKE_PAIRS`` pairs of ``data`` (and its tokenizer), for ``--smoke``."""
+    smoke = out / "smoke-data"
+    smoke.mkdir(parents=True, exist_ok=True)
+    for name in ("pairs.jsonl", "sft.jsonl"):
+        lines = (data / name).read_text().splitlines(keepends=True)[:SMOKE_PAIRS]
+        (smoke / name).write_text("".join(lines))
+    shutil.copytree(data / "tokenizer", smoke / "tokenizer", dirs_exist_ok=True)
+    return smoke
+
+
+def measure(name: str, data: Path, out: Path, timeout_s: float | None, smoke: bool) -> dict:
     """Run row ``name`` through `foundry train` and read its speed and memory from metrics.jsonl."""
-    yaml, overrides, ranks = row_overrides(name, data)
+    yaml, overrides, ranks = row_overrides(name, data, SMOKE_SEQ_LEN if smoke else SEQ_LEN)
+    if smoke:  # the later overrides win
+        overrides += [*SMOKE_ROWS[name], *SMOKE_SETTINGS, f"variables.max_seq_len={SMOKE_SEQ_LEN}", "max_duration=6ba"]
     run_folder = out / name
-    code = foundry_train(yaml, run_folder, overrides, nproc=ranks, timeout_s=timeout_s)
-    steps = [json.loads(line) for line in (run_folder / "metrics.jsonl").read_text().splitlines()]
-    rates = [step["throughput/tokens_per_sec"] for step in steps if "throughput/tokens_per_sec" in step][5:]
+    code = foundry_train(yaml, run_folder, overrides, nproc=ranks, timeout_s=timeout_s or ROW_TIMEOUT_S[name])
+    metrics = run_folder / "metrics.jsonl"
+    steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    rates = [  # windows after the warm-up batches (the first holds the compile)
+        step["throughput/tokens_per_sec"]
+        for step in steps
+        if "throughput/tokens_per_sec" in step and step["step"] > WARM_UP_BATCHES
+    ]
     peaks = [step["memory/peak_allocated_mem"] for step in steps if "memory/peak_allocated_mem" in step]
     losses = [step["loss/train/total"] for step in steps if "loss/train/total" in step]
     return {
@@ -106,19 +139,21 @@ def main() -> None:
     run_parser.add_argument("--data", type=Path, required=True)
     run_parser.add_argument("--out", type=Path, required=True)
     run_parser.add_argument("--rows", nargs="+", default=["sft-1b", "dpo-1b", "lora-dpo-8b"])
-    run_parser.add_argument("--timeout-s", type=float, default=240)
+    run_parser.add_argument("--timeout-s", type=float, help="every row's time limit (default: ROW_TIMEOUT_S)")
+    run_parser.add_argument("--smoke", action="store_true", help="tiny widths on this CPU: checks the path")
     args = parser.parse_args()
     if args.command == "prepare":
         prepare(args.corpus, args.tokenizer, args.out)
         return
-    data = args.data.resolve()
-    rows = [{**measure(name, data, args.out.resolve(), args.timeout_s), **environment()} for name in args.rows]
+    out = args.out.resolve()
+    data = smoke_data(args.data.resolve(), out) if args.smoke else args.data.resolve()
+    rows = [{**measure(name, data, out, args.timeout_s, args.smoke), **environment()} for name in args.rows]
     by_name = {row["row"]: row for row in rows}
     if by_name.get("sft-1b", {}).get("tokens/s") and by_name.get("dpo-1b", {}).get("tokens/s"):
         by_name["dpo-1b"]["DPO / SFT tokens/s"] = round(
             by_name["dpo-1b"]["tokens/s"] / by_name["sft-1b"]["tokens/s"], 3
         )
-    write_results(args.out, "preference", rows)
+    write_results(out, "preference", rows)
 
 
 if __name__ == "__main__":

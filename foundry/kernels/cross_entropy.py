@@ -24,8 +24,8 @@ _MAX_VOCAB_BLOCK = 4096
 
 @lazy_jit
 def _cross_entropy_rows(
-    logits_ptr, targets_ptr, row_loss_ptr, inv_count_ptr, row_stride, n_cols, ignore_index, logit_scale,
-    BLOCK: tl.constexpr,
+    logits_ptr, targets_ptr, row_loss_ptr, inv_count_ptr, inv_count_stride, row_stride, n_cols, ignore_index,
+    logit_scale, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
@@ -43,7 +43,7 @@ def _cross_entropy_rows(
     target_in_row = (target >= 0) & (target < n_cols)
     target_logit = tl.load(row_ptr + target, mask=target_in_row & ~is_ignored, other=0.0).to(tl.float32)
     tl.store(row_loss_ptr + row, tl.where(is_ignored, 0.0, log_sum_exp - target_logit * logit_scale))
-    grad_scale = tl.where(is_ignored, 0.0, logit_scale * tl.load(inv_count_ptr))
+    grad_scale = tl.where(is_ignored, 0.0, logit_scale * tl.load(inv_count_ptr + row * inv_count_stride))
     for start in range(0, n_cols, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -63,14 +63,16 @@ def cross_entropy_rows_(
     """Per-row losses (rows,) in fp32; ``logits`` (rows, vocab) is overwritten with d(mean loss)/d(logits).
 
     ``inv_count`` is 1 / (non-ignored targets in the whole batch), a device scalar, so chunks of one
-    batch share the global denominator without a host sync. ``num_warps`` overrides the launch's
-    warps (``benchmarks/cross_entropy_launch.py`` sweeps them).
+    batch share the global denominator without a host sync; or one factor per row (rows,), each row's
+    upstream gradient (per-token losses, ``linear_cross_entropy(reduction="none")``). ``num_warps`` overrides
+    the launch's warps (``benchmarks/cross_entropy_launch.py`` sweeps them).
     """
     n_rows, n_cols = logits.shape
     row_loss = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     block = min(_MAX_VOCAB_BLOCK, triton.next_power_of_2(n_cols))  # rows loop over blocks: any vocab
     _cross_entropy_rows[(n_rows,)](
-        logits, targets, row_loss, inv_count, logits.stride(0), n_cols, ignore_index, logit_scale, BLOCK=block,
+        logits, targets, row_loss, inv_count, inv_count.stride(0) if inv_count.dim() else 0, logits.stride(0), n_cols,
+        ignore_index, logit_scale, BLOCK=block,
         num_warps=num_warps or num_warps_for(block, logits.device),
     )  # fmt: skip
     return row_loss

@@ -10,9 +10,17 @@ the three GEMMs of a chunk at full speed and the fp32 weight-gradient accumulati
 the time. With chunks the size of ``hidden`` instead (1,024 tokens for MPT-125M: 64 small GEMM
 triples and 64 accumulations of a 50,368 x 768 fp32 gradient per microbatch) the fused loss ran
 slower than the compiled unfused one (docs/PERFORMANCE.md).
+
+With ``reduction="none"`` it returns each token's loss instead of the mean (minus each token's
+log-probability, which DPO sums per sequence). Their upstream gradient differs token by token and is
+known only in the backward, so the forward keeps no gradient: the backward computes each chunk's
+logits again (one more GEMM per chunk) and the kernel scales each row's gradient by that row's
+upstream gradient.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 
@@ -94,6 +102,49 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
+class _LinearTokenCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, logit_scale, ignore_index, chunk_tokens):  # type: ignore[override]
+        dtype = _compute_dtype(hidden, weight)
+        no_gradient = torch.zeros((), dtype=torch.float32, device=hidden.device)  # the kernel writes zeros
+        token_losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            hidden_c, weight_c = hidden.to(dtype), weight.to(dtype)
+            for start in range(0, hidden.shape[0], chunk_tokens):
+                chunk = slice(start, start + chunk_tokens)
+                logits = hidden_c[chunk] @ weight_c.T  # (chunk, vocab)
+                token_losses[chunk] = _cross_entropy_rows_(
+                    logits, targets[chunk], no_gradient, logit_scale, ignore_index
+                )
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.settings = dtype, logit_scale, ignore_index, chunk_tokens
+        return token_losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):  # type: ignore[override]
+        hidden, weight, targets = ctx.saved_tensors
+        dtype, logit_scale, ignore_index, chunk_tokens = ctx.settings
+        row_scales = grad_losses.float().contiguous()  # (tokens,): each token's upstream gradient
+        with torch.autocast(hidden.device.type, enabled=False):
+            hidden_c, weight_c = hidden.to(dtype), weight.to(dtype)
+            grad_hidden = torch.empty_like(hidden_c) if ctx.needs_input_grad[0] else None
+            grad_weight = None
+            if ctx.needs_input_grad[1]:
+                grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            for start in range(0, hidden.shape[0], chunk_tokens):
+                chunk = slice(start, start + chunk_tokens)
+                hidden_chunk = hidden_c[chunk]  # (chunk, d_model)
+                logits = hidden_chunk @ weight_c.T  # (chunk, vocab); becomes d(Σ upstream·loss)/d(logits)
+                _cross_entropy_rows_(logits, targets[chunk], row_scales[chunk], logit_scale, ignore_index)
+                if grad_hidden is not None:
+                    torch.mm(logits, weight_c, out=grad_hidden[chunk])
+                if grad_weight is not None:
+                    add_weight_grad_(grad_weight, logits, hidden_chunk)
+        grad_hidden = grad_hidden.to(hidden.dtype) if grad_hidden is not None else None
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        return grad_hidden, grad_weight, None, None, None, None
+
+
 # A loop of GEMMs around a Triton launch: nothing for inductor to fuse, so a compiled caller
 # (torch_compile scope: model) runs it as is instead of tracing the loop.
 @torch.compiler.disable
@@ -104,8 +155,9 @@ def linear_cross_entropy(
     logit_scale: float | None = None,
     ignore_index: int = IGNORE_INDEX,
     chunk_tokens: int | None = None,
+    reduction: Literal["mean", "none"] = "mean",
 ) -> torch.Tensor:
-    """``F.cross_entropy(logit_scale * hidden @ weight.T, targets)``, mean over non-ignored targets, chunked.
+    """``F.cross_entropy(logit_scale * hidden @ weight.T, targets, reduction=reduction)``, chunked.
 
     Args:
         hidden: (..., d_model) final hidden states.
@@ -113,10 +165,15 @@ def linear_cross_entropy(
         targets: (...) token ids; ``ignore_index`` marks positions without a loss.
         logit_scale: multiplies the logits (MPT's ``logit_scale``); None = 1.
         chunk_tokens: tokens per chunk; None picks ``chunk_tokens_for``.
+        reduction: ``mean`` over non-ignored targets, or ``none``: each token's loss, fp32 of ``targets``'
+            shape, 0 where ignored.
     """
-    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    flat_hidden, flat_targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if chunk_tokens is None:
-        itemsize = _compute_dtype(hidden, weight).itemsize
-        chunk_tokens = chunk_tokens_for(hidden.shape[0], weight.shape[0], itemsize)
+        itemsize = _compute_dtype(flat_hidden, weight).itemsize
+        chunk_tokens = chunk_tokens_for(flat_hidden.shape[0], weight.shape[0], itemsize)
     scale = 1.0 if logit_scale is None else float(logit_scale)
-    return _LinearCrossEntropy.apply(hidden, weight, targets, scale, ignore_index, chunk_tokens)
+    arguments = flat_hidden, weight, flat_targets, scale, ignore_index, chunk_tokens
+    if reduction == "none":
+        return _LinearTokenCrossEntropy.apply(*arguments).view(targets.shape)
+    return _LinearCrossEntropy.apply(*arguments)

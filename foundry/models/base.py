@@ -125,12 +125,29 @@ pytree.register_pytree_node(
 )
 
 
+@dataclasses.dataclass
+class TokenLogps:
+    """What ``forward(batch, token_logps=True)`` returns (``CausalLM.computes_token_logps``): each position's
+    log-probability of its target, fp32 (batch, seq), 0 where the target is ignored; no logits."""
+
+    logps: torch.Tensor
+
+
+pytree.register_pytree_node(
+    TokenLogps, lambda output: ([output.logps], None), lambda children, _: TokenLogps(children[0])
+)
+
+
 class CausalLM(FoundryModel):
     """A next-token predictor: ``forward`` returns logits (batch, seq, vocab); labels shift inside.
 
     A model may instead return ``LossOutput`` from a training forward that fused the output
-    projection into the loss; ``loss`` then passes it through.
+    projection into the loss; ``loss`` then passes it through. A model whose ``computes_token_logps`` is true
+    takes ``forward(batch, token_logps=True)`` and returns ``TokenLogps`` (preference tuning's log-probabilities,
+    without the (batch, seq, vocab) logits).
     """
+
+    computes_token_logps: bool = False
 
     def loss(self, outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
         if isinstance(outputs, LossOutput):

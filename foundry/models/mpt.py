@@ -29,7 +29,7 @@ from foundry.kernels.device import kernels_run_on
 from foundry.kernels.linear_cross_entropy import linear_cross_entropy
 from foundry.models import flops
 from foundry.models.attention import Attention, AttentionInputs, AttnConfig, AttnImpl, build_attention_inputs
-from foundry.models.base import CausalLM, LossOutput, shifted_targets
+from foundry.models.base import CausalLM, LossOutput, TokenLogps, shifted_targets
 from foundry.models.experts import GroupedExperts
 from foundry.models.init import InitConfig, InitName, init_module_, init_weights_
 from foundry.models.kv_cache import KVCache, LayerKVCache
@@ -410,15 +410,24 @@ class MPTCausalLM(CausalLM):
         """The (vocab, d_model) output projection: the token embedding itself when tied."""
         return self.transformer.wte.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, batch: Mapping[str, Any], cache: KVCache | None = None) -> torch.Tensor | LossOutput:
+    computes_token_logps = True
+
+    def forward(
+        self, batch: Mapping[str, Any], cache: KVCache | None = None, token_logps: bool = False
+    ) -> torch.Tensor | LossOutput | TokenLogps:
         """Logits (batch, seq, vocab); with ``fused_cross_entropy`` in training, the loss itself.
 
-        With ``cache`` (from ``new_kv_cache``), the batch's tokens follow those already cached.
+        With ``cache`` (from ``new_kv_cache``), the batch's tokens follow those already cached. With
+        ``token_logps``, each position's log-probability of its target from the chunked output projection.
         """
         hidden = self.transformer(
             batch["input_ids"], batch.get("attention_mask"), batch.get("sequence_id"), batch.get("position_ids"),
             cache,
         )  # fmt: skip
+        if token_logps:  # log-probability = -cross-entropy
+            targets = shifted_targets(batch)
+            losses = linear_cross_entropy(hidden, self.output_weight, targets, self.logit_scale, reduction="none")
+            return TokenLogps(-losses)
         if self.training and self._fuses_loss(hidden.device):
             targets = shifted_targets(batch)
             return LossOutput(linear_cross_entropy(hidden, self.output_weight, targets, self.logit_scale))

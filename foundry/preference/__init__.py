@@ -11,7 +11,7 @@ _EXPORTS = {
     "PreferenceConfig": "foundry.preference.config",
     "PreferenceObjective": "foundry.preference.objective",
     "preference_loss": "foundry.preference.losses",
-    "sequence_logps": "foundry.preference.losses",
+    "sequence_logps": "foundry.preference.logps",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -49,27 +49,3 @@ def preference_loss(
 
 def _smoothed_sigmoid(scaled_logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
     return -F.logsigmoid(scaled_logits) * (1 - label_smoothing) - F.logsigmoid(-scaled_logits) * label_smoothing
-
-
-def sequence_logps(
-    logits: torch.Tensor, labels: torch.Tensor, sequence_id: torch.Tensor | None = None, ignore_index: int = -100
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each sequence's summed log-probability of its labelled tokens, and how many it has: ((rows, k), (rows, k)).
-
-    ``logits`` (rows, seq, vocab) at position t predict ``labels`` at t+1; positions labelled ``ignore_index``
-    (the prompt, padding) add nothing. A row holds one sequence (k = 1), or with ``sequence_id`` (rows, seq)
-    the k packed ones it numbers 0..k-1 (-1 on padding). Computed in float32 as cross-entropy, without a
-    (rows, seq, vocab) copy.
-    """
-    targets = labels[:, 1:]
-    token_logps = -F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=ignore_index, reduction="none"
-    ).view(targets.shape)
-    labelled = targets != ignore_index
-    if sequence_id is None:
-        return token_logps.sum(-1, keepdim=True), labelled.sum(-1, keepdim=True)
-    segment = sequence_id[:, 1:].clamp(min=0)  # a target's sequence is its token's; padding is unlabelled
-    sequences = int(sequence_id.max()) + 1
-    sums = token_logps.new_zeros(len(targets), sequences).scatter_add(1, segment, token_logps)
-    counts = labelled.new_zeros(len(targets), sequences, dtype=torch.int64).scatter_add(1, segment, labelled.long())
-    return sums, counts

@@ -36,7 +36,8 @@ from foundry.models.build import vocab_size
 from foundry.models.lora import adapters_disabled, lora_modules
 from foundry.models.objective import Objective
 from foundry.preference.config import AVERAGES_PER_TOKEN, REFERENCE_FREE, PreferenceConfig, Reference
-from foundry.preference.losses import preference_loss, sequence_logps
+from foundry.preference.logps import model_sequence_logps
+from foundry.preference.losses import preference_loss
 from foundry.preference.reference_cache import reference_table
 
 
@@ -78,8 +79,6 @@ class PreferenceObjective(Objective):
 
     def after_load(self, state: Any, load_path: str | None) -> None:
         model = state.model
-        if hasattr(model, "fused_cross_entropy"):  # per-sequence log-probabilities need the logits
-            model.fused_cross_entropy = False
         if self.mode == "precomputed":
             self._reference_table = reference_table(model, state, load_path).to(state.device)
         if self.mode != "copy" or not self._copies_policy:
@@ -102,8 +101,8 @@ class PreferenceObjective(Objective):
             outputs["reference"] = torch.cat([table[..., 0], table[..., 1]])
         elif self.mode != "none":
             with torch.no_grad(), self._reference_model(model) as reference:
-                outputs["reference"], _ = sequence_logps(reference(inputs), labels, sequence_id)
-        outputs["policy"], outputs["tokens"] = sequence_logps(model(inputs), labels, sequence_id)
+                outputs["reference"], _ = model_sequence_logps(reference, inputs, labels, sequence_id)
+        outputs["policy"], outputs["tokens"] = model_sequence_logps(model, inputs, labels, sequence_id)
         return outputs
 
     @contextlib.contextmanager

@@ -23,7 +23,7 @@ from foundry.core.precision import autocast
 from foundry.data.preference import PreferenceDataLoader, collate_pairs
 from foundry.distributed.env import all_gather_object, barrier, get_rank
 from foundry.errors import ConfigError, TrainingError
-from foundry.preference.losses import sequence_logps
+from foundry.preference.logps import model_sequence_logps
 
 
 def reference_table(model: nn.Module, state: Any, load_path: str | None) -> torch.Tensor:
@@ -39,8 +39,13 @@ def reference_table(model: nn.Module, state: Any, load_path: str | None) -> torc
             f"reference log-probabilities computed when it started ({path}) are gone; its model has moved since, "
             "so they cannot be recomputed. Restore the file, or start the run again."
         )
-    with torch.no_grad(), autocast(state.precision, state.device):
-        table = _compute(model, loader, state.device)
+    was_training = model.training
+    model.eval()  # scored as the frozen copy scores: no dropout, and not through a compiled training forward
+    try:
+        with torch.no_grad(), autocast(state.precision, state.device):
+            table = _compute(model, loader, state.device)
+    finally:
+        model.train(was_training)
     if get_rank() == 0:
         partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         torch.save(table, partial)
@@ -78,7 +83,7 @@ def _compute(model: nn.Module, loader: PreferenceDataLoader, device: torch.devic
         indices = share[step * loader.device_batch_size : (step + 1) * loader.device_batch_size]
         batch = collate_pairs([[pairs[index]] for index in indices], loader.pad_token_id, packed=False)
         rows = {key: torch.cat([value[:, 0], value[:, 1]]).to(device) for key, value in batch.items()}
-        logps, _ = sequence_logps(model({"input_ids": rows["input_ids"]}), rows["labels"])
+        logps, _ = model_sequence_logps(model, {"input_ids": rows["input_ids"]}, rows["labels"])
         chosen, rejected = logps[:, 0].float().chunk(2)
         scores.update(zip(indices, zip(chosen.tolist(), rejected.tolist())))
     for rank_scores in all_gather_object(scores):

@@ -93,6 +93,25 @@ class _LargestAllocation(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("path", ["kernel", "pytorch"])
+@pytest.mark.parametrize("chunk_tokens", [5, None])
+def test_per_token_losses_and_their_grads_match_unfused_cross_entropy_in_fp32(
+    path: str, chunk_tokens: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if path == "pytorch":
+        monkeypatch.setattr("foundry.kernels.linear_cross_entropy.kernels_run_on", lambda device: False)
+    hidden, weight, targets = _problem()
+    losses = linear_cross_entropy(hidden, weight, targets, 0.37, chunk_tokens=chunk_tokens, reduction="none")
+    logits = (hidden @ weight.T).float() * 0.37
+    expected = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")  # 0 if ignored
+    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
+    upstream = torch.randn(targets.shape, generator=torch.Generator().manual_seed(0))  # a gradient per token
+    grads = torch.autograd.grad((losses * upstream).sum(), (hidden, weight))
+    expected_grads = torch.autograd.grad((expected * upstream).sum(), (hidden, weight))
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", ["kernel", "pytorch"])
 def test_never_allocates_tokens_by_vocab(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if path == "pytorch":
         monkeypatch.setattr("foundry.kernels.linear_cross_entropy.kernels_run_on", lambda device: False)
@@ -101,7 +120,8 @@ def test_never_allocates_tokens_by_vocab(path: str, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr("foundry.kernels.linear_cross_entropy.CHUNK_LOGITS_BYTES", tokens * vocab * fp32_bytes // 8)
     hidden, weight, targets = _problem(tokens, d_model, vocab)
     with _LargestAllocation() as recorder:
-        loss = linear_cross_entropy(hidden, weight, targets)
+        token_losses = linear_cross_entropy(hidden, weight, targets, reduction="none")
+        loss = linear_cross_entropy(hidden, weight, targets) + token_losses.sum()
         loss.backward()
     # The largest fp32 tensor is a chunk's logits or the weight (gradient), never the whole logits.
     assert chunk_tokens_for(tokens, vocab, fp32_bytes) == tokens // 8
@@ -136,3 +156,19 @@ def test_kernel_at_any_warp_count_gives_the_losses_and_gradients_of_pytorch(
     assert_close(loss, expected_loss, torch.float32)
     assert_close(logits, expected_logits, dtype)
     assert loss[4] == 0 and (logits[4] == 0).all()  # an ignored row: no loss, no gradient
+
+
+def test_kernel_scales_each_rows_gradient_by_its_own_factor(assert_close) -> None:
+    """Per-token log-probabilities: each row's upstream gradient scales that row."""
+    from foundry.kernels.cross_entropy import cross_entropy_rows_
+
+    rows, vocab = 6, 77
+    logits = torch.randn(rows, vocab) * 3
+    targets = torch.randint(0, vocab, (rows,))
+    row_scales = torch.tensor([0.5, -1.0, 0.0, 2.0, 0.25, -3.0])
+    expected_logits = logits.clone()
+    expected_loss = _cross_entropy_rows_torch_(expected_logits, targets, row_scales, 0.5, -100)
+    loss = cross_entropy_rows_(logits, targets, row_scales, 0.5, -100)
+    assert_close(loss, expected_loss, torch.float32)
+    assert_close(logits, expected_logits, torch.float32)
+    assert loss[2] > 0 and (logits[2] == 0).all()  # a row scaled by 0 keeps its loss, not its gradient

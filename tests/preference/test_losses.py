@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from foundry.preference.losses import preference_loss, sequence_logps
+from foundry.preference.losses import preference_loss
 
 CHOSEN, REJECTED = torch.tensor([-3.0, -7.5]), torch.tensor([-4.0, -6.0])
 REFERENCE_CHOSEN, REFERENCE_REJECTED = torch.tensor([-3.5, -7.0]), torch.tensor([-3.0, -6.5])
@@ -53,29 +53,3 @@ def test_simpo_needs_no_reference_and_subtracts_its_margin_gamma() -> None:
     expected = [-log_sigmoid(beta * (c - r - gamma_beta_ratio)) for c, r in zip(CHOSEN.tolist(), REJECTED.tolist())]
     assert loss.tolist() == pytest.approx(expected, rel=1e-6)
     assert chosen_reward.tolist() == pytest.approx((beta * CHOSEN).tolist())
-
-
-def test_sequence_logps_sum_the_log_softmax_of_each_labelled_next_token() -> None:
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 5, 7, generator=generator)
-    labels = torch.tensor([[-100, -100, 3, 4, 5], [-100, 1, 2, -100, -100]])
-    summed, tokens = sequence_logps(logits, labels)
-    log_probs = logits.log_softmax(-1)
-    expected = [
-        sum(log_probs[row, t - 1, labels[row, t]].item() for t in range(1, 5) if labels[row, t] != -100)
-        for row in range(2)
-    ]
-    assert summed[:, 0].tolist() == pytest.approx(expected, rel=1e-6)
-    assert tokens.tolist() == [[3], [2]]
-
-
-def test_packed_sequences_sum_separately_and_as_each_alone() -> None:
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(1, 8, 7, generator=generator)
-    labels = torch.tensor([[-100, 1, 2, -100, -100, 3, 4, -100]])  # two sequences, then padding
-    sequence_id = torch.tensor([[0, 0, 0, 1, 1, 1, 1, -1]])
-    summed, tokens = sequence_logps(logits, labels, sequence_id)
-    first, _ = sequence_logps(logits[:, :3], labels[:, :3])
-    second, _ = sequence_logps(logits[:, 3:7], labels[:, 3:7])
-    assert summed[0].tolist() == pytest.approx([first.item(), second.item()], rel=1e-6)
-    assert tokens.tolist() == [[2, 2]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -79,6 +80,31 @@ def test_dpo_starts_at_log_two_against_a_copy_of_the_policy_and_logs_trls_metric
     assert set(steps[0]) >= TRL_METRICS
     assert steps[-1]["loss/train/total"] < steps[0]["loss/train/total"]
     assert steps[-1]["rewards/accuracies"] == 1.0
+
+
+def test_a_dpo_step_is_one_policy_forward_of_both_sides_one_reference_forward_and_one_backward(
+    tmp_path: Path,
+) -> None:
+    model = tiny_model()
+    objective = PreferenceObjective(PreferenceConfig())
+    trainer = Trainer(
+        model, pair_batches(3), "3ba", objective=objective, run_folder=str(tmp_path / "run"), progress_bar=False,
+        log_to_console=False,
+    )  # fmt: skip
+    forwards: dict[str, list[tuple[int, bool]]] = {"policy": [], "reference": []}
+
+    def record(name: str) -> Any:
+        """Each forward's rows, and whether it ran the chunked output projection (no logits)."""
+        return lambda module, args, kwargs: forwards[name].append((len(args[0]["input_ids"]), kwargs["token_logps"]))
+
+    model.register_forward_pre_hook(record("policy"), with_kwargs=True)
+    objective.reference.register_forward_pre_hook(record("reference"), with_kwargs=True)
+    backwards = []
+    model.transformer.norm_f.weight.register_hook(lambda grad: backwards.append(1))
+    trainer.fit()
+    one_forward_a_batch = [(4, True)] * 3  # 2 pairs a batch: their chosen and rejected rows together
+    assert forwards == {"policy": one_forward_a_batch, "reference": one_forward_a_batch}
+    assert len(backwards) == 3
 
 
 def test_a_lora_policy_uses_its_base_with_adapters_off_as_the_reference(tmp_path: Path) -> None:

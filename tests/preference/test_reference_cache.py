@@ -63,6 +63,22 @@ def test_precomputed_reference_trains_as_a_frozen_copy_and_is_stored_beside_the_
     assert len(list(pairs_folder.glob("reference-logps-*.pt"))) == 1
 
 
+def test_the_table_is_scored_in_eval_mode_and_training_goes_on_in_train_mode(
+    pairs_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    modes: list[bool] = []
+    model_sequence_logps = reference_cache.model_sequence_logps
+
+    def recording(model: torch.nn.Module, *args: Any) -> Any:
+        modes.append(model.training)
+        return model_sequence_logps(model, *args)
+
+    monkeypatch.setattr(reference_cache, "model_sequence_logps", recording)
+    trainer, _ = train(pairs_folder, tmp_path / "run", "precomputed", batches=1)
+    assert modes == [False] * 4  # 8 pairs, 2 a forward
+    assert trainer.state.model.training
+
+
 def test_a_second_run_from_the_same_start_reads_the_stored_table(
     pairs_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
