@@ -6,7 +6,9 @@ exposes ``checkpoint_hooks``; every other model gets these defaults: save everyt
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Collection
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,19 @@ class CheckpointHooks:
     def state_to_save(self, model_state: dict[str, Any]) -> dict[str, Any]:
         """The model tensors a checkpoint stores (of ``model_state``, the model's whole state)."""
         return model_state
+
+    def saves_frozen_weights(self) -> bool:
+        """Whether a checkpoint holds the weights no optimizer trains; when not, they stay out of the state dict."""
+        return True
+
+    def loads_frozen_weights(self, saved: Collection[str]) -> bool:
+        """Whether a checkpoint holding the model keys ``saved`` sets frozen weights; when not, the state dict it
+        loads into holds the trainable ones alone."""
+        return True
+
+    def frozen_weights_unread(self) -> AbstractContextManager:
+        """Within: building the model's state dict may skip work on frozen weights (they are dropped from it)."""
+        return contextlib.nullcontext()
 
     def loadable_without(self, missing: Collection[str], saved: Collection[str]) -> bool:
         """Whether a checkpoint holding the model keys ``saved`` loads although it lacks ``missing``."""

@@ -94,8 +94,9 @@ def start_checkpoint(
             "or choose another save_folder."
         )
     rng_json = json.dumps(get_rng_state())  # first, so nothing below can draw from the generators before
-    tensors = tensor_state(state)
-    tensors["model"] = checkpoint_hooks(state.model).state_to_save(tensors["model"])  # maybe part of the weights
+    hooks = checkpoint_hooks(state.model)
+    tensors = tensor_state(state, frozen=hooks.saves_frozen_weights())
+    tensors["model"] = hooks.state_to_save(tensors["model"])  # maybe part of the weights
     meta_json = _meta_json(state, name, callbacks, algorithms, config)
 
     if state.rank == 0:

@@ -9,6 +9,7 @@ loads first: LoRA models hand these hooks to ``foundry.checkpoint`` (``model.che
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ from foundry.checkpoint.hooks import CheckpointHooks
 from foundry.checkpoint.meta import read_meta
 from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from foundry.errors import CheckpointError
-from foundry.models.lora import LoraConfig, is_adapter_key
+from foundry.models.lora import LoraConfig, is_adapter_key, nf4_weights_kept_as_codes
 
 if TYPE_CHECKING:
     from torch import nn
@@ -39,6 +40,17 @@ class LoraCheckpointHooks(CheckpointHooks):
         if not self.config.save_adapters_only:
             return model_state
         return {name: tensor for name, tensor in model_state.items() if is_adapter_key(name)}
+
+    def saves_frozen_weights(self) -> bool:
+        return not self.config.save_adapters_only
+
+    def loads_frozen_weights(self, saved: Collection[str]) -> bool:
+        """An adapters-only checkpoint sets the adapters alone (its base was loaded before)."""
+        return not (saved and all(map(is_adapter_key, saved)))
+
+    def frozen_weights_unread(self) -> AbstractContextManager:
+        """NF4 weights stay 4-bit: their bf16 values would be dropped."""
+        return nf4_weights_kept_as_codes()
 
     def loadable_without(self, missing: Collection[str], saved: Collection[str]) -> bool:
         """Two cases load although keys are missing: a base checkpoint into a LoRA model (only adapters

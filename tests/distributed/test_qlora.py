@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
 import pytest
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from distributed.jobs import train
+from distributed.jobs import build_trainer, train
+from foundry.checkpoint.load import load_checkpoint
+from foundry.checkpoint.save import save_checkpoint
+from foundry.distributed import get_rank
 from foundry.models.lora import is_adapter_key
+from foundry.models.nf4 import torchao_nf4
 
 pytest.importorskip("torchao")
 
@@ -52,3 +62,55 @@ def test_qlora_built_on_meta_trains_on_two_ranks_from_rank_0s_weights(ranks, tmp
         if not is_adapter_key(name):
             bf16_step = 2.0 ** (torch.frexp(weight.abs().max().float()).exponent.item() - 8)
             torch.testing.assert_close(two["weights"][name], weight, atol=bf16_step, rtol=0, msg=name)
+
+
+@contextlib.contextmanager
+def counted_dequantizations() -> Iterator[list[torch.Size]]:
+    """The shapes of the NF4 weights (or shards) dequantized within: torchao's ``get_original_weight`` counted."""
+    nf4_tensor = torchao_nf4().NF4Tensor
+    original, shapes = nf4_tensor.get_original_weight, []
+
+    def counted(self: Any) -> torch.Tensor:
+        shapes.append(self.shape)
+        return original(self)
+
+    nf4_tensor.get_original_weight = counted
+    try:
+        yield shapes
+    finally:
+        nf4_tensor.get_original_weight = original
+
+
+def save_and_load_adapters_only(folder: str, fsdp_config: dict | None) -> dict | None:
+    """After one batch, an adapters-only checkpoint saved as it is now and as the whole state dict filtered (what
+    it was), their contents on rank 0, and the NF4 dequantizations of each save and of loading the first back."""
+    section = {**QLORA_LLAMA, "peft_config": {**QLORA_LLAMA["peft_config"], "save_adapters_only": True}}
+    trainer = build_trainer(1, folder, fsdp_config, model_keys=section)
+    trainer.fit()
+    state, hooks = trainer.state, trainer.state.model.checkpoint_hooks
+    with counted_dequantizations() as save_calls:
+        now = save_checkpoint(f"{folder}/now", state)
+    with counted_dequantizations() as whole_state_calls, mock.patch.object(type(hooks), "saves_frozen_weights"):
+        whole = save_checkpoint(f"{folder}/whole", state)  # a Mock is truthy: the frozen weights are built too
+    with counted_dequantizations() as load_calls:
+        load_checkpoint(now, state)
+    if get_rank() != 0:
+        return None
+    contents = {}
+    for name, path in (("now", now), ("whole", whole)):
+        dcp_to_torch_save(path, f"{folder}/{name}.pt")
+        contents[name] = torch.load(f"{folder}/{name}.pt", weights_only=True)
+    return {"save": save_calls, "whole_state": whole_state_calls, "load": load_calls, **contents}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_adapters_only_checkpoints_save_and_load_without_dequantizing_the_nf4_base(ranks, tmp_path, world_size):
+    fsdp_config = {"sharding_strategy": "FULL_SHARD"} if world_size > 1 else None
+    result = ranks.run(world_size, save_and_load_adapters_only, str(tmp_path), fsdp_config)[0]
+    assert result["whole_state"]  # the counter sees the dequantizations a whole state dict does
+    assert result["save"] == [] and result["load"] == []
+    assert result["now"].keys() == result["whole"].keys()
+    assert all(is_adapter_key(key) for key in result["now"]["model"])
+    torch.testing.assert_close(result["now"]["model"], result["whole"]["model"], atol=0, rtol=0)
+    torch.testing.assert_close(result["now"]["optim"]["state"], result["whole"]["optim"]["state"], atol=0, rtol=0)
+    assert result["now"]["optim"]["param_groups"] == result["whole"]["optim"]["param_groups"]
