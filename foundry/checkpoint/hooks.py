@@ -7,7 +7,7 @@ exposes ``checkpoint_hooks``; every other model gets these defaults: save everyt
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -29,9 +29,15 @@ class CheckpointHooks:
         loads into holds the trainable ones alone."""
         return True
 
-    def frozen_weights_unread(self) -> AbstractContextManager:
-        """Within: building the model's state dict may skip work on frozen weights (they are dropped from it)."""
+    def weights_as_stored(self) -> AbstractContextManager:
+        """Within: the model's state dict may hold weights as the model stores them (4-bit codes, say), for a
+        caller that drops them (``saves_frozen_weights``) or loads through ``parts_to_load``."""
         return contextlib.nullcontext()
+
+    def parts_to_load(self, tensors: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """``tensors`` (``model``, maybe ``optim``; built under ``weights_as_stored``) in the parts that load one
+        after another, each as DCP reads into it and ``set_state_dict`` copies it into the model."""
+        yield tensors
 
     def loadable_without(self, missing: Collection[str], saved: Collection[str]) -> bool:
         """Whether a checkpoint holding the model keys ``saved`` loads although it lacks ``missing``."""

@@ -59,14 +59,17 @@ def tensor_state(state: State, model_only: bool = False, frozen: bool = True) ->
     return gather_parts(native_tensor_state(state, model_only, frozen))
 
 
-def native_tensor_state(state: State, model_only: bool = False, frozen: bool = True) -> dict[str, Any]:
+def native_tensor_state(
+    state: State, model_only: bool = False, frozen: bool = True, as_stored: bool = False
+) -> dict[str, Any]:
     """Model and optimizer state keyed by parameter name (``get_state_dict`` also handles FSDP2).
 
-    ``frozen=False`` leaves out the weights no optimizer trains, and the model's hooks may skip building their
-    values (4-bit weights are then never dequantized).
+    ``frozen=False`` leaves out the weights no optimizer trains. With ``as_stored`` (or ``frozen=False``), weights
+    are as the model stores them (``CheckpointHooks.weights_as_stored``: 4-bit weights are not dequantized).
     """
     options = StateDictOptions(ignore_frozen_params=not frozen)
-    with contextlib.nullcontext() if frozen else checkpoint_hooks(state.model).frozen_weights_unread():
+    hooks = checkpoint_hooks(state.model)
+    with hooks.weights_as_stored() if as_stored or not frozen else contextlib.nullcontext():
         if model_only or not state.optimizers:
             return {"model": get_model_state_dict(state.model, options=options)}
         model_state, optim_state = get_state_dict(state.model, state.optimizers, options=options)

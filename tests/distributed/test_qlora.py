@@ -11,10 +11,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from distributed.jobs import build_trainer, train
+from distributed.jobs import build_trainer, full_weights, train
 from foundry.checkpoint.load import load_checkpoint
 from foundry.checkpoint.save import save_checkpoint
+from foundry.convert.checkpoint_io import save_weights_checkpoint
 from foundry.distributed import get_rank
+from foundry.models.build import build_model
 from foundry.models.lora import is_adapter_key
 from foundry.models.nf4 import torchao_nf4
 
@@ -114,3 +116,40 @@ def test_adapters_only_checkpoints_save_and_load_without_dequantizing_the_nf4_ba
     torch.testing.assert_close(result["now"]["model"], result["whole"]["model"], atol=0, rtol=0)
     torch.testing.assert_close(result["now"]["optim"]["state"], result["whole"]["optim"]["state"], atol=0, rtol=0)
     assert result["now"]["optim"]["param_groups"] == result["whole"]["optim"]["param_groups"]
+
+
+def load_base_into_qlora(folder: str, fsdp_config: dict | None, base: str, whole_at_once: bool) -> dict | None:
+    """A QLoRA model's weights after its base checkpoint loads (as a run's ``load_path`` does), and the parts the
+    load went in; ``whole_at_once``: every key in one part (the whole share dequantized, as loads were before)."""
+    from foundry.models import lora_checkpoint
+
+    trainer = build_trainer(1, folder, fsdp_config, model_keys=QLORA_LLAMA)
+    by_block, parts = lora_checkpoint.keys_by_block, []
+
+    def grouped(model_state: dict) -> list[list[str]]:
+        parts[:] = [list(model_state)] if whole_at_once else by_block(model_state)
+        return parts
+
+    with mock.patch.object(lora_checkpoint, "keys_by_block", grouped):
+        load_checkpoint(base, trainer.state, weights_only=True)
+    weights = full_weights(trainer.state.model)
+    return {"weights": weights, "parts": len(parts)} if get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_nf4_model_loads_its_base_a_block_at_a_time_as_it_did_whole(ranks, tmp_path, world_size):
+    plain = {key: value for key, value in QLORA_LLAMA.items() if key != "peft_config"}
+    torch.manual_seed(0)
+    base_model = build_model(plain)
+    base = save_weights_checkpoint(base_model, tmp_path / "base", {"model": plain}, overwrite=False)
+    fsdp_config = {"sharding_strategy": "FULL_SHARD"} if world_size > 1 else None
+    by_block, whole = (
+        ranks.run(world_size, load_base_into_qlora, str(tmp_path / name), fsdp_config, str(base), name == "whole")[0]
+        for name in ("by_block", "whole")
+    )
+    assert (by_block["parts"], whole["parts"]) == (QLORA_LLAMA["n_layers"] + 1, 1)
+    for name, weight in whole["weights"].items():
+        assert torch.equal(by_block["weights"][name], weight), name
+    for name, weight in base_model.state_dict().items():  # the base did load: NF4 weights within 4 bits' rounding
+        error = (whole["weights"][name].float() - weight).norm()
+        assert error == 0 if weight.dim() < 2 or "wte" in name else error < 0.2 * weight.norm(), name
