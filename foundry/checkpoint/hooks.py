@@ -39,6 +39,10 @@ class CheckpointHooks:
         after another, each as DCP reads into it and ``set_state_dict`` copies it into the model."""
         yield tensors
 
+    def save_refusal(self, model: Any) -> str | None:
+        """Why this rank cannot build ``model``'s checkpoint where it is (a paragraph naming the fix), or None."""
+        return None
+
     def loadable_without(self, missing: Collection[str], saved: Collection[str]) -> bool:
         """Whether a checkpoint holding the model keys ``saved`` loads although it lacks ``missing``."""
         return not missing

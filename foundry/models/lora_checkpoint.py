@@ -23,7 +23,7 @@ from foundry.checkpoint.meta import read_meta
 from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from foundry.errors import CheckpointError
 from foundry.models.lora import LoraConfig, is_adapter_key, nf4_weights_kept_as_codes
-from foundry.models.nf4 import dequantize, is_nf4
+from foundry.models.nf4 import dequantize, dequantized_bytes, is_nf4
 
 if TYPE_CHECKING:
     from torch import nn
@@ -66,6 +66,23 @@ class LoraCheckpointHooks(CheckpointHooks):
             yield {**others, "model": {key: dequantize(model_state[key]) for key in keys}}
             others = {}
 
+    def save_refusal(self, model: nn.Module) -> str | None:
+        """A full checkpoint holds the NF4 base as bf16 values, built at once on the device: refused when this
+        rank's share would not fit (the alternative is an out-of-memory error in the middle of a save)."""
+        if self.config.save_adapters_only:
+            return None
+        nf4_weights = [weight for weight in model.parameters() if is_nf4(weight)]
+        free_bytes = device_free_bytes(nf4_weights[0].device) if nf4_weights else None
+        needed_bytes = sum(map(dequantized_bytes, nf4_weights))
+        if free_bytes is None or needed_bytes <= free_bytes:
+            return None
+        return (
+            f"Cannot save a full checkpoint of this QLoRA model: it holds the 4-bit NF4 base as bf16 values, which "
+            f"this rank builds on its GPU at once ({needed_bytes / 2**30:.2f} GiB), and the GPU has "
+            f"{free_bytes / 2**30:.2f} GiB free. Set model.peft_config.save_adapters_only: true (checkpoints of the "
+            "adapters alone, which never dequantize the base; it loads from load_path), or train on more GPUs."
+        )
+
     def loadable_without(self, missing: Collection[str], saved: Collection[str]) -> bool:
         """Two cases load although keys are missing: a base checkpoint into a LoRA model (only adapters
         missing: they keep their init), and an adapters-only checkpoint (only base weights missing: its
@@ -89,6 +106,11 @@ class LoraCheckpointHooks(CheckpointHooks):
             return
         self.before_load(base, state, load, depth + 1)
         load(base)
+
+
+def device_free_bytes(device: torch.device) -> int | None:
+    """Free memory on a GPU (None on a CPU, where nothing is checked)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
 
 def lora_checkpoint_hooks(model: nn.Module) -> CheckpointHooks:

@@ -153,3 +153,24 @@ def test_nf4_model_loads_its_base_a_block_at_a_time_as_it_did_whole(ranks, tmp_p
     for name, weight in base_model.state_dict().items():  # the base did load: NF4 weights within 4 bits' rounding
         error = (whole["weights"][name].float() - weight).norm()
         assert error == 0 if weight.dim() < 2 or "wte" in name else error < 0.2 * weight.norm(), name
+
+
+def save_full_checkpoint_with_rank_1_short_of_memory(folder: str) -> str:
+    """Each rank's error when rank 1's GPU lacks the room for the full checkpoint's bf16 base and rank 0's has it."""
+    from foundry.errors import CheckpointError
+    from foundry.models import lora_checkpoint
+
+    trainer = build_trainer(1, folder, {"sharding_strategy": "FULL_SHARD"}, model_keys=QLORA_LLAMA)
+    free_bytes = 2**40 if get_rank() == 0 else 2**20
+    with mock.patch.object(lora_checkpoint, "device_free_bytes", lambda device: free_bytes):
+        try:
+            save_checkpoint(f"{folder}/ckpt", trainer.state)
+        except CheckpointError as error:
+            return str(error)
+    return "saved"
+
+
+def test_full_qlora_checkpoint_one_rank_cannot_build_is_refused_on_every_rank(ranks, tmp_path):
+    errors = ranks.run(2, save_full_checkpoint_with_rank_1_short_of_memory, str(tmp_path))
+    assert all("Set model.peft_config.save_adapters_only: true" in error for error in errors), errors
+    assert not (tmp_path / "ckpt").exists()
