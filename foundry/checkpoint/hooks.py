@@ -1,7 +1,9 @@
 """What a model may change about how checkpoints save and load it, without checkpoint code knowing why.
 
-A model that saves only part of its weights (and loads the rest from another checkpoint first)
-exposes ``checkpoint_hooks``; every other model gets these defaults: save everything, load everything.
+A model that saves only part of its weights (and loads the rest from another checkpoint first), or whose
+stored weights are not what a checkpoint holds (4-bit codes of bf16 values, built and loaded a block at a
+time), exposes ``checkpoint_hooks``; every other model gets these defaults: save everything, load everything,
+in one piece.
 """
 
 from __future__ import annotations
