@@ -92,8 +92,11 @@ def save_and_load_adapters_only(folder: str, fsdp_config: dict | None) -> dict |
     state, hooks = trainer.state, trainer.state.model.checkpoint_hooks
     with counted_dequantizations() as save_calls:
         now = save_checkpoint(f"{folder}/now", state)
-    with counted_dequantizations() as whole_state_calls, mock.patch.object(type(hooks), "saves_frozen_weights"):
-        whole = save_checkpoint(f"{folder}/whole", state)  # a Mock is truthy: the frozen weights are built too
+    with (
+        counted_dequantizations() as whole_state_calls,
+        mock.patch.object(type(hooks), "saves_frozen_weights", lambda _: True),
+    ):
+        whole = save_checkpoint(f"{folder}/whole", state)  # the whole state dict built, the base then dropped
     with counted_dequantizations() as load_calls:
         load_checkpoint(now, state)
     if get_rank() != 0:
