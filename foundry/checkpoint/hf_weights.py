@@ -35,13 +35,13 @@ def layers_of_folder(folder: Path) -> Iterator[dict[str, torch.Tensor]]:
     for path in files:  # headers only: how many tensors each layer has, wherever they sit
         with _open_weights(path) as tensors:
             names = tensors.keys()  # safetensors' reader is no mapping: it has keys() but no __iter__
-            left_in_layer.update(layer for name in names if (layer := _layer_of(name)) is not None)
+            left_in_layer.update(layer for name in names if (layer := layer_of(name)) is not None)
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for path in files:
         with _open_weights(path) as tensors:  # the file's mapping is released when it closes
             names = tensors.keys()
             for name in names:
-                layer = _layer_of(name)
+                layer = layer_of(name)
                 if layer is None:
                     yield {name: tensors.get_tensor(name)}
                     continue
@@ -111,6 +111,6 @@ class _TensorDict(dict):
         return self[name]
 
 
-def _layer_of(name: str) -> str | None:
+def layer_of(name: str) -> str | None:
     match = _LAYER_INDEX.search(name)
     return match.group(1) if match else None

@@ -30,8 +30,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
+from foundry.checkpoint.hooks import checkpoint_hooks
 from foundry.core.state import State
 from foundry.core.time import Timestamp
 from foundry.distributed.tensor_parallel import gather_parts
@@ -53,16 +54,25 @@ def checkpoint_name(timestamp: Timestamp) -> str:
     return f"ep{timestamp.epoch}-ba{timestamp.batch}"
 
 
-def tensor_state(state: State, model_only: bool = False) -> dict[str, Any]:
+def tensor_state(state: State, model_only: bool = False, frozen: bool = True) -> dict[str, Any]:
     """Model and optimizer state keyed by parameter name as DCP writes it: tensor-parallel parts gathered."""
-    return gather_parts(native_tensor_state(state, model_only))
+    return gather_parts(native_tensor_state(state, model_only, frozen))
 
 
-def native_tensor_state(state: State, model_only: bool = False) -> dict[str, Any]:
-    """Model and optimizer state keyed by parameter name (``get_state_dict`` also handles FSDP2)."""
-    if model_only or not state.optimizers:
-        return {"model": get_model_state_dict(state.model)}
-    model_state, optim_state = get_state_dict(state.model, state.optimizers)
+def native_tensor_state(
+    state: State, model_only: bool = False, frozen: bool = True, as_stored: bool = False
+) -> dict[str, Any]:
+    """Model and optimizer state keyed by parameter name (``get_state_dict`` also handles FSDP2).
+
+    ``frozen=False`` leaves out the weights no optimizer trains. With ``as_stored`` (or ``frozen=False``), weights
+    are as the model stores them (``CheckpointHooks.weights_as_stored``: 4-bit weights are not dequantized).
+    """
+    options = StateDictOptions(ignore_frozen_params=not frozen)
+    hooks = checkpoint_hooks(state.model)
+    with hooks.weights_as_stored() if as_stored or not frozen else contextlib.nullcontext():
+        if model_only or not state.optimizers:
+            return {"model": get_model_state_dict(state.model, options=options)}
+        model_state, optim_state = get_state_dict(state.model, state.optimizers, options=options)
     return {"model": model_state, "optim": optim_state}
 
 

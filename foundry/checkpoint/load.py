@@ -168,16 +168,30 @@ _MODEL_MISMATCH_FIX = (
 def _load_tensors(path: Path, state: State, *, weights_only: bool, strict: bool, model_change: str = "") -> None:
     reader = SafeFileSystemReader(path)
     saved_keys = set(reader.read_metadata().state_dict_metadata)
-    native = native_tensor_state(state, model_only=weights_only)
+    saved_model_keys = {key.removeprefix("model.") for key in saved_keys if key.startswith("model.")}
+    hooks = checkpoint_hooks(state.model)
+    frozen = hooks.loads_frozen_weights(saved_model_keys)
+    native = native_tensor_state(state, model_only=weights_only, frozen=frozen, as_stored=True)
     absent: set[str] = set()
     if strict:
-        absent = _check_model_keys(path, state.model, set(native["model"]), saved_keys, model_change)
+        absent = _check_model_keys(path, state.model, set(native["model"]), saved_model_keys, model_change)
         native["model"] = {key: value for key, value in native["model"].items() if key not in absent}
-    wanted = gather_parts(native)
-    if "optim" in wanted and not any(key.startswith("optim.") for key in saved_keys):
+    if "optim" in native and not any(key.startswith("optim.") for key in saved_keys):
         raise CheckpointError(
             f"Checkpoint {path} holds no optimizer state. Pass load_weights_only=True to load only its model."
         )
+    every_key = strict and not absent and frozen  # frozen=False: the model's other weights stay as they are
+    for part in hooks.parts_to_load(native):  # a model with 4-bit weights loads a block at a time
+        whole = part["model"].keys() == native["model"].keys()
+        _load_part(path, reader, state, part, strict=strict, every_key=every_key and whole, model_change=model_change)
+
+
+def _load_part(
+    path: Path, reader: SafeFileSystemReader, state: State, part: dict, *, strict: bool, every_key: bool,
+    model_change: str,
+) -> None:  # fmt: skip
+    """Read ``part`` (model tensors, maybe optimizer state) from the checkpoint and copy it into the model."""
+    wanted = gather_parts(part)
     try:
         with single_process_quiet():
             dcp.load(wanted, storage_reader=reader, planner=SafeLoadPlanner(allow_partial_load=not strict))
@@ -189,8 +203,8 @@ def _load_tensors(path: Path, state: State, *, weights_only: bool, strict: bool,
         raise CheckpointError(
             f"Cannot load the tensors of checkpoint {path} ({type(cause).__name__}: {cause}).{fix}"
         ) from exc
-    wanted = split_parts_like(wanted, native)
-    options = StateDictOptions(strict=strict and not absent)
+    wanted = split_parts_like(wanted, part)
+    options = StateDictOptions(strict=every_key)
     if "optim" in wanted:
         set_state_dict(
             state.model,
@@ -204,10 +218,9 @@ def _load_tensors(path: Path, state: State, *, weights_only: bool, strict: bool,
 
 
 def _check_model_keys(
-    path: Path, model: Any, model_keys: set[str], saved_keys: set[str], model_change: str
+    path: Path, model: Any, model_keys: set[str], saved_model_keys: set[str], model_change: str
 ) -> set[str]:
     """The model keys the checkpoint may lack (the model's hooks say which); raises on any other mismatch."""
-    saved_model_keys = {key.removeprefix("model.") for key in saved_keys if key.startswith("model.")}
     missing, unexpected = sorted(model_keys - saved_model_keys), sorted(saved_model_keys - model_keys)
     if not unexpected and checkpoint_hooks(model).loadable_without(missing, saved_model_keys):
         return set(missing)

@@ -93,9 +93,12 @@ def start_checkpoint(
             f"Checkpoint {final_dir} already exists. Set save_overwrite: true to replace it, "
             "or choose another save_folder."
         )
+    hooks = checkpoint_hooks(state.model)
+    if refusals := [refusal for refusal in _gather(hooks.save_refusal(state.model)) if refusal]:
+        raise CheckpointError(refusals[0])  # on every rank, before any rank writes
     rng_json = json.dumps(get_rng_state())  # first, so nothing below can draw from the generators before
-    tensors = tensor_state(state)
-    tensors["model"] = checkpoint_hooks(state.model).state_to_save(tensors["model"])  # maybe part of the weights
+    tensors = tensor_state(state, frozen=hooks.saves_frozen_weights())
+    tensors["model"] = hooks.state_to_save(tensors["model"])  # maybe part of the weights
     meta_json = _meta_json(state, name, callbacks, algorithms, config)
 
     if state.rank == 0:

@@ -8,7 +8,8 @@ loads first: LoRA models hand these hooks to ``foundry.checkpoint`` (``model.che
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -16,11 +17,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from foundry.checkpoint.find import resolve_checkpoint_path
+from foundry.checkpoint.hf_weights import layer_of
 from foundry.checkpoint.hooks import CheckpointHooks
 from foundry.checkpoint.meta import read_meta
 from foundry.checkpoint.safe_reader import SafeFileSystemReader, SafeLoadPlanner
 from foundry.errors import CheckpointError
-from foundry.models.lora import LoraConfig, is_adapter_key
+from foundry.models.lora import LoraConfig, is_adapter_key, nf4_weights_kept_as_codes
+from foundry.models.nf4 import dequantize, dequantized_bytes, is_nf4
 
 if TYPE_CHECKING:
     from torch import nn
@@ -39,6 +42,46 @@ class LoraCheckpointHooks(CheckpointHooks):
         if not self.config.save_adapters_only:
             return model_state
         return {name: tensor for name, tensor in model_state.items() if is_adapter_key(name)}
+
+    def saves_frozen_weights(self) -> bool:
+        return not self.config.save_adapters_only
+
+    def loads_frozen_weights(self, saved: Collection[str]) -> bool:
+        """An adapters-only checkpoint sets the adapters alone (its base was loaded before)."""
+        return not (saved and all(map(is_adapter_key, saved)))
+
+    def weights_as_stored(self) -> AbstractContextManager:
+        return nf4_weights_kept_as_codes()
+
+    def parts_to_load(self, tensors: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """A model with NF4 weights loads a block at a time: each block's NF4 weights are dequantized to bf16 for
+        DCP to read into, then quantized as they are copied into the model. A rank holds a block or two in bf16,
+        not its whole share (200 GB a rank for Llama-405B on 4 GPUs)."""
+        model_state = tensors["model"]
+        if not any(map(is_nf4, model_state.values())):
+            yield tensors
+            return
+        others = {name: value for name, value in tensors.items() if name != "model"}  # with the first part
+        for keys in keys_by_block(model_state):
+            yield {**others, "model": {key: dequantize(model_state[key]) for key in keys}}
+            others = {}
+
+    def save_refusal(self, model: nn.Module) -> str | None:
+        """A full checkpoint holds the NF4 base as bf16 values, built at once on the device: refused when this
+        rank's share would not fit (the alternative is an out-of-memory error in the middle of a save)."""
+        if self.config.save_adapters_only:
+            return None
+        nf4_weights = [weight for weight in model.parameters() if is_nf4(weight)]
+        free_bytes = device_free_bytes(nf4_weights[0].device) if nf4_weights else None
+        needed_bytes = sum(map(dequantized_bytes, nf4_weights))
+        if free_bytes is None or needed_bytes <= free_bytes:
+            return None
+        return (
+            f"Cannot save a full checkpoint of this QLoRA model: it holds the 4-bit NF4 base as bf16 values, which "
+            f"this rank builds on its GPU at once ({needed_bytes / 2**30:.2f} GiB), and the GPU has "
+            f"{free_bytes / 2**30:.2f} GiB free. Set model.peft_config.save_adapters_only: true (checkpoints of the "
+            "adapters alone, which never dequantize the base; it loads from load_path), or train on more GPUs."
+        )
 
     def loadable_without(self, missing: Collection[str], saved: Collection[str]) -> bool:
         """Two cases load although keys are missing: a base checkpoint into a LoRA model (only adapters
@@ -65,6 +108,11 @@ class LoraCheckpointHooks(CheckpointHooks):
         load(base)
 
 
+def device_free_bytes(device: torch.device) -> int | None:
+    """Free memory on a GPU (None on a CPU, where nothing is checked)."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
 def lora_checkpoint_hooks(model: nn.Module) -> CheckpointHooks:
     """``LoraCheckpointHooks`` for a model built with a ``peft_config``, else the defaults."""
     config = model_lora_config(model)
@@ -75,6 +123,15 @@ def model_lora_config(model: nn.Module) -> LoraConfig | None:
     """The ``peft_config`` a model was built with (None: no LoRA)."""
     config = getattr(getattr(model, "config", None), "peft_config", None)
     return config if isinstance(config, LoraConfig) else None
+
+
+def keys_by_block(model_state: Mapping[str, Any]) -> list[list[str]]:
+    """The keys of ``model_state`` grouped by their block (the first index in a name), in order; those outside
+    the blocks (embeddings, final norm, output head) form one group."""
+    groups: dict[str | None, list[str]] = {}
+    for key in model_state:
+        groups.setdefault(layer_of(key), []).append(key)
+    return list(groups.values())
 
 
 def saved_model_keys(folder: Path) -> set[str]:

@@ -62,6 +62,12 @@ def stored_bytes(tensor: torch.Tensor) -> int:
     return sum(part.numel() * part.element_size() for part in parts)
 
 
+def dequantized_bytes(tensor: torch.Tensor) -> int:
+    """Bytes ``tensor``'s (or an FSDP2 shard's local part's) values take dequantized: 0 unless it holds NF4 codes."""
+    local = getattr(tensor, "_local_tensor", tensor)
+    return local.numel() * BASE_DTYPE.itemsize if is_nf4(local) else 0
+
+
 def check_quantizable(name: str, weight: torch.Tensor) -> None:
     """NF4 needs whole scale blocks: ``weight.numel()`` a multiple of 64 × 256 (per FSDP2 shard, too)."""
     per_block = BLOCK_SIZE * SCALER_BLOCK_SIZE

@@ -276,3 +276,19 @@ def test_the_70b_yaml_without_torchao_is_one_paragraph_naming_the_install(tmp_pa
     assert code == 2 and "Traceback" not in err
     (message,) = [line for line in err.splitlines() if line.startswith("error: ")]
     assert "model.peft_config.quantize_base" in message and "pip install torchao" in message
+
+
+def test_full_qlora_checkpoint_that_would_not_fit_the_gpu_is_refused_naming_save_adapters_only(tmp_path, monkeypatch):
+    from foundry.checkpoint.save import save_checkpoint
+    from foundry.core import State, Time
+    from foundry.errors import CheckpointError
+    from foundry.models import lora_checkpoint
+
+    monkeypatch.setattr(lora_checkpoint, "device_free_bytes", lambda device: 2**20)  # a GPU with 1 MiB free
+    state = State(model=qlora_llama(), max_duration=Time.parse("1ba"))
+    with pytest.raises(CheckpointError, match=r"GiB free\. Set model\.peft_config\.save_adapters_only: true"):
+        save_checkpoint(tmp_path / "full", state)
+    assert not (tmp_path / "full").exists()
+    adapters_only = dataclasses.replace(state.model.config.peft_config, save_adapters_only=True)
+    monkeypatch.setattr(state.model.config, "peft_config", adapters_only)
+    assert (save_checkpoint(tmp_path / "adapters", state) / "manifest.json").is_file()
