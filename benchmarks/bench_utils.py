@@ -167,6 +167,12 @@ def train_losses(run_folder: Path) -> dict[int, float]:
     return dict(read_run(run_folder).get(TRAIN_LOSS, [])) if metrics_path(run_folder).is_file() else {}
 
 
+def latest_metrics(run_folder: Path) -> dict[str, Any]:
+    """Each metric's latest value in the run's metrics.jsonl (a killed run's: what it wrote so far)."""
+    rows = [json.loads(line) for line in (run_folder / "metrics.jsonl").read_text().splitlines()]
+    return {key: value for row in rows for key, value in row.items()}
+
+
 def loss_gaps(curve: dict[int, float], reference: dict[int, float]) -> dict[str, float | int | None]:
     """max and mean |curve - reference| over the batches both have, and over the last 50 of them."""
     steps = sorted(set(curve) & set(reference))

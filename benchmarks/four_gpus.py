@@ -39,7 +39,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_utils import REPO_ROOT, SHARED_DATA, environment, foundry_train, markdown_table
+from bench_utils import (
+    REPO_ROOT,
+    SHARED_DATA,
+    environment,
+    foundry_train,
+    latest_metrics,
+    markdown_table,
+    train_losses,
+)
 from default_path import build_data, run_metrics
 from peers_rows import SMOKE_FOUNDRY, SMOKE_SETTINGS
 
@@ -139,11 +147,10 @@ def run_row(name: str, args: argparse.Namespace, timeout_s: float) -> dict[str, 
 
 def last_batch(run_folder: Path) -> dict[str, Any]:
     """The last batch's tokens/s per GPU, MFU and the peak memory so far, from a run that did not finish."""
-    rows = [json.loads(line) for line in (run_folder / "metrics.jsonl").read_text().splitlines()]
-    latest = {key: value for row in rows for key, value in row.items()}
+    latest = latest_metrics(run_folder)
     return {"partial": True, "tokens_per_s_per_gpu": latest.get("throughput/device/tokens_per_sec"),
             "mfu": latest.get("throughput/device/mfu"), "peak_gib": latest.get("memory/peak_allocated_mem"),
-            "batches_logged": sum("loss/train/total" in row for row in rows)}  # fmt: skip
+            "batches_logged": len(train_losses(run_folder))}  # fmt: skip
 
 
 SHOWN = ("row", "tokens_per_s_per_gpu", "mfu", "peak_gib", "steady_batches", "first_batch_s", "wall_s", "error")

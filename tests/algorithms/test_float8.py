@@ -71,6 +71,11 @@ def test_float8_where_it_cannot_run_trains_in_bf16_saying_so_once(train, recorde
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
 
 
+def test_nothing_to_convert_is_a_config_error_even_where_float8_cannot_run(train) -> None:
+    with pytest.raises(ConfigError, match=r"algorithms\.float8 found no linear layer to convert.*'exclude'"):
+        train([Float8Training(exclude=["*"])], model_keys=FOUR_BLOCKS, num_batches=1)
+
+
 @pytest.mark.parametrize(
     ("capability", "torchao_installed", "reason"),
     [
