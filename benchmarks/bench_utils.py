@@ -169,8 +169,10 @@ def train_losses(run_folder: Path) -> dict[int, float]:
 
 def latest_metrics(run_folder: Path) -> dict[str, Any]:
     """Each metric's latest value in the run's metrics.jsonl (a killed run's: what it wrote so far)."""
-    rows = [json.loads(line) for line in (run_folder / "metrics.jsonl").read_text().splitlines()]
-    return {key: value for row in rows for key, value in row.items()}
+    lines = (run_folder / "metrics.jsonl").read_text(errors="replace").splitlines()
+    if lines and not lines[-1].rstrip().endswith("}"):  # a run killed mid-write leaves its last line cut short
+        lines.pop()
+    return {key: value for line in lines for key, value in json.loads(line).items()}
 
 
 def loss_gaps(curve: dict[int, float], reference: dict[int, float]) -> dict[str, float | int | None]:

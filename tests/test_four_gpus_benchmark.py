@@ -23,11 +23,17 @@ def fake_train(outcomes: dict[str, int | None]):
             "starting\ntorch.OutOfMemoryError: CUDA out of memory\n"
         )
         metrics = [
-            {"loss/train/total": 9.0, "throughput/device/tokens_per_sec": 900.0, "memory/peak_allocated_mem": 70}
+            {
+                "step": 1,
+                "loss/train/total": 9.0,
+                "throughput/device/tokens_per_sec": 900.0,
+                "memory/peak_allocated_mem": 70,
+            }
         ]
         if outcomes[run_folder.name] == 0:
             metrics.append({"throughput/run/device/tokens_per_sec": 1000.0, "throughput/run/device/mfu": 0.5})
-        (run_folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in metrics))
+        cut_short = "" if outcomes[run_folder.name] == 0 else '{"step": 2, "loss/tra'  # killed mid-write
+        (run_folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in metrics) + cut_short)
         return outcomes[run_folder.name]
 
     return train
