@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import logging
 import math
@@ -94,10 +95,11 @@ def test_float8_runs_on_compute_capability_8_9_and_up_with_torchao(
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     find_spec = importlib.util.find_spec
+    torchao_spec = importlib.machinery.ModuleSpec("torchao", None) if torchao_installed else None
+    # whether this machine has torchao must not decide the case
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *args: None if name == "torchao" and not torchao_installed
-        else find_spec(name, *args)
-    )  # fmt: skip
+        importlib.util, "find_spec", lambda name, *args: torchao_spec if name == "torchao" else find_spec(name, *args)
+    )
     unavailable = float8_unavailable(torch.device("cuda", 0))
     assert unavailable is None if reason is None else re.search(reason, unavailable)
 
