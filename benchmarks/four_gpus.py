@@ -49,6 +49,7 @@ from bench_utils import (
     train_losses,
 )
 from default_path import build_data, run_metrics
+from float8_judge import FELL_BACK
 from peers_rows import SMOKE_FOUNDRY, SMOKE_SETTINGS
 
 GPUS = 4
@@ -141,6 +142,8 @@ def run_row(name: str, args: argparse.Namespace, timeout_s: float) -> dict[str, 
         result.update(run_metrics(run_folder) if returncode == 0 else last_batch(run_folder))
     if returncode != 0:
         result["error"] = "cut off at the time left" if returncode is None else (log or ["no output"])[-1][:300]
+    elif not args.smoke and any(FELL_BACK in line for line in log):  # its figures are bf16's, not float8's
+        result["error"] = "float8 fell back to bf16"
     result["command"] = f"foundry train {ROWS[name].yaml} {' '.join(overrides)} --nproc {nproc}"
     return result
 
@@ -172,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append({"environment": environment(), **run_row(name, args, left_s)})
         (out / "four_gpus.json").write_text(json.dumps(rows, indent=2))
         print(markdown_table([{key: row.get(key) for key in SHOWN} for row in rows]), flush=True)
-    return 0 if all(row.get("returncode") == 0 for row in rows) else 1
+    return 0 if all(row.get("returncode") == 0 and "error" not in row for row in rows) else 1
 
 
 def smoke_data(out: Path) -> None:
