@@ -167,6 +167,14 @@ def train_losses(run_folder: Path) -> dict[int, float]:
     return dict(read_run(run_folder).get(TRAIN_LOSS, [])) if metrics_path(run_folder).is_file() else {}
 
 
+def latest_metrics(run_folder: Path) -> dict[str, Any]:
+    """Each metric's latest value in the run's metrics.jsonl (a killed run's: what it wrote so far)."""
+    lines = (run_folder / "metrics.jsonl").read_text(errors="replace").splitlines()
+    if lines and not lines[-1].rstrip().endswith("}"):  # a run killed mid-write leaves its last line cut short
+        lines.pop()
+    return {key: value for line in lines for key, value in json.loads(line).items()}
+
+
 def loss_gaps(curve: dict[int, float], reference: dict[int, float]) -> dict[str, float | int | None]:
     """max and mean |curve - reference| over the batches both have, and over the last 50 of them."""
     steps = sorted(set(curve) & set(reference))

@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_utils import REPO_ROOT, markdown_table, save_json
+from bench_utils import REPO_ROOT, TRAIN_LOSS, latest_metrics, markdown_table, save_json
 
 # name -> (YAML, batches to train, batches left out of the averages). A 1B batch is 512 x 2048 tokens (~16 s on
 # an H100, 32-128 microbatches), so one warm-up batch (compile included) and one timed one: all rows and the
@@ -153,9 +153,8 @@ def run_foundry_row(
 
 
 def run_metrics(run_folder: Path) -> dict[str, Any]:
-    """A run's steady-state averages, setup times and peak memory: the latest value of each in its metrics.jsonl."""
-    rows = [json.loads(line) for line in (run_folder / "metrics.jsonl").read_text().splitlines()]
-    latest = {key: value for row in rows for key, value in row.items()}
+    """A run's steady-state averages, setup times, peak memory and last train loss, from its metrics.jsonl."""
+    latest = latest_metrics(run_folder)
     return {
         "mfu": latest.get("throughput/run/device/mfu"),
         "tokens_per_s": latest.get("throughput/run/tokens_per_sec"),
@@ -167,6 +166,7 @@ def run_metrics(run_folder: Path) -> dict[str, Any]:
         "peak_reserved_gib": latest.get("memory/peak_reserved_mem"),
         "alloc_retries": latest.get("memory/alloc_retries"),
         "microbatch": latest.get("trainer/device_train_microbatch_size"),
+        "loss": latest.get(TRAIN_LOSS),
     }
 
 

@@ -26,6 +26,7 @@ slot reads its own copy of the MDS folder (mosaicml-streaming refuses two live r
 ``--recipes`` judges several float8 recipes (each gets its three seeds); ``--set KEY=VALUE`` adds an override to
 every run, bf16 and float8 alike (e.g. ``fsdp_config.mixed_precision=DEFAULT`` for fp32 gradient reduction).
 A run writes its losses to its run folder's metrics.jsonl as it trains, and ``OUT/<run>.json`` when it ends.
+A float8 run that fell back to bf16 (its log's one line: no float8 matrix units or no torchao) counts as failed.
 ``run --smoke`` checks all of it on the CPU: tiny models, a few steps, float8 falling back to bf16 with its line.
 """
 
@@ -52,6 +53,8 @@ SEEDS = (17, 18, 19)  # 17: the YAMLs' global_seed
 BF16 = "bf16"
 SMOOTHING_STEPS = 10
 LOG_TAIL_LINES = 30
+# Float8Training's line where float8 cannot run (no float8 matrix units, no torchao): the run trained in bf16.
+FELL_BACK = "this run trains in bf16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +141,8 @@ def train_one(run: Run, gpus: list[str], data: Path, args: argparse.Namespace, d
     timeout_s = max(1.0, deadline - time.monotonic())
     returncode = foundry_train(REPO_ROOT / MODELS[run.model].yaml, run_folder, overrides, len(gpus), timeout_s, env)
     log = (run_folder.parent / f"{run.name}.log").read_text(errors="replace").splitlines()
+    if run.variant != BF16 and not args.smoke and any(FELL_BACK in line for line in log):
+        returncode = "float8 fell back to bf16"  # not 0: never finished, never judged (bf16 against bf16 passes)
     return {
         "run": run.name, "model": run.model, "variant": run.variant, "seed": run.seed, "gpus": gpus,
         "overrides": overrides, "returncode": returncode, "wall_s": round(time.perf_counter() - started_s, 1),

@@ -39,8 +39,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_utils import REPO_ROOT, SHARED_DATA, environment, foundry_train, markdown_table
+from bench_utils import (
+    REPO_ROOT,
+    SHARED_DATA,
+    environment,
+    foundry_train,
+    latest_metrics,
+    markdown_table,
+    train_losses,
+)
 from default_path import build_data, run_metrics
+from float8_judge import FELL_BACK
 from peers_rows import SMOKE_FOUNDRY, SMOKE_SETTINGS
 
 GPUS = 4
@@ -133,17 +142,18 @@ def run_row(name: str, args: argparse.Namespace, timeout_s: float) -> dict[str, 
         result.update(run_metrics(run_folder) if returncode == 0 else last_batch(run_folder))
     if returncode != 0:
         result["error"] = "cut off at the time left" if returncode is None else (log or ["no output"])[-1][:300]
+    elif not args.smoke and any(FELL_BACK in line for line in log):  # its figures are bf16's, not float8's
+        result["error"] = "float8 fell back to bf16"
     result["command"] = f"foundry train {ROWS[name].yaml} {' '.join(overrides)} --nproc {nproc}"
     return result
 
 
 def last_batch(run_folder: Path) -> dict[str, Any]:
     """The last batch's tokens/s per GPU, MFU and the peak memory so far, from a run that did not finish."""
-    rows = [json.loads(line) for line in (run_folder / "metrics.jsonl").read_text().splitlines()]
-    latest = {key: value for row in rows for key, value in row.items()}
+    latest = latest_metrics(run_folder)
     return {"partial": True, "tokens_per_s_per_gpu": latest.get("throughput/device/tokens_per_sec"),
             "mfu": latest.get("throughput/device/mfu"), "peak_gib": latest.get("memory/peak_allocated_mem"),
-            "batches_logged": sum("loss/train/total" in row for row in rows)}  # fmt: skip
+            "batches_logged": len(train_losses(run_folder))}  # fmt: skip
 
 
 SHOWN = ("row", "tokens_per_s_per_gpu", "mfu", "peak_gib", "steady_batches", "first_batch_s", "wall_s", "error")
@@ -165,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append({"environment": environment(), **run_row(name, args, left_s)})
         (out / "four_gpus.json").write_text(json.dumps(rows, indent=2))
         print(markdown_table([{key: row.get(key) for key in SHOWN} for row in rows]), flush=True)
-    return 0 if all(row.get("returncode") == 0 for row in rows) else 1
+    return 0 if all(row.get("returncode") == 0 and "error" not in row for row in rows) else 1
 
 
 def smoke_data(out: Path) -> None:

@@ -29,8 +29,10 @@ import shutil
 import statistics
 from pathlib import Path
 
-from bench_utils import environment, foundry_train, write_results
+from bench_utils import environment, foundry_train, train_losses, write_results
 from peers_rows import SMOKE_FOUNDRY, SMOKE_SETTINGS
+
+from foundry.plotting import metrics_path, read_run
 
 SEQ_LEN = 2048
 CHUNK_CHARS = 12_000  # about 3,000 gpt-neox tokens: every prompt + response is cut at SEQ_LEN
@@ -111,15 +113,12 @@ def measure(name: str, data: Path, out: Path, timeout_s: float | None, smoke: bo
         overrides += [*SMOKE_ROWS[name], *SMOKE_SETTINGS, f"variables.max_seq_len={SMOKE_SEQ_LEN}", "max_duration=6ba"]
     run_folder = out / name
     code = foundry_train(yaml, run_folder, overrides, nproc=ranks, timeout_s=timeout_s or ROW_TIMEOUT_S[name])
-    metrics = run_folder / "metrics.jsonl"
-    steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-    rates = [  # windows after the warm-up batches (the first holds the compile)
-        step["throughput/tokens_per_sec"]
-        for step in steps
-        if "throughput/tokens_per_sec" in step and step["step"] > WARM_UP_BATCHES
-    ]
-    peaks = [step["memory/peak_allocated_mem"] for step in steps if "memory/peak_allocated_mem" in step]
-    losses = [step["loss/train/total"] for step in steps if "loss/train/total" in step]
+    # read_run: by step, a cut-off run's half-written last line skipped
+    series = read_run(run_folder) if metrics_path(run_folder).is_file() else {}
+    # windows after the warm-up batches (the first holds the compile)
+    rates = [rate for step, rate in series.get("throughput/tokens_per_sec", []) if step > WARM_UP_BATCHES]
+    peaks = [peak for _, peak in series.get("memory/peak_allocated_mem", [])]
+    losses = list(train_losses(run_folder).values())
     return {
         "row": name, "exit code": code, "GPUs": ranks, "tokens/s": round(statistics.median(rates)) if rates else None,
         "tokens/s per GPU": round(statistics.median(rates) / ranks) if rates else None,

@@ -23,7 +23,6 @@ The MFU is the speed monitor's run average (``throughput/run/device/mfu``), as b
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_utils import REPO_ROOT, markdown_table, save_json
-from default_path import build_data
+from default_path import build_data, run_metrics
 
 YAML = REPO_ROOT / "yamls" / "pretrain" / "mpt-1b.yaml"
 ROWS = ("one", "two", "two-hsdp", "kill")
@@ -81,18 +80,6 @@ def two_launchers(keys: list[str], per_node: int, out: Path, name: str) -> list[
     ]
 
 
-def averages(run_folder: Path) -> dict[str, Any]:
-    rows = [json.loads(line) for line in (run_folder / "metrics.jsonl").read_text().splitlines()]
-    latest = {key: value for row in rows for key, value in row.items()}
-    return {
-        "mfu": latest.get("throughput/run/device/mfu"),
-        "tokens_per_s": latest.get("throughput/run/tokens_per_sec"),
-        "steady_batches": latest.get("throughput/run/batches"),
-        "peak_gib": latest.get("memory/peak_allocated_mem"),
-        "loss": latest.get("loss/train/total"),
-    }
-
-
 def speed_row(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     run_folder = Path(args.work) / name
     keys = overrides(args, run_folder, args.batches)
@@ -106,7 +93,7 @@ def speed_row(name: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
         processes = two_launchers(keys, per_node, out, name)
     codes = [process.wait() for process in processes]
     row: dict[str, Any] = {"row": name, "exit": codes, "wall_s": round(time.perf_counter() - started, 1)}
-    return row | (averages(run_folder) if codes == [0] * len(codes) else {})
+    return row | (run_metrics(run_folder) if codes == [0] * len(codes) else {})
 
 
 def kill_row(args: argparse.Namespace, out: Path) -> dict[str, Any]:

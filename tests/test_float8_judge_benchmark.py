@@ -107,3 +107,20 @@ def test_data_a_run_would_read_twice_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="holds 1700 train samples and a run reads 1800"):
         float8_judge.check_samples(tmp_path, args)
     float8_judge.check_samples(tmp_path, argparse.Namespace(steps=300, models=["llama-8b"], smoke=False))  # 1,200
+
+
+def test_a_float8_run_that_fell_back_to_bf16_is_a_failure_never_judged(tmp_path: Path, monkeypatch) -> None:
+    def trained_in_bf16(yaml, run_folder: Path, overrides, nproc, timeout_s, env) -> int:
+        run_folder.mkdir(parents=True)
+        (run_folder.parent / f"{run_folder.name}.log").write_text(
+            "algorithms.float8: float8 needs a GPU with float8 matrix units ...; this run trains in bf16.\n"
+        )
+        return 0
+
+    monkeypatch.setattr(float8_judge, "foundry_train", trained_in_bf16)
+    args = argparse.Namespace(steps=STEPS, set=[], smoke=False, work=str(tmp_path / "work"))
+    run = float8_judge.Run("mpt-1b", "float8-rowwise", 17)
+    result = float8_judge.train_one(run, ["0"], tmp_path, args, deadline=float("inf"))
+    assert result["returncode"] == "float8 fell back to bf16"
+    bf16 = float8_judge.train_one(float8_judge.Run("mpt-1b", "bf16", 17), ["0"], tmp_path, args, float("inf"))
+    assert bf16["returncode"] == 0

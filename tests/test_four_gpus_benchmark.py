@@ -23,11 +23,17 @@ def fake_train(outcomes: dict[str, int | None]):
             "starting\ntorch.OutOfMemoryError: CUDA out of memory\n"
         )
         metrics = [
-            {"loss/train/total": 9.0, "throughput/device/tokens_per_sec": 900.0, "memory/peak_allocated_mem": 70}
+            {
+                "step": 1,
+                "loss/train/total": 9.0,
+                "throughput/device/tokens_per_sec": 900.0,
+                "memory/peak_allocated_mem": 70,
+            }
         ]
         if outcomes[run_folder.name] == 0:
             metrics.append({"throughput/run/device/tokens_per_sec": 1000.0, "throughput/run/device/mfu": 0.5})
-        (run_folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in metrics))
+        cut_short = "" if outcomes[run_folder.name] == 0 else '{"step": 2, "loss/tra'  # killed mid-write
+        (run_folder / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in metrics) + cut_short)
         return outcomes[run_folder.name]
 
     return train
@@ -71,3 +77,14 @@ def test_each_row_reads_its_dataset_and_smoke_drops_the_gpu_keys(name) -> None:
     assert f"variables.data_local=/data/{folder}" in overrides
     smoke = four_gpus.row_overrides(name, Path("/data"), smoke=True)
     assert four_gpus.GPU_INIT not in smoke and "parallelism.context_parallel_degree=1" in smoke
+
+
+def test_a_float8_row_that_fell_back_to_bf16_says_so(tmp_path, monkeypatch) -> None:
+    def trained_in_bf16(yaml, run_folder: Path, overrides, nproc, timeout_s, env) -> int:
+        fake_train({run_folder.name: 0})(yaml, run_folder, overrides, nproc, timeout_s, env)
+        (run_folder.parent / f"{run_folder.name}.log").write_text("algorithms.float8: ...; this run trains in bf16.\n")
+        return 0
+
+    monkeypatch.setattr(four_gpus, "foundry_train", trained_in_bf16)
+    (row,) = run_rows(tmp_path, ["llama-8b-8k-float8"])
+    assert row["returncode"] == 0 and row["error"] == "float8 fell back to bf16"

@@ -110,17 +110,17 @@ class Float8Training(Algorithm):
             return
         if any(is_nf4(parameter) for parameter in state.model.parameters()):
             raise float8_refusal()
-        unavailable = float8_unavailable(state.device)
-        if unavailable:
-            logger.log_text(f"{_KEY}: {unavailable}; this run trains in bf16.")
-            return
         names = float8_module_names(state.model, self.keep_first_and_last_blocks, self.exclude)
-        if not names:
+        if not names:  # a setting the GPU run would refuse is refused on any device
             raise ConfigError(
                 f"{_KEY} found no linear layer to convert (none in the transformer blocks is a plain nn.Linear "
                 f"with sizes divisible by {FLOAT8_GEMM_MULTIPLE}, outside 'exclude' and the first and last blocks)."
                 " Check 'exclude' and keep_first_and_last_blocks, or remove the algorithm."
             )
+        unavailable = float8_unavailable(state.device)
+        if unavailable:
+            logger.log_text(f"{_KEY}: {unavailable}; this run trains in bf16.")
+            return
         self.converted = convert_to_float8(state.model, names, self.recipe, self.fsdp_float8_all_gather)
         logger.log_text(f"float8 ({self.recipe}): {len(self.converted)} linear layers train with float8 GEMMs.")
 

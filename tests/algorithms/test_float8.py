@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import logging
 import math
@@ -71,6 +72,11 @@ def test_float8_where_it_cannot_run_trains_in_bf16_saying_so_once(train, recorde
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
 
 
+def test_nothing_to_convert_is_a_config_error_even_where_float8_cannot_run(train) -> None:
+    with pytest.raises(ConfigError, match=r"algorithms\.float8 found no linear layer to convert.*'exclude'"):
+        train([Float8Training(exclude=["*"])], model_keys=FOUR_BLOCKS, num_batches=1)
+
+
 @pytest.mark.parametrize(
     ("capability", "torchao_installed", "reason"),
     [
@@ -89,10 +95,11 @@ def test_float8_runs_on_compute_capability_8_9_and_up_with_torchao(
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
     find_spec = importlib.util.find_spec
+    torchao_spec = importlib.machinery.ModuleSpec("torchao", None) if torchao_installed else None
+    # whether this machine has torchao must not decide the case
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *args: None if name == "torchao" and not torchao_installed
-        else find_spec(name, *args)
-    )  # fmt: skip
+        importlib.util, "find_spec", lambda name, *args: torchao_spec if name == "torchao" else find_spec(name, *args)
+    )
     unavailable = float8_unavailable(torch.device("cuda", 0))
     assert unavailable is None if reason is None else re.search(reason, unavailable)
 

@@ -124,6 +124,12 @@ def test_largest_finetune_yamls_plan_within_their_cards(yaml, world_size, limit_
     assert plan.memory_bytes["optimizer (2 states)"] < 2 * 2**30  # Adam's moments of the adapters alone
 
 
+def test_tensor_parallelism_is_refused_naming_the_key():
+    cfg = tiny_config("parallelism.tensor_parallel_degree=2")
+    with pytest.raises(ConfigError, match=r"'parallelism\.tensor_parallel_degree' is 2; the dry run does not plan"):
+        dry_run(cfg, world_size=4)
+
+
 def test_eight_rank_plan_holds_fsdp2s_rounded_up_shards():
     cfg = tiny_config()
     plan = dry_run(cfg, world_size=8)
