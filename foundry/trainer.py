@@ -412,7 +412,7 @@ class Trainer:
             loss_sum = torch.zeros((), dtype=torch.float64, device=state.device)
             weight_sum = torch.zeros((), dtype=torch.float64, device=state.device)
             correct_sum: torch.Tensor | None = None
-            count_once = RepeatedSampleMask()  # samples the ranks' shares repeat add to the loss once
+            count_once = RepeatedSampleMask(self._loss_group)  # samples the ranks' shares repeat count once
             for index, batch in enumerate(loader):
                 if 0 <= self.eval_subset_num_batches <= index:
                     break
