@@ -146,7 +146,7 @@ class Trainer:
         self.eval_interval = Interval(evaluation.eval_interval)
         self.eval_first = evaluation.eval_first
         self.eval_subset_num_batches = evaluation.eval_subset_num_batches
-        self.icl = build_icl_evaluation(evaluation, self.state.tokenizer, model)
+        self.icl = build_icl_evaluation(evaluation, self.state.tokenizer, model, dims.tp)
         self.log_interval = Interval(console.console_log_interval)
         self.checkpoints.start(self.engine, config)
         self.config = config

@@ -184,3 +184,27 @@ def test_tp2_eval_counts_each_tagged_sample_once_as_one_rank_does(ranks, tmp_pat
     one = ranks.run(1, eval_metrics_of_tagged_samples, str(tmp_path / "one"), None)[0]
     tp2 = ranks.run(2, eval_metrics_of_tagged_samples, str(tmp_path / "tp2"), TP2)[0]
     assert tp2["eval"] == pytest.approx(one["eval"], rel=1e-5)
+
+
+def refusal_of_python_trainer(folder: str, feature: str) -> str:
+    """The error a Python ``Trainer(...)`` under TP2 gives ``feature``, which tensor parallelism does not support."""
+    from foundry.callbacks.hf_checkpointer import HFCheckpointer
+    from foundry.errors import ConfigError
+
+    try:
+        if feature == "icl_tasks":
+            icl_tasks = [{"label": "t", "dataset_uri": "t.jsonl", "icl_task_type": "language_modeling"}]
+            build_trainer(1, folder, model_keys=MODELS["llama"], parallelism=TP2, icl_tasks=icl_tasks)
+        else:
+            exporter = HFCheckpointer(f"{folder}/hf", "1ba")
+            keys = {"model_keys": MODELS["llama-gqa-lora"], "parallelism": TP2, "callbacks": [exporter]}
+            build_trainer(1, folder, **keys).fit()
+    except ConfigError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(("feature", "named"), [("icl_tasks", "icl_tasks"), ("adapters", "hf_checkpointer")])
+def test_a_python_trainer_under_tp2_refuses_what_tp_does_not_support(ranks, tmp_path, feature, named):
+    refusals = ranks.run(2, refusal_of_python_trainer, str(tmp_path), feature)
+    assert all("tensor_parallel_degree' is 2" in refusal and named in refusal for refusal in refusals)
