@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import platform
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -92,6 +95,23 @@ def environment() -> dict[str, str]:
         "torch": torch.__version__,
         "cuda": str(torch.version.cuda),
     }
+
+
+def run_on_ranks(script: str, nproc: int, worker_args: list[str], **extra_env: str) -> int:
+    """``script --worker worker_args`` as a torchrun of ``nproc`` ranks on this host, with the repository and
+    benchmarks/ importable; its exit code."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    command += [script, "--worker", *worker_args]
+    here = Path(__file__).resolve().parent
+    pythonpath = os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run(command, env={**os.environ, "PYTHONPATH": pythonpath, **extra_env}).returncode
+
+
+def print_report(out_dir: str | Path | None, name: str) -> None:
+    """The markdown table a worker wrote to ``out_dir/name.md`` (if any), then the environment, for the log."""
+    if out_dir and Path(out_dir, f"{name}.md").exists():
+        print(Path(out_dir, f"{name}.md").read_text())
+    print(json.dumps(environment()))
 
 
 def write_results(out_dir: str | Path | None, name: str, rows: list[dict[str, Any]]) -> None:

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
-from bench_utils import save_json
+from bench_utils import run_on_ranks, save_json
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from foundry.algorithms.gradient_clipping import GradientClipping
@@ -142,13 +140,9 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__]
-    command += ["--worker", "--precision", args.precision, "--moments", args.moments, "--steps", str(args.steps)]
-    command += ["--out", args.out] if args.out else []
-    here = Path(__file__).resolve().parent
-    pythonpath = os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": pythonpath, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    return subprocess.run(command, env=env).returncode
+    worker_args = ["--precision", args.precision, "--moments", args.moments, "--steps", str(args.steps)]
+    worker_args += ["--out", args.out] if args.out else []
+    return run_on_ranks(__file__, 2, worker_args, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
 
 
 if __name__ == "__main__":

@@ -63,7 +63,6 @@ import gc
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -74,10 +73,11 @@ import torch
 from bench_utils import (
     REPO_ROOT,
     SHARED_DATA,
-    environment,
     loss_gaps,
     markdown_table,
     plot_against_reference,
+    print_report,
+    run_on_ranks,
     save_json,
     yaml_trainer,
 )
@@ -476,19 +476,14 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}"]
-    command += [__file__, "--worker", "--rows", *args.rows, "--budget-s", str(args.budget_s)]
-    command += ["--loss-steps", str(args.loss_steps)] + (["--plot", args.plot] if args.plot else [])
-    command += ["--corpus", args.corpus, "--tokenizer", args.tokenizer] + (["--out", args.out] if args.out else [])
-    command += ["--tokens", str(Path(args.tokens).resolve())] if args.tokens else []
-    command += ["--smoke"] if args.smoke else []
-    here = Path(__file__).resolve().parent
-    pythonpath = os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run(command, env={**os.environ, "PYTHONPATH": pythonpath})
-    if args.out and Path(args.out, "long_context.md").exists():
-        print(Path(args.out, "long_context.md").read_text())
-    print(json.dumps(environment()))
-    return done.returncode
+    worker_args = ["--rows", *args.rows, "--budget-s", str(args.budget_s)]
+    worker_args += ["--loss-steps", str(args.loss_steps)] + (["--plot", args.plot] if args.plot else [])
+    worker_args += ["--corpus", args.corpus, "--tokenizer", args.tokenizer] + (["--out", args.out] if args.out else [])
+    worker_args += ["--tokens", str(Path(args.tokens).resolve())] if args.tokens else []
+    worker_args += ["--smoke"] if args.smoke else []
+    returncode = run_on_ranks(__file__, args.nproc, worker_args)
+    print_report(args.out, "long_context")
+    return returncode
 
 
 if __name__ == "__main__":

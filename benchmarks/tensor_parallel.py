@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from bench_utils import REPO_ROOT, environment, markdown_table, save_json, yaml_trainer
+from bench_utils import REPO_ROOT, markdown_table, print_report, run_on_ranks, save_json, yaml_trainer
 from long_context import LORA_ALL_LINEAR, BatchTimes, free_memory
 
 from foundry.callbacks.device_flops import peak_flops_per_sec
@@ -140,16 +139,11 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__]
-    command += ["--worker", "--rows", *args.rows, "--budget-s", str(args.budget_s)]
-    command += (["--out", args.out] if args.out else []) + (["--smoke"] if args.smoke else [])
-    here = Path(__file__).resolve().parent
-    pythonpath = os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run(command, env={**os.environ, "PYTHONPATH": pythonpath})
-    if args.out and Path(args.out, "tensor_parallel.md").exists():
-        print(Path(args.out, "tensor_parallel.md").read_text())
-    print(json.dumps(environment()))
-    return done.returncode
+    worker_args = ["--rows", *args.rows, "--budget-s", str(args.budget_s)]
+    worker_args += (["--out", args.out] if args.out else []) + (["--smoke"] if args.smoke else [])
+    returncode = run_on_ranks(__file__, 2, worker_args)
+    print_report(args.out, "tensor_parallel")
+    return returncode
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from foundry import distributed
 from foundry.targets import IGNORE_INDEX
@@ -76,10 +77,14 @@ class RepeatedSampleMask:
     that an earlier batch, a lower rank or an earlier row already holds gets its labels set to
     ``IGNORE_INDEX``: it still runs, so every rank runs the same forwards, but adds no loss and no
     weight. Every rank calls it once per eval batch, the same number of times.
+
+    ``group``: the ranks that load different samples and sum the loss (the mesh's loss group; None: every
+    rank). Tensor-parallel ranks load the same samples: each counts them, in its own loss group.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.seen: set[int] = set()
+        self.group = group
 
     def __call__(self, batch: Any) -> Any:
         """``batch`` without ``SAMPLE_INDEX_KEY``, its repeated samples' labels ignored."""
@@ -87,9 +92,10 @@ class RepeatedSampleMask:
             return batch
         batch = dict(batch)
         indices = batch.pop(SAMPLE_INDEX_KEY).tolist()
-        every_rank = distributed.all_gather_object(indices)
+        every_rank = distributed.all_gather_object(indices, self.group)
+        rank = dist.get_rank(self.group) if distributed.is_distributed() else 0
         counted = set(self.seen)
-        for lower_rank in every_rank[: distributed.get_rank()]:
+        for lower_rank in every_rank[:rank]:
             counted.update(lower_rank)
         repeated = []
         for row, index in enumerate(indices):

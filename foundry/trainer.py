@@ -146,7 +146,7 @@ class Trainer:
         self.eval_interval = Interval(evaluation.eval_interval)
         self.eval_first = evaluation.eval_first
         self.eval_subset_num_batches = evaluation.eval_subset_num_batches
-        self.icl = build_icl_evaluation(evaluation, self.state.tokenizer, model)
+        self.icl = build_icl_evaluation(evaluation, self.state.tokenizer, model, dims.tp)
         self.log_interval = Interval(console.console_log_interval)
         self.checkpoints.start(self.engine, config)
         self.config = config
@@ -412,7 +412,7 @@ class Trainer:
             loss_sum = torch.zeros((), dtype=torch.float64, device=state.device)
             weight_sum = torch.zeros((), dtype=torch.float64, device=state.device)
             correct_sum: torch.Tensor | None = None
-            count_once = RepeatedSampleMask()  # samples the ranks' shares repeat add to the loss once
+            count_once = RepeatedSampleMask(self._loss_group)  # samples the ranks' shares repeat count once
             for index, batch in enumerate(loader):
                 if 0 <= self.eval_subset_num_batches <= index:
                     break

@@ -92,7 +92,10 @@ class HFCheckpointer(Callback):
         self.description = ""  # the Hugging Face class of the last save
 
     def fit_start(self, state: State, logger: Logger) -> None:
-        if state.world_size > 1 and state.is_main_process:  # refused now rather than at the first save
+        # refused now rather than at the first save
+        if state.parallel_dims.tp > 1 and model_lora_config(state.model) is not None:
+            raise adapter_export_refusal(state.parallel_dims.tp)
+        if state.world_size > 1 and state.is_main_process:
             check_gather_fits(state.model, self.dtype, "callbacks.hf_checkpointer")
 
     def batch_start(self, state: State, logger: Logger) -> None:
@@ -156,6 +159,15 @@ class HFCheckpointer(Callback):
             self.description = export.description
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
+
+
+def adapter_export_refusal(tensor_parallel_degree: int) -> ConfigError:
+    """LoRA adapters are written from rank 0's modules, which tensor parallelism leaves holding shares."""
+    return ConfigError(
+        f"'parallelism.tensor_parallel_degree' is {tensor_parallel_degree} with LoRA (model.peft_config) and "
+        "callbacks.hf_checkpointer, which reads the adapters from rank 0's shares only. Remove the callback "
+        "and export the checkpoint afterwards (`foundry convert export-adapter`), or set the degree to 1."
+    )
 
 
 def full_state_dict(model: torch.nn.Module, world_size: int) -> dict[str, torch.Tensor]:

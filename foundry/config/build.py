@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from foundry import registry
+from foundry.callbacks.hf_checkpointer import adapter_export_refusal
 from foundry.checkpoint.config import CheckpointConfig
 from foundry.checkpoint.saver import Checkpointer
 from foundry.config import TrainConfig, trainer_settings
@@ -26,6 +27,7 @@ from foundry.distributed import env
 from foundry.distributed.config import ParallelismConfig, check_parallelism, with_fsdp_aliases
 from foundry.distributed.context_parallel import refuse_mask_key
 from foundry.errors import ConfigError
+from foundry.eval.during_training import icl_refusal
 from foundry.models.attention import mask_beyond_causal
 from foundry.models.build import build_model, checked_model_config
 from foundry.models.lora_checkpoint import has_pretrained_base
@@ -155,23 +157,15 @@ def _check_model_and_parallelism(cfg: TrainConfig, world_size: int | None) -> No
             )
         check_tensor_parallel(model_config, degree)
         if model_config.peft_config is not None and "hf_checkpointer" in cfg.callbacks:
-            raise ConfigError(
-                f"'parallelism.tensor_parallel_degree' is {degree} with LoRA (model.peft_config) and "
-                "callbacks.hf_checkpointer, which reads the adapters from rank 0's shares only. Remove the callback "
-                "and export the checkpoint afterwards (`foundry convert export-adapter`), or set the degree to 1."
-            )
+            raise adapter_export_refusal(degree)
         if parallelism.sequence_parallel and "fused_kernels" in cfg.algorithms:
             raise ConfigError(
                 f"'parallelism.tensor_parallel_degree' is {degree} with parallelism.sequence_parallel, whose norms "
                 "run on DTensors, which algorithms.fused_kernels' Triton norms do not take yet. Remove "
                 "fused_kernels, or set parallelism.sequence_parallel: false."
             )
-        if cfg.icl_tasks:  # the evaluator gives each rank its own batches; tp ranks must run the same ones
-            raise ConfigError(
-                f"'parallelism.tensor_parallel_degree' is {degree} but icl_tasks are set; ICL evaluation does not run "
-                "under tensor parallelism yet. Remove icl_tasks (evaluate the checkpoint with `foundry eval`), or "
-                "set the degree to 1."
-            )
+        if cfg.icl_tasks:
+            raise icl_refusal(degree)
     attn_config = getattr(model_config, "attn_config", None)  # foundry's families; hf_causal_lm has none
     if parallelism.context_parallel_degree > 1 and attn_config is not None and (key := mask_beyond_causal(attn_config)):
         refuse_mask_key(key)

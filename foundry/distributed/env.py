@@ -60,12 +60,13 @@ def broadcast_object(value: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def all_gather_object(value: Any) -> list[Any]:
-    """Every rank's ``value``, in rank order (picklable objects; ``[value]`` in one process)."""
+def all_gather_object(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``value`` in ``group`` (None: all), in rank order (picklable objects; ``[value]`` in one
+    process)."""
     if not is_distributed() or get_world_size() == 1:
         return [value]
-    gathered: list[Any] = [None] * get_world_size()
-    dist.all_gather_object(gathered, value)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
     return gathered
 
 

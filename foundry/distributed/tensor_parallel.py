@@ -79,7 +79,7 @@ class FusedColwiseParallel(ParallelStyle):
 
     def _split_parameters(self, module: nn.Module, device_mesh: DeviceMesh) -> None:
         # each rank splits its own copy: the same seed built the same weights on every rank (a meta-device
-        # model, whose weights rank 0 would send, is refused: foundry.models.tp_plan)
+        # model splits meta tensors, which rank 0's weights fill after placement: fill_parts)
         rank, ranks = device_mesh.get_local_rank(), device_mesh.size()
         for name, param in list(module.named_parameters(recurse=False)):
             whole = param.detach()

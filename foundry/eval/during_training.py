@@ -19,6 +19,15 @@ if TYPE_CHECKING:  # torchmetrics (and the transformers it pulls in) load only f
     from foundry.eval.evaluator import ICLEvaluator
 
 
+def icl_refusal(tensor_parallel_degree: int) -> ConfigError:
+    """The evaluator gives each rank its own batches, but tensor-parallel ranks must run the same ones."""
+    return ConfigError(
+        f"'parallelism.tensor_parallel_degree' is {tensor_parallel_degree} but icl_tasks are set; ICL evaluation does "
+        "not run under tensor parallelism yet. Remove icl_tasks (evaluate the checkpoint with `foundry eval`), or "
+        "set the degree to 1."
+    )
+
+
 class ICLEvaluation:
     """Prepared ICL tasks (and their gauntlet) that score the model being trained."""
 
@@ -47,10 +56,14 @@ class ICLEvaluation:
         return results
 
 
-def build_icl_evaluation(config: EvalConfig, tokenizer: Any, model: Any) -> ICLEvaluation | None:
+def build_icl_evaluation(
+    config: EvalConfig, tokenizer: Any, model: Any, tensor_parallel_degree: int = 1
+) -> ICLEvaluation | None:
     """The ``icl_tasks`` of ``config`` prepared for ``tokenizer``, or None when the run has none."""
     if config.icl_tasks is None:
         return None
+    if tensor_parallel_degree > 1:
+        raise icl_refusal(tensor_parallel_degree)
     if tokenizer is None:
         raise ConfigError(
             "'icl_tasks' is set but the run has no tokenizer to build prompts with: pass tokenizer= to the Trainer "

@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import TINY_LLAMA
 
+from foundry.core.parallel_dims import ParallelDims
 from foundry.distributed import host_memory
 from foundry.distributed.placement import init_on_cpu
 from foundry.errors import ConfigError
@@ -95,8 +96,10 @@ def test_hf_checkpointer_whose_gather_exceeds_rank_0s_host_is_refused_at_fit_sta
     model = build_model(config.model)
     assert host_memory.bytes_to_gather(model, torch.bfloat16) / 1e9 == pytest.approx(1635.2, abs=0.05)
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 512 * 2**30)
-    state = SimpleNamespace(model=model, world_size=4, is_main_process=True)
+    dims = ParallelDims(dp_shard=4)
+    state = SimpleNamespace(model=model, world_size=4, is_main_process=True, parallel_dims=dims)
     checkpointer = HFCheckpointer(save_folder="out", save_interval="1dur", precision="bfloat16")
     with pytest.raises(ConfigError, match=r"hf_checkpointer gathers .*1635\.2 GB.*export-adapter CKPT OUT"):
         checkpointer.fit_start(state, logger=None)
-    checkpointer.fit_start(SimpleNamespace(model=build_model(LLAMA), world_size=4, is_main_process=True), None)
+    small = SimpleNamespace(model=build_model(LLAMA), world_size=4, is_main_process=True, parallel_dims=dims)
+    checkpointer.fit_start(small, None)

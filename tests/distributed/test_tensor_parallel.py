@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed.jobs import assert_same_run, build_trainer, full_weights, initial_weights, train
+from distributed.jobs import (
+    GLOBAL_BATCH_SIZE,
+    assert_same_run,
+    build_trainer,
+    full_weights,
+    initial_weights,
+    rank_batches,
+    train,
+)
 from foundry.algorithms.gradient_clipping import GradientClipping
 from foundry.callbacks.hand_over import HandOver
 
@@ -153,3 +161,50 @@ def test_a_meta_device_model_trains_under_tp2_from_the_weights_one_rank_draws(ra
     one = ranks.run(1, train, 4, str(tmp_path / "one"), **keys)[0]
     tp2 = ranks.run(2, train, 4, str(tmp_path / "tp2"), parallelism=TP2, **keys)[0]
     assert_same_run(tp2, one)
+
+
+def eval_metrics_of_tagged_samples(folder: str, parallelism: dict | None) -> dict | None:
+    """One eval pass over batches whose samples carry their dataset index (as the text loader's eval loaders do)."""
+    from foundry.batches import SAMPLE_INDEX_KEY
+    from foundry.distributed import get_rank
+
+    degree = (parallelism or {}).get("tensor_parallel_degree", 1)
+    batches = rank_batches(2, degree)
+    share = len(batches[0]["input_ids"])
+    first = (get_rank() // degree) * share
+    for number, batch in enumerate(batches):
+        batch[SAMPLE_INDEX_KEY] = torch.arange(share) + first + number * GLOBAL_BATCH_SIZE
+    trainer = build_trainer(1, folder, model_keys=MODELS["mpt"], parallelism=parallelism, eval_dataloader=batches)
+    metrics = trainer.eval()
+    return metrics if get_rank() == 0 else None
+
+
+def test_tp2_eval_counts_each_tagged_sample_once_as_one_rank_does(ranks, tmp_path):
+    # tensor-parallel ranks hold the same samples: neither may count the other's as a repeat
+    one = ranks.run(1, eval_metrics_of_tagged_samples, str(tmp_path / "one"), None)[0]
+    tp2 = ranks.run(2, eval_metrics_of_tagged_samples, str(tmp_path / "tp2"), TP2)[0]
+    assert tp2["eval"] == pytest.approx(one["eval"], rel=1e-5)
+
+
+def refusal_of_python_trainer(folder: str, feature: str) -> str:
+    """The error a Python ``Trainer(...)`` under TP2 gives ``feature``, which tensor parallelism does not support."""
+    from foundry.callbacks.hf_checkpointer import HFCheckpointer
+    from foundry.errors import ConfigError
+
+    try:
+        if feature == "icl_tasks":
+            icl_tasks = [{"label": "t", "dataset_uri": "t.jsonl", "icl_task_type": "language_modeling"}]
+            build_trainer(1, folder, model_keys=MODELS["llama"], parallelism=TP2, icl_tasks=icl_tasks)
+        else:
+            exporter = HFCheckpointer(f"{folder}/hf", "1ba")
+            keys = {"model_keys": MODELS["llama-gqa-lora"], "parallelism": TP2, "callbacks": [exporter]}
+            build_trainer(1, folder, **keys).fit()
+    except ConfigError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.parametrize(("feature", "named"), [("icl_tasks", "icl_tasks"), ("adapters", "hf_checkpointer")])
+def test_a_python_trainer_under_tp2_refuses_what_tp_does_not_support(ranks, tmp_path, feature, named):
+    refusals = ranks.run(2, refusal_of_python_trainer, str(tmp_path), feature)
+    assert all("tensor_parallel_degree' is 2" in refusal and named in refusal for refusal in refusals)
