@@ -32,7 +32,7 @@ from foundry.batches import IGNORE_INDEX
 from foundry.checkpoint.load import load_checkpoint
 from foundry.errors import ConfigError
 from foundry.models.base import FoundryModel
-from foundry.models.build import vocab_size
+from foundry.models.build import build_model, vocab_size
 from foundry.models.lora import adapters_disabled, lora_modules
 from foundry.models.objective import Objective
 from foundry.preference.config import AVERAGES_PER_TOKEN, REFERENCE_FREE, PreferenceConfig, Reference
@@ -48,8 +48,16 @@ class PreferenceObjective(Objective):
     (pairs, 2, seq).
     """
 
-    def __init__(self, config: PreferenceConfig | None = None, reference: nn.Module | None = None) -> None:
+    def __init__(
+        self, config: PreferenceConfig | None = None, reference: nn.Module | None = None, tokenizer: Any = None
+    ) -> None:
+        """``reference``: a frozen model to compare with, else ``config.reference_model`` built (checked against
+        ``tokenizer``), else what ``config.reference`` names."""
         self.config = config or PreferenceConfig()
+        if reference is not None and self.config.reference_model is not None:
+            raise ConfigError("'preference.reference_model' is set and a reference model is given too; keep one.")
+        if self.config.reference_model is not None:
+            reference = build_model(self.config.reference_model, tokenizer)
         self.reference = reference  # a separate frozen model, or None (adapters off, the policy's copy, none)
         self._copies_policy = reference is None  # a copy made at attach takes the policy's starting weights
         self.mode: Reference = "copy" if reference is not None else self.config.reference
@@ -78,6 +86,11 @@ class PreferenceObjective(Objective):
         return [self.reference] if self.mode == "copy" and self.reference is not None else []
 
     def after_load(self, state: Any, load_path: str | None) -> None:
+        if state.parallel_dims.cp > 1:  # each rank would score a piece of every sequence as if it were whole
+            raise ConfigError(
+                f"'parallelism.context_parallel_degree' is {state.parallel_dims.cp}, but preference tuning scores "
+                "whole sequences on each rank; set the degree to 1 (shard the model with fsdp_config instead)."
+            )
         model = state.model
         if self.mode == "precomputed":
             self._reference_table = reference_table(model, state, load_path).to(state.device)
