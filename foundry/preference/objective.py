@@ -108,14 +108,16 @@ class PreferenceObjective(Objective):
         if "sequence_id" in inputs:
             _check_masks_packed_sequences(model)
         labels, sequence_id = _rows(batch["labels"]), inputs.get("sequence_id")
+        # the batch's widest row's pairs, as the precomputed table's columns (a microbatch may hold fewer)
+        sequences = batch["pair_index"].shape[1] if sequence_id is not None and "pair_index" in batch else None
         outputs = {}
         if self.mode == "precomputed":  # (pairs, 2) table → (2·rows, pairs per row), as the policy's
             table = self._reference_table[batch["pair_index"].clamp(min=0)]
             outputs["reference"] = torch.cat([table[..., 0], table[..., 1]])
         elif self.mode != "none":
             with torch.no_grad(), self._reference_model(model) as reference:
-                outputs["reference"], _ = model_sequence_logps(reference, inputs, labels, sequence_id)
-        outputs["policy"], outputs["tokens"] = model_sequence_logps(model, inputs, labels, sequence_id)
+                outputs["reference"], _ = model_sequence_logps(reference, inputs, labels, sequence_id, sequences)
+        outputs["policy"], outputs["tokens"] = model_sequence_logps(model, inputs, labels, sequence_id, sequences)
         return outputs
 
     @contextlib.contextmanager
