@@ -105,6 +105,15 @@ def icl_server(icl_copy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         thread.join(timeout=10)
 
 
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Tiny matrices: one thread is faster than two that wait on each other on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def tiny_lm() -> TinyLM:
     return TinyLM()

@@ -91,15 +91,11 @@ def build_trainer(cfg: TrainConfig, resolved: Mapping[str, Any] | None = None) -
 
 
 def build_objective(cfg: TrainConfig, tokenizer: Any) -> PreferenceObjective | None:
-    """The ``preference`` section's objective (with its ``reference_model`` built), or None: the model's own loss.
+    """The ``preference`` section's objective, or None: the model's own loss.
 
     A preference objective trains on a ``preference`` train_loader, and a ``preference`` loader needs the objective.
     """
-    if cfg.preference is None:
-        return None
-    reference_section = cfg.preference.reference_model
-    reference = build_model(reference_section, tokenizer).requires_grad_(False) if reference_section else None
-    return PreferenceObjective(cfg.preference, reference)
+    return PreferenceObjective(cfg.preference, tokenizer=tokenizer) if cfg.preference is not None else None
 
 
 def check_config(cfg: TrainConfig, world_size: int | None = None) -> Checkpointer:

@@ -47,28 +47,21 @@ Truncation = Literal["keep_start", "keep_end", "drop"]
 
 
 @dataclasses.dataclass
-class FinetuningDatasetConfig:
-    """The ``<loader>.dataset`` keys of LLM Foundry's ``finetuning`` loader (plus ``truncation``)."""
+class RowsDatasetConfig:
+    """The ``<loader>.dataset`` keys the ``finetuning`` and ``preference`` loaders share: the source of their rows
+    (read once, in the training process), their order and their packing."""
 
     max_seq_len: int
     hf_name: str | None = None  # a local .jsonl file or folder, or 'json' with hf_kwargs (Hub ids are refused)
     hf_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # 'json': data_files or data_dir
-    preprocessing_fn: str | dict[str, str] | None = None  # 'module:function' or {prompt: column, response: column}
     local: str | None = None  # MDS dataset
     remote: str | None = None
     streams: dict[str, dict[str, Any]] | None = None
     split: str | None = None
     shuffle: bool = False
     shuffle_seed: int = 9176  # mosaicml-streaming's default, as LLM Foundry
-    packing_ratio: float | str | None = None  # examples drawn per row; 'auto' profiles; None or 1: no packing
-    target_prompts: str = "none"  # 'none', 'all' or 'length>=N'
-    target_responses: Literal["last", "all"] = "last"
-    truncation: Truncation = "keep_start"  # LLM Foundry keeps the first max_seq_len tokens
-    allow_pad_trimming: bool = False
-    decoder_only_format: bool = True
+    packing_ratio: float | str | None = None  # examples (pairs) drawn per row; 'auto' profiles; None or 1: no packing
     eos_token_id: int | None = None  # ends every response; default: the tokenizer's eos
-    safe_load: bool | None = None  # LLM Foundry's remote-code guard; local files need none
-    token_encoding_type: str = "int64"  # dtype of pre-tokenized MDS columns stored as bytes
     download_retry: int | None = None
     download_timeout: float | None = None
     validate_hash: str | None = None
@@ -82,28 +75,21 @@ class FinetuningDatasetConfig:
 
 
 @dataclasses.dataclass
-class PreferenceDatasetConfig:
-    """The ``<loader>.dataset`` keys of the ``preference`` loader (the ``finetuning`` loader's source keys)."""
+class FinetuningDatasetConfig(RowsDatasetConfig):
+    """The ``<loader>.dataset`` keys of LLM Foundry's ``finetuning`` loader (plus ``truncation``)."""
 
-    max_seq_len: int
-    hf_name: str | None = None  # a local .jsonl file or folder, or 'json' with hf_kwargs
-    hf_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    local: str | None = None  # MDS dataset with columns prompt/chosen/rejected
+    preprocessing_fn: str | dict[str, str] | None = None  # 'module:function' or {prompt: column, response: column}
+    target_prompts: str = "none"  # 'none', 'all' or 'length>=N'
+    target_responses: Literal["last", "all"] = "last"
+    truncation: Truncation = "keep_start"  # LLM Foundry keeps the first max_seq_len tokens
+    allow_pad_trimming: bool = False
+    decoder_only_format: bool = True
+    safe_load: bool | None = None  # LLM Foundry's remote-code guard; local files need none
+    token_encoding_type: str = "int64"  # dtype of pre-tokenized MDS columns stored as bytes
+
+
+@dataclasses.dataclass
+class PreferenceDatasetConfig(RowsDatasetConfig):
+    """The ``<loader>.dataset`` keys of the ``preference`` loader (an MDS ``local`` has prompt/chosen/rejected)."""
+
     builtin: bool = False  # the pairs derived from Python's help topics (foundry.data.corpus), no file needed
-    remote: str | None = None
-    streams: dict[str, dict[str, Any]] | None = None
-    split: str | None = None
-    shuffle: bool = False
-    shuffle_seed: int = 9176
-    packing_ratio: float | str | None = None  # pairs drawn per row pair; 'auto' profiles; None or 1: no packing
-    eos_token_id: int | None = None  # ends each response; default: the tokenizer's eos
-    download_retry: int | None = None
-    download_timeout: float | None = None
-    validate_hash: str | None = None
-    keep_zip: bool | None = None
-    predownload: int | None = None
-    cache_limit: int | str | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be a positive number of tokens, got {self.max_seq_len}")

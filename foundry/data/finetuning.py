@@ -34,7 +34,7 @@ from foundry.core.bounds import check_bounds
 from foundry.data.chat import RowFormatError, chat_renderer
 from foundry.data.config import LOADER_DEFAULTS, FinetuningDatasetConfig
 from foundry.data.finetuning_examples import FinetuningCounts, LabelPolicy, build_example, token_turns
-from foundry.data.finetuning_rows import read_rows
+from foundry.data.finetuning_rows import check_rows_loader, read_rows
 from foundry.data.packing import Row, collate_packed_rows, pack_rows, rank_batches, resolve_packing_ratio
 from foundry.distributed.env import get_rank, get_world_size
 from foundry.errors import ConfigError, DataError
@@ -187,20 +187,12 @@ def build_finetuning_dataloader(
 
 
 def _check_config(config: FinetuningDatasetConfig, tokenizer: Any, device_batch_size: int, key_path: str) -> None:
-    if tokenizer is None:
-        raise ConfigError(f"'{key_path}' needs a tokenizer: set the run's tokenizer section.")
-    if device_batch_size < 1:
-        raise ConfigError(f"The batch size of '{key_path}' is {device_batch_size}; it must be at least 1.")
+    check_rows_loader(config, tokenizer, device_batch_size, key_path, "examples per row")
     if not config.decoder_only_format:
         raise ConfigError(
             f"'{key_path}.decoder_only_format: false' formats data for encoder-decoder models (T5, LLM Foundry's "
             "model.name hf_t5), which foundry does not train: it trains decoder-only language models "
             "(docs/LLM_FOUNDRY.md). Finetune one (hf_causal_lm, mpt_causal_lm, llama_causal_lm) with true."
-        )
-    ratio = config.packing_ratio
-    if ratio is not None and ratio != "auto" and (isinstance(ratio, str) or ratio < 1):
-        raise ConfigError(
-            f"'{key_path}.packing_ratio' is {ratio!r}; use a number >= 1 (examples per row), 'auto' or null."
         )
     prompts = config.target_prompts
     valid_length = prompts.startswith("length>=") and prompts.removeprefix("length>=").isdigit()

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from foundry.data.config import FinetuningDatasetConfig, PreferenceDatasetConfig
+from foundry.data.config import RowsDatasetConfig
 from foundry.data.jsonl import read_jsonl
 from foundry.data.mds import build_checked_streams, import_streaming
 from foundry.data.shm_prefix import elected_shm_prefixes, release_shared_memory
@@ -15,7 +15,20 @@ from foundry.errors import ConfigError, DataError
 JSON_SUFFIXES = (".jsonl", ".json")
 
 
-def read_rows(config: FinetuningDatasetConfig | PreferenceDatasetConfig, key_path: str) -> Iterator[tuple[str, Any]]:
+def check_rows_loader(
+    config: RowsDatasetConfig, tokenizer: Any, device_batch_size: int, key_path: str, packed: str
+) -> None:
+    """The checks the ``finetuning`` and ``preference`` loaders share; ``packed``: what ``packing_ratio`` counts."""
+    if tokenizer is None:
+        raise ConfigError(f"'{key_path}' needs a tokenizer: set the run's tokenizer section.")
+    if device_batch_size < 1:
+        raise ConfigError(f"The batch size of '{key_path}' is {device_batch_size}; it must be at least 1.")
+    ratio = config.packing_ratio
+    if ratio is not None and ratio != "auto" and (isinstance(ratio, str) or ratio < 1):
+        raise ConfigError(f"'{key_path}.packing_ratio' is {ratio!r}; use a number >= 1 ({packed}), 'auto' or null.")
+
+
+def read_rows(config: RowsDatasetConfig, key_path: str) -> Iterator[tuple[str, Any]]:
     """(location for errors, row) for every row of the configured source."""
     if config.hf_name is not None:
         for path in _jsonl_files(config, key_path):
@@ -24,7 +37,7 @@ def read_rows(config: FinetuningDatasetConfig | PreferenceDatasetConfig, key_pat
         yield from _read_mds(config, key_path)
 
 
-def _jsonl_files(config: FinetuningDatasetConfig, key_path: str) -> list[Path]:
+def _jsonl_files(config: RowsDatasetConfig, key_path: str) -> list[Path]:
     """The files ``hf_name`` names: a .jsonl file, a folder's ``<split>.jsonl`` / ``<split>/*.jsonl``, or 'json'."""
     name, split = config.hf_name, config.split
     if name == "json":  # LLM Foundry's local form: hf_name json + hf_kwargs data_files or data_dir
@@ -64,7 +77,7 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     yield from read_jsonl(path, 'such as {"prompt": "...", "response": "..."}')
 
 
-def _read_mds(config: FinetuningDatasetConfig, key_path: str) -> Iterator[tuple[str, Any]]:
+def _read_mds(config: RowsDatasetConfig, key_path: str) -> Iterator[tuple[str, Any]]:
     dataset_class = import_streaming(f"The finetuning dataloader '{key_path}'").StreamingDataset
     streams = build_checked_streams(config, key_path)
     streaming_keys = ("download_retry", "download_timeout", "validate_hash", "keep_zip", "predownload", "cache_limit")

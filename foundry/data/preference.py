@@ -39,7 +39,7 @@ from foundry.data.chat import MESSAGES_KEYS, RowFormatError, chat_renderer
 from foundry.data.config import LOADER_DEFAULTS, PreferenceDatasetConfig
 from foundry.data.corpus import builtin_preference_rows
 from foundry.data.finetuning_examples import token_turns
-from foundry.data.finetuning_rows import read_rows
+from foundry.data.finetuning_rows import check_rows_loader, read_rows
 from foundry.data.mds import check_local_dataset
 from foundry.data.packing import pack_rows, rank_batches, resolve_packing_ratio
 from foundry.distributed.env import get_rank, get_world_size
@@ -270,15 +270,7 @@ def _data_folder(config: PreferenceDatasetConfig) -> Path | None:
 
 
 def _check_config(config: PreferenceDatasetConfig, tokenizer: Any, device_batch_size: int, key_path: str) -> None:
-    if tokenizer is None:
-        raise ConfigError(f"'{key_path}' needs a tokenizer: set the run's tokenizer section.")
-    if device_batch_size < 1:
-        raise ConfigError(f"The batch size of '{key_path}' is {device_batch_size}; it must be at least 1.")
-    ratio = config.packing_ratio
-    if ratio is not None and ratio != "auto" and (isinstance(ratio, str) or ratio < 1):
-        raise ConfigError(
-            f"'{key_path}.packing_ratio' is {ratio!r}; use a number >= 1 (pairs per row pair), 'auto' or null."
-        )
+    check_rows_loader(config, tokenizer, device_batch_size, key_path, "pairs per row pair")
     sources = [name for name in ("hf_name", "local", "streams", "builtin") if getattr(config, name)]
     if len(sources) != 1:
         raise ConfigError(

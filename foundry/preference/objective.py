@@ -32,7 +32,7 @@ from foundry.batches import IGNORE_INDEX
 from foundry.checkpoint.load import load_checkpoint
 from foundry.errors import ConfigError
 from foundry.models.base import FoundryModel
-from foundry.models.build import vocab_size
+from foundry.models.build import build_model, vocab_size
 from foundry.models.lora import adapters_disabled, lora_modules
 from foundry.models.objective import Objective
 from foundry.preference.config import AVERAGES_PER_TOKEN, REFERENCE_FREE, PreferenceConfig, Reference
@@ -48,8 +48,16 @@ class PreferenceObjective(Objective):
     (pairs, 2, seq).
     """
 
-    def __init__(self, config: PreferenceConfig | None = None, reference: nn.Module | None = None) -> None:
+    def __init__(
+        self, config: PreferenceConfig | None = None, reference: nn.Module | None = None, tokenizer: Any = None
+    ) -> None:
+        """``reference``: a frozen model to compare with, else ``config.reference_model`` built (checked against
+        ``tokenizer``), else what ``config.reference`` names."""
         self.config = config or PreferenceConfig()
+        if reference is not None and self.config.reference_model is not None:
+            raise ConfigError("'preference.reference_model' is set and a reference model is given too; keep one.")
+        if self.config.reference_model is not None:
+            reference = build_model(self.config.reference_model, tokenizer)
         self.reference = reference  # a separate frozen model, or None (adapters off, the policy's copy, none)
         self._copies_policy = reference is None  # a copy made at attach takes the policy's starting weights
         self.mode: Reference = "copy" if reference is not None else self.config.reference
@@ -78,6 +86,11 @@ class PreferenceObjective(Objective):
         return [self.reference] if self.mode == "copy" and self.reference is not None else []
 
     def after_load(self, state: Any, load_path: str | None) -> None:
+        if state.parallel_dims.cp > 1:  # each rank would score a piece of every sequence as if it were whole
+            raise ConfigError(
+                f"'parallelism.context_parallel_degree' is {state.parallel_dims.cp}, but preference tuning scores "
+                "whole sequences on each rank; set the degree to 1 (shard the model with fsdp_config instead)."
+            )
         model = state.model
         if self.mode == "precomputed":
             self._reference_table = reference_table(model, state, load_path).to(state.device)
@@ -95,14 +108,16 @@ class PreferenceObjective(Objective):
         if "sequence_id" in inputs:
             _check_masks_packed_sequences(model)
         labels, sequence_id = _rows(batch["labels"]), inputs.get("sequence_id")
+        # the batch's widest row's pairs, as the precomputed table's columns (a microbatch may hold fewer)
+        sequences = batch["pair_index"].shape[1] if sequence_id is not None and "pair_index" in batch else None
         outputs = {}
         if self.mode == "precomputed":  # (pairs, 2) table → (2·rows, pairs per row), as the policy's
             table = self._reference_table[batch["pair_index"].clamp(min=0)]
             outputs["reference"] = torch.cat([table[..., 0], table[..., 1]])
         elif self.mode != "none":
             with torch.no_grad(), self._reference_model(model) as reference:
-                outputs["reference"], _ = model_sequence_logps(reference, inputs, labels, sequence_id)
-        outputs["policy"], outputs["tokens"] = model_sequence_logps(model, inputs, labels, sequence_id)
+                outputs["reference"], _ = model_sequence_logps(reference, inputs, labels, sequence_id, sequences)
+        outputs["policy"], outputs["tokens"] = model_sequence_logps(model, inputs, labels, sequence_id, sequences)
         return outputs
 
     @contextlib.contextmanager

@@ -193,15 +193,7 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
     **{f"mpt/{name}": ({"name": "mpt_causal_lm", **TINY, **keys}, hf_class)
        for name, (keys, hf_class) in SETTINGS.items()},
 }  # fmt: skip
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    """Tiny matrices: one thread is faster than two that wait on each other on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="session")  # not rebuilt when a shuffled order leaves this module and comes back

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -9,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from foundry.core import LoggerDestination
+from foundry.core import LoggerDestination, State
+from foundry.core.parallel_dims import ParallelDims
 from foundry.errors import ConfigError
 from foundry.models.lora import LoraConfig, inject_lora
 from foundry.models.mpt import MPTCausalLM
@@ -137,6 +139,20 @@ def test_a_reference_of_another_vocabulary_is_refused_naming_both_sizes() -> Non
     objective = PreferenceObjective(PreferenceConfig(), reference=tiny_model(vocab_size=128))
     with pytest.raises(ConfigError, match=r"reference_model' has a vocabulary of 128 tokens and the model one of 64"):
         objective.attach(tiny_model())
+
+
+def test_a_reference_model_section_is_built_as_the_reference_from_python() -> None:
+    section = {"name": "mpt_causal_lm", "d_model": 16, "n_heads": 2, "n_layers": 1, "max_seq_len": 16}
+    objective = PreferenceObjective(PreferenceConfig(reference_model={**section, "vocab_size": 128}))
+    assert objective.mode == "copy" and isinstance(objective.reference, MPTCausalLM)
+    with pytest.raises(ConfigError, match=r"reference_model' has a vocabulary of 128 tokens and the model one of 64"):
+        objective.attach(tiny_model())
+
+
+def test_context_parallelism_is_refused_from_python(state: State) -> None:
+    objective = PreferenceObjective(PreferenceConfig())
+    with pytest.raises(ConfigError, match=r"'parallelism.context_parallel_degree' is 2"):
+        objective.after_load(dataclasses.replace(state, parallel_dims=ParallelDims(dp_shard=1, cp=2)), None)
 
 
 def test_a_resumed_run_takes_its_reference_from_load_path_not_from_its_own_checkpoint(tmp_path: Path) -> None:

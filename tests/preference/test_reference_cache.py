@@ -36,17 +36,21 @@ def pairs_folder(tmp_path: Path) -> Path:
     return folder
 
 
-def train(folder: Path, run: Path, reference: str, batches: int = 4, **checkpointing: Any) -> tuple[Trainer, Metrics]:
+def train(
+    folder: Path, run: Path, reference: str, batches: int = 4, packing_ratio: float | None = None, **settings: Any
+) -> tuple[Trainer, Metrics]:
     loader = build_preference_dataloader(
         tokenizer=load_tokenizer(str(folder / "tokenizer")), device_batch_size=2,
-        dataset={"hf_name": str(folder / "train.jsonl"), "max_seq_len": 32},
+        dataset={"hf_name": str(folder / "train.jsonl"), "max_seq_len": 32, "packing_ratio": packing_ratio},
     )  # fmt: skip
     torch.manual_seed(0)
-    model = MPTCausalLM(d_model=16, n_heads=2, n_layers=2, max_seq_len=32, vocab_size=320, no_bias=True)
+    packed = {"learned_pos_emb": False, "attn_config": {"alibi": True, "attn_uses_sequence_id": True}}
+    shape = {"d_model": 16, "n_heads": 2, "n_layers": 2, "max_seq_len": 32, "vocab_size": 320, "no_bias": True}
+    model = MPTCausalLM(**shape, **(packed if packing_ratio else {}))
     metrics = Metrics()
     trainer = Trainer(
         model, loader, f"{batches}ba", objective=PreferenceObjective(PreferenceConfig(reference=reference)),
-        loggers=[metrics], run_folder=str(run), progress_bar=False, log_to_console=False, **checkpointing,
+        loggers=[metrics], run_folder=str(run), progress_bar=False, log_to_console=False, **settings,
     )  # fmt: skip
     trainer.fit()
     return trainer, metrics
@@ -61,6 +65,19 @@ def test_precomputed_reference_trains_as_a_frozen_copy_and_is_stored_beside_the_
         for name, value in copy_step.items():
             assert precomputed_step[name] == pytest.approx(value, abs=1e-6), name
     assert len(list(pairs_folder.glob("reference-logps-*.pt"))) == 1
+
+
+def test_packed_microbatches_with_fewer_pairs_than_the_batchs_widest_row_read_the_table(
+    pairs_folder: Path, tmp_path: Path
+) -> None:
+    run = {"packing_ratio": 2.5, "batches": 2, "device_train_microbatch_size": 1}
+    trainer, copied = train(pairs_folder, tmp_path / "copy", "copy", **run)
+    assert any(len({len(row) for row in batch}) > 1 for batch in trainer.state.train_dataloader.epoch_batches(0))
+    _, precomputed = train(pairs_folder, tmp_path / "precomputed", "precomputed", **run)
+    for copy_step, precomputed_step in zip(copied.steps, precomputed.steps, strict=True):
+        copy_step.pop("rewards/accuracies")  # rewards of about 1e-8 (policy = reference): their order is rounding's
+        precomputed_step.pop("rewards/accuracies")
+        assert precomputed_step == pytest.approx(copy_step, abs=1e-6)
 
 
 def test_the_table_is_scored_in_eval_mode_and_training_goes_on_in_train_mode(

@@ -8,8 +8,6 @@ why the sums are compared within 5e-6 rather than at the 1e-5 a foundry parity t
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from fixtures.dpo import trl_reference as fixture
@@ -18,15 +16,7 @@ from foundry.convert.commands import from_hf_model
 
 LOGP_TOLERANCE = 5e-6  # fp32 rounding between TRL's fused head on padded batches and a plain unpadded forward
 LOGP_KEYS = ("policy_chosen", "policy_rejected", "reference_chosen", "reference_rejected")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Any:
-    """Tiny matrices: one thread is faster than two that wait on each other on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_the_tokenizer_gives_the_ids_trl_trained_on() -> None:
