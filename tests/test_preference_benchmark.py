@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import preference
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+# By path, under its own name: a plain `import preference` finds tests/preference when that package ran first.
+_spec = importlib.util.spec_from_file_location("preference_benchmark", BENCHMARKS / "preference.py")
+preference = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(preference)
 
 
 def test_a_row_cut_off_mid_write_reports_the_batches_it_finished(tmp_path, monkeypatch) -> None:
