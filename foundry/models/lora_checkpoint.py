@@ -84,12 +84,15 @@ class LoraCheckpointHooks(CheckpointHooks):
         )
 
     def loadable_without(self, missing: Collection[str], saved: Collection[str]) -> bool:
-        """Two cases load although keys are missing: a base checkpoint into a LoRA model (only adapters
-        missing: they keep their init), and an adapters-only checkpoint (only base weights missing: its
-        base was loaded first)."""
+        """Two cases load although keys are missing: a base checkpoint into a LoRA model (it holds no adapter:
+        they keep their init), and an adapters-only checkpoint (only base weights missing: its base was loaded
+        first). A checkpoint holding some of the model's adapters but not all (other target_modules) is refused:
+        the rest would silently keep their init."""
         if not missing:
             return True
-        return all(is_adapter_key(key) for key in missing) or (bool(saved) and all(map(is_adapter_key, saved)))
+        if not any(map(is_adapter_key, saved)):
+            return all(map(is_adapter_key, missing))
+        return all(map(is_adapter_key, saved)) and not any(map(is_adapter_key, missing))
 
     def before_load(self, folder: Path, state: Any, load: Callable[[Path], None], depth: int = 0) -> None:
         """If ``folder`` holds adapters only, load its base weights into ``state.model`` first."""
