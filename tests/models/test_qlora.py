@@ -319,3 +319,14 @@ def _state_dict_without_dequantizing(state_dict):
         return state_dict(module, *args, **kwargs)
 
     return checked
+
+
+def test_merge_rounds_each_weight_as_it_goes_and_never_dequantizes_the_model_at_once(monkeypatch):
+    from foundry.models.lora import merged_state_dict
+
+    qlora = qlora_llama()
+    monkeypatch.setattr(torch.nn.Module, "state_dict", _state_dict_without_dequantizing(torch.nn.Module.state_dict))
+    merged = merged_state_dict(qlora, torch.bfloat16)
+    layer = qlora.transformer.blocks[0].attn.Wqkv
+    assert merged["transformer.blocks.0.attn.Wqkv.weight"].dtype == torch.bfloat16
+    assert torch.equal(merged["transformer.blocks.0.attn.Wqkv.weight"], layer.merged_weight().to(torch.bfloat16))
