@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -237,3 +238,19 @@ def plot_against_reference(
     bottom.set_xlabel("step")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)
+
+
+def prepare_and_run_parsers(
+    description: str, *, prepared: str, samples: int, sample_tokens: str, run_help: str
+) -> tuple[argparse.ArgumentParser, Any, argparse.ArgumentParser]:
+    """(parser, its subcommands, ``run``'s parser) of a benchmark whose ``prepare --out --samples --shared-data``
+    writes ``prepared`` here before the GPU call and whose ``run`` (``run_help``) trains on the GPU machine."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="action", required=True)
+    prepare_parser = commands.add_parser("prepare", help=f"{prepared} (here, before the GPU call)")
+    prepare_parser.add_argument("--out", required=True)
+    prepare_parser.add_argument(
+        "--samples", type=int, default=samples, help=f"{sample_tokens} train samples (at least)"
+    )
+    prepare_parser.add_argument("--shared-data", default=str(SHARED_DATA), help="the shared data folder")
+    return parser, commands, commands.add_parser("run", help=run_help)

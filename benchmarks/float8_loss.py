@@ -34,7 +34,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_utils import REPO_ROOT, SHARED_DATA, environment, foundry_train, loss_gaps, markdown_table, train_losses
+from bench_utils import (
+    REPO_ROOT,
+    SHARED_DATA,
+    environment,
+    foundry_train,
+    loss_gaps,
+    markdown_table,
+    prepare_and_run_parsers,
+    train_losses,
+)
 from peers_rows import SMOKE_FOUNDRY, SMOKE_SETTINGS
 
 REFERENCE = "bf16"
@@ -207,13 +216,10 @@ def plot(variants: dict[str, dict], path: str, title: str) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="action", required=True)
-    prepare_parser = commands.add_parser("prepare", help="the MDS data (here, before the GPU call)")
-    prepare_parser.add_argument("--out", required=True)
-    prepare_parser.add_argument("--samples", type=int, default=1300, help="2048-token train samples (at least)")
-    prepare_parser.add_argument("--shared-data", default=str(SHARED_DATA), help="the shared data folder")
-    run_parser = commands.add_parser("run", help="train the variants (on the GPU machine)")
+    parser, commands, run_parser = prepare_and_run_parsers(
+        __doc__, prepared="the MDS data", samples=1300, sample_tokens="2048-token",
+        run_help="train the variants (on the GPU machine)",
+    )  # fmt: skip
     run_parser.add_argument("--variants", nargs="+", default=["bf16", "float8"], choices=list(VARIANTS))
     run_parser.add_argument("--data", default="data/float8_loss", help="the folder `prepare` wrote")
     run_parser.add_argument("--yaml", default=str(REPO_ROOT / "yamls" / "pretrain" / "mpt-7b.yaml"))

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_utils import REPO_ROOT, SHARED_DATA, environment, foundry_train, markdown_table
+from bench_utils import REPO_ROOT, SHARED_DATA, environment, foundry_train, markdown_table, prepare_and_run_parsers
 from default_path import build_data, run_metrics
 
 FINETUNE = REPO_ROOT / "yamls" / "finetune"
@@ -118,13 +118,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="action", required=True)
-    prepare_parser = commands.add_parser("prepare", help="the MDS data and tokenizer (here, before the GPU call)")
-    prepare_parser.add_argument("--out", required=True)
-    prepare_parser.add_argument("--samples", type=int, default=200, help="4,096-token train samples (at least)")
-    prepare_parser.add_argument("--shared-data", default=str(SHARED_DATA), help="the shared data folder")
-    run_parser = commands.add_parser("run", help="train the rows (on the GPU machine)")
+    parser, _, run_parser = prepare_and_run_parsers(
+        __doc__, prepared="the MDS data and tokenizer", samples=200, sample_tokens="4,096-token",
+        run_help="train the rows (on the GPU machine)",
+    )  # fmt: skip
     run_parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     run_parser.add_argument("--data", default="data/largest_models", help="the folder `prepare` wrote")
     run_parser.add_argument("--batches", type=int, default=6)

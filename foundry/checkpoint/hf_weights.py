@@ -32,10 +32,17 @@ def layers_of_folder(folder: Path) -> Iterator[dict[str, torch.Tensor]]:
     ``weights_only``: tensors, never code), grouped by layer, reading one file at a time."""
     files = weight_files(folder)
     left_in_layer: Counter[str] = Counter()
+    file_of: dict[str, Path] = {}
     for path in files:  # headers only: how many tensors each layer has, wherever they sit
         with _open_weights(path) as tensors:
             names = tensors.keys()  # safetensors' reader is no mapping: it has keys() but no __iter__
             left_in_layer.update(layer for name in names if (layer := layer_of(name)) is not None)
+        if twice := [name for name in names if file_of.setdefault(name, path) != path]:
+            raise CheckpointError(
+                f"{folder} holds {twice[0]!r} in both {file_of[twice[0]].name} and {path.name}, so which one the "
+                "model is is ambiguous (files of two saves side by side?). Keep one save's files, or add the "
+                "model.safetensors.index.json that names them."
+            )
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for path in files:
         with _open_weights(path) as tensors:  # the file's mapping is released when it closes

@@ -20,6 +20,7 @@ from foundry.core.time import Time
 from foundry.errors import CheckpointError, ConfigError
 from foundry.models.build import build_model
 from foundry.models.hf import refill_computed_buffers
+from foundry.models.nf4 import dequantize, is_nf4
 
 
 def checkpoint_config(folder: Path) -> dict[str, Any]:
@@ -75,8 +76,9 @@ def assign_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str
     left_on_meta = [name for name, tensor in tensors if tensor.is_meta]
     if result.unexpected_keys or left_on_meta:
         raise ConfigError(
-            f"Converting {source} left weights unset {left_on_meta[:5]} or unused {result.unexpected_keys[:5]}; "
-            "this is a bug in its foundry/convert adapter."
+            f"Converting {source} left weights unset {left_on_meta[:5]} or unused {result.unexpected_keys[:5]}: "
+            "the weight files lack them (an incomplete download or copy?), or this is a bug in its foundry/convert "
+            "adapter."
         )
     return model
 
@@ -110,9 +112,9 @@ def _fp32(tensor: torch.Tensor) -> torch.Tensor:
 def unloaded_model(model_section: Mapping[str, Any]) -> nn.Module:
     """``model_section``'s model on CPU, every weight NaN until something loads it (``check_weights_loaded``)."""
     model = meta_model(model_section).to_empty(device="cpu")
-    with torch.no_grad():
+    with torch.no_grad(), checkpoint_hooks(model).weights_as_stored():
         for tensor in model.state_dict().values():
-            if tensor.is_floating_point():
+            if tensor.is_floating_point() and not is_nf4(tensor):  # 4-bit weights: NaN since to_empty
                 tensor.fill_(float("nan"))
     return model
 
@@ -122,11 +124,9 @@ def check_weights_loaded(model: nn.Module, source: str, ignore: Callable[[str], 
 
     ``ignore(name)``: weights that something else fills later (e.g. adapters switched in).
     """
-    unloaded = [
-        name
-        for name, tensor in model.state_dict().items()
-        if not ignore(name) and tensor.is_floating_point() and tensor.numel() and bool(torch.isnan(tensor).all())
-    ]
+    with checkpoint_hooks(model).weights_as_stored():  # 4-bit weights dequantized one at a time below, not at once
+        state = model.state_dict()
+    unloaded = [name for name, tensor in state.items() if not ignore(name) and _all_nan(dequantize(tensor))]
     if unloaded:
         raise CheckpointError(
             f"{source} left {len(unloaded)} weights of the model unloaded ({', '.join(unloaded[:3])}"
@@ -134,6 +134,10 @@ def check_weights_loaded(model: nn.Module, source: str, ignore: Callable[[str], 
             "saved with save_adapters_only, its base must load too: evaluate it as "
             "`foundry eval --model BASE --adapters CHECKPOINT`."
         )
+
+
+def _all_nan(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() and bool(tensor.numel()) and bool(torch.isnan(tensor).all())
 
 
 def resolve_checkpoint(path: str | Path) -> tuple[Path, dict[str, Any]]:

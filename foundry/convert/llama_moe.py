@@ -241,6 +241,12 @@ class Adapter:
         per_expert: dict[str, dict[int, torch.Tensor]] = {}
         width = getattr(hf_config, self.family.expert_width_key)
         num_experts = getattr(hf_config, self.family.num_experts_key)
+
+        def put(target: str, tensor: torch.Tensor, name: str) -> None:
+            if target in state:  # e.g. a router under both mlp.gate and block_sparse_moe.gate
+                raise self._two_layouts(name, target)
+            state[target] = tensor
+
         for name, tensor in hf_state.items():
             layer, suffix = _HF_BLOCK.match(name).groups()
             block = f"transformer.blocks.{layer}."
@@ -250,13 +256,15 @@ class Adapter:
             if moe_suffix in ("experts.gate_up_proj", "experts.down_proj") and tensor.shape[0] != num_experts:
                 raise self._incomplete(f"hold {tensor.shape[0]} experts in '{name}'", num_experts)
             if suffix in qk_norms:
-                state[block + qk_norms[suffix]] = tensor
+                put(block + qk_norms[suffix], tensor, name)
             elif moe_suffix == "gate.weight":
-                state[block + "ffn.router.layer.weight"] = tensor
+                put(block + "ffn.router.layer.weight", tensor, name)
             elif moe_suffix == "experts.gate_up_proj":
-                state[block + "ffn.experts.gate_proj"], state[block + "ffn.experts.up_proj"] = tensor.split(width, 1)
+                gate, up = tensor.split(width, 1)
+                put(block + "ffn.experts.gate_proj", gate, name)
+                put(block + "ffn.experts.up_proj", up, name)
             elif moe_suffix == "experts.down_proj":
-                state[block + "ffn.experts.down_proj"] = tensor
+                put(block + "ffn.experts.down_proj", tensor, name)
             elif (expert := re.match(r"^experts\.(\d+)\.(\w+)\.weight$", moe_suffix)) and expert.group(2) in ours:
                 target = f"{block}ffn.experts.{ours[expert.group(2)]}"
                 per_expert.setdefault(target, {})[int(expert.group(1))] = tensor
@@ -268,8 +276,15 @@ class Adapter:
                 raise self._incomplete(
                     f"lack experts {missing or sorted(experts)[num_experts:]} for '{target}'", num_experts
                 )
-            state[target] = torch.stack([experts[e] for e in range(num_experts)])
+            put(target, torch.stack([experts[e] for e in range(num_experts)]), f"{target} (per expert)")
         return {name: tensor.contiguous() for name, tensor in state.items()}
+
+    def _two_layouts(self, name: str, target: str) -> ConfigError:
+        return ConfigError(
+            f"The {self.family.architecture} weights set '{target}' twice (again from '{name}'): the folder holds "
+            "both expert layouts (transformers 4's per-expert matrices and transformers 5's stacked ones, or the "
+            "router under two names), so which is the model is ambiguous. Keep the files of one save."
+        )
 
     def _incomplete(self, what: str, num_experts: int) -> ConfigError:
         """The import's refusal of weights that do not hold the experts config.json names (``what`` they do)."""

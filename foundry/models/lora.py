@@ -273,10 +273,19 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in model.state_dict().items() if is_adapter_key(name)}
 
 
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model``'s state dict with each LoRA layer folded into its weight: the base model's keys and shapes."""
-    merged = {f"{name}.weight": module.merged_weight().detach() for name, module in lora_modules(model)}
-    return {name: merged.get(name, tensor) for name, tensor in model.state_dict().items() if not is_adapter_key(name)}
+def merged_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """``model``'s state dict with each LoRA layer folded into its weight: the base model's keys and shapes.
+
+    Each merged weight is summed in fp32 and rounded to ``dtype`` (None: kept as summed) before the next is
+    summed, and the NF4 weights the merged ones replace are never dequantized whole-model at once.
+    """
+    merged = {}
+    for name, module in lora_modules(model):
+        weight = module.merged_weight().detach()
+        merged[f"{name}.weight"] = weight if dtype is None else weight.to(dtype)
+    with nf4_weights_kept_as_codes():  # every NF4 weight is a LoRA layer's, replaced by its merged weight
+        state = model.state_dict()
+    return {name: merged.get(name, tensor) for name, tensor in state.items() if not is_adapter_key(name)}
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -48,7 +48,7 @@ class LoraCheckpointHooks(CheckpointHooks):
 
     def loads_frozen_weights(self, saved: Collection[str]) -> bool:
         """An adapters-only checkpoint sets the adapters alone (its base was loaded before)."""
-        return not (saved and all(map(is_adapter_key, saved)))
+        return not adapters_alone(saved)
 
     def weights_as_stored(self) -> AbstractContextManager:
         return nf4_weights_kept_as_codes()
@@ -84,12 +84,15 @@ class LoraCheckpointHooks(CheckpointHooks):
         )
 
     def loadable_without(self, missing: Collection[str], saved: Collection[str]) -> bool:
-        """Two cases load although keys are missing: a base checkpoint into a LoRA model (only adapters
-        missing: they keep their init), and an adapters-only checkpoint (only base weights missing: its
-        base was loaded first)."""
+        """Two cases load although keys are missing: a base checkpoint into a LoRA model (it holds no adapter:
+        they keep their init), and an adapters-only checkpoint (only base weights missing: its base was loaded
+        first). A checkpoint holding some of the model's adapters but not all (other target_modules) is refused:
+        the rest would silently keep their init."""
         if not missing:
             return True
-        return all(is_adapter_key(key) for key in missing) or (bool(saved) and all(map(is_adapter_key, saved)))
+        if not any(map(is_adapter_key, saved)):
+            return all(map(is_adapter_key, missing))
+        return adapters_alone(saved) and not any(map(is_adapter_key, missing))
 
     def before_load(self, folder: Path, state: Any, load: Callable[[Path], None], depth: int = 0) -> None:
         """If ``folder`` holds adapters only, load its base weights into ``state.model`` first."""
@@ -141,8 +144,12 @@ def saved_model_keys(folder: Path) -> set[str]:
 
 
 def holds_adapters_only(folder: Path) -> bool:
-    keys = saved_model_keys(folder)
-    return bool(keys) and all(map(is_adapter_key, keys))
+    return adapters_alone(saved_model_keys(folder))
+
+
+def adapters_alone(model_keys: Collection[str]) -> bool:
+    """Whether a checkpoint holding ``model_keys`` is an adapters-only one (``save_adapters_only``)."""
+    return bool(model_keys) and all(map(is_adapter_key, model_keys))
 
 
 def has_pretrained_base(model_section: Mapping[str, Any]) -> bool:

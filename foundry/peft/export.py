@@ -204,7 +204,7 @@ def merged_model(
     """
     plain_section = {key: value for key, value in section.items() if key != "peft_config"}
     plain = meta_model(plain_section).to(dtype).to_empty(device="cpu")  # cast on meta: no fp32 copy is allocated
-    plain.load_state_dict(merged_state_dict(model))
+    plain.load_state_dict(merged_state_dict(model, dtype))
     return plain.eval(), plain_section
 
 

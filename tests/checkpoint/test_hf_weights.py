@@ -64,3 +64,10 @@ def test_a_damaged_file_is_named(tmp_path: Path) -> None:
 def test_a_folder_without_weights_says_so(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"no weights \(\*\.safetensors or pytorch_model\*\.bin\)"):
         list(layers_of_folder(tmp_path))
+
+
+def test_a_tensor_in_two_files_without_an_index_is_refused(tmp_path: Path) -> None:
+    save_file({"model.layers.0.q.weight": torch.ones(2)}, tmp_path / "model-00001-of-00001.safetensors")
+    save_file({"model.layers.0.q.weight": torch.zeros(2)}, tmp_path / "model.safetensors")  # an older save
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.q\.weight' in both model-00001-of-00001"):
+        list(layers_of_folder(tmp_path))

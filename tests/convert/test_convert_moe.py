@@ -228,3 +228,12 @@ def test_an_import_missing_an_expert_is_refused_naming_it(
         del hf_state["model.layers.0.block_sparse_moe.experts.2.w1.weight"]
     with pytest.raises(ConfigError, match=f"{refusal} \\(num_local_experts is 4 in config.json\\)"):
         adapter.from_hf_state_dict(hf_state, hf_config)
+
+
+def test_a_folder_holding_both_expert_layouts_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files of a transformers 4 save beside a transformers 5 one: the two could hold different weights."""
+    adapter, hf_state, hf_config, _ = mixtral_state_in_layout(monkeypatch, stacked=False)
+    _, stacked_state, _, _ = mixtral_state_in_layout(monkeypatch, stacked=True)
+    hf_state["model.layers.0.mlp.experts.down_proj"] = stacked_state["model.layers.0.mlp.experts.down_proj"]
+    with pytest.raises(ConfigError, match=r"set 'transformer\.blocks\.0\.ffn\.experts\.down_proj' twice"):
+        adapter.from_hf_state_dict(hf_state, hf_config)

@@ -178,3 +178,16 @@ def test_the_70b_lora_yaml_stores_its_base_in_bf16_and_trains_fp32_adapters():
     # the YAML's arithmetic: 70.55B base weights (141 GB in bf16), 0.19B adapter parameters
     assert sum(p.numel() for p in frozen) == 70_553_706_496
     assert sum(p.numel() for p in adapters) == 186_122_240
+
+
+def test_checkpoint_with_only_some_of_the_models_adapters_is_refused(make_mpt):
+    from foundry.models.lora_checkpoint import lora_checkpoint_hooks
+
+    hooks = lora_checkpoint_hooks(lora_mpt(make_mpt))
+    adapters = set(adapter_state_dict(lora_mpt(make_mpt)))
+    wqkv_only = {key for key in adapters if ".Wqkv." in key}  # a run with target_modules [Wqkv]
+    base = {"transformer.wte.weight", "transformer.blocks.0.attn.Wqkv.weight"}
+    assert hooks.loadable_without(adapters, base)  # a base checkpoint: the adapters keep their init
+    assert hooks.loadable_without(base, adapters)  # adapters only: the base was loaded before
+    assert not hooks.loadable_without(adapters - wqkv_only, wqkv_only)
+    assert not hooks.loadable_without(adapters - wqkv_only, base | wqkv_only)

@@ -292,3 +292,41 @@ def test_full_qlora_checkpoint_that_would_not_fit_the_gpu_is_refused_naming_save
     adapters_only = dataclasses.replace(state.model.config.peft_config, save_adapters_only=True)
     monkeypatch.setattr(state.model.config, "peft_config", adapters_only)
     assert (save_checkpoint(tmp_path / "adapters", state) / "manifest.json").is_file()
+
+
+def test_unloaded_nf4_weights_are_found_without_dequantizing_the_model_at_once(monkeypatch):
+    from foundry.convert import checkpoint_io
+    from foundry.errors import CheckpointError
+
+    model, trained = checkpoint_io.unloaded_model(QLORA_LLAMA), qlora_llama().state_dict()
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.nn.Module, "state_dict", _state_dict_without_dequantizing(torch.nn.Module.state_dict))
+        with pytest.raises(CheckpointError, match=r"left 2 weights of the model unloaded \(transformer\.blocks\.0"):
+            checkpoint_io.check_weights_loaded(model, "it", ignore=lambda name: not name.endswith("Wqkv.weight"))
+    model.load_state_dict(trained)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.nn.Module, "state_dict", _state_dict_without_dequantizing(torch.nn.Module.state_dict))
+        checkpoint_io.check_weights_loaded(model, "it")
+
+
+def _state_dict_without_dequantizing(state_dict):
+    """``Module.state_dict`` that fails where it would dequantize every NF4 weight at once."""
+    from foundry.models import lora
+
+    def checked(module, *args, **kwargs):
+        if any(map(is_nf4, module.parameters())) and not lora._NF4_KEPT_AS_CODES.get():
+            raise AssertionError("the whole model's NF4 weights dequantized at once")
+        return state_dict(module, *args, **kwargs)
+
+    return checked
+
+
+def test_merge_rounds_each_weight_as_it_goes_and_never_dequantizes_the_model_at_once(monkeypatch):
+    from foundry.models.lora import merged_state_dict
+
+    qlora = qlora_llama()
+    monkeypatch.setattr(torch.nn.Module, "state_dict", _state_dict_without_dequantizing(torch.nn.Module.state_dict))
+    merged = merged_state_dict(qlora, torch.bfloat16)
+    layer = qlora.transformer.blocks[0].attn.Wqkv
+    assert merged["transformer.blocks.0.attn.Wqkv.weight"].dtype == torch.bfloat16
+    assert torch.equal(merged["transformer.blocks.0.attn.Wqkv.weight"], layer.merged_weight().to(torch.bfloat16))
