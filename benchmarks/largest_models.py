@@ -78,7 +78,7 @@ def row_overrides(args: argparse.Namespace) -> list[str]:
         *RANDOM_WEIGHTS, loader, f"tokenizer.name={data / 'tokenizer'}", f"max_duration={args.batches}ba",
         f"callbacks.speed_monitor.warmup_batches={args.warmup}", "console_log_interval=1ba",
     ]  # fmt: skip
-    return overrides + (SMOKE if args.smoke else [])
+    return overrides + (SMOKE if args.smoke else []) + list(args.set)
 
 
 def run_row(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -129,6 +129,9 @@ def main() -> int:
     run_parser.add_argument("--row-timeout", type=float, default=540.0, help="seconds before a row is stopped")
     run_parser.add_argument("--work", default="/tmp/foundry-largest-models", help="the rows' run folders and logs")
     run_parser.add_argument("--smoke", action="store_true", help="a tiny Llama per YAML on two gloo ranks (CPU)")
+    run_parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="one more override for every row (repeatable)"
+    )
     run_parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.action == "prepare":

@@ -43,6 +43,13 @@ class FSDPConfig:
         default=True, metadata=doc("no effect (accepted for LLM Foundry YAMLs): FSDP2 bounds in-flight all-gathers")
     )
     sync_module_states: bool = field(default=False, metadata=doc("broadcast rank 0's weights at wrap time"))
+    init_on_device: bool = field(
+        default=False,
+        metadata=doc(
+            "draw a meta-device model's random initial weights on the GPUs (rank 0, a module at a time) rather than "
+            "the host's CPU generator: minutes rather than hours at 70B-405B, but other values than a CPU draw"
+        ),
+    )
     use_orig_params: bool = field(
         default=True, metadata=doc("no effect (accepted for LLM Foundry YAMLs): FSDP2 always uses the parameters")
     )
