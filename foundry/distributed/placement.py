@@ -310,7 +310,9 @@ def _init_by_module(model: nn.Module, device: torch.device, steps: list[InitStep
             sharded = {name: param for name, param in module._parameters.items() if param is not None}
             if not sharded:
                 continue
-            whole = {name: torch.empty(param.shape, dtype=param.dtype, device=draw_on) for name, param in sharded.items()}
+            whole = {
+                name: torch.empty(param.shape, dtype=param.dtype, device=draw_on) for name, param in sharded.items()
+            }
             if get_rank() == 0:
                 module._parameters.update({name: nn.Parameter(tensor) for name, tensor in whole.items()})
                 try:
