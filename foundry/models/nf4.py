@@ -10,6 +10,7 @@ torchao is optional: it is imported here, when ``model.peft_config.quantize_base
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from collections.abc import Iterable, Iterator
 from types import ModuleType
@@ -27,11 +28,13 @@ BASE_DTYPE = torch.bfloat16  # the dtype the codes dequantize to: QLoRA's comput
 
 
 def torchao_nf4() -> ModuleType:
-    """torchao's quantization module (``NF4Tensor``, ``to_nf4``), or a ConfigError naming the key and the install."""
-    return import_optional(
+    """torchao's module holding ``NF4Tensor`` and ``to_nf4`` (``torchao.quantization`` from 0.18, ``torchao.dtypes``
+    before), or a ConfigError naming the key and the install."""
+    quantization = import_optional(
         "torchao.quantization", needed_for=f"'{KEY}: true' (4-bit NF4 base weights)",
         package="torchao (NF4 tensors that FSDP2 shards)", install="pip install torchao", error=ConfigError,
     )  # fmt: skip
+    return quantization if hasattr(quantization, "NF4Tensor") else importlib.import_module("torchao.dtypes")
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:

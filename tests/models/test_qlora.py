@@ -262,6 +262,7 @@ def test_the_70b_yaml_on_a_cpu_host_too_small_is_one_paragraph_naming_gpus(tmp_p
     from foundry.distributed import host_memory
 
     monkeypatch.setattr(host_memory, "available_host_bytes", lambda: 16 * 10**9)  # this shared CPU: 23 GB in all
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a CPU host also where the suite has GPUs
     code, err = run_the_70b_yaml_on_this_cpu(tmp_path, capsys)
     assert code == 2 and "Traceback" not in err
     (message,) = [line for line in err.splitlines() if line.startswith("error: ")]
