@@ -78,7 +78,7 @@ def row_overrides(args: argparse.Namespace) -> list[str]:
         *RANDOM_WEIGHTS, loader, f"tokenizer.name={data / 'tokenizer'}", f"max_duration={args.batches}ba",
         f"callbacks.speed_monitor.warmup_batches={args.warmup}", "console_log_interval=1ba",
     ]  # fmt: skip
-    return overrides + (SMOKE if args.smoke else []) + list(args.set)
+    return overrides + (SMOKE if args.smoke else []) + args.set
 
 
 def run_row(name: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from foundry.config.build import check_settings
 @pytest.mark.parametrize("row", list(largest_models.ROWS))
 def test_each_row_reads_the_prepared_samples_on_random_weights(row, tmp_path):
     yaml, gpus = largest_models.ROWS[row]
-    args = argparse.Namespace(data=str(tmp_path), batches=6, warmup=2, smoke=False)
+    args = argparse.Namespace(data=str(tmp_path), batches=6, warmup=2, smoke=False, set=["global_train_batch_size=8"])
     cfg = load_train_config(yaml, largest_models.row_overrides(args))[0]
     check_settings(cfg, world_size=gpus)
     shipped = load_train_config(yaml, [])[0]
@@ -31,3 +31,4 @@ def test_each_row_reads_the_prepared_samples_on_random_weights(row, tmp_path):
     assert cfg.train_loader.name == "text" and cfg.train_loader.dataset["max_seq_len"] == 4096
     assert cfg.train_loader.dataset["local"] == str(tmp_path.resolve() / "mds")
     assert (str(cfg.max_duration), cfg.callbacks["speed_monitor"]["warmup_batches"]) == ("6ba", 2)
+    assert cfg.global_train_batch_size == 8  # --set
