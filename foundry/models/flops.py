@@ -20,6 +20,7 @@ subtracts the experts a token does not use (``MoE.inactive_params``): MFU is tha
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -39,6 +40,13 @@ def flops_per_batch(n_active_params: int, n_layers: int, d_model: int, batch_siz
     params_flops_per_seq = 2 * n_active_params * seq_len
     attention_flops_per_seq = n_layers * 2 * 2 * d_model * seq_len**2
     return 3 * batch_size * (params_flops_per_seq + attention_flops_per_seq)
+
+
+def rows_and_length(input_ids: torch.Tensor) -> tuple[int, int]:
+    """Sequences and their length in a batch's ``input_ids``: ``(batch, seq)``, or a preference batch's
+    ``(pairs, 2, seq)``, whose chosen and rejected rows both run through the model."""
+    seq_len = input_ids.shape[-1]
+    return input_ids.numel() // max(seq_len, 1), seq_len
 
 
 def flops_per_token(n_active_params: int, n_layers: int, d_model: int, seq_len: int) -> int:

@@ -190,7 +190,7 @@ class HFCausalLM(CausalLM):
         return flops.active_params(self, embedding, tied)
 
     def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
-        batch_size, seq_len = batch["input_ids"].shape[:2]
+        batch_size, seq_len = flops.rows_and_length(batch["input_ids"])
         n_layers, d_model = hf_depth_and_width(self.hf_config)
         return flops.flops_per_batch(self.n_active_params, n_layers, d_model, batch_size, seq_len)
 

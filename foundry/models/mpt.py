@@ -474,7 +474,7 @@ class MPTCausalLM(CausalLM):
         return params - sum(layer.inactive_params for layer in self._moe_layers)
 
     def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
-        batch_size, seq_len = batch["input_ids"].shape[:2]
+        batch_size, seq_len = flops.rows_and_length(batch["input_ids"])
         config = self.config
         return flops.flops_per_batch(self.n_active_params, config.n_layers, config.d_model, batch_size, seq_len)
 

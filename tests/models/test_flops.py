@@ -43,3 +43,10 @@ def test_flops_per_token_is_flops_per_batch_over_tokens(make_mpt: Callable[..., 
     model = make_mpt()
     batch = {"input_ids": torch.zeros(3, 16, dtype=torch.long)}
     assert model.flops_per_token(16) * 3 * 16 == model.flops_per_batch(batch)
+
+
+def test_a_preference_batch_counts_its_chosen_and_rejected_rows(make_mpt: Callable[..., MPTCausalLM]) -> None:
+    """(pairs, 2, seq): both rows of a pair run forward and backward through the policy (the DPO step's MFU)."""
+    model = make_mpt()
+    pairs = {"input_ids": torch.zeros(3, 2, 16, dtype=torch.long)}
+    assert model.flops_per_batch(pairs) == model.flops_per_batch({"input_ids": torch.zeros(6, 16, dtype=torch.long)})
