@@ -169,5 +169,11 @@ def from_hf_state_dict(hf_state: dict[str, torch.Tensor], hf_config: Any) -> dic
         elif not name.endswith("rotary_emb.inv_freq"):
             raise ConfigError(f"Llama import does not know the parameter '{name}'.")
     for layer, parts in qkv.items():
+        if missing := [f"model.layers.{layer}.self_attn.{n}_proj.weight" for n in "qkv" if n not in parts]:
+            raise ConfigError(
+                f"The Llama checkpoint has no {', '.join(missing)}: layer {layer}'s attention needs its q, k and v "
+                "projections. The checkpoint is incomplete (a shard missing from the folder, or an index that "
+                "names a file not downloaded): download it again."
+            )
         state[f"transformer.blocks.{layer}.attn.Wqkv.weight"] = torch.cat([parts["q"], parts["k"], parts["v"]], dim=0)
     return state

@@ -58,3 +58,11 @@ def test_unimplemented_rope_scaling_is_refused_naming_it() -> None:
     hf_config = LlamaConfig(hidden_size=64, num_attention_heads=4, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(ConfigError, match="'dynamic'"):
         adapter.from_hf_config(hf_config)
+
+
+def test_a_checkpoint_missing_a_v_projection_is_refused_naming_it(make_llama) -> None:
+    hf_model = to_hf_model(make_llama(), "llama_causal_lm")
+    hf_state = dict(hf_model.state_dict())
+    del hf_state["model.layers.1.self_attn.v_proj.weight"]
+    with pytest.raises(ConfigError, match=r"no model\.layers\.1\.self_attn\.v_proj\.weight.*download it again"):
+        adapter.from_hf_state_dict(hf_state, hf_model.config)
