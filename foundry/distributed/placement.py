@@ -141,7 +141,8 @@ def parallelize(
     mesh = build_mesh(dims, "cpu" if dry_run else device.type)
     # Before tensor parallelism, which gives each rank its share of the heads: the weights are the whole model's.
     by_module = dims.ep == 1 and dims.tp == 1  # expert and tensor parallelism: rank 0's whole copy
-    weights = None if dry_run else _shared_weights(model, config, device, by_module)
+    draws = {"sync_module_states": config.sync_module_states, "init_on_device": config.init_on_device}
+    weights = None if dry_run else _shared_weights(model, device, by_module, **draws)
     if dims.tp > 1:
         if isinstance(weights, Mapping):  # rank 0's weights arrive after placement: split meta tensors alike
             _parameters_to_meta(model)
@@ -206,7 +207,7 @@ def _place_unsharded(model: nn.Module, config: FSDPConfig, device: torch.device,
 
 
 def _shared_weights(
-    model: nn.Module, config: FSDPConfig, device: torch.device, may_init_by_module: bool
+    model: nn.Module, device: torch.device, may_init_by_module: bool, sync_module_states: bool, init_on_device: bool
 ) -> Mapping[str, Any] | Fill | None:
     """Where the sharded weights come from when other ranks must receive them, else None.
 
@@ -218,7 +219,7 @@ def _shared_weights(
     """
     on_meta = any(tensor.is_meta for tensor in [*model.parameters(), *model.buffers()])
     ranks_on_meta = int(all_reduce_sum(torch.tensor(float(on_meta), device=device)).item())
-    if not (ranks_on_meta or config.sync_module_states):
+    if not (ranks_on_meta or sync_module_states):
         return None
     if ranks_on_meta == get_world_size() and may_init_by_module:
         layers = weight_layers_of(model)
@@ -226,7 +227,7 @@ def _shared_weights(
             return functools.partial(_load_by_layer, layers=layers)
         steps = init_steps_of(model)
         if steps is not None:
-            return functools.partial(_init_by_module, steps=steps, on_device=config.init_on_device)
+            return functools.partial(_init_by_module, steps=steps, on_device=init_on_device)
     if get_rank() != 0:
         return {}
     if on_meta:
