@@ -33,6 +33,8 @@ class FusedNorm(nn.Module):
     autocast dtype, as theirs do, so the next GEMM reads half the bytes; the others return x's dtype.
     """
 
+    takes_dtensors = False  # sequence parallelism's norms run on DTensors (foundry.distributed.tensor_parallel)
+
     def __init__(self, norm: nn.Module) -> None:
         super().__init__()
         self.is_rms = isinstance(norm, RMSNorm)

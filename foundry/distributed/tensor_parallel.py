@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from foundry.distributed.protocol import TensorParallelModel
@@ -212,6 +212,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             f"parallelism.tensor_parallel_degree is {degree} but {type(model).__name__} declares no tensor-"
             "parallel plan (mpt_causal_lm and llama_causal_lm do). Set the degree to 1."
         )
+    for name, style in plan.items():
+        if isinstance(style, SequenceParallel) and not getattr(model.get_submodule(name), "takes_dtensors", True):
+            raise ConfigError(
+                f"parallelism.tensor_parallel_degree is {degree} with parallelism.sequence_parallel, which runs "
+                f"{name} on DTensors, but it is a {type(model.get_submodule(name)).__name__} (algorithms."
+                "fused_kernels' Triton norm), which does not take them yet. Remove fused_kernels (or switch its "
+                "rmsnorm and layernorm off), or set parallelism.sequence_parallel: false."
+            )
     trainable = {name: parameter.requires_grad for name, parameter in model.named_parameters()}
     parallelize_module(model, tp_mesh, plan)
     for name, parameter in model.named_parameters():  # torch's styles make every parameter they place trainable

@@ -15,8 +15,13 @@ from distributed.jobs import (
     rank_batches,
     train,
 )
+from foundry.algorithms.fused_kernels import _swap_norms
 from foundry.algorithms.gradient_clipping import GradientClipping
 from foundry.callbacks.hand_over import HandOver
+from foundry.core.algorithm import Algorithm
+from foundry.core.event import Event
+from foundry.core.logger import Logger
+from foundry.core.state import State
 
 NUM_BATCHES = 8
 CLIPPING_THRESHOLD = 0.05
@@ -195,6 +200,8 @@ def refusal_of_python_trainer(folder: str, feature: str) -> str:
         if feature == "icl_tasks":
             icl_tasks = [{"label": "t", "dataset_uri": "t.jsonl", "icl_task_type": "language_modeling"}]
             build_trainer(1, folder, model_keys=MODELS["llama"], parallelism=TP2, icl_tasks=icl_tasks)
+        elif feature == "fused_norms":  # fused_kernels' swap, as on a GPU (on a CPU it keeps the PyTorch norms)
+            build_trainer(1, folder, model_keys=MODELS["llama"], parallelism=TP2, algorithms=[TritonNorms()])
         else:
             exporter = HFCheckpointer(f"{folder}/hf", "1ba")
             keys = {"model_keys": MODELS["llama-gqa-lora"], "parallelism": TP2, "callbacks": [exporter]}
@@ -204,7 +211,20 @@ def refusal_of_python_trainer(folder: str, feature: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize(("feature", "named"), [("icl_tasks", "icl_tasks"), ("adapters", "hf_checkpointer")])
+class TritonNorms(Algorithm):
+    """What algorithms.fused_kernels does to the norms at INIT where its kernels run."""
+
+    def match(self, event: Event, state: State) -> bool:
+        return event == Event.INIT
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        _swap_norms(state.model, want_rms=True, want_layernorm=True)
+
+
+@pytest.mark.parametrize(
+    ("feature", "named"),
+    [("icl_tasks", "icl_tasks"), ("adapters", "hf_checkpointer"), ("fused_norms", "sequence_parallel")],
+)
 def test_a_python_trainer_under_tp2_refuses_what_tp_does_not_support(ranks, tmp_path, feature, named):
     refusals = ranks.run(2, refusal_of_python_trainer, str(tmp_path), feature)
-    assert all("tensor_parallel_degree' is 2" in refusal and named in refusal for refusal in refusals)
+    assert all("tensor_parallel_degree" in refusal and " is 2" in refusal and named in refusal for refusal in refusals)
