@@ -45,6 +45,7 @@ from foundry.core.time import positive_time
 from foundry.distributed.config import FSDPConfig, ParallelismConfig
 from foundry.distributed.fsdp import GradientAccumulation
 from foundry.distributed.placement import job_layout, place_model
+from foundry.distributed.tensor_parallel import check_same_batch
 from foundry.errors import ConfigError, TrainingError
 from foundry.eval.config import EvalConfig
 from foundry.eval.during_training import build_icl_evaluation
@@ -151,6 +152,7 @@ class Trainer:
         self.checkpoints.start(self.engine, config)
         self.config = config
         self._last_eval_batch: int | None = None
+        self._tp_batches_checked = False
 
         self.objective = objective or Objective()
         self.objective.attach(model)  # before INIT: a copy of the model takes no algorithm's surgery
@@ -241,6 +243,9 @@ class Trainer:
                 epoch_done = True
                 break
             state.batch = batch_to_device(batch, state.device)
+            if state.parallel_dims.tp > 1 and not self._tp_batches_checked:  # the first batch: a loader ignoring tp
+                check_same_batch(state.batch, state.mesh["tp"].get_group(), state.parallel_dims.tp)
+                self._tp_batches_checked = True
             self.engine.run_event(Event.AFTER_DATALOADER)
             self._train_batch(batch_start_s)
             if self._finished():

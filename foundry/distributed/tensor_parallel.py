@@ -322,3 +322,32 @@ def _split_like(value: DTensor, reference: DTensor) -> DTensor:
     return DTensor.from_local(
         local, mesh, reference.placements, run_check=False, shape=reference.shape, stride=reference.stride()
     )
+
+
+def check_same_batch(batch: Any, tp_group: Any, degree: int) -> None:
+    """Refuse a run whose ``tp`` ranks got different batches (a Python user's loader built without
+    ``replication``): each rank would train the same weights on other samples and the split layers would mix them.
+    One small all-gather of a fingerprint (elements, the sum of the values and their position-weighted sum)."""
+    leaves = [leaf for leaf in pytree.tree_leaves(batch) if isinstance(leaf, torch.Tensor)]
+    if not leaves:
+        return
+    device = leaves[0].device
+    fingerprint = torch.zeros(3, dtype=torch.float64, device=device)
+    for leaf in leaves:
+        values = leaf.detach().reshape(-1).to(device=device, dtype=torch.float64)
+        positions = torch.arange(1, values.numel() + 1, dtype=torch.float64, device=device)
+        fingerprint[0] += values.numel()
+        fingerprint[1] += values.sum()
+        fingerprint[2] += values @ positions
+    gathered = [torch.empty_like(fingerprint) for _ in range(degree)]
+    dist.all_gather(gathered, fingerprint, group=tp_group)
+    if all(torch.equal(gathered[0], other) for other in gathered[1:]):
+        return
+    raise ConfigError(
+        f"parallelism.tensor_parallel_degree is {degree}, but the {degree} tensor-parallel ranks of a group got "
+        "different batches on their first step; they split each layer between them, so they must load the same "
+        "samples. "
+        f"Build the train loader so that each {degree} consecutive ranks load the same rows: foundry's text and "
+        f"finetuning loaders take replication={degree}; a loader of your own shards over "
+        "state.parallel_dims.sample_ranks ranks, this rank being sample_rank(rank) (docs/DISTRIBUTED.md)."
+    )

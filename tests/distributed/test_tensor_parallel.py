@@ -202,6 +202,10 @@ def refusal_of_python_trainer(folder: str, feature: str) -> str:
             build_trainer(1, folder, model_keys=MODELS["llama"], parallelism=TP2, icl_tasks=icl_tasks)
         elif feature == "fused_norms":  # fused_kernels' swap, as on a GPU (on a CPU it keeps the PyTorch norms)
             build_trainer(1, folder, model_keys=MODELS["llama"], parallelism=TP2, algorithms=[TritonNorms()])
+        elif feature == "loader_by_world_rank":  # each rank its own slice: the tp ranks of a group differ
+            trainer = build_trainer(1, folder, model_keys=MODELS["llama"], parallelism=TP2)
+            trainer.state.train_dataloader = rank_batches(1, tensor_parallel_degree=1)
+            trainer.fit()
         else:
             exporter = HFCheckpointer(f"{folder}/hf", "1ba")
             keys = {"model_keys": MODELS["llama-gqa-lora"], "parallelism": TP2, "callbacks": [exporter]}
@@ -223,7 +227,12 @@ class TritonNorms(Algorithm):
 
 @pytest.mark.parametrize(
     ("feature", "named"),
-    [("icl_tasks", "icl_tasks"), ("adapters", "hf_checkpointer"), ("fused_norms", "sequence_parallel")],
+    [
+        ("icl_tasks", "icl_tasks"),
+        ("adapters", "hf_checkpointer"),
+        ("fused_norms", "sequence_parallel"),
+        ("loader_by_world_rank", "replication=2"),
+    ],
 )
 def test_a_python_trainer_under_tp2_refuses_what_tp_does_not_support(ranks, tmp_path, feature, named):
     refusals = ranks.run(2, refusal_of_python_trainer, str(tmp_path), feature)
