@@ -104,6 +104,8 @@ class Trainer:
         **settings: any key of the sections above.
     """
 
+    _tp_batches_checked = False  # whether the tensor-parallel ranks' first batches were compared (check_same_batch)
+
     def __init__(
         self,
         model: FoundryModel | nn.Module,
@@ -152,7 +154,6 @@ class Trainer:
         self.checkpoints.start(self.engine, config)
         self.config = config
         self._last_eval_batch: int | None = None
-        self._tp_batches_checked = False
 
         self.objective = objective or Objective()
         self.objective.attach(model)  # before INIT: a copy of the model takes no algorithm's surgery
