@@ -47,7 +47,7 @@ class FSDPConfig:
         default=False,
         metadata=doc(
             "draw a meta-device model's random initial weights on the GPUs (rank 0, a module at a time) rather than "
-            "the host's CPU generator: minutes rather than hours at 70B-405B, but other values than a CPU draw"
+            "the host's CPU generator (minutes at 70B, half an hour at 405B), but other values than a CPU draw"
         ),
     )
     use_orig_params: bool = field(

@@ -300,7 +300,7 @@ def _init_by_module(model: nn.Module, device: torch.device, steps: list[InitStep
     generator (so the values are those of an unsharded init); each rank keeps its slice of them. A 4-bit (NF4)
     shard quantizes its slice of the whole values as it is copied in. ``on_device`` (``fsdp_config.init_on_device``)
     makes them whole on ``device`` and draws with its generator: the CPU's draws one number after another (about
-    0.2 billion a second, so 70B takes minutes and 405B half an hour), a GPU's at memory speed.
+    0.2 billion a second: at that rate 70B takes minutes and 405B half an hour), a GPU's at memory speed.
     """
     draw_on = device if on_device else torch.device("cpu")
     if get_rank() == 0 and draw_on.type == "cpu":

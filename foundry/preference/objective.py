@@ -92,6 +92,11 @@ class PreferenceObjective(Objective):
                 "whole sequences on each rank; set the degree to 1 (shard the model with fsdp_config instead)."
             )
         model = state.model
+        if self.mode == "precomputed" and state.eval_dataloaders:  # their pair_index would read the train table
+            raise ConfigError(
+                "'preference.reference' is precomputed, whose log-probabilities are the train pairs' only, but the "
+                f"run has eval loaders ({', '.join(state.eval_dataloaders)}); remove them, or use reference: copy."
+            )
         if self.mode == "precomputed":
             self._reference_table = reference_table(model, state, load_path).to(state.device)
         if self.mode != "copy" or not self._copies_policy:

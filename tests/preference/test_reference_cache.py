@@ -12,7 +12,7 @@ import torch
 from foundry.core import LoggerDestination
 from foundry.data import builtin_corpus_documents, load_tokenizer, train_bpe_tokenizer
 from foundry.data.preference import build_preference_dataloader
-from foundry.errors import TrainingError
+from foundry.errors import ConfigError, TrainingError
 from foundry.models.mpt import MPTCausalLM
 from foundry.preference import PreferenceConfig, PreferenceObjective, reference_cache
 from foundry.trainer import Trainer
@@ -115,3 +115,13 @@ def test_a_resumed_run_whose_table_is_gone_stops_naming_the_file(pairs_folder: P
         table.unlink()
     with pytest.raises(TrainingError, match=r"resumes at batch 2 .*reference-logps-.*\.pt\) are gone"):
         train(pairs_folder, tmp_path / "run", "precomputed", batches=4, **checkpoints)
+
+
+def test_a_python_run_with_eval_loaders_is_refused_naming_them(pairs_folder: Path, tmp_path: Path) -> None:
+    """Eval pairs' indices would read the train pairs' table: a wrong reference, so no eval loader at all."""
+    loader = build_preference_dataloader(
+        tokenizer=load_tokenizer(str(pairs_folder / "tokenizer")), device_batch_size=2,
+        dataset={"hf_name": str(pairs_folder / "train.jsonl"), "max_seq_len": 32},
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"precomputed.*eval loaders \(eval\)"):
+        train(pairs_folder, tmp_path / "run", "precomputed", batches=1, eval_dataloader=loader)
