@@ -62,7 +62,8 @@ class TorchCompile(Algorithm):
     Args:
         mode: ``torch.compile``'s mode; None is ``default``.
         fullgraph: fail instead of falling back to eager at a graph break.
-        dynamic: compile for symbolic shapes; False (default) specialises on each shape seen.
+        dynamic: compile for symbolic shapes; False (default) specialises on each shape seen; None is torch's
+            automatic dynamic shapes (a size that changes is recompiled once as a symbol).
         compile_loss: also compile ``model.loss`` (fuses the fp32 upcast into the cross-entropy).
         backend: ``inductor`` (default); ``aot_eager`` or ``eager`` trace without generating code
             (debugging, CPU tests).
@@ -75,7 +76,7 @@ class TorchCompile(Algorithm):
         self,
         mode: CompileMode | None = None,
         fullgraph: bool = False,
-        dynamic: bool = False,
+        dynamic: bool | None = False,
         compile_loss: bool = False,
         backend: str = "inductor",
         scope: CompileScope = "blocks",
@@ -134,7 +135,7 @@ class TorchCompile(Algorithm):
 
 
 def from_compile_config(
-    setting: bool | str | dict[str, Any], device: torch.device, sharded: bool
+    setting: bool | str | dict[str, Any], device: torch.device, sharded: bool, varying_shapes: bool = False
 ) -> TorchCompile | None:
     """The top-level ``compile_config`` key as this algorithm, or None for an eager run.
 
@@ -142,10 +143,15 @@ def from_compile_config(
     the whole model on an unsharded model, where it measured fastest, and each block under FSDP2
     (torchtitan's choice: the blocks' all-gather hooks stay outside the graphs). ``true`` compiles on
     every device, a mapping sets the algorithm's keys (``scope`` too) and compiles everywhere.
+
+    ``varying_shapes``: the blocks see other sizes at every step (expert parallelism: the rows a rank receives),
+    so sizes that change are compiled as symbols (``dynamic: None``); specialised on each, the blocks would
+    recompile until torch's recompile limit and then run eagerly.
     """
     if setting is False or (setting == "auto" and device.type != "cuda"):
         return None
     keys = {"scope": "blocks" if sharded else "model", "compile_loss": True}
+    keys |= {"dynamic": None} if varying_shapes else {}
     if isinstance(setting, dict):
         keys.update(setting)
     return TorchCompile(**check_call_kwargs(TorchCompile, keys, "compile_config"))
@@ -291,7 +297,11 @@ def _out_of_memory_cause(error: BaseException) -> torch.OutOfMemoryError | None:
 
 
 def compile_algorithm(
-    setting: bool | str | dict[str, Any], algorithms: Sequence[Any], device: torch.device, sharded: bool
+    setting: bool | str | dict[str, Any],
+    algorithms: Sequence[Any],
+    device: torch.device,
+    sharded: bool,
+    varying_shapes: bool = False,
 ) -> list[TorchCompile]:
     """What a run's ``compile_config`` adds to ``algorithms``: one ``TorchCompile``, or nothing.
 
@@ -305,5 +315,5 @@ def compile_algorithm(
                 "Keep one (compile_config: false with algorithms.torch_compile is a contradiction)."
             )
         return []
-    algorithm = from_compile_config(setting, device, sharded)
+    algorithm = from_compile_config(setting, device, sharded, varying_shapes)
     return [algorithm] if algorithm is not None else []
