@@ -7,9 +7,11 @@ Here, once (writes the token stream and LLM Foundry's YAMLs into DATA, and the p
     python benchmarks/peers.py wheels --out .whl
 
 On the GPU machine (one GPU: five rows; ``--two-gpu``: the MPT-1B and 8B pairs on two GPUs; ``--long-context``: the 8B
-rows at 65,536 tokens with context parallelism on two GPUs, global batch 2, 1 warm-up + 2 timed steps):
+rows at 65,536 tokens with context parallelism on two GPUs, global batch 2, 1 warm-up + 2 timed steps; ``--four-gpu``:
+the 8B float8 rows at 8,192 tokens on four GPUs, global batch 16, 2 warm-up + 5 timed steps):
 
-    python benchmarks/peers.py run --data data/peers --wheels .whl --out OUT [--rows ...] [--two-gpu | --long-context]
+    python benchmarks/peers.py run --data data/peers --wheels .whl --out OUT [--rows ...] [--two-gpu | --long-context |
+        --four-gpu]
 
 Each peer is installed from the wheels in ``--wheels`` into its own target (``/tmp/site-<peer>``, first on its
 PYTHONPATH) and runs through its own entry point with its own fast settings (peers_rows.py has the table),
@@ -54,6 +56,7 @@ from typing import Any
 from bench_utils import environment, markdown_table
 from peers_data import write_long_samples
 from peers_rows import (
+    FOUR_GPU_ROWS,
     LONG_CONTEXT_ROWS,
     ONE_GPU_ROWS,
     ROWS,
@@ -77,6 +80,7 @@ LOG_TAIL_LINES = 60
 # on two H100s (foundry's 3,350 tokens/s per GPU).
 DEFAULTS = {"global_batch": 16, "warmup": 3, "steps": 20}
 LONG_CONTEXT_DEFAULTS = {"global_batch": 2, "warmup": 1, "steps": 2}
+FOUR_GPU_DEFAULTS = {"global_batch": 16, "warmup": 2, "steps": 5}  # a step of 16 x 8,192 tokens: ~4 s on four H200s
 ROW_TIMEOUT_S = 240  # where neither --row-timeout nor the row names one
 LLM_FOUNDRY_WITHOUT_FLASH = (
     "attn_impl: torch, loss_fn: torch_crossentropy (flash-attn, its YAML's FA2 and fused loss, is not installed)"
@@ -290,8 +294,9 @@ def llm_foundry_has_flash(wheels: Path, sites: dict[str, Path], work: Path) -> b
 
 
 def resolve_defaults(args: argparse.Namespace) -> None:
-    """Fill the options left unset with --long-context's defaults or the usual ones."""
-    for key, value in (LONG_CONTEXT_DEFAULTS if args.long_context else DEFAULTS).items():
+    """Fill the options left unset with --long-context's or --four-gpu's defaults, or the usual ones."""
+    defaults = LONG_CONTEXT_DEFAULTS if args.long_context else FOUR_GPU_DEFAULTS if args.four_gpu else DEFAULTS
+    for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
 
@@ -308,7 +313,8 @@ def run(args: argparse.Namespace) -> int:
     # a `timeout` around this script sends SIGTERM: exit through the finally blocks that stop the running row
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     resolve_defaults(args)
-    names = args.rows or (LONG_CONTEXT_ROWS if args.long_context else TWO_GPU_ROWS if args.two_gpu else ONE_GPU_ROWS)
+    groups = {"long_context": LONG_CONTEXT_ROWS, "two_gpu": TWO_GPU_ROWS, "four_gpu": FOUR_GPU_ROWS}
+    names = args.rows or next((rows for flag, rows in groups.items() if getattr(args, flag)), ONE_GPU_ROWS)
     steps = args.warmup + args.steps
     settings = Settings(
         Path(args.data).resolve(), Path(args.work), args.global_batch, steps, args.smoke,
@@ -365,6 +371,8 @@ def main() -> int:
     rows_group.add_argument("--two-gpu", action="store_true", help="the two-GPU rows (8B, FSDP2) instead")
     rows_group.add_argument("--long-context", action="store_true",
                             help="the 65,536-token rows (8B, CP2, two GPUs): global batch 2, 1 + 2 steps")  # fmt: skip
+    rows_group.add_argument("--four-gpu", action="store_true",
+                            help="the 8,192-token float8 rows (8B, four GPUs): batch 16, 2 + 5 steps")  # fmt: skip
     run_parser.add_argument("--data", default="data/peers", help="the folder `prepare` wrote")
     run_parser.add_argument("--wheels", default=".whl", help="the folder `wheels` wrote")
     run_parser.add_argument("--site", nargs="*", default=[], metavar="PEER=DIR", help="use an installed target")

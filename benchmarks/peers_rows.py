@@ -40,6 +40,11 @@ Long context (``LONG_CONTEXT_ROWS``, two GPUs, 65,536-token sequences, one seque
 - ``torchtitan-llama-8b-64k-bf16``: the same with its one lever that does fit, ``training.dtype =
   "bfloat16"`` (weights, gradients and moments in bf16: 29.9 GiB a card; foundry keeps fp32 weights and
   gradients and only its moments in bf16, so this row carries less state than foundry's).
+
+Four GPUs (``FOUR_GPU_ROWS``, 8,192-token sequences, one a microbatch, FSDP2 over four): ``foundry-llama-8b-8k-4gpu-
+float8`` (``llama-8b.yaml`` with ``algorithms.float8={}``: tensorwise, float8 all-gathers, the first and last blocks
+in bf16) against ``torchtitan-llama-8b-8k-4gpu-float8`` (its float8 recipe for FSDP, the output layer in bf16, every
+block checkpointed as foundry's YAML does), then ``foundry-llama-8b-8k-4gpu-float8-rowwise`` (the rowwise recipe).
 """
 
 from __future__ import annotations
@@ -58,6 +63,9 @@ BENCHMARKS = Path(__file__).resolve().parent
 REPO_ROOT = BENCHMARKS.parent
 SEQ_LEN = 2048
 LONG_SEQ_LEN = 65536
+EIGHT_K = 8192
+# foundry's 8B YAML at 8,192 tokens a sequence, one a microbatch, weights drawn on the GPUs (a minute less setup)
+FOUR_GPU_8K = ("variables.max_seq_len=8192", "device_train_microbatch_size=1", "model.init_device=cuda")
 # LLM Foundry's scripts/train/train.py (0.22), whole: the wheel ships llmfoundry, not scripts/.
 LLM_FOUNDRY_TRAIN_PY = (
     "import sys; from llmfoundry.command_utils import train_from_yaml; train_from_yaml(sys.argv[1], sys.argv[2:])"
@@ -166,11 +174,23 @@ ROWS = {
         Row("torchtitan-llama-8b-64k", "torchtitan", LLAMA_8B, 2, 1, r"step:\s*(\d+)", "titan",
             "foundry-llama-8b-64k", titan_flavor="8B", titan_ac="full", seq_len=LONG_SEQ_LEN, context_parallel=2,
             timeout_s=110),
+        # Four GPUs at 8,192 tokens, one sequence a microbatch: both frameworks' float8 (tensorwise, float8
+        # all-gathers), then foundry's rowwise recipe. Start-up ~100 s (foundry, weights drawn on the GPUs).
+        Row("foundry-llama-8b-8k-4gpu-float8", "foundry", LLAMA_8B, 4, 1, FOUNDRY_STEP,
+            yaml="yamls/pretrain/llama-8b.yaml", seq_len=EIGHT_K, timeout_s=300,
+            overrides=(*FOUR_GPU_8K, "algorithms.float8={}")),
+        Row("torchtitan-llama-8b-8k-4gpu-float8", "torchtitan", LLAMA_8B, 4, 1, r"step:\s*(\d+)", "titan",
+            "foundry-llama-8b-8k-4gpu-float8", titan_flavor="8B", titan_ac="full", seq_len=EIGHT_K,
+            titan_float8=True, timeout_s=300),
+        Row("foundry-llama-8b-8k-4gpu-float8-rowwise", "foundry", LLAMA_8B, 4, 1, FOUNDRY_STEP,
+            yaml="yamls/pretrain/llama-8b.yaml", seq_len=EIGHT_K, timeout_s=300,
+            overrides=(*FOUR_GPU_8K, "algorithms.float8={recipe: rowwise}")),
     )
 }  # fmt: skip
 ONE_GPU_ROWS = [name for name, row in ROWS.items() if row.gpus == 1]
 TWO_GPU_ROWS = [name for name, row in ROWS.items() if row.gpus == 2 and row.seq_len == SEQ_LEN]
-LONG_CONTEXT_ROWS = [name for name, row in ROWS.items() if row.seq_len > SEQ_LEN]
+LONG_CONTEXT_ROWS = [name for name, row in ROWS.items() if row.gpus == 2 and row.seq_len > SEQ_LEN]
+FOUR_GPU_ROWS = [name for name, row in ROWS.items() if row.gpus == 4]
 
 # The CPU smoke test (--smoke): the same entry points on tiny models, fp32, uncompiled.
 SMOKE_FOUNDRY = {

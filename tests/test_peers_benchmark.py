@@ -245,3 +245,22 @@ def process_alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return "State:\tZ" not in state
+
+
+def test_four_gpu_flag_runs_the_8k_float8_rows_of_both_frameworks_on_four_gpus(tmp_path: Path) -> None:
+    args = argparse.Namespace(long_context=False, four_gpu=True, global_batch=None, warmup=None, steps=None)
+    peers.resolve_defaults(args)
+    assert (args.global_batch, args.warmup, args.steps) == (16, 2, 5)
+    assert peers_rows.FOUR_GPU_ROWS == ["foundry-llama-8b-8k-4gpu-float8", "torchtitan-llama-8b-8k-4gpu-float8",
+                                        "foundry-llama-8b-8k-4gpu-float8-rowwise"]  # fmt: skip
+    assert not set(peers_rows.FOUR_GPU_ROWS) & set(peers_rows.LONG_CONTEXT_ROWS + peers_rows.TWO_GPU_ROWS)
+    settings = peers_rows.Settings(tmp_path, tmp_path, global_batch=16, steps=7, peak_tflops=1000.0)
+    titan_row = peers_rows.ROWS["torchtitan-llama-8b-8k-4gpu-float8"]
+    titan = peers_rows.titan_config(titan_row, settings)
+    assert (titan["training"]["seq_len"], titan["training"]["local_batch_size"]) == (8192, 1)
+    assert titan["model"]["converters"] == ["quantize.linear.float8"]
+    assert peers_rows.command(titan_row, settings)[0][:5][-1] == "--nproc_per_node=4"
+    argv, _ = peers_rows.command(peers_rows.ROWS[titan_row.compare_to], settings)
+    assert argv[-2:] == ["--nproc", "4"]
+    assert {"variables.max_seq_len=8192", "device_train_microbatch_size=1", "algorithms.float8={}"} <= set(argv)
+    assert f"variables.data_local={tmp_path / 'mds-8192'}" in argv  # built from tokens.bin at run time
