@@ -259,7 +259,7 @@ def test_four_gpu_flag_runs_the_8k_float8_rows_of_both_frameworks_on_four_gpus(t
     titan = peers_rows.titan_config(titan_row, settings)
     assert (titan["training"]["seq_len"], titan["training"]["local_batch_size"]) == (8192, 1)
     assert titan["model"]["converters"] == ["quantize.linear.float8"]
-    assert peers_rows.command(titan_row, settings)[0][:5][-1] == "--nproc_per_node=4"
+    assert "--nproc_per_node=4" in peers_rows.command(titan_row, settings)[0]
     argv, _ = peers_rows.command(peers_rows.ROWS[titan_row.compare_to], settings)
     assert argv[-2:] == ["--nproc", "4"]
     assert {"variables.max_seq_len=8192", "device_train_microbatch_size=1", "algorithms.float8={}"} <= set(argv)

@@ -255,6 +255,13 @@ def test_compile_config_mapping_sets_the_algorithm_keys():
     assert algorithm.scope == "blocks" and algorithm.compile_kwargs["backend"] == "aot_eager"
 
 
+def test_compile_config_gives_changing_sizes_symbols_only_where_they_change():
+    assert from_compile_config("auto", CUDA, sharded=True).compile_kwargs["dynamic"] is False
+    assert from_compile_config("auto", CUDA, sharded=True, varying_shapes=True).compile_kwargs["dynamic"] is None
+    mapping = from_compile_config({"dynamic": False}, CUDA, sharded=True, varying_shapes=True)
+    assert mapping.compile_kwargs["dynamic"] is False  # the user's key wins
+
+
 def test_compile_config_typo_names_the_key():
     with pytest.raises(ConfigError, match=r"'compile_config\.scop'.*Did you mean 'scope'"):
         from_compile_config({"scop": "model"}, CUDA, sharded=False)

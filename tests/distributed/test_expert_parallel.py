@@ -87,6 +87,22 @@ def test_a_compiled_exchange_compiles_changing_sizes_as_symbols_not_once_per_siz
     assert ranks.run(2, compiled_exchange_keeps_its_graphs, False) == ["limit hit"] * 2
 
 
+def compile_dynamic_setting(folder: str, parallelism: dict) -> object:
+    """The ``dynamic`` of the compile algorithm a Trainer builds from ``compile_config`` (nothing trained)."""
+    from distributed.jobs import build_trainer
+    from foundry.algorithms.torch_compile import TorchCompile
+
+    compile_config = {"backend": "eager"}
+    trainer = build_trainer(1, folder, FSDP, model_keys=moe_keys(0.0), compile_config=compile_config, **parallelism)
+    (algorithm,) = [algorithm for algorithm in trainer.engine.algorithms if isinstance(algorithm, TorchCompile)]
+    return algorithm.compile_kwargs["dynamic"]
+
+
+def test_a_trainer_compiles_changing_sizes_as_symbols_under_expert_parallelism_only(ranks, tmp_path) -> None:
+    assert ranks.run(2, compile_dynamic_setting, str(tmp_path / "ep"), EP2) == [None, None]
+    assert ranks.run(2, compile_dynamic_setting, str(tmp_path / "fsdp"), {}) == [False, False]
+
+
 MOE_MODEL = {"expansion_ratio": 1, "ffn_config": {"ffn_type": "mb_dmoe", "moe_num_experts": 4, "moe_top_k": 2}}
 FSDP = {"sharding_strategy": "FULL_SHARD"}
 EP2 = {"parallelism": {"expert_parallel_degree": 2}}
