@@ -44,6 +44,7 @@ def unmappable_features(config: Any) -> list[str]:
         "norm_type (must be a layernorm)": "layernorm" not in config.norm_type,
         "norm_eps (must be 1e-5)": config.norm_eps != 1e-5,
         "tie_word_embeddings": config.tie_word_embeddings,
+        "attn_config.head_dim (must be d_model / n_heads)": config.head_dim_decoupled,
     }
     return [feature for feature, unmappable in checks.items() if unmappable]
 

@@ -34,9 +34,10 @@ _TRAINING_KEYS = {"name", "init_config", "param_init_fn", "init_device", "use_ca
 
 
 def unmappable_features(config: Any) -> list[str]:
-    """What the modeling code does not compute: feed-forward types beyond the dense ones."""
+    """What the modeling code does not compute: feed-forward types beyond the dense ones, heads of their own width."""
     ffn_type = config.ffn_config.ffn_type
-    return [f"ffn_config.ffn_type {ffn_type}"] if ffn_type not in _COMPUTED_FFN_TYPES else []
+    unmappable = [f"ffn_config.ffn_type {ffn_type}"] if ffn_type not in _COMPUTED_FFN_TYPES else []
+    return unmappable + (["attn_config.head_dim (must be d_model / n_heads)"] if config.head_dim_decoupled else [])
 
 
 def is_foundry_export(config: dict[str, Any]) -> bool:

@@ -46,6 +46,7 @@ def unmappable_features(config: Any) -> list[str]:
         "attn_config.clip_qkv": attn.clip_qkv is not None,
         "attn_config.softmax_scale": attn.softmax_scale is not None,
         "attn_config.sliding_window_size": attn.sliding_window_size != -1,
+        "attn_config.head_dim (must be d_model / n_heads)": config.head_dim_decoupled,
         "norm_type (must be a layernorm)": "rmsnorm" in config.norm_type,
         "ffn_config.ffn_type (must be mptmlp)": ffn.ffn_type != "mptmlp",
         "ffn_config.ffn_act_fn": (ffn.ffn_act_fn.name, ffn.ffn_act_fn.approximate) not in _ACTIVATIONS,

@@ -85,8 +85,9 @@ def to_hf_config(model: Any) -> Any:
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
-    d_model, kv_dim = model.config.d_model, model.config.attn_config.resolve_kv_n_heads(model.config.n_heads)
-    kv_dim *= model.config.head_dim
+    config = model.config
+    q_dim, kv_dim = config.n_heads * config.head_dim, config.attn_config.resolve_kv_n_heads(config.n_heads)
+    kv_dim *= config.head_dim
     hf_state = {}
     for name, tensor in state.items():
         if name in _TOP_NAMES:
@@ -98,7 +99,7 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], model: Any) -> dict[str, to
             prefix = f"model.layers.{layer}."
             if suffix == "attn.Wqkv.weight":
                 # Clones, not views: safetensors refuses tensors that share memory.
-                q, k, v = (part.clone() for part in tensor.split([d_model, kv_dim, kv_dim], dim=0))
+                q, k, v = (part.clone() for part in tensor.split([q_dim, kv_dim, kv_dim], dim=0))
                 hf_state.update({f"{prefix}self_attn.{n}_proj.weight": w for n, w in zip("qkv", (q, k, v))})
             else:
                 hf_state[prefix + _BLOCK_NAMES[suffix]] = tensor
@@ -117,6 +118,7 @@ def from_hf_config(hf_config: Any) -> dict[str, Any]:
         "n_layers": hf_config.num_hidden_layers,
         "n_heads": hf_config.num_attention_heads,
         "kv_n_heads": hf_config.num_key_value_heads or hf_config.num_attention_heads,
+        "head_dim": _decoupled_head_dim(hf_config),
         "vocab_size": hf_config.vocab_size,
         "max_seq_len": hf_config.max_position_embeddings,
         "ffn_hidden_size": hf_config.intermediate_size,
@@ -131,13 +133,18 @@ def from_hf_config(hf_config: Any) -> dict[str, Any]:
     return section
 
 
+def _decoupled_head_dim(hf_config: Any) -> int | None:
+    """The config's ``head_dim`` where heads × head_dim is not hidden_size (Qwen3's), else None (foundry's default)."""
+    head_dim = getattr(hf_config, "head_dim", None)
+    tied = head_dim is None or head_dim * hf_config.num_attention_heads == hf_config.hidden_size
+    return None if tied else head_dim
+
+
 def _check_hf_features(hf_config: Any) -> None:
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     problems = {
         "attention_bias": getattr(hf_config, "attention_bias", False),
         "mlp_bias": getattr(hf_config, "mlp_bias", False),
         "hidden_act": hf_config.hidden_act != "silu",
-        "head_dim": head_dim * hf_config.num_attention_heads != hf_config.hidden_size,
     }
     for key, unsupported in problems.items():
         if unsupported:

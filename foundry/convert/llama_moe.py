@@ -88,6 +88,7 @@ class MoEFamily:
     renormalises: bool | None  # True: always (Mixtral); None: as config.norm_topk_prob says
     extra_config: tuple[tuple[str, Any], ...] = ()  # fixed keys the export writes
     jitter_key: str | None = None  # the config key of the router jitter (ffn_config.moe_jitter_eps), if any
+    own_head_dim: bool = False  # its attention reads config.head_dim (Mixtral, Qwen3-MoE), not hidden / heads
 
     @property
     def hf_moe_prefix(self) -> str:
@@ -118,6 +119,7 @@ class Adapter:
             f"qk norm (must be {family.qk_norm})": qk_norm != family.qk_norm,
             "attn_config.clip_qkv": attn.clip_qkv is not None,
             "norm_type (must be an rmsnorm)": "rmsnorm" not in config.norm_type,
+            "attn_config.head_dim (must be d_model / n_heads)": config.head_dim_decoupled and not family.own_head_dim,
         }
         return [feature for feature, unmappable in checks.items() if unmappable]
 

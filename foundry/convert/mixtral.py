@@ -13,6 +13,7 @@ _ADAPTER = Adapter(
         num_experts_key="num_local_experts",
         expert_width_key="intermediate_size",
         renormalises=True,
+        own_head_dim=True,
         extra_config=(("sliding_window", None),),
         jitter_key="router_jitter_noise",
     )

@@ -29,6 +29,7 @@ def unmappable_features(config: Any) -> list[str]:
         "attn_config.attn_type (must be multihead_attention)": attn.attn_type != "multihead_attention",
         "attn_config.qk_ln / qk_gn": attn.qk_ln or attn.qk_gn,
         "attn_config.sliding_window_size": attn.sliding_window_size != -1,
+        "attn_config.head_dim (must be d_model / n_heads)": config.head_dim_decoupled,
         "learned_pos_emb": config.learned_pos_emb,
         "no_bias (must be true)": not config.no_bias,
         "norm_type (must be layernorm or low_precision_layernorm)": "rmsnorm" in config.norm_type,

@@ -13,6 +13,7 @@ _ADAPTER = Adapter(
         num_experts_key="num_experts",
         expert_width_key="moe_intermediate_size",
         renormalises=None,
+        own_head_dim=True,
         extra_config=(
             ("decoder_sparse_step", 1),
             ("mlp_only_layers", []),

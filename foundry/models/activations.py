@@ -5,7 +5,8 @@ measured with ``torch.autograd.graph.saved_tensors_hooks`` on blocks of the same
 (docs/DISTRIBUTED.md). Per token, in elements of the compute dtype:
 
 - each norm: its input upcast to fp32 (two elements) and its output (one): ``3 · d_model``;
-- attention: q, k and v (``d_model + 2 · kv_dim``) and the attention output (``d_model``);
+- attention: q, k and v (``q_dim + 2 · kv_dim``, ``q_dim`` = heads × head_dim, d_model unless ``head_dim`` is
+  set) and the attention output (``q_dim``);
 - a plain MLP: the first linear's output and the activation's (``2 · ffn``); a GLU: gate, up, the
   activation of the gate and the product (``4 · ffn``);
 - an MoE layer: each of ``top_k`` routed rows (``d_model``), its expert's GLU or MLP (as above, ``ffn`` the
@@ -32,6 +33,7 @@ class BlockShape:
 
     d_model: int
     n_heads: int
+    q_dim: int  # the width of q and of the attention output: heads × head_dim
     kv_dim: int  # the width of k (and of v): kv heads × head_dim
     ffn_hidden: int  # the MLP's width, or each expert's
     glu: bool
@@ -43,12 +45,13 @@ class BlockShape:
     def of(cls, config: Any) -> BlockShape:
         """The shape of an ``MPTConfig`` (Llama models carry one as ``model.config``)."""
         attn, ffn = config.attn_config, config.ffn_config
-        head_dim = config.d_model // config.n_heads
+        head_dim = config.head_dim
         kv_heads = {"multiquery_attention": 1, "grouped_query_attention": attn.kv_n_heads}.get(attn.attn_type)
         moe = ffn.ffn_type in ("mb_moe", "mb_dmoe")
         return cls(
             d_model=config.d_model,
             n_heads=config.n_heads,
+            q_dim=config.n_heads * head_dim,
             kv_dim=(kv_heads or config.n_heads) * head_dim,
             ffn_hidden=ffn_hidden_size(config.d_model, config.expansion_ratio, ffn),
             glu=ffn.ffn_type == "mptglu" or (moe and ffn.mlp_type == "glu"),
@@ -60,7 +63,7 @@ class BlockShape:
     def saved_elements_per_token(self) -> int:
         """Elements (of the compute dtype) one block without checkpointing keeps for its backward, per token."""
         norm = 3 * self.d_model
-        attention = norm + self.d_model + 2 * self.kv_dim + self.d_model
+        attention = norm + self.q_dim + 2 * self.kv_dim + self.q_dim
         mlp = (4 if self.glu else 2) * self.ffn_hidden
         if self.top_k:
             mlp = self.top_k * (self.d_model + mlp + self.d_model)
@@ -68,7 +71,7 @@ class BlockShape:
 
     def kept_attention_bytes_per_token(self, element_bytes: int) -> int:
         """What ``activation_checkpointing_keep_attention`` keeps a block: the output and its log-sum-exp."""
-        return self.d_model * element_bytes + self.n_heads * FP32_BYTES
+        return self.q_dim * element_bytes + self.n_heads * FP32_BYTES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -127,6 +127,7 @@ class AttnConfig:
     attn_impl: AttnImpl = "sdpa"
     attn_pdrop: float = 0.0
     kv_n_heads: int | None = None  # grouped_query_attention only; MHA uses n_heads, MQA 1
+    head_dim: int | None = None  # None: d_model / n_heads; set where q is wider or narrower than d_model (Qwen3)
     qk_ln: bool = False  # LayerNorm over all of q and of k
     qk_gn: bool = False  # the same norm per head (shared weights of size head_dim)
     clip_qkv: float | None = None
@@ -151,6 +152,8 @@ class AttnConfig:
             raise ConfigError(f"'{_KEY}.attn_pdrop' is {self.attn_pdrop}; it is a probability in [0, 1].")
         if self.qk_ln and self.qk_gn:
             raise ConfigError(f"'{_KEY}.qk_ln' and '{_KEY}.qk_gn' are both true; set at most one.")
+        if self.head_dim is not None and self.head_dim <= 0:
+            raise ConfigError(f"'{_KEY}.head_dim' is {self.head_dim}; it must be positive (null: d_model / n_heads).")
         if self.sliding_window_size < -1:
             raise ConfigError(f"'{_KEY}.sliding_window_size' is {self.sliding_window_size}; use -1 (off) or >= 0.")
         if self.attn_impl not in ATTENTION_IMPLS:
@@ -192,6 +195,17 @@ class AttnConfig:
         for key, (is_set, fix) in unsupported.items():
             if is_set:
                 raise ConfigError(f"'{_KEY}.{key}' is not supported by foundry {fix}.")
+
+    def resolve_head_dim(self, d_model: int, n_heads: int) -> int:
+        """Each head's width: ``head_dim``, else ``d_model / n_heads`` (which must then divide)."""
+        if self.head_dim is not None:
+            return self.head_dim
+        if d_model % n_heads:
+            raise ConfigError(
+                f"'model.d_model' ({d_model}) must be divisible by 'model.n_heads' ({n_heads}): each head gets "
+                f"d_model / n_heads dimensions, unless '{_KEY}.head_dim' sets the width."
+            )
+        return d_model // n_heads
 
     def resolve_kv_n_heads(self, n_heads: int) -> int:
         """How many key/value heads ``attn_type`` gives ``n_heads`` query heads."""
@@ -522,25 +536,25 @@ class Attention(nn.Module):
         self.config = config
         self.n_heads = n_heads
         self.kv_n_heads = config.resolve_kv_n_heads(n_heads)
-        self.head_dim = d_model // n_heads
+        self.head_dim = config.resolve_head_dim(d_model, n_heads)
         self.softmax_scale = 1 / math.sqrt(self.head_dim) if config.softmax_scale is None else config.softmax_scale
         self.attn_fn = ATTENTION_IMPLS[config.attn_impl]
         # A KV cache's keys always need a mask (left padding, columns not yet written): only these take one.
         self.cached_attn_fn = torch_attention if config.attn_impl == "torch" else cached_sdpa_attention
-        kv_dim = self.kv_n_heads * self.head_dim
-        self.Wqkv = nn.Linear(d_model, d_model + 2 * kv_dim, bias=bias)
+        q_dim, kv_dim = n_heads * self.head_dim, self.kv_n_heads * self.head_dim  # q_dim is d_model unless head_dim
+        self.Wqkv = nn.Linear(d_model, q_dim + 2 * kv_dim, bias=bias)
         self.Wqkv.init_chunk_rows = self.head_dim  # init.py inits each head's slice as its own matrix
         if config.qk_ln or config.qk_gn:
-            self.q_ln = build_norm(norm_type, self.head_dim if config.qk_gn else d_model, norm_eps, bias)
+            self.q_ln = build_norm(norm_type, self.head_dim if config.qk_gn else q_dim, norm_eps, bias)
             self.k_ln = build_norm(norm_type, self.head_dim if config.qk_gn else kv_dim, norm_eps, bias)
-        self.out_proj = nn.Linear(d_model, d_model, bias=bias)
+        self.out_proj = nn.Linear(q_dim, d_model, bias=bias)
         self.out_proj.is_residual_output = True  # init.py scales it down by depth
         self.apply_rope = apply_rope  # the fused_kernels algorithm swaps in its Triton kernel
 
     def forward(self, x: torch.Tensor, inputs: AttentionInputs, cache: LayerKVCache | None = None) -> torch.Tensor:
         """``cache``: this layer's KV cache; x's keys and values are stored at column ``inputs.past_len``."""
         batch, seq_len, _ = x.shape
-        qkv = self.Wqkv(x)  # (batch, seq, d_model + 2 * kv_dim), divided by the tensor-parallel degree
+        qkv = self.Wqkv(x)  # (batch, seq, q_dim + 2 * kv_dim), divided by the tensor-parallel degree
         if self.config.clip_qkv is not None:
             qkv = qkv.clamp(min=-self.config.clip_qkv, max=self.config.clip_qkv)
         # Under tensor parallelism this rank holds 1/shares of the heads (foundry.models.tp_plan)

@@ -10,6 +10,8 @@ For a batch of ``batch_size`` sequences of ``seq_len`` tokens (``ComposerMPTCaus
   (no causal or sliding-window discount).
 - ``3``: backward costs about twice the forward.
 - Padding is counted as real tokens.
+- ``d_model`` in the attention term is the width of q (heads × head_dim): the model's d_model unless its
+  ``head_dim`` sets another (Qwen3's 32 heads of 128 over d_model 2048 attend over 4096).
 
 ``n_active_params`` is LLM Foundry's ``mpt_get_active_params``: every parameter once (tied
 embeddings are one parameter), minus the token embedding when it is *not* tied, because a lookup

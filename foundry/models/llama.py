@@ -65,6 +65,7 @@ class LlamaConfig:
     n_layers: int = 32
     n_heads: int = 32
     kv_n_heads: int | None = 8  # None: as many as n_heads (plain multi-head attention)
+    head_dim: int | None = None  # None: d_model / n_heads; Qwen3 sets 128 where d_model / n_heads is 64
     vocab_size: int = 128256
     max_seq_len: int = 8192
     ffn_hidden_size: int | None = None  # None: Llama's rule from multiple_of and ffn_dim_multiplier
@@ -111,10 +112,12 @@ class LlamaConfig:
                 f"'{_KEY}.kv_n_heads' ({self.kv_n_heads}) must divide '{_KEY}.n_heads' ({self.n_heads}); "
                 "each key/value head serves n_heads / kv_n_heads query heads."
             )
-        if self.d_model % self.n_heads:
+        if self.head_dim is not None and (self.head_dim <= 0 or self.head_dim % 2):
+            raise ConfigError(f"'{_KEY}.head_dim' is {self.head_dim}; it must be positive and even (RoPE turns pairs).")
+        if self.head_dim is None and self.d_model % self.n_heads:
             raise ConfigError(
                 f"'{_KEY}.d_model' ({self.d_model}) must be divisible by '{_KEY}.n_heads' ({self.n_heads}): "
-                "each head gets d_model / n_heads dimensions."
+                f"each head gets d_model / n_heads dimensions, unless '{_KEY}.head_dim' sets the width."
             )
         if self.moe_num_experts is not None:
             check_moe_keys(self.moe_num_experts, self.moe_top_k, self.moe_normalize_expert_weights, f"{_KEY}.")
@@ -199,6 +202,7 @@ class LlamaConfig:
         return AttnConfig(
             attn_type="multihead_attention" if is_multihead else "grouped_query_attention",
             kv_n_heads=None if is_multihead else kv_n_heads,
+            head_dim=self.head_dim,
             attn_impl=self.attn_impl,
             attn_pdrop=self.attn_pdrop,
             attn_uses_sequence_id=self.attn_uses_sequence_id,

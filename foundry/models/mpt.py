@@ -127,10 +127,11 @@ class MPTConfig:
         for key in ("d_model", "n_heads", "n_layers", "max_seq_len", "vocab_size"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"'{_KEY}.{key}' is {getattr(self, key)}; it must be positive.")
-        if self.d_model % self.n_heads:
-            raise ConfigError(f"'{_KEY}.d_model' ({self.d_model}) must be divisible by 'n_heads' ({self.n_heads}).")
-        if self.attn_config.rope and self.head_dim % 2:
-            raise ConfigError(f"rope needs an even head dim (d_model / n_heads), got {self.head_dim}.")
+        head_dim = self.head_dim  # refuses a d_model that n_heads does not divide, unless attn_config.head_dim is set
+        if self.attn_config.rope and head_dim % 2:
+            raise ConfigError(
+                f"rope needs an even head dim (d_model / n_heads, or attn_config.head_dim), got {head_dim}."
+            )
         self.attn_config.resolve_kv_n_heads(self.n_heads)
         ffn_hidden_size(self.d_model, self.expansion_ratio, self.ffn_config)
 
@@ -143,7 +144,13 @@ class MPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.attn_config.resolve_head_dim(self.d_model, self.n_heads)
+
+    @property
+    def head_dim_decoupled(self) -> bool:
+        """Whether heads are wider or narrower than d_model / n_heads (``attn_config.head_dim``): what a class that
+        derives head_dim from hidden_size alone (MPT, GPT-2, OLMoE, DBRX) cannot compute."""
+        return self.n_heads * self.head_dim != self.d_model
 
     @property
     def num_experts(self) -> int | None:
@@ -476,7 +483,12 @@ class MPTCausalLM(CausalLM):
     def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
         batch_size, seq_len = flops.rows_and_length(batch["input_ids"])
         config = self.config
-        return flops.flops_per_batch(self.n_active_params, config.n_layers, config.d_model, batch_size, seq_len)
+        return flops.flops_per_batch(self.n_active_params, config.n_layers, self._q_width, batch_size, seq_len)
 
     def flops_per_token(self, seq_len: int) -> int:
-        return flops.flops_per_token(self.n_active_params, self.config.n_layers, self.config.d_model, seq_len)
+        return flops.flops_per_token(self.n_active_params, self.config.n_layers, self._q_width, seq_len)
+
+    @property
+    def _q_width(self) -> int:
+        """The width attention runs over, heads × head_dim: d_model unless ``attn_config.head_dim`` sets it."""
+        return self.config.n_heads * self.config.head_dim

@@ -44,6 +44,29 @@ def test_imported_section_builds_the_same_network(make_llama, rope_scaling) -> N
     assert rebuilt.config == model.config  # the MPT-level config: every layer, width, norm and RoPE setting
 
 
+def test_heads_of_their_own_width_export_import_and_rebuild(make_llama, input_ids, logit_gap) -> None:
+    """Qwen3's heads (128 wide, 32 of them over d_model 2048): here 4 of 32 over d_model 64, q 128 wide."""
+    model = make_llama(head_dim=32)
+    hf_model = to_hf_model(model, "llama_causal_lm")
+    assert (hf_model.config.head_dim, hf_model.model.layers[0].self_attn.q_proj.weight.shape) == (32, (128, 64))
+    assert logit_gap(model, hf_model, input_ids) < 1e-5
+    back = adapter.from_hf_state_dict(hf_model.state_dict(), hf_model.config)
+    assert all(torch.equal(back[name], weight) for name, weight in model.state_dict().items())
+    section = adapter.from_hf_config(hf_model.config)
+    assert section["head_dim"] == 32
+    assert LlamaCausalLM(**{key: value for key, value in section.items() if key != "name"}).config == model.config
+    assert adapter.from_hf_config(adapter.to_hf_config(make_llama()))["head_dim"] is None  # d_model / n_heads
+
+
+def test_a_head_dim_rope_cannot_rotate_is_refused_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match="'model.head_dim' is 15; it must be positive and even"):
+        LlamaCausalLM(d_model=64, n_heads=4, kv_n_heads=2, n_layers=1, head_dim=15)
+    with pytest.raises(ConfigError, match="must be divisible by 'model.n_heads'.*unless 'model.head_dim'"):
+        LlamaCausalLM(d_model=66, n_heads=4, kv_n_heads=2, n_layers=1)
+    wide = LlamaCausalLM(d_model=66, n_heads=4, kv_n_heads=2, n_layers=1, head_dim=16, init_device="meta")
+    assert wide.config.head_dim == 16 and wide.transformer.blocks[0].attn.out_proj.in_features == 64
+
+
 def test_checkpoint_with_attention_bias_is_refused_naming_it() -> None:
     from transformers import LlamaConfig
 

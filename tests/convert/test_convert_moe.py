@@ -237,3 +237,30 @@ def test_a_folder_holding_both_expert_layouts_is_refused(monkeypatch: pytest.Mon
     hf_state["model.layers.0.mlp.experts.down_proj"] = stacked_state["model.layers.0.mlp.experts.down_proj"]
     with pytest.raises(ConfigError, match=r"set 'transformer\.blocks\.0\.ffn\.experts\.down_proj' twice"):
         adapter.from_hf_state_dict(hf_state, hf_config)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_heads_wider_than_d_model_over_n_heads_export_and_import_with_the_same_logits(
+    family: str, tmp_path: Path
+) -> None:
+    """Qwen3-30B-A3B's 32 heads of 128 over d_model 2048: here 4 heads of 16 over 32 (q is 64 wide)."""
+    model = foundry_model(family, head_dim=16)
+    assert model.transformer.blocks[0].attn.Wqkv.out_features == 4 * 16 + 2 * 2 * 16
+    hf_model = to_hf_model(model, "llama_causal_lm")
+    assert hf_model.model.layers[0].self_attn.q_proj.weight.shape == (64, 32)
+    assert logit_gap(model, hf_model) < 1e-4
+    hf_model.save_pretrained(tmp_path)
+    imported, section = from_hf_model(tmp_path)
+    assert section["head_dim"] == 16
+    assert logit_gap(imported.eval(), hf_model) < 1e-4
+
+
+def test_olmoe_and_dbrx_cannot_take_heads_of_their_own_width() -> None:
+    model = foundry_model("olmoe", head_dim=16)
+    assert "attn_config.head_dim (must be d_model / n_heads)" in choose_export_reasons(model)
+
+
+def choose_export_reasons(model: torch.nn.Module) -> str:
+    with pytest.raises(ConfigError) as refused:
+        choose_export(model, "llama_causal_lm")
+    return str(refused.value)
