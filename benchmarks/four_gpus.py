@@ -93,7 +93,7 @@ ROWS = {
     )),
 }  # fmt: skip
 SMOKE_FAMILY = {LLAMA_8B: "llama", CONTEXT_128K: "llama", CONTEXT_256K: "llama", QWEN3: "llama"}
-SMOKE_MOE = ["model.moe_num_experts=8", "model.moe_top_k=2", "model.ffn_hidden_size=32"]
+SMOKE_MOE = ["model.moe_num_experts=8", "model.moe_top_k=2", "model.ffn_hidden_size=32", "model.head_dim=16"]
 
 
 def prepare(out: Path, shared_data: Path = SHARED_DATA) -> None:
