@@ -80,7 +80,7 @@ LOG_TAIL_LINES = 60
 # on two H100s (foundry's 3,350 tokens/s per GPU).
 DEFAULTS = {"global_batch": 16, "warmup": 3, "steps": 20}
 LONG_CONTEXT_DEFAULTS = {"global_batch": 2, "warmup": 1, "steps": 2}
-FOUR_GPU_DEFAULTS = {"global_batch": 16, "warmup": 2, "steps": 5}  # a step of 16 x 8,192 tokens: ~4 s on four H200s
+FOUR_GPU_DEFAULTS = {"global_batch": 16, "warmup": 2, "steps": 5}  # a step: 16 sequences of 8,192 tokens
 ROW_TIMEOUT_S = 240  # where neither --row-timeout nor the row names one
 LLM_FOUNDRY_WITHOUT_FLASH = (
     "attn_impl: torch, loss_fn: torch_crossentropy (flash-attn, its YAML's FA2 and fused loss, is not installed)"

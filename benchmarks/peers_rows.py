@@ -64,7 +64,7 @@ REPO_ROOT = BENCHMARKS.parent
 SEQ_LEN = 2048
 LONG_SEQ_LEN = 65536
 EIGHT_K = 8192
-# foundry's 8B YAML at 8,192 tokens a sequence, one a microbatch, weights drawn on the GPUs (a minute less setup)
+# foundry's 8B YAML at 8,192 tokens a sequence, one a microbatch, weights drawn on the GPUs (faster setup)
 FOUR_GPU_8K = ("variables.max_seq_len=8192", "device_train_microbatch_size=1", "model.init_device=cuda")
 # LLM Foundry's scripts/train/train.py (0.22), whole: the wheel ships llmfoundry, not scripts/.
 LLM_FOUNDRY_TRAIN_PY = (
@@ -175,7 +175,7 @@ ROWS = {
             "foundry-llama-8b-64k", titan_flavor="8B", titan_ac="full", seq_len=LONG_SEQ_LEN, context_parallel=2,
             timeout_s=110),
         # Four GPUs at 8,192 tokens, one sequence a microbatch: both frameworks' float8 (tensorwise, float8
-        # all-gathers), then foundry's rowwise recipe. Start-up ~100 s (foundry, weights drawn on the GPUs).
+        # all-gathers), then foundry's rowwise recipe.
         Row("foundry-llama-8b-8k-4gpu-float8", "foundry", LLAMA_8B, 4, 1, FOUNDRY_STEP,
             yaml="yamls/pretrain/llama-8b.yaml", seq_len=EIGHT_K, timeout_s=300,
             overrides=(*FOUR_GPU_8K, "algorithms.float8={}")),

@@ -140,7 +140,7 @@ class Trainer:
         tokenizer = tokenizer if tokenizer is not None else _loader_tokenizer(train_dataloader)
         self.state = _new_state(run, model, device, max_duration, train_dataloader, eval_dataloader, tokenizer, dims)
         sharded = self.state.world_size > 1 or (fsdp_config is not None and distributed.shards(fsdp_config, device))
-        algorithms = [*algorithms, *compile_algorithm(run.compile_config, algorithms, device, sharded, dims.ep > 1)]
+        algorithms = [*algorithms, *compile_algorithm(run.compile_config, algorithms, device, sharded)]
         defaults = default_loggers(
             loggers, self.run_folder, console.log_to_console, console.progress_bar, console.console_log_interval
         )

@@ -62,8 +62,10 @@ class TorchCompile(Algorithm):
     Args:
         mode: ``torch.compile``'s mode; None is ``default``.
         fullgraph: fail instead of falling back to eager at a graph break.
-        dynamic: compile for symbolic shapes; False (default) specialises on each shape seen; None is torch's
-            automatic dynamic shapes (a size that changes is recompiled once as a symbol).
+        dynamic: compile for symbolic shapes; False specialises on each shape seen; None is torch's automatic
+            dynamic shapes (a size that changes is recompiled once as a symbol). ``auto`` (default): None under
+            expert parallelism, whose blocks receive other row counts at every step (specialised on each, they
+            would recompile up to dynamo's limit and then run eagerly), else False.
         compile_loss: also compile ``model.loss`` (fuses the fp32 upcast into the cross-entropy).
         backend: ``inductor`` (default); ``aot_eager`` or ``eager`` trace without generating code
             (debugging, CPU tests).
@@ -76,7 +78,7 @@ class TorchCompile(Algorithm):
         self,
         mode: CompileMode | None = None,
         fullgraph: bool = False,
-        dynamic: bool | None = False,
+        dynamic: bool | Literal["auto"] | None = "auto",
         compile_loss: bool = False,
         backend: str = "inductor",
         scope: CompileScope = "blocks",
@@ -105,6 +107,8 @@ class TorchCompile(Algorithm):
         if event == Event.BATCH_END:
             self._log_compile_time(logger)
             return
+        if self.compile_kwargs["dynamic"] == "auto":
+            self.compile_kwargs["dynamic"] = None if state.parallel_dims.ep > 1 else False
         if self.scope == "model":
             compile_forward(state.model, self.compile_kwargs, self.compiled, training_only=True)
         else:
@@ -135,7 +139,7 @@ class TorchCompile(Algorithm):
 
 
 def from_compile_config(
-    setting: bool | str | dict[str, Any], device: torch.device, sharded: bool, varying_shapes: bool = False
+    setting: bool | str | dict[str, Any], device: torch.device, sharded: bool
 ) -> TorchCompile | None:
     """The top-level ``compile_config`` key as this algorithm, or None for an eager run.
 
@@ -143,15 +147,10 @@ def from_compile_config(
     the whole model on an unsharded model, where it measured fastest, and each block under FSDP2
     (torchtitan's choice: the blocks' all-gather hooks stay outside the graphs). ``true`` compiles on
     every device, a mapping sets the algorithm's keys (``scope`` too) and compiles everywhere.
-
-    ``varying_shapes``: the blocks see other sizes at every step (expert parallelism: the rows a rank receives),
-    so sizes that change are compiled as symbols (``dynamic: None``); specialised on each, the blocks would
-    recompile until torch's recompile limit and then run eagerly.
     """
     if setting is False or (setting == "auto" and device.type != "cuda"):
         return None
     keys = {"scope": "blocks" if sharded else "model", "compile_loss": True}
-    keys |= {"dynamic": None} if varying_shapes else {}
     if isinstance(setting, dict):
         keys.update(setting)
     return TorchCompile(**check_call_kwargs(TorchCompile, keys, "compile_config"))
@@ -297,11 +296,7 @@ def _out_of_memory_cause(error: BaseException) -> torch.OutOfMemoryError | None:
 
 
 def compile_algorithm(
-    setting: bool | str | dict[str, Any],
-    algorithms: Sequence[Any],
-    device: torch.device,
-    sharded: bool,
-    varying_shapes: bool = False,
+    setting: bool | str | dict[str, Any], algorithms: Sequence[Any], device: torch.device, sharded: bool
 ) -> list[TorchCompile]:
     """What a run's ``compile_config`` adds to ``algorithms``: one ``TorchCompile``, or nothing.
 
@@ -315,5 +310,5 @@ def compile_algorithm(
                 "Keep one (compile_config: false with algorithms.torch_compile is a contradiction)."
             )
         return []
-    algorithm = from_compile_config(setting, device, sharded, varying_shapes)
+    algorithm = from_compile_config(setting, device, sharded)
     return [algorithm] if algorithm is not None else []

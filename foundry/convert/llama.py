@@ -86,8 +86,7 @@ def to_hf_config(model: Any) -> Any:
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], model: Any) -> dict[str, torch.Tensor]:
     config = model.config
-    q_dim, kv_dim = config.n_heads * config.head_dim, config.attn_config.resolve_kv_n_heads(config.n_heads)
-    kv_dim *= config.head_dim
+    q_dim, kv_dim = config.q_dim, config.attn_config.resolve_kv_n_heads(config.n_heads) * config.head_dim
     hf_state = {}
     for name, tensor in state.items():
         if name in _TOP_NAMES:

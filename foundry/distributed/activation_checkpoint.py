@@ -15,8 +15,8 @@ A block whose own class is named is checkpointed whole, and the other names are 
 (torch's ``create_selective_checkpoint_contexts``, torchtitan's "op" SAC narrowed to attention): the outputs
 of the attention kernels (``attention_kernel_ops``) are kept from the forward, everything else is recomputed.
 Backward then reruns the projections, norms and MLP but not attention, which is about half of a step's
-FLOPs at 64k tokens; the cost is the attention output (tokens x d_model x 2 bytes in bf16) and the kernel's
-log-sum-exp per checkpointed module.
+FLOPs at 64k tokens; the cost is the attention output (tokens x heads x head_dim x 2 bytes in bf16) and the
+kernel's log-sum-exp per checkpointed module.
 
 Selective checkpointing and regional compile (``algorithms.torch_compile``, which compiles each block's
 forward in place at INIT, before this wrapper exists): the policy is a dispatch mode, and a dispatch mode

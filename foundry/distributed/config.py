@@ -33,7 +33,8 @@ class FSDPConfig:
         default=False,
         metadata=doc(
             "with activation_checkpointing: keep each attention kernel's output (and log-sum-exp) from the forward, "
-            "so backward recomputes everything but attention (long context; costs tokens x d_model x 2 bytes a layer)"
+            "so backward recomputes everything but attention (long context; costs tokens x heads x head_dim x 2 "
+            "bytes a layer)"
         ),
     )
     activation_cpu_offload: bool = field(

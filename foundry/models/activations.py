@@ -45,14 +45,12 @@ class BlockShape:
     def of(cls, config: Any) -> BlockShape:
         """The shape of an ``MPTConfig`` (Llama models carry one as ``model.config``)."""
         attn, ffn = config.attn_config, config.ffn_config
-        head_dim = config.head_dim
-        kv_heads = {"multiquery_attention": 1, "grouped_query_attention": attn.kv_n_heads}.get(attn.attn_type)
         moe = ffn.ffn_type in ("mb_moe", "mb_dmoe")
         return cls(
             d_model=config.d_model,
             n_heads=config.n_heads,
-            q_dim=config.n_heads * head_dim,
-            kv_dim=(kv_heads or config.n_heads) * head_dim,
+            q_dim=config.q_dim,
+            kv_dim=attn.resolve_kv_n_heads(config.n_heads) * config.head_dim,
             ffn_hidden=ffn_hidden_size(config.d_model, config.expansion_ratio, ffn),
             glu=ffn.ffn_type == "mptglu" or (moe and ffn.mlp_type == "glu"),
             top_k=ffn.moe_top_k if moe else 0,

@@ -191,8 +191,8 @@ class HFCausalLM(CausalLM):
 
     def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
         batch_size, seq_len = flops.rows_and_length(batch["input_ids"])
-        n_layers, d_model = hf_depth_and_width(self.hf_config)
-        return flops.flops_per_batch(self.n_active_params, n_layers, d_model, batch_size, seq_len)
+        n_layers, q_dim = hf_depth_and_attention_width(self.hf_config)
+        return flops.flops_per_batch(self.n_active_params, n_layers, q_dim, batch_size, seq_len)
 
 
 def refuse_packed_examples(batch: Mapping[str, Any]) -> None:
@@ -428,11 +428,14 @@ def _hub_kwargs(config: HFCausalLMConfig) -> dict[str, Any]:
     return kwargs
 
 
-def hf_depth_and_width(hf_config: Any) -> tuple[int, int]:
-    """(layers, hidden size) under the names different architectures use."""
+def hf_depth_and_attention_width(hf_config: Any) -> tuple[int, int]:
+    """(layers, width of q) under the names different architectures use: heads × ``head_dim`` where the config
+    sets both (Qwen3's q is twice its hidden size), else the hidden size."""
     n_layers = _first_attribute(hf_config, ("num_hidden_layers", "n_layers", "n_layer", "num_layers"))
-    d_model = _first_attribute(hf_config, ("hidden_size", "d_model", "n_embd"))
-    return n_layers, d_model
+    heads, head_dim = getattr(hf_config, "num_attention_heads", None), getattr(hf_config, "head_dim", None)
+    if isinstance(heads, int) and isinstance(head_dim, int):
+        return n_layers, heads * head_dim
+    return n_layers, _first_attribute(hf_config, ("hidden_size", "d_model", "n_embd"))
 
 
 def _first_attribute(hf_config: Any, names: tuple[str, ...]) -> int:

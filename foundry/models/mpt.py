@@ -147,10 +147,15 @@ class MPTConfig:
         return self.attn_config.resolve_head_dim(self.d_model, self.n_heads)
 
     @property
+    def q_dim(self) -> int:
+        """The width of q and of the attention output, heads × head_dim: d_model unless ``attn_config.head_dim``."""
+        return self.n_heads * self.head_dim
+
+    @property
     def head_dim_decoupled(self) -> bool:
         """Whether heads are wider or narrower than d_model / n_heads (``attn_config.head_dim``): what a class that
         derives head_dim from hidden_size alone (MPT, GPT-2, OLMoE, DBRX) cannot compute."""
-        return self.n_heads * self.head_dim != self.d_model
+        return self.q_dim != self.d_model
 
     @property
     def num_experts(self) -> int | None:
@@ -483,12 +488,7 @@ class MPTCausalLM(CausalLM):
     def flops_per_batch(self, batch: Mapping[str, Any]) -> int:
         batch_size, seq_len = flops.rows_and_length(batch["input_ids"])
         config = self.config
-        return flops.flops_per_batch(self.n_active_params, config.n_layers, self._q_width, batch_size, seq_len)
+        return flops.flops_per_batch(self.n_active_params, config.n_layers, config.q_dim, batch_size, seq_len)
 
     def flops_per_token(self, seq_len: int) -> int:
-        return flops.flops_per_token(self.n_active_params, self.config.n_layers, self._q_width, seq_len)
-
-    @property
-    def _q_width(self) -> int:
-        """The width attention runs over, heads × head_dim: d_model unless ``attn_config.head_dim`` sets it."""
-        return self.config.n_heads * self.config.head_dim
+        return flops.flops_per_token(self.n_active_params, self.config.n_layers, self.config.q_dim, seq_len)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from torch._dynamo.backends.registry import lookup_backend
 from foundry.algorithms import TorchCompile
 from foundry.algorithms.torch_compile import from_compile_config
 from foundry.core import LoggerDestination
+from foundry.core.event import Event
+from foundry.core.parallel_dims import ParallelDims
 from foundry.errors import ConfigError
 from foundry.trainer import Trainer
 from tests.algorithms.conftest import train_tiny_mpt
@@ -255,11 +258,13 @@ def test_compile_config_mapping_sets_the_algorithm_keys():
     assert algorithm.scope == "blocks" and algorithm.compile_kwargs["backend"] == "aot_eager"
 
 
-def test_compile_config_gives_changing_sizes_symbols_only_where_they_change():
-    assert from_compile_config("auto", CUDA, sharded=True).compile_kwargs["dynamic"] is False
-    assert from_compile_config("auto", CUDA, sharded=True, varying_shapes=True).compile_kwargs["dynamic"] is None
-    mapping = from_compile_config({"dynamic": False}, CUDA, sharded=True, varying_shapes=True)
-    assert mapping.compile_kwargs["dynamic"] is False  # the user's key wins
+@pytest.mark.parametrize(("dynamic", "ep", "compiled_as"), [("auto", 2, None), ("auto", 1, False), (False, 2, False)])
+def test_dynamic_auto_gives_symbols_under_expert_parallelism_only(tiny_lm, dynamic, ep, compiled_as):
+    """The rows an expert-parallel rank receives change every step; a ``dynamic`` the user sets stays."""
+    algorithm = TorchCompile(dynamic=dynamic, backend="eager", scope="model")
+    state = SimpleNamespace(model=tiny_lm, parallel_dims=ParallelDims(ep=ep))
+    algorithm.apply(Event.INIT, state, logger=None)
+    assert algorithm.compile_kwargs["dynamic"] is compiled_as
 
 
 def test_compile_config_typo_names_the_key():

@@ -255,12 +255,13 @@ def test_heads_wider_than_d_model_over_n_heads_export_and_import_with_the_same_l
     assert logit_gap(imported.eval(), hf_model) < 1e-4
 
 
-def test_olmoe_and_dbrx_cannot_take_heads_of_their_own_width() -> None:
-    model = foundry_model("olmoe", head_dim=16)
-    assert "attn_config.head_dim (must be d_model / n_heads)" in choose_export_reasons(model)
-
-
-def choose_export_reasons(model: torch.nn.Module) -> str:
-    with pytest.raises(ConfigError) as refused:
-        choose_export(model, "llama_causal_lm")
-    return str(refused.value)
+@pytest.mark.parametrize("family", ["olmoe", "dbrx"])
+def test_olmoe_and_dbrx_cannot_take_heads_of_their_own_width(family: str) -> None:
+    name, keys, hf_class = FAMILIES[family]
+    head_dim = (
+        {"head_dim": 16} if name == "llama_causal_lm" else {"attn_config": {**keys["attn_config"], "head_dim": 16}}
+    )
+    with pytest.raises(
+        ConfigError, match=rf"{hf_class}\w* lacks [^;]*attn_config\.head_dim \(must be d_model / n_heads\)"
+    ):
+        choose_export(foundry_model(family, **head_dim), name)

@@ -56,19 +56,24 @@ def test_dispatch_and_combine_over_two_ranks_equal_one_rank(ranks) -> None:
     assert ranks.run(2, exchange_matches_one_rank) == [True, True]
 
 
-def compiled_exchange_keeps_its_graphs(varying_shapes: bool) -> str:
-    """The sharded MoE compiled as ``compile_config: true`` sets it, ten steps of other token counts (each rank
-    receives other row counts) under dynamo's recompile limit (8 a frame): "ok", or "limit hit"."""
+def compiled_exchange_keeps_its_graphs(ep_degree_told: int) -> str:
+    """The sharded MoE compiled by ``TorchCompile``'s default ``dynamic: auto`` for a run of ``ep_degree_told``,
+    ten steps of other token counts (each rank receives other row counts) under dynamo's recompile limit (8 a
+    frame): "ok", or "limit hit"."""
+    from types import SimpleNamespace
+
     import torch._dynamo
     from torch._dynamo.exc import FailOnRecompileLimitHit
 
-    from foundry.algorithms.torch_compile import compile_forward, from_compile_config
+    from foundry.algorithms import TorchCompile
+    from foundry.core.event import Event
+    from foundry.core.parallel_dims import ParallelDims
 
     moe = tiny_moe()
     apply_expert_parallel([moe.experts], init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)))
-    algorithm = from_compile_config(True, torch.device("cpu"), sharded=True, varying_shapes=varying_shapes)
     torch._dynamo.reset()
-    compile_forward(moe, {**algorithm.compile_kwargs, "backend": "aot_eager"})
+    state = SimpleNamespace(model=moe, parallel_dims=ParallelDims(ep=ep_degree_told))
+    TorchCompile(backend="aot_eager", scope="model").apply(Event.INIT, state, logger=None)
     with torch._dynamo.config.patch(recompile_limit=8, fail_on_recompile_limit_hit=True):
         try:
             for step in range(10):
@@ -83,8 +88,8 @@ def compiled_exchange_keeps_its_graphs(varying_shapes: bool) -> str:
 def test_a_compiled_exchange_compiles_changing_sizes_as_symbols_not_once_per_size(ranks) -> None:
     """Four H200s, 2026-11-28: the 30B MoE with EP4 hit the recompile limit in the exchange (other row counts at
     every step) and ran those frames eagerly from then on. Specialised on each size, it still does."""
-    assert ranks.run(2, compiled_exchange_keeps_its_graphs, True) == ["ok", "ok"]
-    assert ranks.run(2, compiled_exchange_keeps_its_graphs, False) == ["limit hit"] * 2
+    assert ranks.run(2, compiled_exchange_keeps_its_graphs, 2) == ["ok", "ok"]
+    assert ranks.run(2, compiled_exchange_keeps_its_graphs, 1) == ["limit hit"] * 2
 
 
 def compile_dynamic_setting(folder: str, parallelism: dict) -> object:

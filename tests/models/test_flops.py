@@ -50,3 +50,12 @@ def test_a_preference_batch_counts_its_chosen_and_rejected_rows(make_mpt: Callab
     model = make_mpt()
     pairs = {"input_ids": torch.zeros(3, 2, 16, dtype=torch.long)}
     assert model.flops_per_batch(pairs) == model.flops_per_batch({"input_ids": torch.zeros(6, 16, dtype=torch.long)})
+
+
+def test_attention_is_counted_over_the_width_of_q(make_mpt: Callable[..., MPTCausalLM]) -> None:
+    """Heads of their own width (attn_config.head_dim 16: 4 heads, q 64 wide over d_model 32) attend over 64."""
+    wide = make_mpt(attn_config={"head_dim": 16})
+    assert wide.transformer.blocks[0].attn.out_proj.in_features == wide.config.q_dim == 64
+    batch = {"input_ids": torch.zeros(2, 16, dtype=torch.long)}
+    attention_flops = 2 * 2 * 2 * 64 * 16**2
+    assert wide.flops_per_batch(batch) == 3 * 2 * (2 * wide.n_active_params * 16 + attention_flops)

@@ -157,6 +157,16 @@ def test_flops_per_batch_follow_llm_foundrys_formula(llama_dir) -> None:
     assert model.flops_per_batch({"input_ids": torch.zeros(batch_size, seq_len, dtype=torch.long)}) == expected
 
 
+def test_flops_count_attention_over_the_width_of_q_where_head_dim_sets_it(llama_dir) -> None:
+    """Heads × head_dim wider than the hidden size (Qwen3's): attention is counted over q, as llama_causal_lm does."""
+    model = hf_lm(llama_dir, pretrained=False, config_overrides={"head_dim": 16})
+    q_dim = model.hf_config.num_attention_heads * 16
+    assert q_dim != model.hf_config.hidden_size
+    batch_size, seq_len = 2, 16
+    expected = 3 * batch_size * (2 * model.n_active_params * seq_len + 2 * 2 * 2 * q_dim * seq_len**2)
+    assert model.flops_per_batch({"input_ids": torch.zeros(batch_size, seq_len, dtype=torch.long)}) == expected
+
+
 def test_attention_implementation_the_model_lacks_is_refused_naming_the_fix(tmp_path) -> None:
     from transformers import MptConfig
 
