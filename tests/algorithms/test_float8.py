@@ -18,6 +18,7 @@ from foundry.algorithms import Float8Training, TorchCompile
 from foundry.algorithms.float8 import convert_to_float8, float8_module_names, float8_unavailable
 from foundry.core.event import Event
 from foundry.core.logger import Logger
+from foundry.core.parallel_dims import ParallelDims
 from foundry.errors import ConfigError
 from foundry.models import LlamaCausalLM, MPTCausalLM
 from foundry.registry import build_components
@@ -116,7 +117,7 @@ def test_unknown_recipe_is_a_config_error_naming_the_choices(build) -> None:
 
 @pytest.mark.parametrize("compiled", [None, "blocks", "model", "torch.compile"])
 def test_a_run_without_compile_is_warned_that_float8_is_slow_eagerly(compiled, caplog) -> None:
-    state = SimpleNamespace(model=MPTCausalLM(**FOUR_BLOCKS))
+    state = SimpleNamespace(model=MPTCausalLM(**FOUR_BLOCKS), parallel_dims=ParallelDims())
     if compiled == "torch.compile":  # a model the user compiled before handing it over
         state.model = torch.compile(state.model, backend="eager")
     elif compiled is not None:

@@ -14,6 +14,7 @@ from distributed.jobs import build_trainer, summary
 from foundry.algorithms import ActivationCheckpointing
 from foundry.algorithms.torch_compile import TorchCompile
 from foundry.core.event import Event
+from foundry.core.parallel_dims import ParallelDims
 from foundry.distributed.activation_checkpoint import attention_kernel_ops
 from foundry.distributed.config import FSDPConfig
 from foundry.distributed.placement import parallelize
@@ -57,7 +58,7 @@ def placed_model(
     compiler = None
     if compile_backend is not None:
         compiler = TorchCompile(backend=compile_backend, scope=compile_scope)
-        compiler.apply(Event.INIT, SimpleNamespace(model=model), logger=None)
+        compiler.apply(Event.INIT, SimpleNamespace(model=model, parallel_dims=ParallelDims()), logger=None)
     precision = "amp_bf16" if device == "cuda" else "fp32"
     parallelize(model, FSDPConfig(mixed_precision="PURE", **fsdp_config), torch.device(device), precision)
     return model, compiler
