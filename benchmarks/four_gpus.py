@@ -17,14 +17,15 @@ runs. The table is printed and ``OUT/four_gpus.json`` rewritten after every row.
 - ``llama-8b-8k``: ``llama-8b.yaml`` at 8,192 tokens, 16 sequences a step (4 a GPU, microbatch 1), FSDP2 over
   four; ``-float8`` adds ``algorithms.float8`` (tensorwise, float8 all-gathers), ``-float8-rowwise`` rowwise.
 - ``llama-8b-128k``: ``llama-8b-128k.yaml`` as shipped (CP4), 4 sequences a step (the least four ranks load);
-  ``llama-8b-256k``: ``llama-8b-256k.yaml`` (CP4, 141 GB cards): a step is 1M tokens, about 4 minutes at 1,100
-  tokens/s per GPU, so it needs a call to itself.
-- ``qwen3-30b-a3b``: ``qwen3-30b-a3b.yaml`` (FSDP2 alone, microbatch 8), 128 sequences of 4,096 a step;
-  ``-ep4``: experts over the four GPUs; ``-mb16`` and ``-ep4-mb16``: microbatch 16.
+  ``llama-8b-256k``: ``llama-8b-256k.yaml`` (CP4, 141 GB cards): a step is 1M tokens (2.4 minutes at 1,851
+  tokens/s per GPU; the row took 338 s on four H200s), so it wants most of a call to itself.
+- ``qwen3-30b-a3b``: ``qwen3-30b-a3b.yaml`` as shipped (FSDP2 alone, microbatch 16), 128 sequences of 4,096 a
+  step; ``-ep4``: experts over the four GPUs; ``-mb8`` and ``-ep4-mb8``: microbatch 8.
 
 Weights are initialised on the GPUs for the 8B rows (``model.init_device=cuda``, as ``default_path.py --two-gpu``
-does: a minute less setup); the 30B model keeps the YAML's meta-device initialisation (its fp32 copy would not fit
-a GPU). ``run --smoke`` checks the plumbing on the CPU: tiny widths, a few steps, one rank a row.
+does: a minute less setup); the 30B YAML draws its own a module at a time on rank 0's GPU
+(``fsdp_config.init_on_device``: its whole fp32 copy would not fit one). ``run --smoke`` checks the plumbing on the
+CPU: tiny widths, a few steps, one rank a row.
 """
 
 from __future__ import annotations
@@ -86,10 +87,10 @@ ROWS = {
     "llama-8b-128k": Row(CONTEXT_128K, "256k", 4, 3, 1, 330, (GPU_INIT,)),
     "llama-8b-256k": Row(CONTEXT_256K, "256k", 4, 2, 1, 560, (GPU_INIT,)),
     "qwen3-30b-a3b": Row(QWEN3, "8k", MOE_BATCH, 6, 2, 420),
+    "qwen3-30b-a3b-mb8": Row(QWEN3, "8k", MOE_BATCH, 6, 2, 420, ("device_train_microbatch_size=8",)),
     "qwen3-30b-a3b-ep4": Row(QWEN3, "8k", MOE_BATCH, 6, 2, 420, ("parallelism.expert_parallel_degree=4",)),
-    "qwen3-30b-a3b-mb16": Row(QWEN3, "8k", MOE_BATCH, 6, 2, 420, ("device_train_microbatch_size=16",)),
-    "qwen3-30b-a3b-ep4-mb16": Row(QWEN3, "8k", MOE_BATCH, 6, 2, 420, (
-        "parallelism.expert_parallel_degree=4", "device_train_microbatch_size=16",
+    "qwen3-30b-a3b-ep4-mb8": Row(QWEN3, "8k", MOE_BATCH, 6, 2, 420, (
+        "parallelism.expert_parallel_degree=4", "device_train_microbatch_size=8",
     )),
 }  # fmt: skip
 SMOKE_FAMILY = {LLAMA_8B: "llama", CONTEXT_128K: "llama", CONTEXT_256K: "llama", QWEN3: "llama"}
