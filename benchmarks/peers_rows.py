@@ -44,7 +44,9 @@ Long context (``LONG_CONTEXT_ROWS``, two GPUs, 65,536-token sequences, one seque
 Four GPUs (``FOUR_GPU_ROWS``, 8,192-token sequences, one a microbatch, FSDP2 over four): ``foundry-llama-8b-8k-4gpu-
 float8`` (``llama-8b.yaml`` with ``algorithms.float8={}``: tensorwise, float8 all-gathers, the first and last blocks
 in bf16) against ``torchtitan-llama-8b-8k-4gpu-float8`` (its float8 recipe for FSDP, the output layer in bf16, every
-block checkpointed as foundry's YAML does), then ``foundry-llama-8b-8k-4gpu-float8-rowwise`` (the rowwise recipe).
+block checkpointed as foundry's YAML does), then ``foundry-llama-8b-8k-4gpu-float8-rowwise`` (the rowwise recipe),
+then the pair again with checkpointing by memory: ``-float8-ac-auto`` (``activation_checkpointing: auto``) against
+torchtitan's ``-float8-ac-none``.
 """
 
 from __future__ import annotations
@@ -185,6 +187,13 @@ ROWS = {
         Row("foundry-llama-8b-8k-4gpu-float8-rowwise", "foundry", LLAMA_8B, 4, 1, FOUNDRY_STEP,
             yaml="yamls/pretrain/llama-8b.yaml", seq_len=EIGHT_K, timeout_s=300,
             overrides=(*FOUR_GPU_8K, "algorithms.float8={recipe: rowwise}")),
+        # Checkpointing by memory: foundry's auto (none on 141 GB cards) against torchtitan without checkpointing.
+        Row("foundry-llama-8b-8k-4gpu-float8-ac-auto", "foundry", LLAMA_8B, 4, 1, FOUNDRY_STEP,
+            yaml="yamls/pretrain/llama-8b.yaml", seq_len=EIGHT_K, timeout_s=300,
+            overrides=(*FOUR_GPU_8K, "algorithms.float8={}", "fsdp_config.activation_checkpointing=auto")),
+        Row("torchtitan-llama-8b-8k-4gpu-float8-ac-none", "torchtitan", LLAMA_8B, 4, 1, r"step:\s*(\d+)", "titan",
+            "foundry-llama-8b-8k-4gpu-float8-ac-auto", titan_flavor="8B", titan_ac="none", seq_len=EIGHT_K,
+            titan_float8=True, timeout_s=300),
     )
 }  # fmt: skip
 ONE_GPU_ROWS = [name for name, row in ROWS.items() if row.gpus == 1]

@@ -118,9 +118,11 @@ def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
     from foundry.callbacks.reference_curve import stopped_outside_band
     from foundry.checkpoint.kill_points import kill_point
     from foundry.checkpoint.preemption import preemption_of
+    from foundry.config.auto_checkpointing import resolve_for_this_rank
     from foundry.config.build import build_trainer, check_settings
 
     check_settings(cfg, distributed.get_world_size())  # before the process group starts (torchrun's WORLD_SIZE)
+    cfg = resolve_for_this_rank(cfg)  # activation_checkpointing: auto, planned on a fake process group
     if distributed.launched_by_torchrun():
         distributed.init_process_group(cfg.dist_timeout)
     try:
@@ -155,9 +157,14 @@ def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
 
 def _dry_run(cfg: TrainConfig, args: argparse.Namespace) -> int:
     """The layout of ``--world-size`` GPUs, ``--nproc`` a node (default 8), planned here on torch's fake backend."""
+    from foundry.config.auto_checkpointing import choose_checkpointing, wants_auto
     from foundry.config.dry_run import dry_run
 
     world_size = args.world_size or (args.nproc or 1) * (args.nnodes or 1)
+    if wants_auto(cfg):  # the choice foundry train would make on this card
+        cfg, choice = choose_checkpointing(cfg, world_size, args.nproc or 8, args.gpu_memory_gib)
+        if not args.json:
+            print(choice.line())
     plan = dry_run(cfg, world_size, args.nproc or 8, args.gpu_memory_gib)
     print(plan.to_json() if args.json else plan.table())
     return 0

@@ -252,7 +252,9 @@ def test_four_gpu_flag_runs_the_8k_float8_rows_of_both_frameworks_on_four_gpus(t
     peers.resolve_defaults(args)
     assert (args.global_batch, args.warmup, args.steps) == (16, 2, 5)
     assert peers_rows.FOUR_GPU_ROWS == ["foundry-llama-8b-8k-4gpu-float8", "torchtitan-llama-8b-8k-4gpu-float8",
-                                        "foundry-llama-8b-8k-4gpu-float8-rowwise"]  # fmt: skip
+                                        "foundry-llama-8b-8k-4gpu-float8-rowwise",
+                                        "foundry-llama-8b-8k-4gpu-float8-ac-auto",
+                                        "torchtitan-llama-8b-8k-4gpu-float8-ac-none"]  # fmt: skip
     assert not set(peers_rows.FOUR_GPU_ROWS) & set(peers_rows.LONG_CONTEXT_ROWS + peers_rows.TWO_GPU_ROWS)
     settings = peers_rows.Settings(tmp_path, tmp_path, global_batch=16, steps=7, peak_tflops=1000.0)
     titan_row = peers_rows.ROWS["torchtitan-llama-8b-8k-4gpu-float8"]
@@ -260,6 +262,12 @@ def test_four_gpu_flag_runs_the_8k_float8_rows_of_both_frameworks_on_four_gpus(t
     assert (titan["training"]["seq_len"], titan["training"]["local_batch_size"]) == (8192, 1)
     assert titan["model"]["converters"] == ["quantize.linear.float8"]
     assert "--nproc_per_node=4" in peers_rows.command(titan_row, settings)[0]
+    unchecked = peers_rows.titan_config(peers_rows.ROWS["torchtitan-llama-8b-8k-4gpu-float8-ac-none"], settings)
+    assert unchecked["activation_checkpoint"]["mode"] == "none" and titan["activation_checkpoint"]["mode"] == "full"
+    assert (
+        "fsdp_config.activation_checkpointing=auto"
+        in peers_rows.ROWS["foundry-llama-8b-8k-4gpu-float8-ac-auto"].overrides
+    )
     argv, _ = peers_rows.command(peers_rows.ROWS[titan_row.compare_to], settings)
     assert argv[-2:] == ["--nproc", "4"]
     assert {"variables.max_seq_len=8192", "device_train_microbatch_size=1", "algorithms.float8={}"} <= set(argv)

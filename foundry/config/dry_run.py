@@ -85,6 +85,9 @@ class DryRunPlan:
     kept_gathered: bool  # FSDP's units stay gathered between a step's microbatches
     memory_bytes: dict[str, int]  # per GPU: parameters, gradients, optimizer, gathered, activations
     collectives: list[Collective]
+    # activations a GPU with the first k blocks checkpointed whole, k = 0 .. blocks (activation_checkpointing: auto)
+    activation_bytes_by_checkpointed: tuple[int, ...] = ()
+    block_class: str = ""  # what model.activation_checkpointing_target calls a block
 
     @property
     def total_bytes(self) -> int:
@@ -136,6 +139,7 @@ def dry_run(cfg: TrainConfig, world_size: int, ranks_per_node: int = 8, device_m
         )
     device_batch = device_train_batch_size(cfg.global_train_batch_size, world_size)
     model = _meta_model(cfg.model)
+    block_class = type(blocks_of(model)[0]).__name__  # before the checkpoint wrappers
     fsdp_config = cfg.fsdp_config or (FSDPConfig(sharding_strategy="NO_SHARD") if world_size > 1 else None)
     checkpointed = _checkpointed_blocks(model, fsdp_config)
     precision = "amp_bf16" if str(cfg.precision) == "auto" else str(cfg.precision)  # auto, on a GPU
@@ -150,8 +154,14 @@ def dry_run(cfg: TrainConfig, world_size: int, ranks_per_node: int = 8, device_m
             tokens=microbatch * (cfg.max_seq_len or model.config.max_seq_len) // dims.cp,
             kept_gathered=_kept_gathered(model, fsdp_config, device_memory_gib),
         )
-        memory = _memory(model, cfg, fsdp_config, precision, step, checkpointed, dims.cp)
+        activations = _activation_plan(model, fsdp_config, precision, step, checkpointed, dims.cp)
+        memory = _memory(model, cfg, fsdp_config, precision, step, activations)
         collectives = _collectives(model, fsdp_config, precision, step, checkpointed, dims)
+        shape = BlockShape.of(model.config)
+        by_checkpointed = tuple(
+            activation_bytes(shape, dataclasses.replace(activations, checkpointed_blocks=k))
+            for k in range(len(blocks_of(model)) + 1)
+        )
     return DryRunPlan(
         world_size=world_size,
         ranks_per_node=ranks_per_node,
@@ -165,6 +175,8 @@ def dry_run(cfg: TrainConfig, world_size: int, ranks_per_node: int = 8, device_m
         kept_gathered=step.kept_gathered and world_size > 1,
         memory_bytes=memory,
         collectives=collectives,
+        activation_bytes_by_checkpointed=by_checkpointed,
+        block_class=block_class,
     )
 
 
@@ -244,25 +256,35 @@ def _is_expert(parameter: torch.Tensor) -> bool:
     return isinstance(parameter, DTensor) and parameter.device_mesh.mesh_dim_names == ("ep",)
 
 
+def _activation_plan(
+    model: nn.Module, fsdp_config: FSDPConfig | None, precision: str, step: _Step, checkpointed: int, cp: int
+) -> ActivationPlan:
+    """How one microbatch's activations are held on a GPU (``foundry.models.activations`` counts them)."""
+    low = compute_dtype(precision)
+    policy = mixed_precision_policy(fsdp_config.mixed_precision if fsdp_config else "FULL", precision)  # no FSDP: fp32
+    return ActivationPlan(
+        tokens=step.tokens,
+        checkpointed_blocks=checkpointed,
+        keep_attention=bool(fsdp_config and fsdp_config.activation_checkpointing_keep_attention),
+        element_bytes=low.itemsize if low is not None else 4,
+        residual_bytes=(policy.param_dtype or torch.float32).itemsize,
+        fused_loss=model.config.loss_fn != "torch_crossentropy",  # auto fuses on a GPU
+        gathered_sequence=cp,
+    )
+
+
 def _memory(
-    model: nn.Module,
-    cfg: TrainConfig,
-    fsdp_config: FSDPConfig | None,
-    precision: str,
-    step: _Step,
-    checkpointed: int,
-    cp: int,
-) -> dict[str, int]:
+    model: nn.Module, cfg: TrainConfig, fsdp_config: FSDPConfig | None, precision: str, step: _Step,
+    activations: ActivationPlan,
+) -> dict[str, int]:  # fmt: skip
     """Per GPU, at the peak of a step: rank 0's shards (the largest: FSDP2 gives rank 0 the rounded-up share)."""
     shards = sum(stored_bytes(p) for p in model.parameters())
     trainable = [_local(p) for p in model.parameters() if p.requires_grad]  # LoRA: the adapters alone
     trainable_elements = sum(p.numel() for p in trainable)
     moments_bytes = 2 if cfg.optimizer.get("moments_dtype") == "bfloat16" else 4
     states = OPTIMIZER_STATES.get(cfg.optimizer.get("name", ""), 2)
+    element_bytes, residual_bytes = activations.element_bytes, activations.residual_bytes
     low = compute_dtype(precision)
-    element_bytes = low.itemsize if low is not None else 4
-    policy = mixed_precision_policy(fsdp_config.mixed_precision if fsdp_config else "FULL", precision)  # no FSDP: fp32
-    residual_bytes = (policy.param_dtype or torch.float32).itemsize
     units, gradients = _fsdp_units(model), sum(p.numel() * p.element_size() for p in trainable)
     if not units:  # one GPU: each linear's weight cast once a step is kept for the step (fuse_weight_grad_accumulation)
         local_elements = sum(_local(p).numel() for p in model.parameters())
@@ -277,21 +299,12 @@ def _memory(
         gathered = sum(
             unit.gathered_bytes(residual_bytes) + unit.trainable * residual_bytes for unit in (root, block, block)
         )
-    plan = ActivationPlan(
-        tokens=step.tokens,
-        checkpointed_blocks=checkpointed,
-        keep_attention=bool(fsdp_config and fsdp_config.activation_checkpointing_keep_attention),
-        element_bytes=element_bytes,
-        residual_bytes=residual_bytes,
-        fused_loss=model.config.loss_fn != "torch_crossentropy",  # auto fuses on a GPU
-        gathered_sequence=cp,
-    )
     return {
         "parameters (shards)": shards,
         "gradients": gradients,
         f"optimizer ({states} state{'s' * (states != 1)})": states * trainable_elements * moments_bytes,
         "gathered working set": gathered,
-        "activations": activation_bytes(BlockShape.of(model.config), plan),
+        "activations": activation_bytes(BlockShape.of(model.config), activations),
     }
 
 

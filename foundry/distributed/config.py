@@ -25,7 +25,13 @@ class FSDPConfig:
     mixed_precision: Literal["DEFAULT", "PURE", "FULL"] = field(
         default="DEFAULT", metadata=doc("with amp precisions: PURE/DEFAULT/FULL compute and reduce dtypes")
     )
-    activation_checkpointing: bool = field(default=False, metadata=doc("recompute block activations in backward"))
+    activation_checkpointing: bool | Literal["auto"] = field(
+        default=False,
+        metadata=doc(
+            "recompute block activations in backward; auto (foundry train): the fewest whole blocks that let the "
+            "step fit the GPU, by the dry run's plan"
+        ),
+    )
     activation_checkpointing_reentrant: bool = field(
         default=False, metadata=doc("torch's reentrant checkpoint (default: the non-reentrant one torch recommends)")
     )

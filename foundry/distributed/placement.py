@@ -185,6 +185,13 @@ def shards(config: FSDPConfig, device: torch.device) -> bool:
 def _wrap_blocks(model: nn.Module, config: FSDPConfig, device: torch.device) -> list[nn.Module]:
     """Activation checkpointing and activation offload around the blocks; returns the (wrapped) blocks."""
     blocks = blocks_of(model)
+    if config.activation_checkpointing == "auto":
+        raise ConfigError(
+            "fsdp_config.activation_checkpointing is 'auto', which `foundry train` resolves from the YAML by the dry "
+            "run's plan before it builds the Trainer. A Trainer built in Python takes true or false: get auto's "
+            "choice from foundry.config.auto_checkpointing.choose_checkpointing(cfg, world_size, ranks_per_node, "
+            "gpu_memory_gib), or set it yourself."
+        )
     if config.activation_checkpointing:
         target = getattr(getattr(model, "config", None), "activation_checkpointing_target", None)
         blocks = apply_activation_checkpointing(

@@ -1,0 +1,131 @@
+"""``fsdp_config.activation_checkpointing: auto``: checkpoint the fewest blocks that let a step fit the GPU.
+
+A checkpointed block keeps only its input and runs its forward again in backward: a third more of its work.
+Which blocks need it depends on the card: the Llama-8B shape at 8,192 tokens on four GPUs plans at 58.8 GiB a GPU
+with every block checkpointed and 100.4 GiB with none, so a 141 GB card needs none and an 80 GB card needs some.
+``auto`` plans the job with the dry run (``foundry.config.dry_run``: the same placement, on torch's fake process
+group) for this machine's world size and GPU memory, then checkpoints the first k blocks whole, k the smallest
+whose planned peak stays within ``MEMORY_SHARE`` of the card. ``foundry train`` resolves it on every rank before
+the process group starts (the dry run needs a process without one), and ``--dry-run`` shows the choice for the
+``--gpu-memory-gib`` it is given. A Trainer built in Python takes ``true`` or ``false`` (and
+``model.activation_checkpointing_target``); ``choose_checkpointing`` gives it the same choice from a TrainConfig.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import torch
+
+from foundry.config import TrainConfig
+from foundry.config.dry_run import dry_run
+from foundry.distributed.env import default_device
+from foundry.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"
+# The planned peak against the card's memory. The plan came within 4% of the allocated peak on four H200s (128k,
+# 256k, the 30B MoE: docs/PERFORMANCE.md "Four GPUs"), and the caching allocator then reserved up to 1.19x that.
+MEMORY_SHARE = 0.75
+GIB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointChoice:
+    """What ``auto`` chose: ``checkpointed`` of ``blocks`` blocks, and the planned peak against the budget."""
+
+    checkpointed: int
+    blocks: int
+    planned_bytes: int
+    budget_bytes: int
+
+    def line(self) -> str:
+        within = "within" if self.planned_bytes <= self.budget_bytes else "above, even so,"
+        return (
+            f"activation_checkpointing auto: {self.checkpointed} of {self.blocks} blocks checkpointed; the step "
+            f"plans at {self.planned_bytes / GIB:.1f} GiB a GPU, {within} the {MEMORY_SHARE:.0%} of the card auto "
+            f"keeps to ({self.budget_bytes / GIB:.1f} GiB)"
+        )
+
+
+def wants_auto(cfg: TrainConfig) -> bool:
+    return cfg.fsdp_config is not None and cfg.fsdp_config.activation_checkpointing == AUTO
+
+
+def choose_checkpointing(
+    cfg: TrainConfig, world_size: int, ranks_per_node: int, device_memory_gib: float
+) -> tuple[TrainConfig, CheckpointChoice]:
+    """``cfg`` with ``auto`` replaced by the fewest whole blocks checkpointed that fit, and the choice.
+
+    Raises:
+        ConfigError: ``auto`` beside a ``model.activation_checkpointing_target`` or an ``auto`` microbatch size,
+            or a model or layout the dry run cannot plan.
+    """
+    _check_alone(cfg)
+    every_block = _with_checkpointing(cfg, True, None)
+    plan = dry_run(every_block, world_size, ranks_per_node, device_memory_gib)
+    fixed = plan.total_bytes - plan.memory_bytes["activations"]
+    budget = int(MEMORY_SHARE * device_memory_gib * GIB)
+    by_count = plan.activation_bytes_by_checkpointed
+    fewest = next((k for k, activations in enumerate(by_count) if fixed + activations <= budget), plan.blocks)
+    choice = CheckpointChoice(fewest, plan.blocks, fixed + by_count[fewest], budget)
+    if fewest == 0:
+        return _with_checkpointing(cfg, False, None), choice
+    target = None if fewest == plan.blocks else {plan.block_class: f"first-{fewest}"}
+    return _with_checkpointing(cfg, True, target), choice
+
+
+def resolve_for_this_rank(cfg: TrainConfig) -> TrainConfig:
+    """For ``foundry train``, before the process group starts: ``auto`` chosen for this machine (its world size
+    from torchrun's variables, its GPU's memory or, without one, the host's shared by the node's ranks)."""
+    if not wants_auto(cfg):
+        return cfg
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+    memory_gib = device_memory_gib(torch.device(cfg.device) if cfg.device else default_device(), ranks_per_node)
+    cfg, choice = choose_checkpointing(cfg, world_size, ranks_per_node, memory_gib)
+    if int(os.environ.get("RANK", "0")) == 0:
+        log.info("%s.", choice.line())
+    return cfg
+
+
+def device_memory_gib(device: torch.device, ranks_per_node: int) -> float:
+    """The memory of this rank's GPU, or its share of the host's when it trains on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # as the process group will: nothing lands on another rank's GPU
+        return torch.cuda.get_device_properties(device).total_memory / GIB
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB / max(ranks_per_node, 1)
+
+
+def _check_alone(cfg: TrainConfig) -> None:
+    target = cfg.model.get("activation_checkpointing_target")
+    if target not in (None, []):
+        raise ConfigError(
+            f"fsdp_config.activation_checkpointing is 'auto', which picks whole blocks, but "
+            f"model.activation_checkpointing_target is {target!r}. Drop the target to let auto choose, or set "
+            "activation_checkpointing: true to checkpoint what the target names."
+        )
+    if cfg.device_train_microbatch_size == AUTO:
+        raise ConfigError(
+            "fsdp_config.activation_checkpointing and device_train_microbatch_size are both 'auto': each sizes "
+            "itself by the memory the other leaves. Give device_train_microbatch_size a number (auto checkpointing "
+            "then plans for it), or activation_checkpointing true or false."
+        )
+
+
+def _with_checkpointing(cfg: TrainConfig, on: bool, target: Any) -> TrainConfig:
+    """A copy of ``cfg`` with the choice made (the config's other checks already ran: they are not run again)."""
+    chosen = copy.copy(cfg)
+    chosen.model = {key: value for key, value in cfg.model.items() if key != "activation_checkpointing_target"}
+    if target is not None:
+        chosen.model["activation_checkpointing_target"] = target
+    keep_attention = on and cfg.fsdp_config.activation_checkpointing_keep_attention
+    chosen.fsdp_config = dataclasses.replace(
+        cfg.fsdp_config, activation_checkpointing=on, activation_checkpointing_keep_attention=keep_attention
+    )
+    return chosen
