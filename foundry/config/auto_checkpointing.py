@@ -1,8 +1,9 @@
 """``fsdp_config.activation_checkpointing: auto``: checkpoint the fewest blocks that let a step fit the GPU.
 
 A checkpointed block keeps only its input and runs its forward again in backward: a third more of its work.
-Which blocks need it depends on the card: the Llama-8B shape at 8,192 tokens on four GPUs plans at 58.8 GiB a GPU
-with every block checkpointed and 100.4 GiB with none, so a 141 GB card needs none and an 80 GB card needs some.
+Which blocks need it depends on the card: the dry run plans the Llama-8B shape at 8,192 tokens a microbatch on four
+GPUs at 100.3 GiB a GPU with none checkpointed on a 141 GB card (within its 75%), and at 83.5 GiB on an 80 GB card,
+where 19 of 32 bring it to 59.3 GiB.
 ``auto`` plans the job with the dry run (``foundry.config.dry_run``: the same placement, on torch's fake process
 group) for this machine's world size and GPU memory, then checkpoints the first k blocks whole, k the smallest
 whose planned peak stays within ``MEMORY_SHARE`` of the card. ``foundry train`` resolves it on every rank before
@@ -22,8 +23,9 @@ from typing import Any
 import torch
 
 from foundry.config import TrainConfig
+from foundry.config.build import torch_device
 from foundry.config.dry_run import dry_run
-from foundry.distributed.env import default_device
+from foundry.distributed.env import default_device, get_local_rank, get_local_world_size, get_rank, get_world_size
 from foundry.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -85,20 +87,21 @@ def resolve_for_this_rank(cfg: TrainConfig) -> TrainConfig:
     from torchrun's variables, its GPU's memory or, without one, the host's shared by the node's ranks)."""
     if not wants_auto(cfg):
         return cfg
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    memory_gib = device_memory_gib(torch.device(cfg.device) if cfg.device else default_device(), ranks_per_node)
-    cfg, choice = choose_checkpointing(cfg, world_size, ranks_per_node, memory_gib)
-    if int(os.environ.get("RANK", "0")) == 0:
+    ranks_per_node = get_local_world_size()
+    memory_gib = device_memory_gib(torch_device(cfg.device) if cfg.device else default_device(), ranks_per_node)
+    cfg, choice = choose_checkpointing(cfg, get_world_size(), ranks_per_node, memory_gib)
+    if get_rank() == 0:
         log.info("%s.", choice.line())
     return cfg
 
 
 def device_memory_gib(device: torch.device, ranks_per_node: int) -> float:
-    """The memory of this rank's GPU, or its share of the host's when it trains on the CPU."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # as the process group will: nothing lands on another rank's GPU
-        return torch.cuda.get_device_properties(device).total_memory / GIB
+    """The memory of this rank's GPU (``cuda`` without an index: the local rank's, which the process group makes
+    current), or its share of the host's when it trains on the CPU."""
+    if device.type == "cuda":  # ROCm's GPUs too
+        index = device.index if device.index is not None else get_local_rank()
+        torch.cuda.set_device(index)  # as the process group will: nothing lands on another rank's GPU
+        return torch.cuda.get_device_properties(index).total_memory / GIB
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB / max(ranks_per_node, 1)
 
 

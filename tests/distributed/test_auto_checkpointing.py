@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from foundry import cli
 from foundry.config import auto_checkpointing, load_train_config
-from foundry.config.auto_checkpointing import MEMORY_SHARE, choose_checkpointing
+from foundry.config.auto_checkpointing import MEMORY_SHARE, choose_checkpointing, device_memory_gib
 from foundry.config.dry_run import GIB, dry_run
 from foundry.data import convert_to_mds
 from foundry.distributed import placement
@@ -117,6 +118,20 @@ def test_a_python_trainer_given_auto_is_told_how_to_choose():
     model = build_model(section)
     with pytest.raises(ConfigError, match="foundry train` resolves.*choose_checkpointing"):
         place_model(model, torch.device("cpu"), FSDPConfig(activation_checkpointing="auto"), "fp32")
+
+
+def test_a_gpu_named_without_an_index_is_the_local_ranks(monkeypatch):
+    """``device: cuda`` reads, and makes current, the GPU the process group gives this rank (LOCAL_RANK)."""
+    made_current = []
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "set_device", made_current.append)
+
+    def card(index: int) -> SimpleNamespace:
+        return SimpleNamespace(total_memory=(80 + index) * GIB)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", card)
+    assert device_memory_gib(torch.device("cuda"), 2) == 81 and made_current == [1]
+    assert device_memory_gib(torch.device("cuda:0"), 2) == 80 and made_current == [1, 0]
 
 
 @pytest.fixture(scope="module")
