@@ -46,8 +46,12 @@ class CheckpointChoice:
     planned_bytes: int
     budget_bytes: int
 
+    @property
+    def fits(self) -> bool:
+        return self.planned_bytes <= self.budget_bytes
+
     def line(self) -> str:
-        within = "within" if self.planned_bytes <= self.budget_bytes else "above, even so,"
+        within = "within" if self.fits else "above, even so,"
         return (
             f"activation_checkpointing auto: {self.checkpointed} of {self.blocks} blocks checkpointed; the step "
             f"plans at {self.planned_bytes / GIB:.1f} GiB a GPU, {within} the {MEMORY_SHARE:.0%} of the card auto "
@@ -90,8 +94,8 @@ def resolve_for_this_rank(cfg: TrainConfig) -> TrainConfig:
     ranks_per_node = get_local_world_size()
     memory_gib = device_memory_gib(torch_device(cfg.device) if cfg.device else default_device(), ranks_per_node)
     cfg, choice = choose_checkpointing(cfg, get_world_size(), ranks_per_node, memory_gib)
-    if get_rank() == 0:
-        log.info("%s.", choice.line())
+    if get_rank() == 0:  # a plan above the budget even with every block checkpointed may run out of memory
+        log.log(logging.INFO if choice.fits else logging.WARNING, "%s.", choice.line())
     return cfg
 
 

@@ -97,7 +97,16 @@ def test_a_card_with_room_checkpoints_nothing_and_one_without_checkpoints_every_
     tight, choice = choose_checkpointing(tiny_config(), 2, 2, 1e-4)
     assert choice.checkpointed == 6 and tight.fsdp_config.activation_checkpointing is True
     assert "activation_checkpointing_target" not in tight.model  # null: every block
-    assert "above, even so, the 75% of the card auto keeps to" in choice.line()
+    assert not choice.fits and "above, even so, the 75% of the card auto keeps to" in choice.line()
+
+
+def test_a_rank_warns_when_even_every_block_checkpointed_plans_above_the_budget(monkeypatch, caplog):
+    monkeypatch.setattr(auto_checkpointing, "device_memory_gib", lambda device, ranks_per_node: 1e-4)
+    with caplog.at_level(logging.INFO, logger="foundry.config.auto_checkpointing"):
+        resolved = auto_checkpointing.resolve_for_this_rank(tiny_config())
+    assert resolved.fsdp_config.activation_checkpointing is True
+    assert [record.levelno for record in caplog.records] == [logging.WARNING]
+    assert "6 of 6 blocks checkpointed" in caplog.text
 
 
 def test_the_choice_leaves_the_callers_config_as_it_was():
