@@ -126,7 +126,7 @@ def _check_alone(cfg: TrainConfig) -> None:
 
 
 def _with_checkpointing(cfg: TrainConfig, on: bool, target: Any) -> TrainConfig:
-    """A copy of ``cfg`` with the choice made (the config's other checks already ran: they are not run again)."""
+    """A copy of ``cfg`` with the choice made: ``on`` or off, ``target`` the model's (None: every block)."""
     chosen = copy.copy(cfg)
     chosen.model = {key: value for key, value in cfg.model.items() if key != "activation_checkpointing_target"}
     if target is not None:

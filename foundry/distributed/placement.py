@@ -190,7 +190,7 @@ def _wrap_blocks(model: nn.Module, config: FSDPConfig, device: torch.device) -> 
             "fsdp_config.activation_checkpointing is 'auto', which `foundry train` resolves from the YAML by the dry "
             "run's plan before it builds the Trainer. A Trainer built in Python takes true or false: get auto's "
             "choice from foundry.config.auto_checkpointing.choose_checkpointing(cfg, world_size, ranks_per_node, "
-            "gpu_memory_gib), or set it yourself."
+            "gpu_memory_gib) before the process group starts (it plans on a fake one), or set it yourself."
         )
     if config.activation_checkpointing:
         target = getattr(getattr(model, "config", None), "activation_checkpointing_target", None)
