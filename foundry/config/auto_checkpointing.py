@@ -74,7 +74,13 @@ def choose_checkpointing(
     """
     _check_alone(cfg)
     every_block = _with_checkpointing(cfg, True, None)
-    plan = dry_run(every_block, world_size, ranks_per_node, device_memory_gib)
+    try:
+        plan = dry_run(every_block, world_size, ranks_per_node, device_memory_gib)
+    except ConfigError as error:  # a layout the dry run cannot plan yet trains fine with a choice made by hand
+        raise ConfigError(
+            f"fsdp_config.activation_checkpointing is 'auto', which chooses by the dry run's plan of the step: {error} "
+            "Or set activation_checkpointing to true or false, which needs no plan."
+        ) from None
     fixed = plan.total_bytes - plan.memory_bytes["activations"]
     budget = int(MEMORY_SHARE * device_memory_gib * GIB)
     by_count = plan.activation_bytes_by_checkpointed

@@ -122,6 +122,11 @@ def test_auto_beside_a_target_or_an_auto_microbatch_is_refused_naming_both_keys(
         choose_checkpointing(tiny_config("device_train_microbatch_size=auto"), 2, 2, 80)
 
 
+def test_a_layout_the_dry_run_cannot_plan_is_refused_naming_auto_and_the_way_out():
+    with pytest.raises(ConfigError, match="'auto', which chooses by the dry run.*tensor parallel.*true or false"):
+        choose_checkpointing(tiny_config("parallelism.tensor_parallel_degree=2"), 2, 2, 80)
+
+
 def test_a_python_trainer_given_auto_is_told_how_to_choose():
     section = {"name": "llama_causal_lm", "d_model": 32, "n_layers": 2, "n_heads": 2, "kv_n_heads": 2, "vocab_size": 64}
     model = build_model(section)
