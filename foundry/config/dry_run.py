@@ -235,6 +235,11 @@ def _checkpointed_blocks(model: nn.Module, fsdp_config: FSDPConfig | None) -> in
     """Blocks checkpointed whole (a block of which only some modules are checkpointed counts as not)."""
     if fsdp_config is None or not fsdp_config.activation_checkpointing:
         return 0
+    if fsdp_config.activation_checkpointing == "auto":  # else planned as every block, with no word on one rank
+        raise ConfigError(
+            "fsdp_config.activation_checkpointing is 'auto', a choice the dry run does not plan itself: "
+            "foundry.config.auto_checkpointing.choose_checkpointing makes it first (as `foundry train --dry-run` does)."
+        )
     blocks = blocks_of(model)
     plan = checkpoint_plan(blocks, getattr(model.config, "activation_checkpointing_target", None))
     return sum(modules == [block] for block, modules in zip(blocks, plan))

@@ -122,6 +122,11 @@ def test_auto_beside_a_target_or_an_auto_microbatch_is_refused_naming_both_keys(
         choose_checkpointing(tiny_config("device_train_microbatch_size=auto"), 2, 2, 80)
 
 
+def test_the_dry_run_alone_refuses_auto_rather_than_plan_every_block():
+    with pytest.raises(ConfigError, match="'auto', a choice the dry run does not plan itself.*choose_checkpointing"):
+        dry_run(tiny_config("global_train_batch_size=4"), 1, 1)
+
+
 def test_a_layout_the_dry_run_cannot_plan_is_refused_naming_auto_and_the_way_out():
     with pytest.raises(ConfigError, match="'auto', which chooses by the dry run.*tensor parallel.*true or false"):
         choose_checkpointing(tiny_config("parallelism.tensor_parallel_degree=2"), 2, 2, 80)
