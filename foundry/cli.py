@@ -118,10 +118,11 @@ def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
     from foundry.callbacks.reference_curve import stopped_outside_band
     from foundry.checkpoint.kill_points import kill_point
     from foundry.checkpoint.preemption import preemption_of
-    from foundry.config.auto_checkpointing import resolve_for_this_rank
+    from foundry.config.auto_checkpointing import check_ranks_agree, resolve_for_this_rank, wants_auto
     from foundry.config.build import build_trainer, check_settings
 
     check_settings(cfg, distributed.get_world_size())  # before the process group starts (torchrun's WORLD_SIZE)
+    auto_checkpointing = wants_auto(cfg)
     cfg = resolve_for_this_rank(cfg)  # activation_checkpointing: auto, planned on a fake process group
     if distributed.launched_by_torchrun():
         distributed.init_process_group(cfg.dist_timeout)
@@ -130,6 +131,8 @@ def _train(cfg: TrainConfig, resolved: dict[str, Any]) -> int:
             # Ranks that each made a default name (foundry-<time>) must share rank 0's: it names the save folder.
             cfg.run_name = resolved["run_name"] = distributed.broadcast_object(cfg.run_name)
             distributed.check_same_config(resolved)  # a node started with another config is refused here
+            if auto_checkpointing:
+                check_ranks_agree(cfg)
             kill_point("train.started")
             trainer = build_trainer(cfg, resolved)
             main_process = trainer.state.is_main_process

@@ -25,7 +25,14 @@ import torch
 from foundry.config import TrainConfig
 from foundry.config.build import torch_device
 from foundry.config.dry_run import dry_run
-from foundry.distributed.env import default_device, get_local_rank, get_local_world_size, get_rank, get_world_size
+from foundry.distributed.env import (
+    all_gather_object,
+    default_device,
+    get_local_rank,
+    get_local_world_size,
+    get_rank,
+    get_world_size,
+)
 from foundry.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -103,6 +110,21 @@ def resolve_for_this_rank(cfg: TrainConfig) -> TrainConfig:
     if get_rank() == 0:  # a plan above the budget even with every block checkpointed may run out of memory
         log.log(logging.INFO if choice.fits else logging.WARNING, "%s.", choice.line())
     return cfg
+
+
+def check_ranks_agree(cfg: TrainConfig) -> None:
+    """After the process group starts, in a run that resolved ``auto``: every rank chose alike. Ranks on GPUs of
+    other sizes may not, and a block recomputed on some ranks only repeats, under context or expert parallelism,
+    collectives the others never join: a hang, so a clear error instead."""
+    mine = f"{cfg.fsdp_config.activation_checkpointing} {cfg.model.get('activation_checkpointing_target')}"
+    choices = all_gather_object(mine)
+    if len(set(choices)) > 1:
+        by_rank = "; ".join(f"rank {rank}: {choice}" for rank, choice in enumerate(choices))
+        raise ConfigError(
+            "fsdp_config.activation_checkpointing is 'auto', and this job's ranks chose differently by their GPUs' "
+            f"memory ({by_rank}). Set activation_checkpointing to the smallest GPU's choice, which `foundry train "
+            "CFG --dry-run --gpu-memory-gib G` prints, so that every rank recomputes the same blocks."
+        )
 
 
 def device_memory_gib(device: torch.device, ranks_per_node: int) -> float:

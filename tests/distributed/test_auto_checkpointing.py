@@ -17,7 +17,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from foundry import cli
 from foundry.config import auto_checkpointing, load_train_config
-from foundry.config.auto_checkpointing import MEMORY_SHARE, choose_checkpointing, device_memory_gib
+from foundry.config.auto_checkpointing import MEMORY_SHARE, check_ranks_agree, choose_checkpointing, device_memory_gib
 from foundry.config.dry_run import GIB, dry_run
 from foundry.data import convert_to_mds
 from foundry.distributed import placement
@@ -204,3 +204,24 @@ def test_two_launched_ranks_plan_on_a_fake_group_then_train_on_gloo(tmp_path, da
     assert done.returncode == 0, done.stderr[-3000:]
     assert "activation_checkpointing auto: 0 of 6 blocks checkpointed" in done.stdout + done.stderr  # host memory
     assert len(losses(tmp_path)) == 3
+
+
+def choose_by_rank(blocks_by_rank: list[int]) -> str:
+    """One rank's agreement check after it chose ``blocks_by_rank[rank]`` blocks (its error, or "agreed")."""
+    cfg = tiny_config()
+    rank = torch.distributed.get_rank()
+    cfg.fsdp_config.activation_checkpointing = blocks_by_rank[rank] > 0
+    cfg.model["activation_checkpointing_target"] = {"MPTBlock": f"first-{blocks_by_rank[rank]}"}
+    try:
+        check_ranks_agree(cfg)
+    except ConfigError as error:
+        return str(error)
+    return "agreed"
+
+
+def test_ranks_that_chose_differently_are_refused_rather_than_left_to_hang(ranks):
+    assert ranks.run(2, choose_by_rank, [3, 3]) == ["agreed", "agreed"]
+    errors = ranks.run(2, choose_by_rank, [0, 3])
+    assert errors[0] == errors[1]  # every rank stops, with the same message
+    assert "ranks chose differently" in errors[0] and "rank 0: False" in errors[0] and "first-3" in errors[0]
+    assert "--dry-run --gpu-memory-gib G" in errors[0]
