@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from foundry.config import TrainConfig
-from foundry.config.build import torch_device
+from foundry.config.build import check_auto_checkpointing, torch_device
 from foundry.config.dry_run import dry_run
 from foundry.distributed.env import (
     all_gather_object,
@@ -79,7 +79,7 @@ def choose_checkpointing(
         ConfigError: ``auto`` beside a ``model.activation_checkpointing_target`` or an ``auto`` microbatch size,
             or a model or layout the dry run cannot plan.
     """
-    _check_alone(cfg)
+    check_auto_checkpointing(cfg)
     every_block = _with_checkpointing(cfg, True, None)
     try:
         plan = dry_run(every_block, world_size, ranks_per_node, device_memory_gib)
@@ -135,22 +135,6 @@ def device_memory_gib(device: torch.device, ranks_per_node: int) -> float:
         torch.cuda.set_device(index)  # as the process group will: nothing lands on another rank's GPU
         return torch.cuda.get_device_properties(index).total_memory / GIB
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB / max(ranks_per_node, 1)
-
-
-def _check_alone(cfg: TrainConfig) -> None:
-    target = cfg.model.get("activation_checkpointing_target")
-    if target not in (None, []):
-        raise ConfigError(
-            f"fsdp_config.activation_checkpointing is 'auto', which picks whole blocks, but "
-            f"model.activation_checkpointing_target is {target!r}. Drop the target to let auto choose, or set "
-            "activation_checkpointing: true to checkpoint what the target names."
-        )
-    if cfg.device_train_microbatch_size == AUTO:
-        raise ConfigError(
-            "fsdp_config.activation_checkpointing and device_train_microbatch_size are both 'auto': each sizes "
-            "itself by the memory the other leaves. Give device_train_microbatch_size a number (auto checkpointing "
-            "then plans for it), or activation_checkpointing true or false."
-        )
 
 
 def _with_checkpointing(cfg: TrainConfig, on: bool, target: Any) -> TrainConfig:

@@ -116,6 +116,7 @@ def check_settings(cfg: TrainConfig, world_size: int | None = None) -> None:
     _check_sections(cfg)
     _check_packing(cfg)
     _check_preference(cfg)
+    check_auto_checkpointing(cfg)
     for source, sections, key in (
         (registry.callbacks, cfg.callbacks, "callbacks"),
         (registry.algorithms, cfg.algorithms, "algorithms"),
@@ -329,6 +330,26 @@ def _check_preference(cfg: TrainConfig) -> None:
     if cfg.preference is not None and len(pairs) < len(cfg.loaders()):
         raise ConfigError(
             "Under 'preference', every eval loader is a preference loader too (its loss is the DPO loss)."
+        )
+
+
+def check_auto_checkpointing(cfg: TrainConfig) -> None:
+    """``fsdp_config.activation_checkpointing: auto`` takes whole blocks and plans for a known microbatch: refused
+    beside a target or an auto microbatch size before any rank starts (``foundry.config.auto_checkpointing``)."""
+    if cfg.fsdp_config is None or cfg.fsdp_config.activation_checkpointing != "auto":
+        return
+    target = cfg.model.get("activation_checkpointing_target")
+    if target not in (None, []):
+        raise ConfigError(
+            f"fsdp_config.activation_checkpointing is 'auto', which picks whole blocks, but "
+            f"model.activation_checkpointing_target is {target!r}. Drop the target to let auto choose, or set "
+            "activation_checkpointing: true to checkpoint what the target names."
+        )
+    if cfg.device_train_microbatch_size == "auto":
+        raise ConfigError(
+            "fsdp_config.activation_checkpointing and device_train_microbatch_size are both 'auto': each sizes "
+            "itself by the memory the other leaves. Give device_train_microbatch_size a number (auto checkpointing "
+            "then plans for it), or activation_checkpointing true or false."
         )
 
 

@@ -122,6 +122,13 @@ def test_auto_beside_a_target_or_an_auto_microbatch_is_refused_naming_both_keys(
         choose_checkpointing(tiny_config("device_train_microbatch_size=auto"), 2, 2, 80)
 
 
+def test_foundry_train_refuses_auto_beside_a_target_before_any_rank_starts(capsys):
+    yaml = str(REPO_ROOT / "yamls" / "quickstart-llama.yaml")
+    overrides = [*TINY, "model.activation_checkpointing_target=[mlp]"]
+    assert cli.main(["train", yaml, "--print-config", "--nproc", "2", *overrides]) != 0
+    assert "model.activation_checkpointing_target is ['mlp']" in capsys.readouterr().err
+
+
 def test_the_dry_run_alone_refuses_auto_rather_than_plan_every_block():
     with pytest.raises(ConfigError, match="'auto', a choice the dry run does not plan itself.*choose_checkpointing"):
         dry_run(tiny_config("global_train_batch_size=4"), 1, 1)
