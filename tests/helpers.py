@@ -30,6 +30,15 @@ def repo_pythonpath() -> str:
     return os.pathsep.join(path for path in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if path)
 
 
+def quickstart_corpus(tmp_path_factory: Any, max_seq_len: int = 32) -> Path:
+    """The quickstart's embedded corpus as MDS, as `make quickstart` converts it, at test size (512-token BPE)."""
+    from foundry.data import convert_to_mds
+
+    out = tmp_path_factory.mktemp("data") / "quickstart"
+    convert_to_mds(None, out, max_seq_len=max_seq_len, vocab_size=512, progress=False)
+    return out
+
+
 class TinyLM(CausalLM):
     """Embedding → linear head: the smallest causal LM the Trainer can drive (tests only)."""
 

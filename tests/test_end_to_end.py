@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import builds_graphs, repo_pythonpath
+from helpers import builds_graphs, quickstart_corpus, repo_pythonpath
 
 from foundry.checkpoint import latest_checkpoint
 from foundry.cli import main
@@ -38,9 +38,7 @@ QUICKSTART_OVERRIDES = [
 @pytest.fixture(scope="module")
 def quickstart_data(tmp_path_factory) -> Path:
     """The quickstart's corpus, as `make quickstart` converts it, at test size."""
-    out = tmp_path_factory.mktemp("data") / "quickstart"
-    convert_to_mds(None, out, max_seq_len=32, vocab_size=512, progress=False)
-    return out
+    return quickstart_corpus(tmp_path_factory)
 
 
 def _train(tmp_path: Path, data: Path, *overrides: str) -> int:

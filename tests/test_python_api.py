@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import quickstart_corpus
 
 import foundry
 from foundry import Trainer
@@ -19,7 +20,7 @@ from foundry.algorithms import GradientClipping
 from foundry.callbacks import SpeedMonitor
 from foundry.checkpoint import latest_checkpoint
 from foundry.cli import main
-from foundry.data import build_text_dataloader, convert_to_mds, load_tokenizer
+from foundry.data import build_text_dataloader, load_tokenizer
 from foundry.errors import CheckpointError
 from foundry.models import LlamaCausalLM, MPTCausalLM
 from foundry.optim import CosineWithWarmupScheduler, DecoupledAdamW
@@ -31,9 +32,7 @@ ROWS = [{"context": f"The module {i}", "continuation": " is"} for i in range(4)]
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "quickstart"
-    convert_to_mds(None, out, max_seq_len=SEQ_LEN, vocab_size=512, progress=False)
-    return out
+    return quickstart_corpus(tmp_path_factory, SEQ_LEN)
 
 
 @pytest.fixture

@@ -12,14 +12,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import repo_pythonpath
+from helpers import quickstart_corpus, repo_pythonpath
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from foundry import cli
 from foundry.config import auto_checkpointing, load_train_config
 from foundry.config.auto_checkpointing import MEMORY_SHARE, check_ranks_agree, choose_checkpointing, device_memory_gib
 from foundry.config.dry_run import GIB, dry_run
-from foundry.data import convert_to_mds
 from foundry.distributed import placement
 from foundry.distributed.activation_checkpoint import apply_activation_checkpointing
 from foundry.distributed.config import FSDPConfig
@@ -162,9 +161,7 @@ def test_a_gpu_named_without_an_index_is_the_local_ranks(monkeypatch):
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "quickstart"
-    convert_to_mds(None, out, max_seq_len=256, vocab_size=512, progress=False)
-    return out
+    return quickstart_corpus(tmp_path_factory, 256)
 
 
 def train_args(folder: Path, data: Path, *overrides: str) -> list[str]:

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from foundry.data import convert_to_mds
+from helpers import quickstart_corpus
 
 MODEL = {"d_model": 32, "n_heads": 4, "n_layers": 2, "vocab_size": 512, "max_seq_len": 32, "no_bias": True}
 
@@ -39,9 +38,7 @@ def eval_loss(data: str, folder: str, batch_size: int) -> float:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "corpus"
-    convert_to_mds(None, out, max_seq_len=32, vocab_size=512, progress=False)
-    return out
+    return quickstart_corpus(tmp_path_factory)
 
 
 def test_two_ranks_give_the_eval_loss_of_one_when_the_samples_do_not_split_evenly(ranks, data, tmp_path):

@@ -14,11 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import repo_pythonpath
+from helpers import quickstart_corpus, repo_pythonpath
 
 from foundry.checkpoint import kill_points, latest_checkpoint
 from foundry.cli import main
-from foundry.data import convert_to_mds
 from foundry.distributed.launch import ForwardedSignal, preempted_exit_code, ranks_exit_code, torchrun_arguments
 from foundry.distributed.rendezvous import Nodes
 from foundry.errors import EXIT_PREEMPTED
@@ -79,9 +78,7 @@ def test_after_a_preemption_signal_the_launcher_exits_5_unless_a_rank_failed_for
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("data") / "quickstart"
-    convert_to_mds(None, out, max_seq_len=32, vocab_size=512, progress=False)
-    return out
+    return quickstart_corpus(tmp_path_factory)
 
 
 def _args(folder: Path, data: Path, *overrides: str) -> list[str]:
