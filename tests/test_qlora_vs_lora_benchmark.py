@@ -23,7 +23,9 @@ def test_gaps_smooth_away_alternating_noise_but_keep_a_steady_offset():
     noisy = {step: loss + 0.05 * (-1) ** step for step, loss in reference.items()}
     offset = {step: loss + 0.03 for step, loss in reference.items()}
     noise, steady = (qlora_vs_lora.gaps(curve, reference, window=10) for curve in (noisy, offset))
-    assert noise["max_abs_gap"] == pytest.approx(0.05) and noise["max_abs_gap_smoothed_10"] < 0.01
+    assert noise["max_abs_gap"] == pytest.approx(0.05)
+    # a full window of 10 cancels the noise; the first batch's holds 5 (its odd one out leaves 0.05 / 5)
+    assert noise["max_abs_gap_smoothed_10"] == pytest.approx(0.01)
     assert steady["max_abs_gap_smoothed_10"] == pytest.approx(0.03)
     assert steady["mean_last_50"] - steady["reference_mean_last_50"] == pytest.approx(0.03)
     assert steady["common_batches"] == 200

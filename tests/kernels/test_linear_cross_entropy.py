@@ -104,7 +104,8 @@ def test_per_token_losses_and_their_grads_match_unfused_cross_entropy_in_fp32(
     logits = (hidden @ weight.T).float() * 0.37
     expected = F.cross_entropy(logits.transpose(1, 2), targets, ignore_index=-100, reduction="none")  # 0 if ignored
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=1e-6)
-    upstream = torch.randn(targets.shape, generator=torch.Generator().manual_seed(0))  # a gradient per token
+    generator = torch.Generator().manual_seed(0)  # a CPU generator, whatever the default device
+    upstream = torch.randn(targets.shape, generator=generator, device="cpu").to(losses)  # a gradient per token
     grads = torch.autograd.grad((losses * upstream).sum(), (hidden, weight))
     expected_grads = torch.autograd.grad((expected * upstream).sum(), (hidden, weight))
     for got, want in zip(grads, expected_grads, strict=True):

@@ -102,6 +102,7 @@ def test_the_first_ten_step_losses_equal_trls_within_1e_4(name: str, tmp_path: P
             weight_decay=optimizer["weight_decay"],
         ),
         objective=objective(), loggers=[recorder], run_folder=str(tmp_path), progress_bar=False, log_to_console=False,
+        precision="fp32", compile_config=False,  # TRL's run was fp32 and eager (a GPU's default is bf16, compiled)
     )  # fmt: skip
     trainer.fit()
     assert recorder.losses == pytest.approx(trl()["models"][name]["losses"], abs=1e-4)
