@@ -25,6 +25,9 @@ SHARED_DATA = next(
     (path for path in (REPO_ROOT / "shared" / "data", REPO_ROOT.parent / "shared" / "data") if path.exists()),
     REPO_ROOT / "shared" / "data",
 )
+# llama-8b.yaml ships activation_checkpointing: auto (blocks by the card's memory): rows measured with every block
+# recomputed, or set against a peer that recomputes every block, pin it.
+EVERY_BLOCK_CHECKPOINTED = "fsdp_config.activation_checkpointing=true"
 
 
 def model_from_yaml(config_path: str | Path, overrides: Sequence[str] = ()) -> tuple[nn.Module, int]:

@@ -18,7 +18,8 @@
 ``--set 'ROW:key=value;key=value'`` adds a row: ROW's YAML with more overrides (e.g. a microbatch sweep).
 
 ``--two-gpu`` runs ``TWO_GPU_ROWS`` instead: ``yamls/pretrain/llama-8b.yaml`` on two GPUs at a global batch of 16
-(two microbatches of 4 a GPU), as shipped and with the memory levers that buy back recomputation (bf16 Adam
+(two microbatches of 4 a GPU), as shipped (``activation_checkpointing: auto``: the blocks the card's memory
+asks for), with every block checkpointed, and with the memory levers that buy back recomputation by hand (bf16 Adam
 moments, fewer checkpointed blocks, a smaller microbatch; docs/DISTRIBUTED.md has the arithmetic), each for 10
 batches with 3 left out of the averages. The weights are initialised on the GPUs (``model.init_device=cuda``,
 the same seed on both ranks) rather than on rank 0's CPU: the same training, a minute less setup a row. On the
@@ -43,7 +44,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_utils import REPO_ROOT, TRAIN_LOSS, latest_metrics, markdown_table, save_json
+from bench_utils import EVERY_BLOCK_CHECKPOINTED, REPO_ROOT, TRAIN_LOSS, latest_metrics, markdown_table, save_json
 
 # name -> (YAML, batches to train, batches left out of the averages). A 1B batch is 512 x 2048 tokens (~16 s on
 # an H100, 32-128 microbatches), so one warm-up batch (compile included) and one timed one: all rows and the
@@ -69,18 +70,23 @@ TWO_GPU_BATCHES = (10, 3)
 BF16_MOMENTS = "optimizer.moments_dtype=bfloat16"
 
 
-def first_blocks_checkpointed(blocks: int) -> str:
-    return f"model.activation_checkpointing_target={{mptblock: {blocks}}}"
+def first_blocks_checkpointed(blocks: int) -> list[str]:
+    """The first ``blocks`` blocks checkpointed, chosen by hand: a target takes ``true`` (``auto`` refuses one)."""
+    return [
+        "fsdp_config.activation_checkpointing=true",
+        f"model.activation_checkpointing_target={{mptblock: {blocks}}}",
+    ]
 
 
 TWO_GPU_ROWS: dict[str, list[str]] = {
-    "llama-8b as shipped": [],
+    "llama-8b as shipped": [],  # activation_checkpointing: auto, by the card's memory
+    "every block checkpointed": [EVERY_BLOCK_CHECKPOINTED],  # the baseline the levers below buy back from
     "float8 (torchao), otherwise as shipped": ["algorithms.float8={}"],
-    "bf16 moments, 20 of 32 blocks checkpointed": [BF16_MOMENTS, first_blocks_checkpointed(20)],
+    "bf16 moments, 20 of 32 blocks checkpointed": [BF16_MOMENTS, *first_blocks_checkpointed(20)],
     "microbatch 2, bf16 moments, 8 of 32 checkpointed": [
-        BF16_MOMENTS, "device_train_microbatch_size=2", first_blocks_checkpointed(8),
+        BF16_MOMENTS, "device_train_microbatch_size=2", *first_blocks_checkpointed(8),
     ],
-    "bf16 moments, 16 of 32 checkpointed": [BF16_MOMENTS, first_blocks_checkpointed(16)],
+    "bf16 moments, 16 of 32 checkpointed": [BF16_MOMENTS, *first_blocks_checkpointed(16)],
     "microbatch 2, bf16 moments, none checkpointed": [
         BF16_MOMENTS, "device_train_microbatch_size=2", "fsdp_config.activation_checkpointing=false",
     ],

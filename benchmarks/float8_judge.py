@@ -20,9 +20,10 @@ passes for that model.
 
 ``MODELS`` sets each model's YAML, GPUs a run and batch: MPT-1B on one GPU at 6 x 2048 tokens a step (300 steps:
 1,800 of the 2,031 samples, none seen twice; about 80 s of steps on an H100-class GPU, plus compile), the
-Llama-8B shape on two GPUs at 4 x 2048. Runs go out over ``--gpus`` (default: every visible GPU), one run per
-free GPU set through ``CUDA_VISIBLE_DEVICES``, so a 2-GPU host trains two MPT-1B seeds at once; each concurrent
-slot reads its own copy of the MDS folder (mosaicml-streaming refuses two live runs on one local directory).
+Llama-8B shape on two GPUs at 4 x 2048, every block checkpointed (as its bf16 seeds ran; the YAML ships ``auto``).
+Runs go out over ``--gpus`` (default: every visible GPU), one run per free GPU set through ``CUDA_VISIBLE_DEVICES``,
+so a 2-GPU host trains two MPT-1B seeds at once; each concurrent slot reads its own copy of the MDS folder
+(mosaicml-streaming refuses two live runs on one local directory).
 ``--recipes`` judges several float8 recipes (each gets its three seeds); ``--set KEY=VALUE`` adds an override to
 every run, bf16 and float8 alike (e.g. ``fsdp_config.mixed_precision=DEFAULT`` for fp32 gradient reduction).
 A run writes its losses to its run folder's metrics.jsonl as it trains, and ``OUT/<run>.json`` when it ends.
@@ -46,7 +47,7 @@ from pathlib import Path
 from statistics import mean
 from typing import Any
 
-from bench_utils import REPO_ROOT, environment, foundry_train, markdown_table, train_losses
+from bench_utils import EVERY_BLOCK_CHECKPOINTED, REPO_ROOT, environment, foundry_train, markdown_table, train_losses
 from peers_rows import SMOKE_FOUNDRY, SMOKE_SETTINGS
 
 SEEDS = (17, 18, 19)  # 17: the YAMLs' global_seed
@@ -68,8 +69,11 @@ class Model:
 
 MODELS = {
     "mpt-1b": Model("yamls/pretrain/mpt-1b.yaml", "mpt", gpus=1, global_batch=6),
-    # weights drawn on each GPU (the same seed on both ranks), not module by module on rank 0's CPU: a minute less
-    "llama-8b": Model("yamls/pretrain/llama-8b.yaml", "llama", 2, 4, overrides=("model.init_device=cuda",)),
+    # weights drawn on each GPU (the same seed on both ranks), not module by module on rank 0's CPU: a minute less;
+    # every block checkpointed, as the bf16 seeds ran (runs of one model must differ only in their variant)
+    "llama-8b": Model(
+        "yamls/pretrain/llama-8b.yaml", "llama", 2, 4, overrides=("model.init_device=cuda", EVERY_BLOCK_CHECKPOINTED)
+    ),
 }
 
 

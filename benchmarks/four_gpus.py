@@ -15,7 +15,9 @@ off keeps its error or its last batch's figures (``callbacks.speed_monitor.windo
 runs. The table is printed and ``OUT/four_gpus.json`` rewritten after every row.
 
 - ``llama-8b-8k``: ``llama-8b.yaml`` at 8,192 tokens, 16 sequences a step (4 a GPU, microbatch 1), FSDP2 over
-  four; ``-float8`` adds ``algorithms.float8`` (tensorwise, float8 all-gathers), ``-float8-rowwise`` rowwise.
+  four, every block checkpointed (``fsdp_config.activation_checkpointing=true``: the YAML ships ``auto``, which on
+  141 GB cards checkpoints none; ``benchmarks/peers.py --four-gpu`` runs that); ``-float8`` adds
+  ``algorithms.float8`` (tensorwise, float8 all-gathers), ``-float8-rowwise`` rowwise.
 - ``llama-8b-128k``: ``llama-8b-128k.yaml`` as shipped (CP4), 4 sequences a step (the least four ranks load);
   ``llama-8b-256k``: ``llama-8b-256k.yaml`` (CP4, 141 GB cards): a step is 1M tokens (2.4 minutes at 1,851
   tokens/s per GPU; the row took 338 s on four H200s), so it wants most of a call to itself.
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_utils import (
+    EVERY_BLOCK_CHECKPOINTED,
     REPO_ROOT,
     SHARED_DATA,
     environment,
@@ -51,7 +54,7 @@ from bench_utils import (
 )
 from default_path import build_data, run_metrics
 from float8_judge import FELL_BACK
-from peers_rows import SMOKE_FOUNDRY, SMOKE_SETTINGS
+from peers_rows import FOUR_GPU_8K, SMOKE_FOUNDRY, SMOKE_SETTINGS
 
 GPUS = 4
 LLAMA_8B, CONTEXT_128K, CONTEXT_256K, QWEN3 = (
@@ -59,6 +62,7 @@ LLAMA_8B, CONTEXT_128K, CONTEXT_256K, QWEN3 = (
 )
 FLOAT8 = "algorithms.float8={}"
 GPU_INIT = "model.init_device=cuda"
+EIGHT_K = (*FOUR_GPU_8K, EVERY_BLOCK_CHECKPOINTED)  # as the 8k rows were measured
 # name -> the MDS folder under --data and the samples `prepare` writes there
 DATASETS = {"8k": ("mds-8k", 8192, 800), "256k": ("mds-256k", 262144, 14)}  # the MoE rows read 768
 EVAL_FRACTION = 0.1  # the val split (unread: rows run without eval) must still hold one 262,144-token sample
@@ -77,13 +81,9 @@ class Row:
 
 MOE_BATCH = 128
 ROWS = {
-    "llama-8b-8k": Row(LLAMA_8B, "8k", 16, 8, 3, 240, ("variables.max_seq_len=8192", "device_train_microbatch_size=1",
-                                                       GPU_INIT)),
-    "llama-8b-8k-float8": Row(LLAMA_8B, "8k", 16, 8, 3, 300, ("variables.max_seq_len=8192",
-                                                              "device_train_microbatch_size=1", GPU_INIT, FLOAT8)),
-    "llama-8b-8k-float8-rowwise": Row(LLAMA_8B, "8k", 16, 8, 3, 300, (
-        "variables.max_seq_len=8192", "device_train_microbatch_size=1", GPU_INIT, "algorithms.float8={recipe: rowwise}",
-    )),
+    "llama-8b-8k": Row(LLAMA_8B, "8k", 16, 8, 3, 240, EIGHT_K),
+    "llama-8b-8k-float8": Row(LLAMA_8B, "8k", 16, 8, 3, 300, (*EIGHT_K, FLOAT8)),
+    "llama-8b-8k-float8-rowwise": Row(LLAMA_8B, "8k", 16, 8, 3, 300, (*EIGHT_K, "algorithms.float8={recipe: rowwise}")),
     "llama-8b-128k": Row(CONTEXT_128K, "256k", 4, 3, 1, 330, (GPU_INIT,)),
     "llama-8b-256k": Row(CONTEXT_256K, "256k", 4, 2, 1, 560, (GPU_INIT,)),
     "qwen3-30b-a3b": Row(QWEN3, "8k", MOE_BATCH, 6, 2, 420),

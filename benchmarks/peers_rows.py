@@ -8,7 +8,7 @@ long-context rows) and the same global batch:
   of its llama3_8b.toml's settings: FSDP2, ``compile`` of model and loss, fused AdamW, bf16 parameters, and
   ``PYTORCH_ALLOC_CONF=expandable_segments:True`` as its ``run_train.sh`` launches every run. No activation
   checkpointing at 1B; at 8B on two 80 GB cards its own lever for memory, ``activation_checkpoint.mode = "full"``
-  (every block recomputed, as foundry's llama-8b.yaml does), at local batch 4: that TOML's selective per-op
+  (every block recomputed, as foundry's 8B rows pin), at local batch 4: that TOML's selective per-op
   checkpointing runs out of memory there, since its fp32 weights, gradients and two AdamW moments alone take
   16 bytes x 8.03B / 2 cards = 59.8 GiB of the 79.2 a card.
 - ``llm-foundry-mpt-1b``: LLM Foundry's ``scripts/train/train.py`` (``train_from_yaml``) on its ``mpt-1b.yaml``,
@@ -16,9 +16,12 @@ long-context rows) and the same global batch:
   attention and fused cross-entropy) is not installed.
 - ``hf-trainer-llama-1b``: ``benchmarks/peers_hf_trainer.py``, transformers' ``Trainer`` with bf16, SDPA,
   ``torch_compile`` and fused AdamW.
-- ``foundry-*``: ``foundry train yamls/pretrain/<yaml>``, the YAML's settings; ``foundry-llama-8b-float8`` and
-  ``foundry-llama-8b-unfused-loss`` add one override each (``algorithms.float8={}``; ``model.loss_fn=
-  torch_crossentropy``: the output projection and the loss unfused, to weigh the fused loss at 8B).
+- ``foundry-*``: ``foundry train yamls/pretrain/<yaml>``, the YAML's settings, except that the ``llama-8b.yaml``
+  rows pin every block checkpointed (``fsdp_config.activation_checkpointing=true``; the YAML ships ``auto``,
+  which keeps blocks whole on cards with room), as their peers' ``full`` mode does and as they were measured;
+  ``foundry-llama-8b-float8`` and ``foundry-llama-8b-unfused-loss`` add one override each
+  (``algorithms.float8={}``; ``model.loss_fn=torch_crossentropy``: the output projection and the loss unfused, to
+  weigh the fused loss at 8B).
 
 Long context (``LONG_CONTEXT_ROWS``, two GPUs, 65,536-token sequences, one sequence a microbatch):
 
@@ -42,11 +45,11 @@ Long context (``LONG_CONTEXT_ROWS``, two GPUs, 65,536-token sequences, one seque
   gradients and only its moments in bf16, so this row carries less state than foundry's).
 
 Four GPUs (``FOUR_GPU_ROWS``, 8,192-token sequences, one a microbatch, FSDP2 over four): ``foundry-llama-8b-8k-4gpu-
-float8`` (``llama-8b.yaml`` with ``algorithms.float8={}``: tensorwise, float8 all-gathers, the first and last blocks
-in bf16) against ``torchtitan-llama-8b-8k-4gpu-float8`` (its float8 recipe for FSDP, the output layer in bf16, every
-block checkpointed as foundry's YAML does), then ``foundry-llama-8b-8k-4gpu-float8-rowwise`` (the rowwise recipe),
-then the pair again with checkpointing by memory: ``-float8-ac-auto`` (``activation_checkpointing: auto``) against
-torchtitan's ``-float8-ac-none``.
+float8`` (``llama-8b.yaml``, every block checkpointed, with ``algorithms.float8={}``: tensorwise, float8
+all-gathers, the first and last blocks in bf16) against ``torchtitan-llama-8b-8k-4gpu-float8`` (its float8 recipe for
+FSDP, the output layer in bf16, every block checkpointed too), then ``foundry-llama-8b-8k-4gpu-float8-rowwise``
+(the rowwise recipe), then the pair again with checkpointing by memory: ``-float8-ac-auto``
+(``activation_checkpointing: auto``, set explicitly) against torchtitan's ``-float8-ac-none``.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from bench_utils import EVERY_BLOCK_CHECKPOINTED
 
 from foundry.models import flops
 
@@ -155,14 +160,16 @@ ROWS = {
         Row("foundry-mpt-1b-2gpu", "foundry", MPT_1B, 2, 16, FOUNDRY_STEP, yaml="yamls/pretrain/mpt-1b.yaml"),
         Row("torchtitan-llama-8b", "torchtitan", LLAMA_8B, 2, 4, r"step:\s*(\d+)", "titan", "foundry-llama-8b",
             titan_flavor="8B", titan_ac="full"),
-        Row("foundry-llama-8b", "foundry", LLAMA_8B, 2, 4, FOUNDRY_STEP, yaml="yamls/pretrain/llama-8b.yaml"),
+        Row("foundry-llama-8b", "foundry", LLAMA_8B, 2, 4, FOUNDRY_STEP, yaml="yamls/pretrain/llama-8b.yaml",
+            overrides=(EVERY_BLOCK_CHECKPOINTED,)),
         # the 8B pair's profiled gap is GEMM time in the fused output projection + loss: the same row unfused
         Row("foundry-llama-8b-unfused-loss", "foundry", LLAMA_8B, 2, 4, FOUNDRY_STEP,
-            yaml="yamls/pretrain/llama-8b.yaml", overrides=("model.loss_fn=torch_crossentropy",)),
+            yaml="yamls/pretrain/llama-8b.yaml",
+            overrides=(EVERY_BLOCK_CHECKPOINTED, "model.loss_fn=torch_crossentropy")),
         Row("torchtitan-llama-8b-float8", "torchtitan", LLAMA_8B, 2, 4, r"step:\s*(\d+)", "titan",
             "foundry-llama-8b-float8", titan_flavor="8B", titan_ac="full", titan_float8=True),
         Row("foundry-llama-8b-float8", "foundry", LLAMA_8B, 2, 4, FOUNDRY_STEP, yaml="yamls/pretrain/llama-8b.yaml",
-            overrides=("algorithms.float8={}",)),
+            overrides=(EVERY_BLOCK_CHECKPOINTED, "algorithms.float8={}")),
         # Long context, in the order they run: foundry, then torchtitan where it fits, then as it ships
         # (expected out of memory). Timeouts: start-up ~90 s (foundry) / ~50 s (torchtitan) + 3 steps of ~20-25 s.
         Row("foundry-llama-8b-64k", "foundry", LLAMA_8B, 2, 1, FOUNDRY_STEP, yaml="yamls/pretrain/llama-8b-64k.yaml",
@@ -180,13 +187,13 @@ ROWS = {
         # all-gathers), then foundry's rowwise recipe.
         Row("foundry-llama-8b-8k-4gpu-float8", "foundry", LLAMA_8B, 4, 1, FOUNDRY_STEP,
             yaml="yamls/pretrain/llama-8b.yaml", seq_len=EIGHT_K, timeout_s=300,
-            overrides=(*FOUR_GPU_8K, "algorithms.float8={}")),
+            overrides=(*FOUR_GPU_8K, EVERY_BLOCK_CHECKPOINTED, "algorithms.float8={}")),
         Row("torchtitan-llama-8b-8k-4gpu-float8", "torchtitan", LLAMA_8B, 4, 1, r"step:\s*(\d+)", "titan",
             "foundry-llama-8b-8k-4gpu-float8", titan_flavor="8B", titan_ac="full", seq_len=EIGHT_K,
             titan_float8=True, timeout_s=300),
         Row("foundry-llama-8b-8k-4gpu-float8-rowwise", "foundry", LLAMA_8B, 4, 1, FOUNDRY_STEP,
             yaml="yamls/pretrain/llama-8b.yaml", seq_len=EIGHT_K, timeout_s=300,
-            overrides=(*FOUR_GPU_8K, "algorithms.float8={recipe: rowwise}")),
+            overrides=(*FOUR_GPU_8K, EVERY_BLOCK_CHECKPOINTED, "algorithms.float8={recipe: rowwise}")),
         # Checkpointing by memory: foundry's auto (none on 141 GB cards) against torchtitan without checkpointing.
         Row("foundry-llama-8b-8k-4gpu-float8-ac-auto", "foundry", LLAMA_8B, 4, 1, FOUNDRY_STEP,
             yaml="yamls/pretrain/llama-8b.yaml", seq_len=EIGHT_K, timeout_s=300,

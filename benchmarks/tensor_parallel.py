@@ -5,12 +5,12 @@
 
 The script launches itself on 2 ranks through torchrun (what ``foundry train --nproc 2`` runs) and trains each
 row through the Trainer ``foundry train`` builds from ``yamls/pretrain/llama-8b.yaml`` (its optimizer, gradient
-clipping, FSDP2 with activation checkpointing, compile, bf16), with ``variables.max_seq_len`` and
-``parallelism.tensor_parallel_degree`` overridden, the weights drawn on each GPU (``model.init_device=cuda``,
-the same seed on both ranks: no minute of 8B CPU init on rank 0) and random tokens in memory (the GPU image
-lacks mosaicml-streaming). Every row trains the same global batch, 2 sequences a step: FSDP2 gives each GPU one
-sequence; TP2 (data-parallel degree 1) gives both GPUs both, one microbatch at a time, each GPU computing half
-of every block's linears.
+clipping, FSDP2, compile, bf16) with every block checkpointed (the YAML's ``auto`` is resolved by ``foundry train``
+only, and not under tensor parallelism), with ``variables.max_seq_len`` and ``parallelism.tensor_parallel_degree``
+overridden, the weights drawn on each GPU (``model.init_device=cuda``, the same seed on both ranks: no minute of 8B
+CPU init on rank 0) and random tokens in memory (the GPU image lacks mosaicml-streaming). Every row trains the same
+global batch, 2 sequences a step: FSDP2 gives each GPU one sequence; TP2 (data-parallel degree 1) gives both GPUs
+both, one microbatch at a time, each GPU computing half of every block's linears.
 
 Rows (``--rows`` picks; each is skipped when the time left in ``--budget-s`` is below its estimate):
 ``fsdp-8k``, ``tp2-8k``, ``fsdp-16k``, ``tp2-16k`` (TP2 with sequence parallelism, the default), then
@@ -31,7 +31,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from bench_utils import REPO_ROOT, markdown_table, print_report, run_on_ranks, save_json, yaml_trainer
+from bench_utils import (
+    EVERY_BLOCK_CHECKPOINTED,
+    REPO_ROOT,
+    markdown_table,
+    print_report,
+    run_on_ranks,
+    save_json,
+    yaml_trainer,
+)
 from long_context import LORA_ALL_LINEAR, BatchTimes, free_memory
 
 from foundry.callbacks.device_flops import peak_flops_per_sec
@@ -68,7 +76,7 @@ def rank_batches(seq_len: int, vocab_size: int, tensor_parallel_degree: int) -> 
 
 def run_row(name: str, smoke: bool) -> dict[str, Any]:
     seq_len, tp, row_overrides, _ = ROWS[name]
-    overrides = [f"parallelism.tensor_parallel_degree={tp}", *row_overrides]
+    overrides = [f"parallelism.tensor_parallel_degree={tp}", EVERY_BLOCK_CHECKPOINTED, *row_overrides]
     trainer_overrides: dict[str, Any] = {}
     if smoke:  # the same rows, tiny, on CPU ranks: checks the script, not the speed
         seq_len //= 512

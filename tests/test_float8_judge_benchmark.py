@@ -13,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import float8_judge
 
+from foundry.config import load_train_config
+
 STEPS = 40
 
 
@@ -89,6 +91,14 @@ def test_float8_runs_add_their_recipe_and_every_run_its_seed_and_batch() -> None
     assert "global_train_batch_size=4" in overrides and "device_train_microbatch_size=2" in overrides
     assert "fsdp_config.mixed_precision=DEFAULT" in overrides
     assert not any(o.startswith("algorithms.float8") for o in float8_judge.run_overrides(bf16, Path("/data"), args))
+
+
+def test_llama_8b_runs_checkpoint_every_block_as_its_bf16_seeds_ran() -> None:
+    """llama-8b.yaml ships activation_checkpointing: auto; a judged run differs from the seeds in its variant only."""
+    args = argparse.Namespace(steps=300, set=[], smoke=False)
+    overrides = float8_judge.run_overrides(float8_judge.Run("llama-8b", "bf16", 17), Path("/data"), args)
+    cfg, _ = load_train_config(float8_judge.REPO_ROOT / float8_judge.MODELS["llama-8b"].yaml, overrides)
+    assert cfg.fsdp_config.activation_checkpointing is True and "activation_checkpointing_target" not in cfg.model
 
 
 def test_the_plot_draws_the_envelope(tmp_path: Path) -> None:

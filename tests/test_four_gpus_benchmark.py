@@ -13,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import four_gpus
 
+from foundry.config import load_train_config
+
 
 def fake_train(outcomes: dict[str, int | None]):
     """A ``foundry_train`` that writes a run's metrics.jsonl and returns the row's outcome (None: cut off)."""
@@ -77,6 +79,15 @@ def test_each_row_reads_its_dataset_and_smoke_drops_the_gpu_keys(name) -> None:
     assert f"variables.data_local=/data/{folder}" in overrides
     smoke = four_gpus.row_overrides(name, Path("/data"), smoke=True)
     assert four_gpus.GPU_INIT not in smoke and "parallelism.context_parallel_degree=1" in smoke
+
+
+@pytest.mark.parametrize("name", [name for name in four_gpus.ROWS if name.startswith("llama-8b-8k")])
+def test_the_8k_rows_checkpoint_every_block_as_they_were_measured(name) -> None:
+    """llama-8b.yaml ships activation_checkpointing: auto, which checkpoints no block on 141 GB cards."""
+    overrides = four_gpus.row_overrides(name, Path("/data"), smoke=False)
+    cfg, _ = load_train_config(four_gpus.REPO_ROOT / four_gpus.ROWS[name].yaml, overrides)
+    assert cfg.fsdp_config.activation_checkpointing is True and "activation_checkpointing_target" not in cfg.model
+    assert cfg.max_seq_len == 8192 and cfg.device_train_microbatch_size == 1
 
 
 def test_a_float8_row_that_fell_back_to_bf16_says_so(tmp_path, monkeypatch) -> None:

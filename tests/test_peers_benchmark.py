@@ -179,6 +179,26 @@ def test_the_unfused_loss_row_differs_from_the_shipped_8b_row_by_its_loss_only(t
     assert [arg for arg in settings_of(unfused) if arg != "model.loss_fn=torch_crossentropy"] == settings_of(shipped)
 
 
+def test_the_8b_rows_checkpoint_every_block_as_their_peers_do_but_the_auto_row(tmp_path: Path) -> None:
+    """llama-8b.yaml ships activation_checkpointing: auto: a row set against torchtitan's ``full`` mode, or measured
+    beside one, pins every block; the row set against torchtitan without checkpointing keeps auto."""
+    from foundry.yaml_config import apply_overrides, load_yaml
+
+    settings = peers_rows.Settings(tmp_path, tmp_path, global_batch=16, steps=3, peak_tflops=1000.0)
+    peer_mode = {row.compare_to: row.titan_ac for row in peers_rows.ROWS.values() if row.framework == "torchtitan"}
+    shipped = load_yaml(peers_rows.REPO_ROOT / "yamls/pretrain/llama-8b.yaml")
+    assert shipped["fsdp_config"]["activation_checkpointing"] == "auto"
+    checkpointing = {}
+    for name, row in peers_rows.ROWS.items():
+        if row.yaml == "yamls/pretrain/llama-8b.yaml":
+            overrides = [arg for arg in peers_rows.command(row, settings)[0] if "=" in arg]
+            checkpointing[name] = apply_overrides(shipped, overrides)["fsdp_config"]["activation_checkpointing"]
+            assert peer_mode.get(name, "full") == ("none" if checkpointing[name] == "auto" else "full")
+    auto_rows = [name for name, value in checkpointing.items() if value == "auto"]
+    assert auto_rows == ["foundry-llama-8b-8k-4gpu-float8-ac-auto"] and len(checkpointing) == 6
+    assert set(checkpointing.values()) == {True, "auto"}
+
+
 def test_profile_runs_one_step_more_profiled_by_each_frameworks_own_profiler(tmp_path: Path) -> None:
     from foundry.yaml_config import apply_overrides, load_yaml
 

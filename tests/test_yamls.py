@@ -73,3 +73,14 @@ def test_four_gpu_yaml_validates_on_four_ranks_and_its_header_states_its_memory(
     plan = dry_run(load_train_config(path)[0], world_size=4, device_memory_gib=card_gib)
     stated_gib = float(re.search(r"= ([\d.]+) GiB", path.read_text()).group(1))
     assert plan.total_bytes / GIB == pytest.approx(stated_gib, abs=0.05) and stated_gib < 0.9 * card_gib
+
+
+@pytest.mark.parametrize(("gpu_memory_gib", "checkpointed"), [(80, "32 of 32"), (139.8, "15 of 32"), (141, "14 of 32")])
+def test_llama_8b_checkpoints_every_block_on_80_gb_cards_and_fewer_on_141(gpu_memory_gib, checkpointed, capsys):
+    """llama-8b.yaml ships activation_checkpointing: auto; 139.8 GiB is an H200 141GB as torch reports it, where
+    the run the YAML's comment cites chose 15."""
+    path = MODELS_MD.parents[1] / "yamls" / "pretrain" / "llama-8b.yaml"
+    assert load_train_config(path)[0].fsdp_config.activation_checkpointing == "auto"
+    arguments = ["--dry-run", "--world-size", "2", "--nproc", "2", "--gpu-memory-gib", str(gpu_memory_gib)]
+    assert cli.main(["train", str(path), *arguments]) == 0
+    assert f"activation_checkpointing auto: {checkpointed} blocks checkpointed" in capsys.readouterr().out

@@ -203,7 +203,8 @@ def test_kept_gathered_schedule_holds_unsharded_gradient_sums():
 
 def test_llama_405b_shape_on_1024_ranks_plans_on_a_cpu():
     started = time.perf_counter()
-    cfg = load_train_config(YAMLS / "pretrain" / "llama-8b.yaml", LLAMA_405B_SHAPE)[0]
+    every_block = "fsdp_config.activation_checkpointing=true"  # the YAML's auto plans through choose_checkpointing
+    cfg = load_train_config(YAMLS / "pretrain" / "llama-8b.yaml", [*LLAMA_405B_SHAPE, every_block])[0]
     plan = dry_run(cfg, world_size=1024)
     assert time.perf_counter() - started < 60
     assert plan.parameters == pytest.approx(405.9e9, rel=1e-3)
