@@ -49,7 +49,9 @@ float8`` (``llama-8b.yaml``, every block checkpointed, with ``algorithms.float8=
 all-gathers, the first and last blocks in bf16) against ``torchtitan-llama-8b-8k-4gpu-float8`` (its float8 recipe for
 FSDP, the output layer in bf16, every block checkpointed too), then ``foundry-llama-8b-8k-4gpu-float8-rowwise``
 (the rowwise recipe), then the pair again with checkpointing by memory: ``-float8-ac-auto``
-(``activation_checkpointing: auto``, set explicitly) against torchtitan's ``-float8-ac-none``.
+(``activation_checkpointing: auto``, set explicitly) against torchtitan's ``-float8-ac-none``, then that foundry row
+with every block's linears in float8 (``-all-blocks-ac-auto``, as torchtitan converts them) and with two sequences a
+microbatch, no block checkpointed (``-ac-none-mb2``).
 """
 
 from __future__ import annotations
@@ -201,6 +203,17 @@ ROWS = {
         Row("torchtitan-llama-8b-8k-4gpu-float8-ac-none", "torchtitan", LLAMA_8B, 4, 1, r"step:\s*(\d+)", "titan",
             "foundry-llama-8b-8k-4gpu-float8-ac-auto", titan_flavor="8B", titan_ac="none", seq_len=EIGHT_K,
             titan_float8=True, timeout_s=300),
+        # The levers left at 8k, each against the pair above: every block's linears in float8 (as torchtitan's
+        # recipe converts them; foundry keeps the first and last blocks in bf16), and two sequences a microbatch.
+        Row("foundry-llama-8b-8k-4gpu-float8-all-blocks-ac-auto", "foundry", LLAMA_8B, 4, 1, FOUNDRY_STEP,
+            yaml="yamls/pretrain/llama-8b.yaml", seq_len=EIGHT_K, timeout_s=300,
+            overrides=(*FOUR_GPU_8K, "algorithms.float8={keep_first_and_last_blocks: false}",
+                       "fsdp_config.activation_checkpointing=auto")),
+        # (auto would checkpoint 17 blocks at microbatch 2: its plan put microbatch 1 at 100.3 GiB, 81.2 measured)
+        Row("foundry-llama-8b-8k-4gpu-float8-ac-none-mb2", "foundry", LLAMA_8B, 4, 2, FOUNDRY_STEP,
+            yaml="yamls/pretrain/llama-8b.yaml", seq_len=EIGHT_K, timeout_s=300,
+            overrides=(*FOUR_GPU_8K, "device_train_microbatch_size=2", "algorithms.float8={}",
+                       "fsdp_config.activation_checkpointing=false")),
     )
 }  # fmt: skip
 ONE_GPU_ROWS = [name for name, row in ROWS.items() if row.gpus == 1]

@@ -193,10 +193,13 @@ def test_the_8b_rows_checkpoint_every_block_as_their_peers_do_but_the_auto_row(t
         if row.yaml == "yamls/pretrain/llama-8b.yaml":
             overrides = [arg for arg in peers_rows.command(row, settings)[0] if "=" in arg]
             checkpointing[name] = apply_overrides(shipped, overrides)["fsdp_config"]["activation_checkpointing"]
-            assert peer_mode.get(name, "full") == ("none" if checkpointing[name] == "auto" else "full")
+            beside = "none" if "-ac-" in name else "full"  # the 8k levers run beside the pair without it
+            assert (peer_mode.get(name, beside) == "full") == (checkpointing[name] is True)
     auto_rows = [name for name, value in checkpointing.items() if value == "auto"]
-    assert auto_rows == ["foundry-llama-8b-8k-4gpu-float8-ac-auto"] and len(checkpointing) == 6
-    assert set(checkpointing.values()) == {True, "auto"}
+    assert auto_rows == [
+        "foundry-llama-8b-8k-4gpu-float8-ac-auto", "foundry-llama-8b-8k-4gpu-float8-all-blocks-ac-auto",
+    ] and len(checkpointing) == 8  # fmt: skip
+    assert checkpointing["foundry-llama-8b-8k-4gpu-float8-ac-none-mb2"] is False
 
 
 def test_profile_runs_one_step_more_profiled_by_each_frameworks_own_profiler(tmp_path: Path) -> None:
@@ -274,7 +277,9 @@ def test_four_gpu_flag_runs_the_8k_float8_rows_of_both_frameworks_on_four_gpus(t
     assert peers_rows.FOUR_GPU_ROWS == ["foundry-llama-8b-8k-4gpu-float8", "torchtitan-llama-8b-8k-4gpu-float8",
                                         "foundry-llama-8b-8k-4gpu-float8-rowwise",
                                         "foundry-llama-8b-8k-4gpu-float8-ac-auto",
-                                        "torchtitan-llama-8b-8k-4gpu-float8-ac-none"]  # fmt: skip
+                                        "torchtitan-llama-8b-8k-4gpu-float8-ac-none",
+                                        "foundry-llama-8b-8k-4gpu-float8-all-blocks-ac-auto",
+                                        "foundry-llama-8b-8k-4gpu-float8-ac-none-mb2"]  # fmt: skip
     assert not set(peers_rows.FOUR_GPU_ROWS) & set(peers_rows.LONG_CONTEXT_ROWS + peers_rows.TWO_GPU_ROWS)
     settings = peers_rows.Settings(tmp_path, tmp_path, global_batch=16, steps=7, peak_tflops=1000.0)
     titan_row = peers_rows.ROWS["torchtitan-llama-8b-8k-4gpu-float8"]
@@ -286,6 +291,18 @@ def test_four_gpu_flag_runs_the_8k_float8_rows_of_both_frameworks_on_four_gpus(t
     assert unchecked["activation_checkpoint"]["mode"] == "none" and titan["activation_checkpoint"]["mode"] == "full"
     auto_argv, _ = peers_rows.command(peers_rows.ROWS["foundry-llama-8b-8k-4gpu-float8-ac-auto"], settings)
     assert {"fsdp_config.activation_checkpointing=auto", "algorithms.float8={}"} <= set(auto_argv)
+    from foundry.yaml_config import apply_overrides, load_yaml
+
+    shipped = load_yaml(peers_rows.REPO_ROOT / "yamls/pretrain/llama-8b.yaml")
+    levers = {}
+    for lever in ("ac-auto", "all-blocks-ac-auto", "ac-none-mb2"):  # each lever against the auto row
+        argv, _ = peers_rows.command(peers_rows.ROWS[f"foundry-llama-8b-8k-4gpu-float8-{lever}"], settings)
+        levers[lever] = apply_overrides(shipped, [arg for arg in argv if "=" in arg])
+        assert argv[-2:] == ["--nproc", "4"]
+    assert [levers[lever]["fsdp_config"]["activation_checkpointing"] for lever in levers] == ["auto", "auto", False]
+    assert levers["ac-auto"]["algorithms"]["float8"] == {}
+    assert levers["all-blocks-ac-auto"]["algorithms"]["float8"] == {"keep_first_and_last_blocks": False}
+    assert [levers[lever]["device_train_microbatch_size"] for lever in levers] == [1, 1, 2]
     argv, _ = peers_rows.command(peers_rows.ROWS[titan_row.compare_to], settings)
     assert argv[-2:] == ["--nproc", "4"]
     assert {"variables.max_seq_len=8192", "device_train_microbatch_size=1", "algorithms.float8={}"} <= set(argv)
