@@ -211,7 +211,11 @@ def run_hf_row(row: Row, args: argparse.Namespace) -> tuple[list[float], int, in
     step_ms = [start.elapsed_time(end) for start, end in itertools.pairwise(marks)]
     n_active = flops.active_params(model, model.model.embed_tokens, tie_word_embeddings=False)
     batch_size = row.microbatch * args.accum
-    flops_per_batch = flops.flops_per_batch(n_active, config.num_hidden_layers, config.hidden_size, batch_size, seq_len)
+    # attention's width: heads × head_dim, which a config may set apart from hidden_size (Qwen3's 128 at width 2048)
+    q_dim = config.num_attention_heads * (
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+    flops_per_batch = flops.flops_per_batch(n_active, config.num_hidden_layers, q_dim, batch_size, seq_len)
     summary = profile_loop(step, args.profile_steps) if args.profile else None
     return step_ms, flops_per_batch, batch_size * seq_len, summary
 
