@@ -24,7 +24,7 @@ import torch
 
 from foundry.config import TrainConfig
 from foundry.config.build import check_auto_checkpointing, torch_device
-from foundry.config.dry_run import dry_run
+from foundry.config.dry_run import GIB, dry_run
 from foundry.distributed.env import (
     all_gather_object,
     default_device,
@@ -41,7 +41,6 @@ AUTO = "auto"
 # The planned peak against the card's memory. The plan came within 4% of the allocated peak on four H200s (128k,
 # 256k, the 30B MoE: docs/PERFORMANCE.md "Four GPUs"), and the caching allocator then reserved up to 1.19x that.
 MEMORY_SHARE = 0.75
-GIB = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,7 +106,7 @@ def test_a_rank_warns_only_when_even_every_block_checkpointed_plans_above_the_ca
 ):
     """Between auto's 75% and the whole card the run is tight but fits: a line, not a warning, on every run."""
     _, every_block = choose_checkpointing(tiny_config(), 1, 1, 1e-4)
-    card_gib = card_share * every_block.planned_bytes / auto_checkpointing.GIB  # the plan: 1/1.1 or 1/0.9 of it
+    card_gib = card_share * every_block.planned_bytes / GIB  # the plan: 1/1.1 or 1/0.9 of it
     monkeypatch.setattr(auto_checkpointing, "device_memory_gib", lambda device, ranks_per_node: card_gib)
     with caplog.at_level(logging.INFO, logger="foundry.config.auto_checkpointing"):
         resolved = auto_checkpointing.resolve_for_this_rank(tiny_config())
