@@ -4,17 +4,19 @@ On Hopper-class GPUs the float8 matrix units have twice the dense peak of bf16 o
 algorithm swaps the chosen ``nn.Linear`` layers for torchao's ``Float8Linear``: each forward and
 backward GEMM casts its inputs to float8 with a fresh scale (``tensorwise``: one scale a tensor;
 ``rowwise``: one a row, more accurate and a little slower; ``rowwise_with_gw_hp``: rowwise, with the weight
-gradient's GEMM kept in bf16) and accumulates in higher precision.
+gradient's GEMM kept in bf16; ``blockwise``: one scale per 1×128 tile of activations and gradients and per
+128×128 tile of weights, DeepSeek-V3's recipe, through torchao's prototype kernels, Hopper only) and accumulates
+in higher precision.
 Weights, gradients and optimizer state keep their dtypes, so checkpoints are unchanged.
 
 Which layers: every plain ``nn.Linear`` of the transformer blocks whose two dimensions are multiples
-of 16 (the float8 GEMM's requirement), except the first and last blocks (``keep_first_and_last_blocks``)
-and anything ``exclude`` names (fnmatch patterns over module names, e.g. ``"*.ffn.down_proj"``). The
-output head, the embeddings and MoE routers stay in bf16, as do LoRA layers (their frozen base included), which are
-not plain ``nn.Linear``. It runs before FSDP2 shards the model (with ``fsdp_float8_all_gather`` and the
-tensorwise recipe, shards are all-gathered in float8, half the bytes) and composes with
-``torch_compile`` (which fuses the casts) and activation checkpointing. MFU stays reported against the
-bf16 peak, as torchtitan does.
+of 16 (the float8 GEMM's requirement; ``blockwise``: of 128), except the first and last
+blocks (``keep_first_and_last_blocks``) and anything ``exclude`` names (fnmatch patterns over module
+names, e.g. ``"*.ffn.down_proj"``). The output head, the embeddings and MoE routers stay in bf16, as do
+LoRA layers (their frozen base included), which are not plain ``nn.Linear``. It runs before FSDP2 shards
+the model (with ``fsdp_float8_all_gather`` and the tensorwise recipe, shards are all-gathered in float8,
+half the bytes) and composes with ``torch_compile`` (which fuses the casts) and activation checkpointing.
+MFU stays reported against the bf16 peak, as torchtitan does.
 
 Each float8 GEMM input is scaled by its own amax first: a reduction over the tensor, then a cast,
 two passes that compile fuses with the neighbouring elementwise work where it can. Without compile
@@ -49,8 +51,9 @@ from foundry.distributed.protocol import blocks_of
 from foundry.errors import ConfigError
 from foundry.models.nf4 import float8_refusal, is_nf4
 
-Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]  # torchao's Float8LinearRecipeName values
+Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"]  # torchao's recipe names, and blockwise
 FLOAT8_GEMM_MULTIPLE = 16
+BLOCK = 128  # blockwise's tile: 1 x 128 for activations and gradients, 128 x 128 for weights
 # An MoE router's scores choose each token's experts: rounding them to float8 changes the routing, not just the
 # value (torchtitan keeps its routers in bf16 too). A tiny GEMM besides.
 ALWAYS_BF16 = ("*.router.*",)
@@ -63,8 +66,8 @@ class Float8Training(Algorithm):
     """Train the chosen linear layers with float8 GEMMs (torchao's ``convert_to_float8_training``).
 
     Args:
-        recipe: ``tensorwise`` (the fastest), ``rowwise`` (finer scales) or ``rowwise_with_gw_hp`` (rowwise,
-            the weight gradient computed in bf16).
+        recipe: ``tensorwise`` (the fastest), ``rowwise`` (finer scales), ``rowwise_with_gw_hp`` (rowwise,
+            the weight gradient computed in bf16) or ``blockwise`` (a scale per tile; Hopper only).
         keep_first_and_last_blocks: leave the first and last transformer blocks in bf16 (they are the most
             sensitive to rounding).
         exclude: fnmatch patterns of module names that stay in bf16, on top of the defaults.
@@ -110,26 +113,30 @@ class Float8Training(Algorithm):
             return
         if any(is_nf4(parameter) for parameter in state.model.parameters()):
             raise float8_refusal()
-        names = float8_module_names(state.model, self.keep_first_and_last_blocks, self.exclude)
+        names = float8_module_names(state.model, self.keep_first_and_last_blocks, self.exclude, self.recipe)
         if not names:  # a setting the GPU run would refuse is refused on any device
+            multiple = BLOCK if self.recipe == "blockwise" else FLOAT8_GEMM_MULTIPLE
             raise ConfigError(
                 f"{_KEY} found no linear layer to convert (none in the transformer blocks is a plain nn.Linear "
-                f"with sizes divisible by {FLOAT8_GEMM_MULTIPLE}, outside 'exclude' and the first and last blocks)."
-                " Check 'exclude' and keep_first_and_last_blocks, or remove the algorithm."
+                f"with sizes divisible by {multiple}, outside 'exclude' and the first and last blocks). Check "
+                "'exclude' and keep_first_and_last_blocks, or remove the algorithm."
             )
-        unavailable = float8_unavailable(state.device)
+        unavailable = float8_unavailable(state.device, self.recipe)
         if unavailable:
             logger.log_text(f"{_KEY}: {unavailable}; this run trains in bf16.")
             return
-        self.converted = convert_to_float8(state.model, names, self.recipe, self.fsdp_float8_all_gather)
+        self.converted = convert_to_float8(state.model, names, self.recipe, self.fsdp_float8_all_gather, state.device)
         logger.log_text(f"float8 ({self.recipe}): {len(self.converted)} linear layers train with float8 GEMMs.")
 
     def _precomputes_scales(self, state: State) -> bool:
         return bool(self.converted) and self.fsdp_float8_all_gather and isinstance(state.model, FSDPModule)
 
 
-def float8_module_names(model: nn.Module, keep_first_and_last_blocks: bool, exclude: list[str]) -> list[str]:
+def float8_module_names(
+    model: nn.Module, keep_first_and_last_blocks: bool, exclude: list[str], recipe: str = "tensorwise"
+) -> list[str]:
     """Names of the plain ``nn.Linear`` layers of the blocks that float8 can run, in model order."""
+    multiple = BLOCK if recipe == "blockwise" else FLOAT8_GEMM_MULTIPLE
     blocks = blocks_of(model)
     if keep_first_and_last_blocks:
         blocks = blocks[1:-1]
@@ -143,7 +150,7 @@ def float8_module_names(model: nn.Module, keep_first_and_last_blocks: bool, excl
     for name, module in model.named_modules():
         if type(module) is not nn.Linear or id(module) not in in_blocks or id(module) in in_linear_subclasses:
             continue
-        if module.in_features % FLOAT8_GEMM_MULTIPLE or module.out_features % FLOAT8_GEMM_MULTIPLE:
+        if module.in_features % multiple or module.out_features % multiple:
             continue
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in (*ALWAYS_BF16, *exclude)):
             continue
@@ -151,24 +158,73 @@ def float8_module_names(model: nn.Module, keep_first_and_last_blocks: bool, excl
     return names
 
 
-def convert_to_float8(model: nn.Module, names: list[str], recipe: str, fsdp_float8_all_gather: bool) -> list[str]:
-    """Swap the named layers for torchao's ``Float8Linear``; returns the names converted."""
+def convert_to_float8(
+    model: nn.Module, names: list[str], recipe: str, fsdp_float8_all_gather: bool, device: torch.device | None = None
+) -> list[str]:
+    """Swap the named layers for torchao's ``Float8Linear`` (or ``BlockwiseFloat8Linear``); returns the names."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
         raise ConfigError(
             f"{_KEY} needs torchao, which is not installed: `pip install foundry[float8]` (or torchao)."
         ) from None
+    if recipe == "blockwise":
+        triton_gemm = device is not None and device.type == "cuda" and not _cublas_multiplies_blockwise(device)
+        for name in names:
+            BlockwiseFloat8Linear.convert(model.get_submodule(name), triton_gemm)
+        return names
+    chosen = set(names)
+    hints = {name: _init_hints(module) for name, module in model.named_modules() if name in chosen}
     config = Float8LinearConfig.from_recipe_name(recipe)
     if fsdp_float8_all_gather:
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-    chosen = set(names)
-    hints = {name: _init_hints(module) for name, module in model.named_modules() if name in chosen}
     convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn in chosen)
     converted = [name for name, module in model.named_modules() if type(module).__name__ == "Float8Linear"]
     for name in converted:  # a meta-device model is initialised after this: keep what init_weights reads
         vars(model.get_submodule(name)).update(hints[name])
     return converted
+
+
+class BlockwiseFloat8Linear(nn.Linear):
+    """A linear layer whose three GEMMs run in float8 with a scale per tile (torchao's ``fp8_blockwise_mm``).
+
+    Converted in place (the class changes, as FSDP2's ``fully_shard`` does), so the weight and the model's init
+    hints stay; torchao's prototype ``Float8BlockwiseLinear`` refuses to be built off a Hopper GPU and keeps neither.
+    Under autocast the inputs are cast to its dtype first, as ``F.linear``'s are; a bias is added after the GEMM.
+    """
+
+    blockwise_mm: type  # torchao's autograd function, set by convert
+    triton_gemm: bool  # torchao's Triton GEMMs, where this torch's cuBLAS takes no blockwise scales
+
+    @classmethod
+    def convert(cls, linear: nn.Linear, triton_gemm: bool) -> None:
+        from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
+
+        linear.__class__ = cls
+        linear.blockwise_mm, linear.triton_gemm = fp8_blockwise_mm, triton_gemm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype, weight = x.dtype, self.weight
+        if torch.is_autocast_enabled(x.device.type):
+            autocast_dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(autocast_dtype), weight.to(autocast_dtype)
+        out = self.blockwise_mm.apply(x.contiguous(), weight, BLOCK, torch.bfloat16, self.triton_gemm)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out if torch.is_autocast_enabled(x.device.type) else out.to(dtype)
+
+
+def _cublas_multiplies_blockwise(device: torch.device) -> bool:
+    """Whether this torch's ``_scaled_mm`` takes 1x128 and 128x128 scales on ``device`` (one tiny GEMM to find out)."""
+    from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
+
+    x = torch.ones(BLOCK, BLOCK, device=device, dtype=torch.bfloat16)
+    try:
+        fp8_blockwise_mm.apply(x, x, BLOCK, torch.bfloat16, False)
+    except (RuntimeError, NotImplementedError, AssertionError, TypeError) as error:
+        log.info("float8 (blockwise): cuBLAS takes no blockwise scales here (%s); torchao's Triton GEMMs run", error)
+        return False
+    return True
 
 
 def _init_hints(linear: nn.Module) -> dict[str, object]:
@@ -182,11 +238,12 @@ def _init_hints(linear: nn.Module) -> dict[str, object]:
     return {key: value for key, value in vars(linear).items() if key not in plain and not key.startswith("_")}
 
 
-def float8_unavailable(device: torch.device) -> str | None:
-    """Why float8 cannot train on ``device`` here, or None when it can.
+def float8_unavailable(device: torch.device, recipe: str = "tensorwise") -> str | None:
+    """Why float8 (``recipe``) cannot train on ``device`` here, or None when it can.
 
     Float8 matrix units: NVIDIA compute capability 8.9+ (Ada, Hopper, Blackwell), AMD MI300 (gfx942, where
-    torchao picks the e4m3fnuz/e5m2fnuz pair by itself) and MI350 (gfx950).
+    torchao picks the e4m3fnuz/e5m2fnuz pair by itself) and MI350 (gfx950). torchao's blockwise kernels are
+    written for Hopper: NVIDIA 9.0 and up.
     """
     if device.type == "cuda" and torch.cuda.is_available():
         if torch.version.hip is not None:
@@ -202,6 +259,11 @@ def float8_unavailable(device: torch.device) -> str | None:
         return (
             f"float8 needs a GPU with float8 matrix units (NVIDIA compute capability 8.9 or newer: L4, L40S, H100, "
             f"H200, B200; or AMD MI300/MI350), and this run is on {found}"
+        )
+    if recipe == "blockwise" and (torch.version.hip is not None or torch.cuda.get_device_capability(device) < (9, 0)):
+        return (
+            f"the blockwise recipe needs an NVIDIA GPU of compute capability 9.0 or newer (H100, H200, B200), and this "
+            f"run is on a {torch.cuda.get_device_name(device)}; 'rowwise' runs on every float8 GPU"
         )
     if importlib.util.find_spec("torchao") is None:
         return "float8 needs torchao, which is not installed (`pip install foundry[float8]`)"

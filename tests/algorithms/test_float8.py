@@ -15,7 +15,12 @@ from helpers import TINY_LLAMA, TINY_MPT
 
 from foundry import registry
 from foundry.algorithms import Float8Training, TorchCompile
-from foundry.algorithms.float8 import convert_to_float8, float8_module_names, float8_unavailable
+from foundry.algorithms.float8 import (
+    BlockwiseFloat8Linear,
+    convert_to_float8,
+    float8_module_names,
+    float8_unavailable,
+)
 from foundry.core.event import Event
 from foundry.core.logger import Logger
 from foundry.core.parallel_dims import ParallelDims
@@ -25,6 +30,7 @@ from foundry.registry import build_components
 from foundry.trainer import Trainer
 
 FOUR_BLOCKS = {**TINY_MPT, "d_model": 64, "n_heads": 4, "n_layers": 4}  # every linear a multiple of 16
+WIDE_BLOCKS = {**FOUR_BLOCKS, "d_model": 128}  # every linear whole 128 x 128 tiles (blockwise)
 BLOCK_LINEARS = ["attn.Wqkv", "attn.out_proj", "ffn.up_proj", "ffn.down_proj"]
 
 
@@ -59,6 +65,19 @@ def test_layers_whose_sizes_float8_cannot_multiply_are_skipped() -> None:
     assert float8_module_names(model, False, []) == []
 
 
+def test_blockwise_takes_only_layers_whose_sizes_are_whole_tiles() -> None:
+    """128 x 128 tiles: at d_model 64 nothing fits; at 128 every linear does, biased or not."""
+    assert float8_module_names(MPTCausalLM(**FOUR_BLOCKS), False, [], "blockwise") == []
+    for no_bias in (True, False):
+        model = MPTCausalLM(**{**WIDE_BLOCKS, "no_bias": no_bias})
+        assert float8_module_names(model, True, [], "blockwise") == names_in(range(1, 3))
+
+
+def test_blockwise_finding_nothing_is_a_config_error_naming_its_tile(train) -> None:
+    with pytest.raises(ConfigError, match=r"no linear layer to convert.*with sizes divisible by 128"):
+        train([Float8Training(recipe="blockwise")], model_keys=FOUR_BLOCKS, num_batches=1)
+
+
 def test_lora_layers_and_their_base_stay_in_bf16() -> None:
     lora = {"peft_type": "LORA", "r": 16, "target_modules": ["Wqkv"]}
     names = float8_module_names(MPTCausalLM(**FOUR_BLOCKS, peft_config=lora), False, [])
@@ -79,17 +98,19 @@ def test_nothing_to_convert_is_a_config_error_even_where_float8_cannot_run(train
 
 
 @pytest.mark.parametrize(
-    ("capability", "torchao_installed", "reason"),
+    ("capability", "torchao_installed", "recipe", "reason"),
     [
-        ((9, 0), True, None),
-        ((8, 9), True, None),
-        ((8, 0), True, r"float8 matrix units.*a NVIDIA A100 \(compute capability 8\.0\)"),
-        ((9, 0), False, r"float8 needs torchao, which is not installed.*foundry\[float8\]"),
+        ((9, 0), True, "tensorwise", None),
+        ((8, 9), True, "rowwise", None),
+        ((8, 0), True, "tensorwise", r"float8 matrix units.*a NVIDIA A100 \(compute capability 8\.0\)"),
+        ((9, 0), False, "tensorwise", r"float8 needs torchao, which is not installed.*foundry\[float8\]"),
+        ((9, 0), True, "blockwise", None),
+        ((8, 9), True, "blockwise", r"blockwise recipe needs .*capability 9\.0.*on a NVIDIA A100; 'rowwise' runs"),
     ],
-    ids=["hopper", "ada", "ampere", "hopper-without-torchao"],
+    ids=["hopper", "ada", "ampere", "hopper-without-torchao", "hopper-blockwise", "ada-blockwise"],
 )
 def test_float8_runs_on_compute_capability_8_9_and_up_with_torchao(
-    monkeypatch, capability, torchao_installed, reason
+    monkeypatch, capability, torchao_installed, recipe, reason
 ) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.version, "hip", None)
@@ -101,18 +122,18 @@ def test_float8_runs_on_compute_capability_8_9_and_up_with_torchao(
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *args: torchao_spec if name == "torchao" else find_spec(name, *args)
     )
-    unavailable = float8_unavailable(torch.device("cuda", 0))
+    unavailable = float8_unavailable(torch.device("cuda", 0), recipe)
     assert unavailable is None if reason is None else re.search(reason, unavailable)
 
 
 @pytest.mark.parametrize("build", ["yaml", "python"])
 def test_unknown_recipe_is_a_config_error_naming_the_choices(build) -> None:
-    choices = r"'tensorwise', 'rowwise', 'rowwise_with_gw_hp'"
-    with pytest.raises(ConfigError, match=rf"'algorithms\.float8\.recipe' is 'blockwise'; it must be one of {choices}"):
+    choices = r"'tensorwise', 'rowwise', 'rowwise_with_gw_hp', 'blockwise'"
+    with pytest.raises(ConfigError, match=rf"'algorithms\.float8\.recipe' is 'mxfp8'; it must be one of {choices}"):
         if build == "yaml":
-            build_components(registry.algorithms, {"float8": {"recipe": "blockwise"}}, "algorithms")
+            build_components(registry.algorithms, {"float8": {"recipe": "mxfp8"}}, "algorithms")
         else:
-            Float8Training(recipe="blockwise")
+            Float8Training(recipe="mxfp8")
 
 
 @pytest.mark.parametrize("compiled", [None, "blocks", "model", "torch.compile"])
@@ -140,16 +161,31 @@ def test_conversion_swaps_exactly_the_chosen_layers(recipe) -> None:
     assert type(model.transformer.blocks[0].attn.Wqkv) is torch.nn.Linear
 
 
-def test_converted_layers_initialise_as_the_plain_model_does() -> None:
+def test_blockwise_conversion_keeps_each_layers_weight_and_changes_only_its_forward() -> None:
+    pytest.importorskip("torchao")
+    model = MPTCausalLM(**WIDE_BLOCKS)
+    chosen = float8_module_names(model, True, [], "blockwise")
+    weights = {name: model.get_submodule(name).weight for name in chosen}
+    assert convert_to_float8(model, chosen, "blockwise", fsdp_float8_all_gather=False) == chosen
+    for name in chosen:
+        layer = model.get_submodule(name)
+        assert type(layer) is BlockwiseFloat8Linear and layer.weight is weights[name] and not layer.triton_gemm
+    assert type(model.transformer.blocks[0].attn.Wqkv) is torch.nn.Linear
+    plain = MPTCausalLM(**WIDE_BLOCKS)
+    assert model.state_dict().keys() == plain.state_dict().keys()  # checkpoints are unchanged
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_converted_layers_initialise_as_the_plain_model_does(recipe) -> None:
     """A meta-device model is converted before init_weights: the init hints of its layers must survive."""
     pytest.importorskip("torchao")
     weights = {}
     for converted in (False, True):
         torch.manual_seed(0)
-        model = MPTCausalLM(**FOUR_BLOCKS)
+        model = MPTCausalLM(**WIDE_BLOCKS)
         if converted:
-            chosen = float8_module_names(model, False, [])
-            assert convert_to_float8(model, chosen, "tensorwise", fsdp_float8_all_gather=False) == chosen
+            chosen = float8_module_names(model, False, [], recipe)
+            assert convert_to_float8(model, chosen, recipe, fsdp_float8_all_gather=False) == chosen
             assert model.transformer.blocks[0].attn.out_proj.is_residual_output
         torch.manual_seed(1)
         model.init_weights()
@@ -162,9 +198,11 @@ def test_converted_layers_initialise_as_the_plain_model_does() -> None:
 @pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs float8 matrix units"
 )
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"])
 def test_a_float8_step_trains_close_to_bf16(tmp_path, recipe) -> None:
     pytest.importorskip("torchao")  # an optional extra: a GPU image without it skips, as the CPU tests do
+    if recipe == "blockwise" and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torchao's blockwise kernels need compute capability 9.0")
     from helpers import token_batches
 
     losses = {}
@@ -174,7 +212,7 @@ def test_a_float8_step_trains_close_to_bf16(tmp_path, recipe) -> None:
     ):
         torch.manual_seed(0)
         trainer = Trainer(
-            model=MPTCausalLM(**{**FOUR_BLOCKS, "d_model": 128, "max_seq_len": 64, "init_device": "meta"}),
+            model=MPTCausalLM(**WIDE_BLOCKS, max_seq_len=64, init_device="meta"),
             train_dataloader=token_batches(3, batch_size=8, seq_len=64, vocab_size=TINY_MPT["vocab_size"]),
             max_duration="3ba", algorithms=algorithms, precision="amp_bf16", device="cuda",
             run_folder=str(tmp_path / name), log_to_console=False,
