@@ -125,7 +125,7 @@ class Float8Training(Algorithm):
         if unavailable:
             logger.log_text(f"{_KEY}: {unavailable}; this run trains in bf16.")
             return
-        self.converted = convert_to_float8(state.model, names, self.recipe, self.fsdp_float8_all_gather, state.device)
+        self.converted = convert_to_float8(state.model, names, self.recipe, self.fsdp_float8_all_gather)
         logger.log_text(f"float8 ({self.recipe}): {len(self.converted)} linear layers train with float8 GEMMs.")
 
     def _precomputes_scales(self, state: State) -> bool:
@@ -158,9 +158,7 @@ def float8_module_names(
     return names
 
 
-def convert_to_float8(
-    model: nn.Module, names: list[str], recipe: str, fsdp_float8_all_gather: bool, device: torch.device | None = None
-) -> list[str]:
+def convert_to_float8(model: nn.Module, names: list[str], recipe: str, fsdp_float8_all_gather: bool) -> list[str]:
     """Swap the named layers for torchao's ``Float8Linear`` (or ``BlockwiseFloat8Linear``); returns the names."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -169,9 +167,8 @@ def convert_to_float8(
             f"{_KEY} needs torchao, which is not installed: `pip install foundry[float8]` (or torchao)."
         ) from None
     if recipe == "blockwise":
-        triton_gemm = device is not None and device.type == "cuda" and not _cublas_multiplies_blockwise(device)
         for name in names:
-            BlockwiseFloat8Linear.convert(model.get_submodule(name), triton_gemm)
+            BlockwiseFloat8Linear.convert(model.get_submodule(name))
         return names
     chosen = set(names)
     hints = {name: _init_hints(module) for name, module in model.named_modules() if name in chosen}
@@ -194,37 +191,42 @@ class BlockwiseFloat8Linear(nn.Linear):
     """
 
     blockwise_mm: type  # torchao's autograd function, set by convert
-    triton_gemm: bool  # torchao's Triton GEMMs, where this torch's cuBLAS takes no blockwise scales
 
     @classmethod
-    def convert(cls, linear: nn.Linear, triton_gemm: bool) -> None:
+    def convert(cls, linear: nn.Linear) -> None:
         from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
 
         linear.__class__ = cls
-        linear.blockwise_mm, linear.triton_gemm = fp8_blockwise_mm, triton_gemm
+        linear.blockwise_mm = fp8_blockwise_mm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype, weight = x.dtype, self.weight
         if torch.is_autocast_enabled(x.device.type):
             autocast_dtype = torch.get_autocast_dtype(x.device.type)
             x, weight = x.to(autocast_dtype), weight.to(autocast_dtype)
-        out = self.blockwise_mm.apply(x.contiguous(), weight, BLOCK, torch.bfloat16, self.triton_gemm)
+        out = self.blockwise_mm.apply(x.contiguous(), weight, BLOCK, torch.bfloat16, False)  # cuBLAS's GEMMs
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out if torch.is_autocast_enabled(x.device.type) else out.to(dtype)
 
 
-def _cublas_multiplies_blockwise(device: torch.device) -> bool:
-    """Whether this torch's ``_scaled_mm`` takes 1x128 and 128x128 scales on ``device`` (one tiny GEMM to find out)."""
+def _blockwise_gemm_unavailable(device: torch.device) -> str | None:
+    """Why this torch's cuBLAS cannot multiply blockwise-scaled float8 on ``device`` (one tiny GEMM), or None.
+
+    torchao also has Triton GEMMs for it, but on torch 2.11 with Triton 3.6 inductor failed to compile them
+    (1x H200, 2026-11-28), so a run without cuBLAS's trains in bf16 rather than crash mid-compile.
+    """
     from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
 
     x = torch.ones(BLOCK, BLOCK, device=device, dtype=torch.bfloat16)
     try:
         fp8_blockwise_mm.apply(x, x, BLOCK, torch.bfloat16, False)
-    except (RuntimeError, NotImplementedError, AssertionError, TypeError) as error:
-        log.info("float8 (blockwise): cuBLAS takes no blockwise scales here (%s); torchao's Triton GEMMs run", error)
-        return False
-    return True
+    except Exception as error:  # any failure means the same: this torch cannot run the recipe
+        return (
+            "the blockwise recipe needs cuBLAS's blockwise-scaled float8 GEMM (torch 2.9 or newer, CUDA 12.9 or "
+            f"newer), which failed here ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        )
+    return None
 
 
 def _init_hints(linear: nn.Module) -> dict[str, object]:
@@ -267,4 +269,4 @@ def float8_unavailable(device: torch.device, recipe: str = "tensorwise") -> str 
         )
     if importlib.util.find_spec("torchao") is None:
         return "float8 needs torchao, which is not installed (`pip install foundry[float8]`)"
-    return None
+    return _blockwise_gemm_unavailable(device) if recipe == "blockwise" else None

@@ -14,7 +14,7 @@ import torch
 from helpers import TINY_LLAMA, TINY_MPT
 
 from foundry import registry
-from foundry.algorithms import Float8Training, TorchCompile
+from foundry.algorithms import Float8Training, TorchCompile, float8
 from foundry.algorithms.float8 import (
     BlockwiseFloat8Linear,
     convert_to_float8,
@@ -122,8 +122,23 @@ def test_float8_runs_on_compute_capability_8_9_and_up_with_torchao(
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *args: torchao_spec if name == "torchao" else find_spec(name, *args)
     )
+    monkeypatch.setattr(float8, "_blockwise_gemm_unavailable", lambda device: None)  # one GEMM on the GPU
     unavailable = float8_unavailable(torch.device("cuda", 0), recipe)
     assert unavailable is None if reason is None else re.search(reason, unavailable)
+
+
+def test_blockwise_where_cublas_cannot_multiply_it_trains_in_bf16_naming_why(monkeypatch) -> None:
+    pytest.importorskip("torchao")
+    # this CPU stands for a torch whose cuBLAS takes no blockwise scales: the probe's one GEMM fails here too
+    unavailable = float8._blockwise_gemm_unavailable(torch.device("cpu"))
+    assert re.search(r"blockwise recipe needs cuBLAS's blockwise-scaled float8 GEMM .*failed here \(\w+", unavailable)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
+    monkeypatch.setattr(float8, "_blockwise_gemm_unavailable", lambda device: f"probed {device}")
+    assert float8_unavailable(torch.device("cuda", 0), "blockwise") == "probed cuda:0"
+    assert float8_unavailable(torch.device("cuda", 0), "rowwise") is None
 
 
 @pytest.mark.parametrize("build", ["yaml", "python"])
@@ -169,7 +184,7 @@ def test_blockwise_conversion_keeps_each_layers_weight_and_changes_only_its_forw
     assert convert_to_float8(model, chosen, "blockwise", fsdp_float8_all_gather=False) == chosen
     for name in chosen:
         layer = model.get_submodule(name)
-        assert type(layer) is BlockwiseFloat8Linear and layer.weight is weights[name] and not layer.triton_gemm
+        assert type(layer) is BlockwiseFloat8Linear and layer.weight is weights[name]
     assert type(model.transformer.blocks[0].attn.Wqkv) is torch.nn.Linear
     plain = MPTCausalLM(**WIDE_BLOCKS)
     assert model.state_dict().keys() == plain.state_dict().keys()  # checkpoints are unchanged
@@ -212,12 +227,14 @@ def test_a_float8_step_trains_close_to_bf16(tmp_path, recipe) -> None:
     ):
         torch.manual_seed(0)
         trainer = Trainer(
-            model=MPTCausalLM(**WIDE_BLOCKS, max_seq_len=64, init_device="meta"),
+            model=MPTCausalLM(**{**WIDE_BLOCKS, "max_seq_len": 64, "init_device": "meta"}),
             train_dataloader=token_batches(3, batch_size=8, seq_len=64, vocab_size=TINY_MPT["vocab_size"]),
             max_duration="3ba", algorithms=algorithms, precision="amp_bf16", device="cuda",
             run_folder=str(tmp_path / name), log_to_console=False,
         )  # fmt: skip
         trainer.fit()
         losses[name] = trainer.state.loss.item()
+        float8_layers = [module for module in trainer.state.model.modules() if "Float8" in type(module).__name__]
+        assert bool(float8_layers) == (name == "float8")  # converted, not fallen back to bf16
     assert torch.isfinite(torch.tensor(losses["float8"]))
     assert losses["float8"] == pytest.approx(losses["bf16"], rel=5e-2)
