@@ -198,7 +198,9 @@ def test_the_8b_rows_checkpoint_every_block_as_their_peers_do_but_the_auto_row(t
     auto_rows = [name for name, value in checkpointing.items() if value == "auto"]
     assert auto_rows == [
         "foundry-llama-8b-8k-4gpu-float8-ac-auto", "foundry-llama-8b-8k-4gpu-float8-all-blocks-ac-auto",
-    ] and len(checkpointing) == 8  # fmt: skip
+        "foundry-llama-8b-8k-4gpu-float8-rowwise-with-gw-hp-ac-auto",
+        "foundry-llama-8b-8k-4gpu-float8-blockwise-ac-auto",
+    ] and len(checkpointing) == 10  # fmt: skip
     assert checkpointing["foundry-llama-8b-8k-4gpu-float8-ac-none-mb2"] is False
 
 
@@ -279,7 +281,9 @@ def test_four_gpu_flag_runs_the_8k_float8_rows_of_both_frameworks_on_four_gpus(t
                                         "foundry-llama-8b-8k-4gpu-float8-ac-auto",
                                         "torchtitan-llama-8b-8k-4gpu-float8-ac-none",
                                         "foundry-llama-8b-8k-4gpu-float8-all-blocks-ac-auto",
-                                        "foundry-llama-8b-8k-4gpu-float8-ac-none-mb2"]  # fmt: skip
+                                        "foundry-llama-8b-8k-4gpu-float8-ac-none-mb2",
+                                        "foundry-llama-8b-8k-4gpu-float8-rowwise-with-gw-hp-ac-auto",
+                                        "foundry-llama-8b-8k-4gpu-float8-blockwise-ac-auto"]  # fmt: skip
     assert not set(peers_rows.FOUR_GPU_ROWS) & set(peers_rows.LONG_CONTEXT_ROWS + peers_rows.TWO_GPU_ROWS)
     settings = peers_rows.Settings(tmp_path, tmp_path, global_batch=16, steps=7, peak_tflops=1000.0)
     titan_row = peers_rows.ROWS["torchtitan-llama-8b-8k-4gpu-float8"]
@@ -295,14 +299,18 @@ def test_four_gpu_flag_runs_the_8k_float8_rows_of_both_frameworks_on_four_gpus(t
 
     shipped = load_yaml(peers_rows.REPO_ROOT / "yamls/pretrain/llama-8b.yaml")
     levers = {}
-    for lever in ("ac-auto", "all-blocks-ac-auto", "ac-none-mb2"):  # each lever against the auto row
+    for lever in ("ac-auto", "all-blocks-ac-auto", "ac-none-mb2", "rowwise-with-gw-hp-ac-auto", "blockwise-ac-auto"):
         argv, _ = peers_rows.command(peers_rows.ROWS[f"foundry-llama-8b-8k-4gpu-float8-{lever}"], settings)
         levers[lever] = apply_overrides(shipped, [arg for arg in argv if "=" in arg])
         assert argv[-2:] == ["--nproc", "4"]
-    assert [levers[lever]["fsdp_config"]["activation_checkpointing"] for lever in levers] == ["auto", "auto", False]
+    assert [levers[lever]["fsdp_config"]["activation_checkpointing"] for lever in levers] == [
+        "auto", "auto", False, "auto", "auto"
+    ]  # fmt: skip
     assert levers["ac-auto"]["algorithms"]["float8"] == {}
     assert levers["all-blocks-ac-auto"]["algorithms"]["float8"] == {"keep_first_and_last_blocks": False}
-    assert [levers[lever]["device_train_microbatch_size"] for lever in levers] == [1, 1, 2]
+    assert levers["blockwise-ac-auto"]["algorithms"]["float8"] == {"recipe": "blockwise"}
+    assert levers["rowwise-with-gw-hp-ac-auto"]["algorithms"]["float8"] == {"recipe": "rowwise_with_gw_hp"}
+    assert [levers[lever]["device_train_microbatch_size"] for lever in levers] == [1, 1, 2, 1, 1]
     argv, _ = peers_rows.command(peers_rows.ROWS[titan_row.compare_to], settings)
     assert argv[-2:] == ["--nproc", "4"]
     assert {"variables.max_seq_len=8192", "device_train_microbatch_size=1", "algorithms.float8={}"} <= set(argv)
