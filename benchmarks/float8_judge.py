@@ -24,8 +24,11 @@ Llama-8B shape on two GPUs at 4 x 2048, every block checkpointed (as its bf16 se
 Runs go out over ``--gpus`` (default: every visible GPU), one run per free GPU set through ``CUDA_VISIBLE_DEVICES``,
 so a 2-GPU host trains two MPT-1B seeds at once; each concurrent slot reads its own copy of the MDS folder
 (mosaicml-streaming refuses two live runs on one local directory).
-``--recipes`` judges several float8 recipes (each gets its three seeds); ``--set KEY=VALUE`` adds an override to
-every run, bf16 and float8 alike (e.g. ``fsdp_config.mixed_precision=DEFAULT`` for fp32 gradient reduction).
+``--recipes`` judges several float8 recipes (each gets its three seeds); ``--control`` adds the rule's control arm,
+``bf16-again``: the three bf16 seeds trained once more and judged as a recipe is (bf16 against itself: run to run, the
+same seed differs by nondeterministic kernels; an arm that fails shows how tight the rule is). ``--set KEY=VALUE``
+adds an override to every run, bf16 and float8 alike (e.g. ``fsdp_config.mixed_precision=DEFAULT`` for fp32
+gradient reduction).
 A run writes its losses to its run folder's metrics.jsonl as it trains, and ``OUT/<run>.json`` when it ends.
 A float8 run that fell back to bf16 (its log's one line: no float8 matrix units or no torchao) counts as failed.
 ``run --smoke`` checks all of it on the CPU: tiny models, a few steps, float8 falling back to bf16 with its line.
@@ -52,6 +55,7 @@ from peers_rows import SMOKE_FOUNDRY, SMOKE_SETTINGS
 
 SEEDS = (17, 18, 19)  # 17: the YAMLs' global_seed
 BF16 = "bf16"
+CONTROL = "bf16-again"  # the bf16 seeds trained again, judged as a float8 recipe is
 SMOOTHING_STEPS = 10
 LOG_TAIL_LINES = 30
 # Float8Training's line where float8 cannot run (no float8 matrix units, no torchao): the run trained in bf16.
@@ -88,9 +92,9 @@ class Run:
         return f"{self.model}-{self.variant}-seed{self.seed}"
 
 
-def planned_runs(models: list[str], recipes: list[str]) -> list[Run]:
-    """Every run of the judge, the bf16 seeds of a model before its float8 ones."""
-    variants = [BF16, *(f"float8-{recipe}" for recipe in recipes)]
+def planned_runs(models: list[str], recipes: list[str], control: bool = False) -> list[Run]:
+    """Every run of the judge, the bf16 seeds of a model before its float8 ones (and the control arm's last)."""
+    variants = [BF16, *(f"float8-{recipe}" for recipe in recipes), *([CONTROL] if control else [])]
     return [Run(model, variant, seed) for model in models for variant in variants for seed in SEEDS]
 
 
@@ -103,11 +107,15 @@ def run_overrides(run: Run, data: Path, args: argparse.Namespace) -> list[str]:
         f"device_train_microbatch_size={model.global_batch // model.gpus}", "console_log_interval=10ba",
         f"run_name={run.name}", f"seed={run.seed}", *model.overrides, *args.set,
     ]  # fmt: skip
-    if run.variant != BF16:
+    if is_float8(run.variant):
         overrides.append(f"algorithms.float8={{recipe: {run.variant.removeprefix('float8-')}}}")
     if args.smoke:
         overrides += [*SMOKE_FOUNDRY[model.family], *SMOKE_SETTINGS, "compile_config=false"]
     return overrides
+
+
+def is_float8(variant: str) -> bool:
+    return variant.startswith("float8-")
 
 
 def gpus_per_run(run: Run, smoke: bool) -> int:
@@ -145,7 +153,7 @@ def train_one(run: Run, gpus: list[str], data: Path, args: argparse.Namespace, d
     timeout_s = max(1.0, deadline - time.monotonic())
     returncode = foundry_train(REPO_ROOT / MODELS[run.model].yaml, run_folder, overrides, len(gpus), timeout_s, env)
     log = (run_folder.parent / f"{run.name}.log").read_text(errors="replace").splitlines()
-    if run.variant != BF16 and not args.smoke and any(FELL_BACK in line for line in log):
+    if is_float8(run.variant) and not args.smoke and any(FELL_BACK in line for line in log):
         returncode = "float8 fell back to bf16"  # not 0: never finished, never judged (bf16 against bf16 passes)
     return {
         "run": run.name, "model": run.model, "variant": run.variant, "seed": run.seed, "gpus": gpus,
@@ -160,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     data = Path(args.data).resolve() if args.data else smoke_data(work)
     check_samples(data, args)
-    pending = [run for run in planned_runs(args.models, args.recipes) if not finished(run, out, args.steps)]
+    planned = planned_runs(args.models, args.recipes, args.control)
+    pending = [run for run in planned if not finished(run, out, args.steps)]
     slots = args.gpus or (["cpu0", "cpu1"] if args.smoke else visible_gpus())
     for run_ in pending:
         if gpus_per_run(run_, args.smoke) > len(slots):
@@ -197,8 +206,8 @@ def run(args: argparse.Namespace) -> int:
 
     with ThreadPoolExecutor(max_workers=len(slots)) as pool:
         list(pool.map(launch, pending))
-    left = [run_.name for run_ in planned_runs(args.models, args.recipes) if not finished(run_, out, args.steps)]
-    print(f"finished: {len(planned_runs(args.models, args.recipes)) - len(left)}; still to run: {left}", flush=True)
+    left = [run_.name for run_ in planned if not finished(run_, out, args.steps)]
+    print(f"finished: {len(planned) - len(left)}; still to run: {left}", flush=True)
     return 1 if failed else 0
 
 
@@ -323,6 +332,7 @@ def main() -> int:
     run_parser = commands.add_parser("run", help="train the runs not yet finished (on the GPU host)")
     run_parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     run_parser.add_argument("--recipes", nargs="+", default=["rowwise"], help="algorithms.float8.recipe values")
+    run_parser.add_argument("--control", action="store_true", help=f"the {CONTROL} arm too: bf16 judged as float8 is")
     run_parser.add_argument("--data", default=None, help="the folder `float8_loss.py prepare` wrote")
     run_parser.add_argument("--steps", type=int, default=300)
     run_parser.add_argument("--set", nargs="*", default=[], help="KEY=VALUE overrides added to every run")

@@ -93,6 +93,22 @@ def test_float8_runs_add_their_recipe_and_every_run_its_seed_and_batch() -> None
     assert not any(o.startswith("algorithms.float8") for o in float8_judge.run_overrides(bf16, Path("/data"), args))
 
 
+def test_the_control_arm_trains_the_bf16_seeds_again_and_is_judged_as_a_recipe_is(tmp_path: Path) -> None:
+    args = argparse.Namespace(steps=300, set=[], smoke=False)
+    planned = float8_judge.planned_runs(["mpt-1b"], ["rowwise"], control=True)
+    assert [run.variant for run in planned[-3:]] == [float8_judge.CONTROL] * 3 and len(planned) == 9
+    for run in planned[-3:]:
+        overrides = float8_judge.run_overrides(run, Path("/data"), args)
+        assert f"seed={run.seed}" in overrides and not any(o.startswith("algorithms.float8") for o in overrides)
+    for run in planned:  # the control's seeds drift apart from the first three: judged, it fails
+        drift = 0.2 if run.variant == float8_judge.CONTROL else 0.0
+        write_run(tmp_path, run, {step: loss + drift for step, loss in BF16_SEEDS[run.seed - 17].items()})
+    verdicts = {
+        row["variant"]: row["passes"] for row in float8_judge.judge(float8_judge.load_runs([str(tmp_path)]), 10, 10)
+    }
+    assert verdicts == {"float8-rowwise": True, float8_judge.CONTROL: False}
+
+
 def test_llama_8b_runs_checkpoint_every_block_as_its_bf16_seeds_ran() -> None:
     """llama-8b.yaml ships activation_checkpointing: auto; a judged run differs from the seeds in its variant only."""
     args = argparse.Namespace(steps=300, set=[], smoke=False)
