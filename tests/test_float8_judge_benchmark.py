@@ -109,6 +109,18 @@ def test_the_control_arm_trains_the_bf16_seeds_again_and_is_judged_as_a_recipe_i
     assert verdicts == {"float8-rowwise": True, float8_judge.CONTROL: False}
 
 
+@pytest.mark.parametrize("model", list(float8_judge.MODELS))
+def test_smoke_models_have_a_middle_block_for_float8_to_convert(model) -> None:
+    """--smoke trains tiny models; float8 keeps the first and last blocks in bf16 and refuses to convert nothing."""
+    from foundry.algorithms.float8 import float8_module_names
+    from foundry.models.build import build_model
+
+    args = argparse.Namespace(steps=3, set=[], smoke=True)
+    overrides = float8_judge.run_overrides(float8_judge.Run(model, "float8-rowwise", 17), Path("/data"), args)
+    cfg, _ = load_train_config(float8_judge.REPO_ROOT / float8_judge.MODELS[model].yaml, overrides)
+    assert float8_module_names(build_model({**cfg.model, "init_device": "meta"}), True, [])
+
+
 def test_llama_8b_runs_checkpoint_every_block_as_its_bf16_seeds_ran() -> None:
     """llama-8b.yaml ships activation_checkpointing: auto; a judged run differs from the seeds in its variant only."""
     args = argparse.Namespace(steps=300, set=[], smoke=False)
