@@ -190,24 +190,25 @@ class BlockwiseFloat8Linear(nn.Linear):
     Under autocast the inputs are cast to its dtype first, as ``F.linear``'s are; a bias is added after the GEMM.
     """
 
-    blockwise_mm: type  # torchao's autograd function, set by convert
+    blockwise_mm: type  # torchao's autograd function, set by the first convert (torchao is an optional extra)
 
     @classmethod
     def convert(cls, linear: nn.Linear) -> None:
         from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
 
+        cls.blockwise_mm = fp8_blockwise_mm
         linear.__class__ = cls
-        linear.blockwise_mm = fp8_blockwise_mm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype, weight = x.dtype, self.weight
-        if torch.is_autocast_enabled(x.device.type):
+        autocast = torch.is_autocast_enabled(x.device.type)
+        if autocast:
             autocast_dtype = torch.get_autocast_dtype(x.device.type)
             x, weight = x.to(autocast_dtype), weight.to(autocast_dtype)
         out = self.blockwise_mm.apply(x.contiguous(), weight, BLOCK, torch.bfloat16, False)  # cuBLAS's GEMMs
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
-        return out if torch.is_autocast_enabled(x.device.type) else out.to(dtype)
+        return out if autocast else out.to(dtype)
 
 
 def _blockwise_gemm_unavailable(device: torch.device) -> str | None:
