@@ -111,6 +111,21 @@ def hand_to_launcher(error: Exception) -> bool:
     return True
 
 
+def ranks_lost_contact(folder: Path) -> bool:
+    """Whether a rank in ``folder`` stopped because it lost contact with another (a ``LostRankError``)."""
+    return any(report["lost_rank"] for report in _rank_reports(folder))
+
+
+def _rank_reports(folder: Path) -> list[dict[str, Any]]:
+    reports = []
+    for path in sorted(folder.glob("rank-*.json")):
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # a rank killed while it wrote: torchrun's exit code tells the rest
+    return reports
+
+
 def rank_errors_message(folder: Path) -> str | None:
     """The ranks' errors in ``folder``, each distinct message once: ``error: ...`` when they all said the same,
     else one ``error (ranks 0, 1): ...`` line each, the cause last. None: no error.
@@ -119,11 +134,7 @@ def rank_errors_message(folder: Path) -> str | None:
     said its own error, the echo is cut to who stopped, so the guess does not stand beside the cause."""
     by_message: dict[str, list[int]] = {}
     lost_rank: set[str] = set()
-    for path in sorted(folder.glob("rank-*.json")):
-        try:
-            report = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue  # a rank killed while it wrote: torchrun's exit code tells the rest
+    for report in _rank_reports(folder):
         by_message.setdefault(report["message"], []).append(report["rank"])
         if report["lost_rank"]:
             lost_rank.add(report["message"])

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
 from foundry.distributed.job import (
     PREEMPTION_SIGNALS,
@@ -44,8 +45,9 @@ from foundry.distributed.job import (
     SignalNote,
     rank_errors_folder_prefix,
     rank_errors_message,
+    ranks_lost_contact,
 )
-from foundry.distributed.rendezvous import Nodes, NodeWatch, rendezvous_arguments, rendezvous_failure
+from foundry.distributed.rendezvous import Nodes, NodeWatch, rendezvous_arguments, rendezvous_failure, store_lost
 from foundry.errors import EXIT_PREEMPTED, ConfigError, LostRankError
 
 FORWARDED_SIGNALS = (*PREEMPTION_SIGNALS, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -93,8 +95,12 @@ def launch(command: Sequence[str], nodes: Nodes, grace_period_s: float = DEFAULT
         with _watching_nodes(nodes) as lost_node:
             while agent.is_alive():
                 agent.join(timeout=0.5)  # wakes up for the signal handlers, which run in this thread
-        rank_errors = rank_errors_message(errors)
+        rank_errors, lost_contact = rank_errors_message(errors), ranks_lost_contact(errors)
     error = failure[0] if failure else None
+    if isinstance(error, ChildFailedError) and lost_contact and forwarded.signal is None and store_lost(nodes):
+        # The node hosting the store died: whether torchrun met the ranks' failure or the lost store first is a
+        # race, and the launcher says the same either way.
+        error = RendezvousConnectionError("the rendezvous store closed while the ranks trained")
     launcher_error = LostRankError(lost_node[0]) if lost_node else None
     if error is not None and not isinstance(error, ChildFailedError):
         launcher_error = launcher_error or rendezvous_failure(error, nodes) or error
@@ -244,6 +250,11 @@ _TORCHRUN_NOISE = (
     "failed (exitcode",  # a rank failed: the rank said why, and the launcher's exit code and last line say it again
     "closing signal",  # it stops the other ranks after one failed
     "Closing process",
+    "failed to shutdown the rendezvous",  # its store is gone: the launcher's own last line says so
+)
+_TORCHRUN_LOGGERS = (
+    "torch.distributed.elastic.multiprocessing.api",
+    "torch.distributed.elastic.rendezvous.dynamic_rendezvous",
 )
 
 
@@ -259,13 +270,14 @@ def _quiet_torchrun(nproc: int) -> Iterator[None]:
     per machine each gets 1 thread unless OMP_NUM_THREADS says otherwise, set here as torchrun would set it."""
     if nproc > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     quiet = _TorchrunNoise()
-    logger.addFilter(quiet)
+    for name in _TORCHRUN_LOGGERS:
+        logging.getLogger(name).addFilter(quiet)
     try:
         yield
     finally:
-        logger.removeFilter(quiet)
+        for name in _TORCHRUN_LOGGERS:
+            logging.getLogger(name).removeFilter(quiet)
 
 
 @contextlib.contextmanager

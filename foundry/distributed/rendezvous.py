@@ -229,6 +229,20 @@ def rendezvous_failure(error: BaseException, nodes: Nodes) -> TrainingError | No
     return None
 
 
+def store_lost(nodes: Nodes, timeout_s: float = 2.0) -> bool:
+    """Whether the rendezvous store of ``nodes`` no longer takes connections, asked from a node that does not host
+    it (False on node 0, and where no node rank was given, as the host may be this node, whose store closes with its
+    agent)."""
+    if nodes.endpoint is None or not nodes.node_rank:
+        return False
+    host, _, port = nodes.endpoint.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError:
+        return True
+    return False
+
+
 class NodeWatch:
     """Notices a node whose launcher stopped answering the rendezvous while the job runs.
 

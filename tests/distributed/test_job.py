@@ -17,6 +17,7 @@ from foundry.distributed.job import (
     hand_to_launcher,
     rank_errors_folder_prefix,
     rank_errors_message,
+    ranks_lost_contact,
 )
 from foundry.errors import ConfigError, LostRankError
 
@@ -60,6 +61,16 @@ def test_lost_peers_echoes_are_said_in_full_when_no_rank_said_why(launcher_folde
         "error (rank 0): rank 2 died.",
         "error (rank 1): rank 3 died.",
     ]
+
+
+def test_the_launcher_knows_whether_a_rank_stopped_for_a_lost_peer(launcher_folder, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    assert not ranks_lost_contact(launcher_folder)  # no rank said anything
+    hand_to_launcher(ConfigError("No dataset at 'x'."))
+    assert not ranks_lost_contact(launcher_folder)
+    monkeypatch.setenv("RANK", "1")
+    hand_to_launcher(LostRankError("rank 0 died."))
+    assert ranks_lost_contact(launcher_folder)
 
 
 def test_a_process_without_a_launcher_prints_its_error_itself(tmp_path, monkeypatch):

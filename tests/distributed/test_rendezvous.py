@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import socket
 import time
 
 import pytest
@@ -13,7 +14,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from foundry.distributed.launch import torchrun_arguments
-from foundry.distributed.rendezvous import Nodes, NodeWatch, job_nodes
+from foundry.distributed.rendezvous import Nodes, NodeWatch, job_nodes, store_lost
 from foundry.errors import ConfigError
 
 NOT_GIVEN = {"nproc": None, "nnodes": None, "node_rank": None, "rdzv_endpoint": None, "rdzv_id": None}
@@ -77,6 +78,16 @@ def test_several_nodes_meet_at_the_endpoint_with_the_timeout_and_node_0_hosting_
         "train",
         "cfg.yaml",
     ]
+
+
+def test_a_node_that_does_not_host_the_store_knows_when_the_store_closed():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        endpoint = f"127.0.0.1:{server.getsockname()[1]}"
+        job = {"nnodes": 2, "nproc": 1, "endpoint": endpoint, "timeout_s": 30, "rdzv_id": "run"}
+        assert not store_lost(Nodes(node_rank=1, **job))
+    assert store_lost(Nodes(node_rank=1, **job))
+    assert not store_lost(Nodes(node_rank=0, **job))  # its own store closes with its agent: not a lost node
+    assert not store_lost(Nodes(node_rank=None, **job))  # this node may be the host: unknown
 
 
 def test_a_node_whose_heartbeat_stops_is_lost_once_silent_for_the_limit_unless_the_job_ended(monkeypatch):
