@@ -97,6 +97,8 @@ class Float8Training(Algorithm):
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.FIT_START:
+            if self._precomputes_scales(state):  # else the first step (and a resumed run's) scales each shard
+                self._precompute_scales(state)  # alone: under tensor parallelism, each rank its own part
             if not is_compiled(state.model):
                 log.warning(
                     "%s runs without torch.compile: each float8 cast (an amax reduction, then a scaled copy) runs "
@@ -107,9 +109,7 @@ class Float8Training(Algorithm):
                 )
             return
         if event == Event.AFTER_OPTIMIZER_STEP:
-            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
-            precompute_float8_dynamic_scale_for_fsdp(state.model)  # one all-reduce of the shards' amaxes
+            self._precompute_scales(state)
             return
         if any(is_nf4(parameter) for parameter in state.model.parameters()):
             raise float8_refusal()
@@ -127,6 +127,13 @@ class Float8Training(Algorithm):
             return
         self.converted = convert_to_float8(state.model, names, self.recipe, self.fsdp_float8_all_gather)
         logger.log_text(f"float8 ({self.recipe}): {len(self.converted)} linear layers train with float8 GEMMs.")
+
+    @staticmethod
+    def _precompute_scales(state: State) -> None:
+        """Each float8-gathered weight's scale, from its whole tensor's amax (one all-reduce over every shard)."""
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(state.model)
 
     def _precomputes_scales(self, state: State) -> bool:
         return bool(self.converted) and self.fsdp_float8_all_gather and isinstance(state.model, FSDPModule)

@@ -13,7 +13,8 @@ over ``tp``; FSDP2 then shards them again over its own axes (2-D, torchtitan's `
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal
 
 import torch
@@ -25,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from foundry.distributed.protocol import TensorParallelModel
 from foundry.errors import ConfigError, TrainingError
@@ -34,10 +36,10 @@ class FusedColwiseParallel(ParallelStyle):
     """A fused query/key/value projection split by column, each part by its own heads: every rank holds a
     contiguous share of the query's heads and the same share of the key's and the value's, so its query heads
     attend to its own key/value heads (grouped-query attention included) and the layout (and the checkpoint)
-    stays the unsplit one. The module computes on its local shares and returns them side by side, as its caller
-    reads them; backward sums the input's gradient over ``tp`` (Megatron's column-parallel linear). A LoRA
-    adapter on it (``lora_A``, ``lora_B``) splits with it: ``lora_B`` as the weight, ``lora_A`` whole on every
-    rank, its gradient summed over ``tp``.
+    stays the unsplit one. The module computes on its local shares with its own forward (a float8 layer's GEMMs
+    too) and returns them side by side, as its caller reads them; backward sums the input's gradient over ``tp``
+    (Megatron's column-parallel linear). A LoRA adapter on it (``lora_A``, ``lora_B``) splits with it: ``lora_B``
+    as the weight, ``lora_A`` whole on every rank, its gradient summed over ``tp``.
 
     The parameters become DTensors placed ``_StridedShard(0, split_factor=query_heads_per_kv_head + 2)``:
     the output in units of the key's width, the query's units first. DTensor reads that as equal parts split one
@@ -65,11 +67,12 @@ class FusedColwiseParallel(ParallelStyle):
 
         def forward(x: torch.Tensor) -> torch.Tensor:  # (..., d_in) -> (..., this rank's share of each part)
             x = _input_gradient_summed(x, group)
+            if adapter is None:  # the layer's own forward (float8's GEMMs too) on this rank's share
+                with _local_parameters(module):
+                    return type(module).forward(module, x)
             # FSDP2 swaps the parameters in and out around forward: read them at call time
             bias = None if module.bias is None else module.bias.to_local()
             out = F.linear(x, module.weight.to_local(), bias)
-            if adapter is None:
-                return out
             # lora_A is whole on every rank, but each rank's share of lora_B sees only its share of the output
             low_rank = F.linear(module.lora_dropout(x), _SumGradient.apply(module.lora_A.weight, group))
             return out + F.linear(low_rank, adapter.weight.to_local()) * module.scaling
@@ -84,10 +87,20 @@ class FusedColwiseParallel(ParallelStyle):
         for name, param in list(module.named_parameters(recurse=False)):
             whole = param.detach()
             sharded = DTensor.from_local(
-                self.share(whole, rank, ranks), device_mesh, self.placements(), run_check=False,
+                self._share_as_whole_is(whole, rank, ranks), device_mesh, self.placements(), run_check=False,
                 shape=whole.shape, stride=whole.stride(),
             )  # fmt: skip
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+    def _share_as_whole_is(self, whole: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
+        """This rank's share; a wrapper subclass's (torchao's weight that FSDP2 all-gathers in float8) wraps the
+        share alike, so FSDP2 still gathers it in float8 and its scale still comes from the whole weight."""
+        if not is_traceable_wrapper_subclass(whole):
+            return self.share(whole, rank, ranks)
+        names, context = whole.__tensor_flatten__()
+        inner = {name: self.share(getattr(whole, name), rank, ranks) for name in names}
+        first = inner[names[0]]
+        return type(whole).__tensor_unflatten__(inner, context, first.shape, first.stride())
 
 
 class AdaptedColwiseParallel(FusedColwiseParallel):
@@ -133,6 +146,18 @@ class AdaptedRowwiseParallel(ParallelStyle):
 
         module.forward = forward
         return module
+
+
+@contextlib.contextmanager
+def _local_parameters(module: nn.Module) -> Iterator[None]:
+    """While inside, ``module``'s DTensor parameters read as this rank's shares (their gradients flow back to the
+    DTensors); FSDP2 swaps the parameters around forward, so they are read at call time."""
+    held = dict(module._parameters)
+    module._parameters.update({name: p.to_local() for name, p in held.items() if isinstance(p, DTensor)})
+    try:
+        yield
+    finally:
+        module._parameters.update(held)
 
 
 def _input_gradient_summed(x: torch.Tensor, group: Any) -> torch.Tensor:
