@@ -146,6 +146,7 @@ TP_LLAMA = {"name": "llama_causal_lm", "d_model": 32, "n_heads": 4, "n_layers": 
         ),
         ({**TP_LLAMA, "kv_n_heads": None, "icl_tasks": True}, {"tensor_parallel_degree": 2}, 2, "icl_tasks are set"),
         ({**TP_LLAMA, "kv_n_heads": None, "fused_kernels": True}, {"tensor_parallel_degree": 2}, 2, "fused_kernels"),
+        ({**TP_LLAMA, "kv_n_heads": None, "blockwise": True}, {"tensor_parallel_degree": 2}, 2, "recipe: blockwise"),
         (
             {
                 **TP_LLAMA,
@@ -158,7 +159,7 @@ TP_LLAMA = {"name": "llama_causal_lm", "d_model": 32, "n_heads": 4, "n_layers": 
             "callbacks.hf_checkpointer",
         ),
     ],
-    ids=["kv-heads", "world", "with-ep", "no-plan", "icl", "sp-fused-norms", "lora-export"],
+    ids=["kv-heads", "world", "with-ep", "no-plan", "icl", "sp-fused-norms", "blockwise-float8", "lora-export"],
 )
 def test_tensor_parallel_degree_is_checked_before_any_rank_starts(tmp_path, model, parallelism, world_size, named):
     from foundry.distributed.config import ParallelismConfig
@@ -166,6 +167,7 @@ def test_tensor_parallel_degree_is_checked_before_any_rank_starts(tmp_path, mode
     icl = {"icl_tasks": [{"label": "t", "dataset_uri": "t.jsonl", "icl_task_type": "language_modeling"}]}
     sections = icl if model.pop("icl_tasks", None) else {}
     sections |= {"algorithms": {"fused_kernels": {}}} if model.pop("fused_kernels", None) else {}
+    sections |= {"algorithms": {"float8": {"recipe": "blockwise"}}} if model.pop("blockwise", None) else {}
     sections |= (
         {"callbacks": {"hf_checkpointer": {"save_folder": "x", "save_interval": "1ba"}}}
         if model.pop("hf_checkpointer", None)

@@ -189,6 +189,14 @@ def convert_to_float8(model: nn.Module, names: list[str], recipe: str, fsdp_floa
     return converted
 
 
+def blockwise_tensor_parallel_refusal(degree: int) -> ConfigError:
+    return ConfigError(
+        f"'parallelism.tensor_parallel_degree' is {degree} with {_KEY}.recipe: blockwise, whose GEMMs (torchao's) "
+        "take whole tensors, not the split weights (DTensors) tensor parallelism gives the layers. Use recipe: "
+        "rowwise or tensorwise, which split with them, or set the degree to 1."
+    )
+
+
 class BlockwiseFloat8Linear(nn.Linear):
     """A linear layer whose three GEMMs run in float8 with a scale per tile (torchao's ``fp8_blockwise_mm``).
 
@@ -198,6 +206,7 @@ class BlockwiseFloat8Linear(nn.Linear):
     """
 
     blockwise_mm: type  # torchao's autograd function, set by the first convert (torchao is an optional extra)
+    takes_dtensors = False  # its GEMMs take whole tensors: apply_tensor_parallel refuses to split it
 
     @classmethod
     def convert(cls, linear: nn.Linear) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from foundry import registry
+from foundry.algorithms.float8 import blockwise_tensor_parallel_refusal
 from foundry.callbacks.hf_checkpointer import adapter_export_refusal
 from foundry.checkpoint.config import CheckpointConfig
 from foundry.checkpoint.saver import Checkpointer
@@ -163,6 +164,8 @@ def _check_model_and_parallelism(cfg: TrainConfig, world_size: int | None) -> No
             )
         if cfg.icl_tasks:
             raise icl_refusal(degree)
+        if (cfg.algorithms.get("float8") or {}).get("recipe") == "blockwise":
+            raise blockwise_tensor_parallel_refusal(degree)
     attn_config = getattr(model_config, "attn_config", None)  # foundry's families; hf_causal_lm has none
     if parallelism.context_parallel_degree > 1 and attn_config is not None and (key := mask_beyond_causal(attn_config)):
         refuse_mask_key(key)

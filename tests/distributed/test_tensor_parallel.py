@@ -47,6 +47,8 @@ LORA = {"peft_config": {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 # adapters on a grouped-query Llama (sequence parallel) and on MPT with biases (added after the row-split sum)
 MODELS["llama-gqa-lora"] = {**MODELS["llama-gqa"], **LORA}
 MODELS["mpt-bias-lora"] = {**MODELS["mpt"], "no_bias": False, **LORA}
+# float8's GEMM takes sizes in multiples of 16: each rank's share of the query/key/value output (96) is one
+FLOAT8_LLAMA = {**MODELS["llama"], "d_model": 64, "ffn_hidden_size": 128, "n_layers": 3}
 
 
 def clipped_accumulated_run(
@@ -206,6 +208,8 @@ def refusal_of_python_trainer(folder: str, feature: str) -> str:
             build_trainer(1, folder, model_keys=MODELS["llama"], parallelism=TP2, icl_tasks=icl_tasks)
         elif feature == "fused_norms":  # fused_kernels' swap, as on a GPU (on a CPU it keeps the PyTorch norms)
             build_trainer(1, folder, model_keys=MODELS["llama"], parallelism=TP2, algorithms=[TritonNorms()])
+        elif feature == "blockwise_float8":  # the blockwise recipe's conversion, as on a Hopper GPU
+            build_trainer(1, folder, model_keys=FLOAT8_LLAMA, parallelism=TP2, algorithms=[BlockwiseLinears()])
         elif feature == "loader_by_world_rank":  # each rank its own slice: the tp ranks of a group differ
             trainer = build_trainer(1, folder, model_keys=MODELS["llama"], parallelism=TP2)
             trainer.state.train_dataloader = rank_batches(1, tensor_parallel_degree=1)
@@ -229,22 +233,34 @@ class TritonNorms(Algorithm):
         _swap_norms(state.model, want_rms=True, want_layernorm=True)
 
 
+class BlockwiseLinears(Algorithm):
+    """What algorithms.float8's blockwise recipe does to the middle block's linears at INIT on a Hopper GPU."""
+
+    def match(self, event: Event, state: State) -> bool:
+        return event == Event.INIT
+
+    def apply(self, event: Event, state: State, logger: Logger) -> None:
+        from foundry.algorithms.float8 import BlockwiseFloat8Linear
+
+        for linear in (state.model.transformer.blocks[1].ffn.up_proj, state.model.transformer.blocks[1].ffn.down_proj):
+            BlockwiseFloat8Linear.convert(linear)
+
+
 @pytest.mark.parametrize(
     ("feature", "named"),
     [
         ("icl_tasks", "icl_tasks"),
         ("adapters", "hf_checkpointer"),
         ("fused_norms", "sequence_parallel"),
+        ("blockwise_float8", "blockwise"),
         ("loader_by_world_rank", "replication=2"),
     ],
 )
 def test_a_python_trainer_under_tp2_refuses_what_tp_does_not_support(ranks, tmp_path, feature, named):
+    if feature == "blockwise_float8":
+        pytest.importorskip("torchao")
     refusals = ranks.run(2, refusal_of_python_trainer, str(tmp_path), feature)
     assert all("tensor_parallel_degree" in refusal and " is 2" in refusal and named in refusal for refusal in refusals)
-
-
-# float8's GEMM takes sizes in multiples of 16: each rank's share of the query/key/value output (96) is one
-FLOAT8_LLAMA = {**MODELS["llama"], "d_model": 64, "ffn_hidden_size": 128, "n_layers": 3}
 
 
 def float8_run(folder: str, parallelism: dict | None, float8: bool, compiled: bool = False) -> dict | None:
