@@ -6,6 +6,7 @@ so any world size trains on the same data and should reach the same losses and w
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -145,6 +146,46 @@ def collective_counts(folder: str, fsdp_config: dict[str, Any], microbatch_size:
         for name, original in originals.items():
             setattr(dist, name, original)
     return counts if get_rank() == 0 else None
+
+
+# float8's GEMM takes sizes in multiples of 16: under TP2 each rank's share of the query/key/value output (96) is one
+FLOAT8_LLAMA = {
+    "name": "llama_causal_lm", "d_model": 64, "n_heads": 4, "kv_n_heads": None, "n_layers": 3, "vocab_size": 64,
+    "max_seq_len": 16, "ffn_hidden_size": 128, "rope_theta": 100.0,
+}  # fmt: skip
+
+
+def skip_without_cpu_float8() -> None:
+    """Skip unless torchao is installed and this torch multiplies float8 on the CPU (``torch._scaled_mm``)."""
+    pytest.importorskip("torchao")
+    ones, scale = torch.ones(16, 16).to(torch.float8_e4m3fn), torch.tensor(1.0)
+    try:
+        torch._scaled_mm(ones, ones.t(), scale_a=scale, scale_b=scale, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):
+        pytest.skip("this torch has no CPU float8 GEMM")
+
+
+def train_float8(folder: str, float8: bool, compiled: bool = False, **kwargs: Any) -> dict | None:
+    """Two fp32 steps of ``FLOAT8_LLAMA``, its blocks' linears in tensorwise float8 (through torch's CPU float8
+    GEMM, where foundry itself would train in bf16) unless not ``float8``; rank 0 returns ``summary`` and which
+    layers were float8. ``kwargs`` go to ``build_trainer``."""
+    from foundry.algorithms import float8 as float8_module
+
+    algorithms = [float8_module.Float8Training(keep_first_and_last_blocks=False)] if float8 else []
+    compiling = {"compile_config": {"backend": "aot_eager"}} if compiled else {}
+    unavailable = float8_module.float8_unavailable
+    float8_module.float8_unavailable = lambda device, recipe: None
+    try:
+        trainer = build_trainer(2, folder, model_keys=FLOAT8_LLAMA, algorithms=algorithms, **compiling, **kwargs)
+        with builds_graphs() if compiled else contextlib.nullcontext():
+            trainer.fit()
+    finally:
+        float8_module.float8_unavailable = unavailable
+    result = summary(trainer)
+    if result is not None:
+        modules = trainer.state.model.named_modules()
+        result["float8"] = sorted(name for name, module in modules if type(module).__name__ == "Float8Linear")
+    return result
 
 
 def assert_same_run(result: dict, reference: dict, tolerance: float = 1e-5) -> None:

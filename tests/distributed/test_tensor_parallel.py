@@ -3,21 +3,20 @@ rank does; checkpoints and exports move between TP2 and one rank."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from helpers import builds_graphs
 
 from distributed.jobs import (
+    FLOAT8_LLAMA,
     GLOBAL_BATCH_SIZE,
     assert_same_run,
     build_trainer,
     full_weights,
     initial_weights,
     rank_batches,
-    summary,
+    skip_without_cpu_float8,
     train,
+    train_float8,
 )
 from foundry.algorithms.fused_kernels import _swap_norms
 from foundry.algorithms.gradient_clipping import GradientClipping
@@ -47,8 +46,6 @@ LORA = {"peft_config": {"r": 4, "lora_alpha": 8, "target_modules": "all-linear"}
 # adapters on a grouped-query Llama (sequence parallel) and on MPT with biases (added after the row-split sum)
 MODELS["llama-gqa-lora"] = {**MODELS["llama-gqa"], **LORA}
 MODELS["mpt-bias-lora"] = {**MODELS["mpt"], "no_bias": False, **LORA}
-# float8's GEMM takes sizes in multiples of 16: each rank's share of the query/key/value output (96) is one
-FLOAT8_LLAMA = {**MODELS["llama"], "d_model": 64, "ffn_hidden_size": 128, "n_layers": 3}
 
 
 def clipped_accumulated_run(
@@ -263,48 +260,20 @@ def test_a_python_trainer_under_tp2_refuses_what_tp_does_not_support(ranks, tmp_
     assert all("tensor_parallel_degree" in refusal and " is 2" in refusal and named in refusal for refusal in refusals)
 
 
-def float8_run(folder: str, parallelism: dict | None, float8: bool, compiled: bool = False) -> dict | None:
-    """Two fp32 steps, the blocks' linears in tensorwise float8 (on the CPU, through torch's CPU float8 GEMM), and
-    which layers ran in float8."""
-    from foundry.algorithms import float8 as float8_module
-
-    algorithms = [float8_module.Float8Training(keep_first_and_last_blocks=False)] if float8 else []
-    compiling = {"compile_config": {"backend": "aot_eager"}} if compiled else {}
-    unavailable = float8_module.float8_unavailable
-    float8_module.float8_unavailable = lambda device, recipe: None  # the CPU's GEMM is exact enough to compare
-    try:
-        trainer = build_trainer(
-            2, folder, model_keys=FLOAT8_LLAMA, parallelism=parallelism, algorithms=algorithms, **compiling
-        )
-        with builds_graphs() if compiled else contextlib.nullcontext():
-            trainer.fit()
-    finally:
-        float8_module.float8_unavailable = unavailable
-    result = summary(trainer)
-    if result is not None:
-        modules = trainer.state.model.named_modules()
-        result["float8"] = sorted(name for name, module in modules if type(module).__name__ == "Float8Linear")
-    return result
-
-
 def test_float8_under_tp2_computes_the_forward_one_rank_does(ranks, tmp_path):
     # Weight scales come from each whole weight (FSDP2 gathers them in float8), so the first step's loss is one
     # rank's; the next differs by less than float8's own rounding (the fused query/key/value projection's output
     # gradient is scaled per rank's heads, a finer scale than one rank's).
-    pytest.importorskip("torchao")
-    ones, scale = torch.ones(16, 16).to(torch.float8_e4m3fn), torch.tensor(1.0)
-    try:
-        torch._scaled_mm(ones, ones.t(), scale_a=scale, scale_b=scale, out_dtype=torch.float32)
-    except (RuntimeError, NotImplementedError):
-        pytest.skip("this torch has no CPU float8 GEMM")
-    exact = ranks.run(1, float8_run, str(tmp_path / "fp32"), None, False)[0]
-    one = ranks.run(1, float8_run, str(tmp_path / "one"), None, True)[0]
-    tp2 = ranks.run(2, float8_run, str(tmp_path / "tp2"), {**TP2, "sequence_parallel": True}, True)[0]
+    skip_without_cpu_float8()
+    tp2_sp = {**TP2, "sequence_parallel": True}
+    exact = ranks.run(1, train_float8, str(tmp_path / "fp32"), False)[0]
+    one = ranks.run(1, train_float8, str(tmp_path / "one"), True)[0]
+    tp2 = ranks.run(2, train_float8, str(tmp_path / "tp2"), True, parallelism=tp2_sp)[0]
     linears = ("attn.Wqkv", "attn.out_proj", "ffn.up_proj", "ffn.gate_proj", "ffn.down_proj")
     assert tp2["float8"] == one["float8"] == sorted(f"transformer.blocks.{b}.{n}" for b in range(3) for n in linears)
     assert abs(one["losses"][1] - exact["losses"][1]) > 1e-4  # float8 rounds: the comparison below can fail
     assert tp2["losses"][1] == pytest.approx(one["losses"][1], abs=1e-6)
     float8_rounding = abs(one["losses"][2] - exact["losses"][2])
     assert abs(tp2["losses"][2] - one["losses"][2]) < float8_rounding / 2
-    compiled = ranks.run(2, float8_run, str(tmp_path / "compiled"), {**TP2, "sequence_parallel": True}, True, True)[0]
+    compiled = ranks.run(2, train_float8, str(tmp_path / "compiled"), True, True, parallelism=tp2_sp)[0]
     assert compiled["losses"] == pytest.approx(tp2["losses"], abs=1e-6)  # Wqkv's float8 forward traces as it runs
