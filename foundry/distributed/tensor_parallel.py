@@ -104,7 +104,8 @@ class FusedColwiseParallel(ParallelStyle):
         if not is_traceable_wrapper_subclass(whole):
             return self.share(whole, rank, ranks)
         names, context = whole.__tensor_flatten__()
-        inner = {name: self.share(getattr(whole, name), rank, ranks) for name in names}
+        inner = {name: getattr(whole, name) for name in names}  # the weight, and perhaps a scale it keeps whole
+        inner = {name: self.share(t, rank, ranks) if t.shape == whole.shape else t for name, t in inner.items()}
         first = inner[names[0]]
         return type(whole).__tensor_unflatten__(inner, context, first.shape, first.stride())
 
