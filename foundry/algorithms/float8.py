@@ -97,8 +97,10 @@ class Float8Training(Algorithm):
 
     def apply(self, event: Event, state: State, logger: Logger) -> None:
         if event == Event.FIT_START:
-            if self._precomputes_scales(state):  # else the first step (and a resumed run's) scales each shard
-                self._precompute_scales(state)  # alone: under tensor parallelism, each rank its own part
+            if self._precomputes_scales(state):
+                # before the first step too (a resumed run's as well): without a precomputed scale torchao takes
+                # the amax over FSDP's ranks only, so under tensor parallelism each rank would scale its own part
+                self._precompute_scales(state)
             if not is_compiled(state.model):
                 log.warning(
                     "%s runs without torch.compile: each float8 cast (an amax reduction, then a scaled copy) runs "
