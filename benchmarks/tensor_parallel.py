@@ -15,7 +15,8 @@ both, one microbatch at a time, each GPU computing half of every block's linears
 Rows (``--rows`` picks; each is skipped when the time left in ``--budget-s`` is below its estimate):
 ``fsdp-8k``, ``tp2-8k``, ``fsdp-16k``, ``tp2-16k`` (TP2 with sequence parallelism, the default), then
 ``tp2-8k-no-sp`` (``parallelism.sequence_parallel=false``); opt-in: ``tp2-8k-meta`` (the YAML's meta-device
-init) and ``tp2-8k-lora`` (LoRA r 16 on every block linear). Per row: tokens/s per GPU, MFU (LLM Foundry's
+init), ``tp2-8k-lora`` (LoRA r 16 on every block linear), ``fsdp-8k-float8`` and ``tp2-8k-float8`` (tensorwise
+float8 on the middle blocks' linears). Per row: tokens/s per GPU, MFU (LLM Foundry's
 formula, docs/MODELS.md, over the GPU's dense bf16 peak), peak allocated memory and seconds a step over the steps
 after ``WARMUP_STEPS``. The table is printed and written after every row: a call cut off keeps the rows that ran.
 """
@@ -49,6 +50,7 @@ from foundry.distributed import broadcast_object, get_rank, get_world_size, init
 LLAMA_8B = "yamls/pretrain/llama-8b.yaml"
 SEQUENCES_PER_STEP = 2  # the global batch of every row
 STEPS, WARMUP_STEPS = 12, 4
+FLOAT8 = "algorithms.float8={recipe: tensorwise}"
 # name -> (tokens a sequence, tensor-parallel degree, overrides, estimated seconds on 2 H200s with setup)
 ROWS: dict[str, tuple[int, int, list[str], int]] = {
     "fsdp-8k": (8192, 1, [], 75),
@@ -60,9 +62,13 @@ ROWS: dict[str, tuple[int, int, list[str], int]] = {
     # sends them), and LoRA on every block linear
     "tp2-8k-meta": (8192, 2, ["model.init_device=meta"], 200),
     "tp2-8k-lora": (8192, 2, [LORA_ALL_LINEAR], 90),
+    # opt-in: tensorwise float8 (its shards all-gathered in float8) under FSDP2 alone and under TP2
+    "fsdp-8k-float8": (8192, 1, [FLOAT8], 90),
+    "tp2-8k-float8": (8192, 2, [FLOAT8], 100),
 }
-OPT_IN_ROWS = ("tp2-8k-meta", "tp2-8k-lora")
-SMOKE_MODEL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.kv_n_heads=2", "model.vocab_size=512"]
+OPT_IN_ROWS = ("tp2-8k-meta", "tp2-8k-lora", "fsdp-8k-float8", "tp2-8k-float8")
+# three blocks: float8 keeps the first and last in bf16, and converts the middle one
+SMOKE_MODEL = ["model.d_model=64", "model.n_layers=3", "model.n_heads=4", "model.kv_n_heads=2", "model.vocab_size=512"]
 
 
 def rank_batches(seq_len: int, vocab_size: int, tensor_parallel_degree: int) -> list[dict[str, torch.Tensor]]:
