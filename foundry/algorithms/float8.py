@@ -205,6 +205,9 @@ class BlockwiseFloat8Linear(nn.Linear):
     Converted in place (the class changes, as FSDP2's ``fully_shard`` does), so the weight and the model's init
     hints stay; torchao's prototype ``Float8BlockwiseLinear`` refuses to be built off a Hopper GPU and keeps neither.
     Under autocast the inputs are cast to its dtype first, as ``F.linear``'s are; a bias is added after the GEMM.
+    The weight gradient's GEMM contracts over the tokens in 128-token tiles, so a microbatch whose token count is no
+    multiple of 128 (a finetuning batch padded to its longest row) gets zero rows to the next one, whose outputs
+    are dropped and whose gradients are zero.
     """
 
     blockwise_mm: type  # torchao's autograd function, set by the first convert (torchao is an optional extra)
@@ -223,7 +226,12 @@ class BlockwiseFloat8Linear(nn.Linear):
         if autocast:
             autocast_dtype = torch.get_autocast_dtype(x.device.type)
             x, weight = x.to(autocast_dtype), weight.to(autocast_dtype)
-        out = self.blockwise_mm.apply(x.contiguous(), weight, BLOCK, torch.bfloat16, False)  # cuBLAS's GEMMs
+        rows = x.reshape(-1, x.shape[-1])
+        missing = -rows.shape[0] % BLOCK
+        if missing:
+            rows = torch.cat([rows, rows.new_zeros(missing, rows.shape[1])])
+        out = self.blockwise_mm.apply(rows.contiguous(), weight, BLOCK, torch.bfloat16, False)  # cuBLAS's GEMMs
+        out = out[: out.shape[0] - missing].reshape(*x.shape[:-1], out.shape[-1])
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out if autocast else out.to(dtype)

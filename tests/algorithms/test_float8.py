@@ -190,6 +190,40 @@ def test_blockwise_conversion_keeps_each_layers_weight_and_changes_only_its_forw
     assert model.state_dict().keys() == plain.state_dict().keys()  # checkpoints are unchanged
 
 
+class TileCheckingMatmul(torch.autograd.Function):
+    """``fp8_blockwise_mm``'s contract without its GPU kernels: ``x @ weight.T`` of 2-D rows, refusing a token
+    count that is no multiple of 128 (torchao's backward asserts it when it tiles the weight gradient's GEMM)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, block_size, out_dtype, use_triton):  # type: ignore[no-untyped-def]
+        assert x.dim() == 2 and x.shape[0] % block_size == 0, tuple(x.shape)
+        ctx.save_for_backward(x, weight)
+        return x @ weight.T
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[no-untyped-def]
+        x, weight = ctx.saved_tensors
+        return grad_output @ weight, grad_output.T @ x, None, None, None
+
+
+@pytest.mark.parametrize("tokens", [100, 256])
+def test_blockwise_pads_a_microbatch_to_whole_128_token_tiles(monkeypatch, tokens) -> None:
+    pytest.importorskip("torchao")
+    layer = torch.nn.Linear(128, 256)
+    plain = torch.nn.Linear(128, 256)
+    plain.load_state_dict(layer.state_dict())
+    BlockwiseFloat8Linear.convert(layer)
+    monkeypatch.setattr(BlockwiseFloat8Linear, "blockwise_mm", TileCheckingMatmul)
+    x = torch.randn(2, tokens // 2, 128, requires_grad=True)
+    outputs = [module(x) for module in (layer, plain)]
+    grads = [
+        torch.autograd.grad(out.square().sum(), (x, module.weight)) for out, module in zip(outputs, (layer, plain))
+    ]
+    torch.testing.assert_close(outputs[0], outputs[1])
+    for padded, exact in zip(*grads):
+        torch.testing.assert_close(padded, exact)
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 def test_converted_layers_initialise_as_the_plain_model_does(recipe) -> None:
     """A meta-device model is converted before init_weights: the init hints of its layers must survive."""
