@@ -211,7 +211,6 @@ class BlockwiseFloat8Linear(nn.Linear):
     """
 
     blockwise_mm: type  # torchao's autograd function, set by the first convert (torchao is an optional extra)
-    takes_dtensors = False  # its GEMMs take whole tensors: apply_tensor_parallel refuses to split it
 
     @classmethod
     def convert(cls, linear: nn.Linear) -> None:

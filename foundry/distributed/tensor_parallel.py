@@ -24,13 +24,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
@@ -244,19 +238,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             f"parallelism.tensor_parallel_degree is {degree} but {type(model).__name__} declares no tensor-"
             "parallel plan (mpt_causal_lm and llama_causal_lm do). Set the degree to 1."
         )
+    from foundry.algorithms.float8 import BlockwiseFloat8Linear, blockwise_tensor_parallel_refusal  # no cycle here
+
     for name, style in plan.items():
         module = model.get_submodule(name)
-        if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not getattr(module, "takes_dtensors", True):
-            raise ConfigError(
-                f"parallelism.tensor_parallel_degree is {degree}, which splits {name}'s weight into DTensors, but "
-                f"it is a {type(module).__name__} (algorithms.float8's blockwise recipe), whose GEMMs take whole "
-                "tensors. Use recipe: rowwise or tensorwise, which split with the layers, or set "
-                "tensor_parallel_degree: 1."
-            )
+        if isinstance(module, BlockwiseFloat8Linear):  # a Python Trainer's; the YAML's is refused before any rank
+            raise blockwise_tensor_parallel_refusal(degree)
         if isinstance(style, SequenceParallel) and not getattr(module, "takes_dtensors", True):
             raise ConfigError(
                 f"parallelism.tensor_parallel_degree is {degree} with parallelism.sequence_parallel, which runs "
-                f"{name} on DTensors, but it is a {type(model.get_submodule(name)).__name__} (algorithms."
+                f"{name} on DTensors, but it is a {type(module).__name__} (algorithms."
                 "fused_kernels' Triton norm), which does not take them yet. Remove fused_kernels (or switch its "
                 "rmsnorm and layernorm off), or set parallelism.sequence_parallel: false."
             )
