@@ -191,12 +191,14 @@ def convert_to_float8(model: nn.Module, names: list[str], recipe: str, fsdp_floa
     return converted
 
 
+BLOCKWISE_UNDER_TP = (
+    f"{_KEY}.recipe: blockwise, whose GEMMs (torchao's) take whole tensors, not the split weights (DTensors) tensor "
+    "parallelism gives the layers. Use recipe: rowwise or tensorwise, which split with them, or set the degree to 1."
+)
+
+
 def blockwise_tensor_parallel_refusal(degree: int) -> ConfigError:
-    return ConfigError(
-        f"'parallelism.tensor_parallel_degree' is {degree} with {_KEY}.recipe: blockwise, whose GEMMs (torchao's) "
-        "take whole tensors, not the split weights (DTensors) tensor parallelism gives the layers. Use recipe: "
-        "rowwise or tensorwise, which split with them, or set the degree to 1."
-    )
+    return ConfigError(f"'parallelism.tensor_parallel_degree' is {degree} with {BLOCKWISE_UNDER_TP}")
 
 
 class BlockwiseFloat8Linear(nn.Linear):
@@ -211,6 +213,7 @@ class BlockwiseFloat8Linear(nn.Linear):
     """
 
     blockwise_mm: type  # torchao's autograd function, set by the first convert (torchao is an optional extra)
+    tensor_parallel_refusal = BLOCKWISE_UNDER_TP  # apply_tensor_parallel says it for a Python Trainer's model
 
     @classmethod
     def convert(cls, linear: nn.Linear) -> None:

@@ -238,12 +238,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             f"parallelism.tensor_parallel_degree is {degree} but {type(model).__name__} declares no tensor-"
             "parallel plan (mpt_causal_lm and llama_causal_lm do). Set the degree to 1."
         )
-    from foundry.algorithms.float8 import BlockwiseFloat8Linear, blockwise_tensor_parallel_refusal  # no cycle here
-
     for name, style in plan.items():
         module = model.get_submodule(name)
-        if isinstance(module, BlockwiseFloat8Linear):  # a Python Trainer's; the YAML's is refused before any rank
-            raise blockwise_tensor_parallel_refusal(degree)
+        if (refusal := getattr(module, "tensor_parallel_refusal", None)) is not None:  # a layer TP cannot split
+            raise ConfigError(f"'parallelism.tensor_parallel_degree' is {degree} with {refusal}")
         if isinstance(style, SequenceParallel) and not getattr(module, "takes_dtensors", True):
             raise ConfigError(
                 f"parallelism.tensor_parallel_degree is {degree} with parallelism.sequence_parallel, which runs "
